@@ -1,0 +1,72 @@
+"""Developer sessions: tests, thorough, lint, types, docs, bench, demo.
+
+torch is pinned first in every session that needs it: a bare ``torch`` requirement pulls a
+multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "types", "tests"]
+
+PYPROJECT = nox.project.load_toml("pyproject.toml")
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *groups: str, torch: bool = False) -> None:
+    if torch:
+        session.install(TORCH)
+    deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
+    session.install("-e", ".", *deps)
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The CI suite: every test, at least 500 Hypothesis examples per state machine."""
+    _install(session, "test", torch=True)
+    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
+                env={"HYPOTHESIS_PROFILE": "ci"})
+
+
+@nox.session(python="3.11")
+def thorough(session: nox.Session) -> None:
+    """The suite with many more Hypothesis examples and crash trials."""
+    _install(session, "test", torch=True)
+    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
+                env={"HYPOTHESIS_PROFILE": "thorough", "TRIO_RL_THOROUGH": "1"})
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    _install(session, "lint")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "src")
+
+
+@nox.session(python="3.11")
+def types(session: nox.Session) -> None:
+    _install(session, "types", "test", torch=True)
+    session.run("mypy")
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    _install(session, "docs")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Every benchmark, each printing its side-by-side figures."""
+    _install(session, "test", torch=True)
+    session.run("python", "benchmarks/run_all.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job on its embedded default: a simulated rollout run."""
+    _install(session)
+    session.run("trio-rl", "run", *session.posargs)

@@ -1,0 +1,11 @@
+"""The wire format: micro-batch records and their byte-exact MessagePack encoding.
+
+Imports nothing of ours: the wire format knows nothing of scheduling.
+"""
+
+from ._records import MicroBatch as MicroBatch
+from ._records import MMImageRef as MMImageRef
+from ._records import MMRefs as MMRefs
+from ._records import PayloadSegment as PayloadSegment
+from ._records import RoutedExperts as RoutedExperts
+from ._records import SamplingMask as SamplingMask

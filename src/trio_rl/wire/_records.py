@@ -1,0 +1,91 @@
+"""The records of the wire format (SPEC 4.3). Field order here *is* the wire order."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = [
+    "MMImageRef",
+    "MMRefs",
+    "MicroBatch",
+    "PayloadSegment",
+    "RoutedExperts",
+    "SamplingMask",
+]
+
+
+@attrs.define(slots=True)
+class RoutedExperts:
+    """Router replay: raw little-endian bytes of a C-contiguous ``[seq, layers, topk]`` array."""
+
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+@attrs.define(slots=True)
+class MMImageRef:
+    url: str
+    offset: int
+    length: int
+
+
+@attrs.define(slots=True)
+class MMRefs:
+    images: list[MMImageRef]
+
+
+@attrs.define(slots=True)
+class SamplingMask:
+    """Top-p/top-k replay: flat int32 token ids and an int32 count per position (0 = none)."""
+
+    ids: bytes
+    counts: bytes
+
+
+@attrs.define(slots=True)
+class PayloadSegment:
+    """A by-handle run of rows of a per-token side array stored in a payload file.
+
+    ``rows`` rows of ``shape``-shaped ``dtype`` elements start at byte ``offset`` of ``file``
+    and belong to token positions ``pos .. pos + rows - 1`` of the sequence that carries the
+    segment.
+    """
+
+    field: str
+    file: str
+    offset: int
+    pos: int
+    rows: int
+    dtype: str
+    shape: list[int]
+
+
+@attrs.define(slots=True)
+class MicroBatch:
+    """One packed micro-batch: the 20 fields of SPEC 4.3, in wire order."""
+
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    position_ids: list[int]
+    sequence_lengths: list[int]
+    temperatures: list[float]
+    env_names: list[str]
+    seq_lens: list[int]
+    ref_logprobs: list[float] | None = None
+    routed_experts: RoutedExperts | None = None
+    mm_refs: MMRefs | None = None
+    mm_token_type_ids: list[int] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+    sampling_mask: SamplingMask | None = None
+    trace_ids: list[str] | None = None
+    branch_indices: list[int] | None = None
+    payload: list[PayloadSegment] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)

@@ -1,0 +1,28 @@
+"""Shared test configuration: Hypothesis profiles.
+
+``ci`` (the nox ``tests`` session) runs 500 examples per property and state machine,
+``thorough`` many more; a bare ``pytest`` uses the quicker ``dev`` profile.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_common = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "print_blob": True,
+}
+settings.register_profile("dev", max_examples=60, **_common)
+settings.register_profile("ci", max_examples=500, derandomize=True, **_common)
+settings.register_profile("thorough", max_examples=5000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+THOROUGH = bool(os.environ.get("TRIO_RL_THOROUGH"))
+
+
+def scaled(n: int) -> int:
+    """An example or trial count for an expensive test: ``n`` normally, 10x when thorough."""
+    return n * 10 if THOROUGH else n
