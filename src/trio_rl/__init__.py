@@ -6,6 +6,7 @@ The public facade: re-exports the API; defines nothing.
 from .samples import Group as Group
 from .samples import PolicyVersion as PolicyVersion
 from .samples import Prompt as Prompt
+from .samples import ResumedGroup as ResumedGroup
 from .samples import Sample as Sample
 from .samples import SampleStatus as SampleStatus
 from .samples import new_group_id as new_group_id

@@ -20,6 +20,7 @@ __all__ = [
     "Group",
     "PolicyVersion",
     "Prompt",
+    "ResumedGroup",
     "Sample",
     "SampleStatus",
     "new_group_id",
@@ -162,3 +163,24 @@ class Group:
     @property
     def has_aborted(self) -> bool:
         return any(s.status is SampleStatus.ABORTED for s in self.samples)
+
+
+@attrs.define(slots=True, eq=False)
+class ResumedGroup:
+    """An open group restored from a checkpoint.
+
+    It continues with the same ``group_id``, prompt and ``policy_version_at_start``; the members
+    in ``arrived`` are kept and only the ``missing`` ones are generated. Drivers schedule resumed
+    groups before any new prompt. A resumed group with nothing missing dispatches nothing: it is
+    complete as it stands and is scored exactly once with exactly its members.
+    """
+
+    group_id: str
+    prompt: Prompt
+    group_size: int
+    arrived: list[Sample] = attrs.field(factory=list)
+    policy_version_at_start: PolicyVersion = 0
+
+    @property
+    def missing(self) -> int:
+        return max(0, self.group_size - len(self.arrived))
