@@ -1,1 +1,30 @@
-"""publish layer."""
+"""The publication layer: packing, and the publisher that finalizes batches off the event loop.
+
+Every CPU-heavy step of shipping a batch (pruning after selection, packing, metrics, encoding,
+file and checkpoint writes, memory release) runs in worker threads through one shared
+`trio.CapacityLimiter`; the event loop only detaches, snapshots and books.
+"""
+
+from ._errors import MonitorTimeoutError as MonitorTimeoutError
+from ._errors import PublishClosedError as PublishClosedError
+from ._errors import PublishError as PublishError
+from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
+from ._metrics import AttemptStats as AttemptStats
+from ._metrics import CohortStats as CohortStats
+from ._metrics import Distribution as Distribution
+from ._metrics import ShipRecord as ShipRecord
+from ._metrics import ShipTimings as ShipTimings
+from ._metrics import attempt_stats as attempt_stats
+from ._metrics import cohort_stats as cohort_stats
+from ._publisher import BatchSource as BatchSource
+from ._publisher import Checkpointer as Checkpointer
+from ._publisher import Encoder as Encoder
+from ._publisher import Monitor as Monitor
+from ._publisher import Packer as Packer
+from ._publisher import Publisher as Publisher
+from ._publisher import Shipment as Shipment
+from ._publisher import SinkCheckpointer as SinkCheckpointer
+from ._publisher import open_publisher as open_publisher
+from ._release import DeferredRelease as DeferredRelease
+from ._release import malloc_trim as malloc_trim
+from ._release import release_containers as release_containers

@@ -1,1 +1,45 @@
-"""rollout layer."""
+"""Rollout layer: data sources, credits and submission policies, the group runner, drivers."""
+
+from ._async import AsyncDriverStatistics as AsyncDriverStatistics
+from ._async import AsyncRolloutDriver as AsyncRolloutDriver
+from ._async import FailurePolicy as FailurePolicy
+from ._async import UnusedPolicy as UnusedPolicy
+from ._async import open_async_rollout as open_async_rollout
+from ._credits import CreditEvent as CreditEvent
+from ._credits import CreditLedger as CreditLedger
+from ._credits import CreditScheduler as CreditScheduler
+from ._credits import CreditView as CreditView
+from ._credits import GroupDone as GroupDone
+from ._credits import GroupGranularity as GroupGranularity
+from ._credits import GroupOutcome as GroupOutcome
+from ._credits import GroupStatus as GroupStatus
+from ._credits import Nudge as Nudge
+from ._credits import SampleBackfill as SampleBackfill
+from ._credits import SampleDone as SampleDone
+from ._credits import SchedulerStatistics as SchedulerStatistics
+from ._credits import SubmissionPolicy as SubmissionPolicy
+from ._errors import CreditError as CreditError
+from ._errors import DataSourceError as DataSourceError
+from ._errors import DriverFailed as DriverFailed
+from ._errors import GroupFailed as GroupFailed
+from ._errors import RolloutError as RolloutError
+from ._errors import SourceExhausted as SourceExhausted
+from ._factory import GroupFactory as GroupFactory
+from ._group import GenerateFn as GenerateFn
+from ._group import GroupRewardFn as GroupRewardFn
+from ._group import GroupRunner as GroupRunner
+from ._group import SampleRewardFn as SampleRewardFn
+from ._group import engine_generate as engine_generate
+from ._group import pending_samples as pending_samples
+from ._group import run_group as run_group
+from ._group import run_reporting as run_reporting
+from ._sources import DataSource as DataSource
+from ._sources import InMemorySource as InMemorySource
+from ._sources import JsonlSource as JsonlSource
+from ._sources import prompt_from_dict as prompt_from_dict
+from ._sources import prompt_to_dict as prompt_to_dict
+from ._sync import DynamicFilter as DynamicFilter
+from ._sync import RolloutBatch as RolloutBatch
+from ._sync import SyncBatchStatistics as SyncBatchStatistics
+from ._sync import SyncRolloutDriver as SyncRolloutDriver
+from ._sync import reject_aborted as reject_aborted

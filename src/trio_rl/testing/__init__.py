@@ -1,1 +1,31 @@
-"""testing layer."""
+"""The public testing harness: a scripted adversarial engine, a credit book, and Hypothesis
+properties that check the credit invariants of SPEC section 5 against the library's own
+policies, group runner and drivers, or against yours.
+
+Needs ``hypothesis`` (a test dependency; ``trio_rl`` itself never imports this package).
+"""
+
+from ._engine import Call as Call
+from ._engine import Fate as Fate
+from ._engine import FateKind as FateKind
+from ._engine import ScriptedEngine as ScriptedEngine
+from ._engine import ScriptedFailure as ScriptedFailure
+from ._properties import async_driver_property as async_driver_property
+from ._properties import check_async_driver as check_async_driver
+from ._properties import check_credit_loop as check_credit_loop
+from ._properties import check_sync_driver as check_sync_driver
+from ._properties import credit_loop_property as credit_loop_property
+from ._properties import sync_driver_property as sync_driver_property
+from ._recorder import CreditRecorder as CreditRecorder
+from ._recorder import GroupRecord as GroupRecord
+from ._recorder import RecordingPolicy as RecordingPolicy
+from ._recorder import RecordingRunner as RecordingRunner
+from ._recorder import RunnerLike as RunnerLike
+from ._recorder import SampleRecord as SampleRecord
+from ._recorder import TrackingLedger as TrackingLedger
+from ._report import INVARIANTS as INVARIANTS
+from ._report import InvariantViolation as InvariantViolation
+from ._report import Trace as Trace
+from ._subject import HANG_TIMEOUT as HANG_TIMEOUT
+from ._subject import RolloutSubject as RolloutSubject
+from ._subject import default_generate as default_generate

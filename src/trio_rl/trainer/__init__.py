@@ -1,1 +1,3 @@
 """trainer layer."""
+
+from ._receiver import BatchReceiver as BatchReceiver

@@ -1,0 +1,273 @@
+"""Scheduler benchmarks: slot occupancy by policy, and CPU cost per sample against asyncio.
+
+Part A (virtual time, ``trio.testing.MockClock``): for each straggler distribution of SPEC
+section 6, a :class:`~trio_rl.engines.SimulatedEngine` with 256 decode slots is kept busy by a
+fully-async style loop (G = 8, B = 32 groups, unlimited prompts) under group granularity and under
+sample backfill; slot occupancy and finished groups per simulated hour are printed side by side.
+
+Part B (real CPU time): zero-latency samples (each yields once), G = 8, with 1k / 10k / 100k
+samples in flight (B = N / 8 groups), scheduled by trio-rl's sample backfill
+(``CreditScheduler`` + ``run_reporting``) and by the asyncio reference design
+(``_asyncio_reference.py``) in the same process; ``time.process_time`` per finished sample, with
+the cyclic GC on and off.
+
+Run: ``python benchmarks/bench_scheduler.py`` (``--help`` for bigger or partial runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import itertools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _asyncio_reference as ref
+from trio_rl.engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
+from trio_rl.rollout import (
+    CreditScheduler,
+    GroupFactory,
+    GroupGranularity,
+    GroupRunner,
+    GroupStatus,
+    SampleBackfill,
+    SubmissionPolicy,
+    engine_generate,
+    run_reporting,
+)
+from trio_rl.samples import Prompt, Sample, SampleStatus
+
+G = 8
+
+# --------------------------------------------------------------------------- part A
+
+
+async def _occupancy_run(
+    distribution: str, policy: SubmissionPolicy, *, slots: int, budget: int, hours: float, seed: int
+) -> dict[str, float]:
+    engine = SimulatedEngine(distribution, slots=slots, seed=seed)
+    # Wall-time distributions take their drawn time whatever max_tokens is; a small cap only
+    # keeps their synthetic token lists (30 tok/s x ~25 min) from dominating the run's cost.
+    wall_time = distribution in ("swe", "heavy-tail")
+    params = SamplingParams(max_tokens=1024 if wall_time else 32768)
+    runner = GroupRunner(engine_generate(engine, params))
+    factory = GroupFactory(G, seed=seed)
+    scheduler = CreditScheduler(policy, G)
+    prompt_ids = itertools.count()
+    groups = samples = aborted_groups = 0
+    engine.reset_statistics()
+    with trio.move_on_after(hours * 3600.0):
+        async with trio.open_nursery() as nursery:
+            while True:
+                while scheduler.admits(budget):
+                    i = next(prompt_ids)
+                    group = factory.make(Prompt(key=f"p{i}", tokens=(i, 17, 42)))
+                    scheduler.submitted(group.group_id, credits=G)
+                    nursery.start_soon(run_reporting, runner, group, scheduler)
+                for outcome in await scheduler.wait_for_progress():
+                    if outcome.status is GroupStatus.COMPLETED:
+                        groups += 1
+                        samples += outcome.group.size
+                        aborted_groups += outcome.group.has_aborted
+    scheduler.close()
+    stats = engine.statistics()
+    return {
+        "occupancy": stats.occupancy,
+        "groups_per_hour": groups / hours,
+        "clean_groups_per_hour": (groups - aborted_groups) / hours,
+    }
+
+
+#: Simulated hours per run: long enough for many group lifetimes (swe episodes last ~25 min).
+HORIZON_HOURS = {"long-cot": 2.0, "correlated": 1.0, "swe": 24.0, "heavy-tail": 2.0}
+
+
+def part_a(scale: float, slots: int, budget: int, seed: int) -> list[dict[str, Any]]:
+    print(
+        f"\n== A. slot occupancy and groups per simulated hour "
+        f"({slots} slots, G = {G}, B = {budget} groups, seed {seed})"
+    )
+    header = (
+        f"{'distribution':<12} | {'group: occ':>10} {'groups/h':>9} | "
+        f"{'backfill: occ':>13} {'groups/h':>9} | {'ratio':>6} | {'sim h':>5} | {'wall s':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name in DISTRIBUTIONS:
+        hours = HORIZON_HOURS.get(name, 2.0) * scale
+        t0 = time.perf_counter()
+        results = {}
+        for label, policy in (("group", GroupGranularity()), ("backfill", SampleBackfill())):
+            run = functools.partial(
+                _occupancy_run, name, policy, slots=slots, budget=budget, hours=hours, seed=seed
+            )
+            results[label] = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+        wall = time.perf_counter() - t0
+        g, b = results["group"], results["backfill"]
+        ratio = (
+            b["groups_per_hour"] / g["groups_per_hour"] if g["groups_per_hour"] else float("nan")
+        )
+        print(
+            f"{name:<12} | {g['occupancy']:>10.3f} {g['groups_per_hour']:>9.1f} | "
+            f"{b['occupancy']:>13.3f} {b['groups_per_hour']:>9.1f} | {ratio:>5.2f}x | {hours:>5g} | {wall:>6.1f}"
+        )
+        rows.append(
+            {"distribution": name, "hours": hours, "group": g, "backfill": b, "ratio": ratio}
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- part B
+
+_PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
+
+
+async def _trio_zero_latency(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
+    budget = concurrent // G
+    factory = GroupFactory(G)
+
+    async def generate(sample: Sample) -> None:
+        await trio.lowlevel.checkpoint()
+        sample.status = SampleStatus.COMPLETED
+
+    runner = GroupRunner(generate)
+    scheduler = CreditScheduler(policy, G)
+    finished = 0
+    async with trio.open_nursery() as nursery:
+        while finished < target:
+            while scheduler.admits(budget):
+                group = factory.make(_PROMPT)
+                scheduler.submitted(group.group_id, credits=G)
+                nursery.start_soon(run_reporting, runner, group, scheduler)
+            for outcome in await scheduler.wait_for_progress():
+                if outcome.status is GroupStatus.COMPLETED:
+                    finished += outcome.group.size
+        nursery.cancel_scope.cancel()
+    scheduler.close()
+    return finished
+
+
+async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) -> int:
+    budget = concurrent // G
+    factory = GroupFactory(G)
+
+    async def generate(sample: Sample) -> Sample:
+        await asyncio.sleep(0)
+        sample.status = SampleStatus.COMPLETED
+        return sample
+
+    scheduler: ref.GroupLevelSubmission | ref.SampleBackfillSubmission
+    if granularity == "sample":
+        scheduler = ref.SampleBackfillSubmission(G)
+    else:
+        scheduler = ref.GroupLevelSubmission()
+    return await ref.fully_async_worker(
+        scheduler,
+        lambda: factory.make(_PROMPT).samples,
+        generate,
+        group_budget=budget,
+        target_samples=target,
+    )
+
+
+def _run_asyncio(granularity: str, concurrent: int, target: int) -> int:
+    return asyncio.run(_asyncio_zero_latency(granularity, concurrent, target))
+
+
+def _measure(fn: Callable[[], int], gc_on: bool) -> float:
+    gc.collect()
+    if gc_on:
+        gc.enable()
+    else:
+        gc.disable()
+    try:
+        t0 = time.process_time()
+        finished = fn()
+        cpu = time.process_time() - t0
+    finally:
+        gc.enable()
+    return cpu / finished * 1e6
+
+
+def part_b(
+    sizes: list[int], factor: float, minimum: int, granularities: list[str]
+) -> list[dict[str, Any]]:
+    print(
+        f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
+        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples"
+    )
+    header = (
+        f"{'policy':<8} {'N in flight':>11} | {'trio-rl':>8} {'asyncio':>8} | "
+        f"{'trio-rl nogc':>12} {'asyncio nogc':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for granularity in granularities:
+        policy: SubmissionPolicy = (
+            SampleBackfill() if granularity == "sample" else GroupGranularity()
+        )
+        for n in sizes:
+            target = max(int(factor * n), minimum)
+            row: dict[str, Any] = {"policy": granularity, "n": n}
+            for gc_on in (True, False):
+                suffix = "" if gc_on else "_nogc"
+                row["trio" + suffix] = _measure(
+                    functools.partial(trio.run, _trio_zero_latency, policy, n, target), gc_on
+                )
+                row["asyncio" + suffix] = _measure(
+                    functools.partial(_run_asyncio, granularity, n, target), gc_on
+                )
+            print(
+                f"{granularity:<8} {n:>11,} | {row['trio']:>8.1f} {row['asyncio']:>8.1f} | "
+                f"{row['trio_nogc']:>12.1f} {row['asyncio_nogc']:>12.1f}"
+            )
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the simulated hours of part A"
+    )
+    parser.add_argument("--slots", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=32, help="B, in groups (part A)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sizes", default="1000,10000,100000", help="samples in flight (part B)")
+    parser.add_argument("--factor", type=float, default=2.0, help="finished samples per run / N")
+    parser.add_argument(
+        "--minimum", type=int, default=20000, help="minimum finished samples per run"
+    )
+    parser.add_argument(
+        "--granularity", default="sample", help="comma list of sample,group (part B)"
+    )
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}, trio {trio.__version__}")
+    if args.part in ("a", "all"):
+        part_a(args.scale, args.slots, args.budget, args.seed)
+    if args.part in ("b", "all"):
+        part_b(
+            [int(s) for s in args.sizes.split(",")],
+            args.factor,
+            args.minimum,
+            args.granularity.split(","),
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""A simulated inference engine: decode slots, straggler distributions, virtual time."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import Counter
+
+import attrs
+import trio
+
+from ..samples import PolicyVersion
+from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
+from ._errors import SimulatedEngineFailure
+from ._protocol import Completion, FinishReason, GenerateRequest
+
+__all__ = ["EngineStatistics", "SimulatedEngine"]
+
+
+def _to_distribution(value: str | LatencyDistribution) -> LatencyDistribution:
+    return get_distribution(value) if isinstance(value, str) else value
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"SimulatedEngine.{attribute.name} must be an int >= 1, got {value!r}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"SimulatedEngine.{attribute.name} must be finite and >= 0, got {value!r}")
+
+
+def _rate(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"SimulatedEngine.{attribute.name} must be in [0, 1], got {value!r}")
+
+
+def _seed_of(*parts: object) -> int:
+    # repr of ints/strs/tuples is stable across processes (unlike hash() of str).
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@attrs.frozen
+class EngineStatistics:
+    """A snapshot of a :class:`SimulatedEngine`'s counters.
+
+    ``elapsed`` runs from the first request (or the last :meth:`SimulatedEngine.reset_statistics`)
+    to the snapshot; ``busy_slot_seconds`` integrates the number of occupied decode slots over that
+    time, so ``occupancy = busy_slot_seconds / (slots x elapsed)``. ``in_flight`` counts requests
+    inside ``generate`` (waiting for a slot or decoding); ``decoding`` those holding a slot.
+    """
+
+    slots: int
+    elapsed: float
+    busy_slot_seconds: float
+    requests_started: int
+    requests_done: int
+    requests_failed: int
+    requests_cancelled: int
+    tokens: int
+    in_flight: int
+    decoding: int
+
+    @property
+    def occupancy(self) -> float:
+        """Busy slot-seconds over available slot-seconds (0.0 before any time has passed)."""
+        if self.elapsed <= 0:
+            return 0.0
+        return self.busy_slot_seconds / (self.slots * self.elapsed)
+
+
+@attrs.define(slots=True, eq=False)
+class SimulatedEngine:
+    """An :class:`~trio_rl.engines.Engine` that only sleeps: the default for demos, tests and
+    benchmarks.
+
+    It has ``slots`` decode slots; a request waits (FIFO) for a free slot, then holds it for its
+    decode time: ``tokens x seconds_per_token`` for token distributions (``long-cot``,
+    ``correlated``), or the drawn wall time for ``swe`` and ``heavy-tail``. Under
+    ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time, so a simulated hour
+    takes milliseconds.
+
+    **Determinism.** Each request draws from its own ``random.Random``, seeded from the engine
+    ``seed``, the prompt tokens, the request's identity (``params.seed`` if set, else
+    ``request_id``) and how many times that identity was requested before (so a retry draws
+    afresh). Results therefore do not depend on the order in which tasks happen to run. A request
+    with neither a seed nor a request id falls back to a global arrival counter, which does
+    depend on scheduling order. The ``correlated`` distribution's per-prompt factor is seeded from
+    the engine seed and the prompt tokens only.
+
+    **Faults.** With probability ``hang_rate`` a request holds its slot until cancelled; with
+    probability ``failure_rate`` it raises :class:`SimulatedEngineFailure` part-way through its
+    decode time. ``heavy-tail`` additionally has its own hangs, killed at 3600 s with finish
+    reason ``abort``.
+
+    **Completions** carry synthetic token ids (consecutive integers) and constant logprobs;
+    ``params.max_tokens`` caps the tokens (finish reason ``length``). For wall-time
+    distributions it caps only the reported tokens, not the time. The completion is stamped with
+    the policy version current when the request got its slot.
+
+    **Cancellation**: a cancelled request releases its slot (or its place in the queue) at once
+    and ``Cancelled`` propagates; it counts in ``requests_cancelled``.
+    """
+
+    distribution: LatencyDistribution = attrs.field(
+        default=LogNormalTokens(), converter=_to_distribution
+    )
+    slots: int = attrs.field(default=256, validator=_positive_int)
+    seed: int = 0
+    #: Per-sequence decode time; the default is 30 tokens/s.
+    seconds_per_token: float = attrs.field(default=1.0 / 30.0, validator=_non_negative)
+    failure_rate: float = attrs.field(default=0.0, validator=_rate)
+    hang_rate: float = attrs.field(default=0.0, validator=_rate)
+
+    _semaphore: trio.Semaphore = attrs.field(init=False)
+    _version: PolicyVersion = attrs.field(init=False, default=0)
+    _arrivals: int = attrs.field(init=False, default=0)
+    _attempts: Counter[tuple[object, ...]] = attrs.field(init=False, factory=Counter)
+    _t0: float | None = attrs.field(init=False, default=None)
+    _last_change: float = attrs.field(init=False, default=0.0)
+    _busy_slot_seconds: float = attrs.field(init=False, default=0.0)
+    _decoding: int = attrs.field(init=False, default=0)
+    _in_flight: int = attrs.field(init=False, default=0)
+    _started: int = attrs.field(init=False, default=0)
+    _done: int = attrs.field(init=False, default=0)
+    _failed: int = attrs.field(init=False, default=0)
+    _cancelled: int = attrs.field(init=False, default=0)
+    _tokens: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        self._semaphore = trio.Semaphore(self.slots)
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """The version stamped on completions that get a slot from now on."""
+        return self._version
+
+    def set_policy_version(self, version: PolicyVersion) -> None:
+        """Switch to a new policy version (as after a weight update). Versions never go back."""
+        if version < self._version:
+            raise ValueError(
+                f"policy version must not decrease: current {self._version}, got {version}"
+            )
+        self._version = version
+
+    def reset_statistics(self) -> None:
+        """Start a new measurement window now (counters to zero; requests in flight stay)."""
+        now = trio.current_time()
+        self._t0 = now
+        self._last_change = now
+        self._busy_slot_seconds = 0.0
+        self._started = self._done = self._failed = self._cancelled = self._tokens = 0
+
+    def statistics(self) -> EngineStatistics:
+        """Counters and slot occupancy since the first request or the last reset."""
+        if self._t0 is None:
+            elapsed, busy = 0.0, 0.0
+        else:
+            now = trio.current_time()
+            elapsed = now - self._t0
+            busy = self._busy_slot_seconds + self._decoding * (now - self._last_change)
+        return EngineStatistics(
+            slots=self.slots,
+            elapsed=elapsed,
+            busy_slot_seconds=busy,
+            requests_started=self._started,
+            requests_done=self._done,
+            requests_failed=self._failed,
+            requests_cancelled=self._cancelled,
+            tokens=self._tokens,
+            in_flight=self._in_flight,
+            decoding=self._decoding,
+        )
+
+    def _occupy(self, delta: int) -> None:
+        now = trio.current_time()
+        self._busy_slot_seconds += self._decoding * (now - self._last_change)
+        self._last_change = now
+        self._decoding += delta
+
+    def _rngs(self, request: GenerateRequest) -> tuple[random.Random, random.Random]:
+        prompt_seed = _seed_of(self.seed, "prompt", request.prompt_tokens)
+        identity: object
+        if request.params.seed is not None:
+            identity = ("seed", request.params.seed)
+        elif request.request_id:
+            identity = ("id", request.request_id)
+        else:
+            identity = ("arrival", self._arrivals)
+        self._arrivals += 1
+        key = (prompt_seed, identity)
+        attempt = self._attempts[key]
+        self._attempts[key] = attempt + 1
+        return random.Random(_seed_of(self.seed, key, attempt)), random.Random(prompt_seed)
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Wait for a slot, decode for the drawn time, return the completion.
+
+        Raises :class:`SimulatedEngineFailure` for an injected failure. On cancellation the
+        slot (or the place in the queue) is released and ``Cancelled`` propagates.
+        """
+        if self._t0 is None:
+            self.reset_statistics()
+        rng, prompt_rng = self._rngs(request)
+        draw = self.distribution.draw(rng, prompt_rng)
+        hang = rng.random() < self.hang_rate
+        fail = rng.random() < self.failure_rate
+        fail_at = rng.random()
+        first_token = rng.randrange(1000)
+        logprob = -rng.random()
+
+        max_tokens = request.params.max_tokens
+        finish: FinishReason = draw.finish_reason
+        if draw.tokens is not None:
+            n_tokens = min(draw.tokens, max_tokens)
+            duration = n_tokens * self.seconds_per_token
+            if draw.tokens >= max_tokens and finish == "stop":
+                finish = "length"
+        else:
+            assert draw.seconds is not None
+            duration = draw.seconds
+            spt = self.seconds_per_token
+            natural = round(duration / spt) if spt > 0 else max_tokens
+            n_tokens = max(1, min(max_tokens, natural))
+
+        self._in_flight += 1
+        self._started += 1
+        try:
+            async with self._semaphore:
+                self._occupy(+1)
+                try:
+                    version = self._version
+                    if hang:
+                        await trio.sleep_forever()
+                    if fail:
+                        await trio.sleep(duration * fail_at)
+                        raise SimulatedEngineFailure(
+                            f"injected failure (failure_rate={self.failure_rate}) for request "
+                            f"{request.request_id!r} after {duration * fail_at:.3f}s"
+                        )
+                    await trio.sleep(duration)
+                finally:
+                    self._occupy(-1)
+        except trio.Cancelled:
+            self._cancelled += 1
+            raise
+        except SimulatedEngineFailure:
+            self._failed += 1
+            raise
+        finally:
+            self._in_flight -= 1
+        self._done += 1
+        self._tokens += n_tokens
+        return Completion(
+            tokens=list(range(first_token, first_token + n_tokens)),
+            logprobs=[logprob] * n_tokens,
+            finish_reason=finish,
+            policy_version=version,
+        )

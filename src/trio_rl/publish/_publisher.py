@@ -1,0 +1,412 @@
+"""The publisher: finalizes train batches off the event loop and ships them.
+
+What runs where (SPEC 4.1):
+
+- on the event loop, never across an await: detaching the selected samples from the sink,
+  the policy-wait snapshot, settling the batch with the sink (which books the outcome, reads
+  and resets its metrics window and advances the step), the counter snapshot and the
+  checkpoint snapshot;
+- in worker threads, through one shared `trio.CapacityLimiter`: pruning after selection,
+  packing, the metrics over the shipped cohort, MessagePack encoding, the file writes (pass
+  ``publisher.limiter`` to the `FileBatchSender`), the checkpoint write and the deferred
+  memory release.
+
+Nothing the loop still mutates is handed to a worker: the batch is detached first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
+
+import attrs
+import trio
+
+from ..train import (
+    CheckpointManager,
+    CheckpointSnapshot,
+    DetachedBatch,
+    PruneMode,
+    PruneResult,
+    SinkConfig,
+    SinkCounters,
+    TrainBatch,
+    TrainingSample,
+    TrainSink,
+    prune_detached,
+)
+from ..transport import BatchSender, Payload
+from ..wire import MicroBatch, encode
+from ._errors import MonitorTimeoutError, PublishClosedError, PublishError
+from ._metrics import ShipRecord, ShipTimings, attempt_stats, cohort_stats
+from ._release import Container, DeferredRelease, ReleaseFn, release_containers
+
+__all__ = [
+    "BatchSource",
+    "Checkpointer",
+    "Encoder",
+    "Monitor",
+    "Packer",
+    "Publisher",
+    "Shipment",
+    "SinkCheckpointer",
+    "open_publisher",
+]
+
+T = TypeVar("T")
+SnapshotT = TypeVar("SnapshotT")
+
+#: Packs the shipped samples into one list of micro-batches per data-parallel rank (pure, sync).
+Packer: TypeAlias = Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]
+#: One rank's MessagePack payload for its micro-batches (default `trio_rl.wire.encode`).
+Encoder: TypeAlias = Callable[[Sequence[MicroBatch]], Payload]
+
+
+class BatchSource(Protocol):
+    """The train sink as the publisher uses it (`trio_rl.train.TrainSink` is one).
+
+    Every method is sync and is called on the event loop.
+    """
+
+    @property
+    def config(self) -> SinkConfig: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def counters(self) -> SinkCounters: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def ready(self) -> bool: ...
+
+    def detach_batch(self, *, force: bool = False) -> DetachedBatch: ...
+
+    def settle_batch(
+        self, detached: DetachedBatch, pruned: PruneResult | None = None
+    ) -> TrainBatch: ...
+
+    def requeue_batch(self, detached: DetachedBatch, pruned: PruneResult | None = None) -> None:
+        """Undo a cut that was not shipped: samples back in the queue in arrival order, those in
+        ``pruned.pruned`` booked as pruned; window and step untouched."""
+
+
+class Checkpointer(Protocol[SnapshotT]):
+    """Checkpointing split in two: an owned snapshot on the loop, the write in a worker."""
+
+    def snapshot(self, step: int) -> SnapshotT:
+        """Owned copy of the state right after batch ``step`` was booked. On the event loop."""
+
+    def write(self, snapshot: SnapshotT) -> object:
+        """Serialize and write atomically. In a worker thread."""
+
+
+@attrs.frozen
+class SinkCheckpointer:
+    """A `Checkpointer` over `trio_rl.train.CheckpointManager`: the sink's state, plus the
+    data-source ``cursor`` and ``progress`` read on the loop when the snapshot is taken."""
+
+    manager: CheckpointManager
+    sink: TrainSink
+    cursor: Callable[[], Any] = attrs.field(default=lambda: None)
+    progress: Callable[[], Mapping[str, Any]] = attrs.field(default=dict)
+
+    def snapshot(self, step: int) -> CheckpointSnapshot:
+        return self.manager.snapshot(
+            self.sink, step=step, cursor=self.cursor(), progress=self.progress()
+        )
+
+    def write(self, snapshot: CheckpointSnapshot) -> Path:
+        return self.manager.write(snapshot)
+
+
+@attrs.frozen
+class Shipment:
+    """What a monitor receives per shipped batch: the record and its *own* list of the shipped
+    samples (the publisher's lists are emptied by the deferred release; this one is not)."""
+
+    record: ShipRecord
+    samples: list[TrainingSample]
+
+
+#: A sync callback (called on the loop; keep it short) or a channel (awaited with a deadline).
+Monitor: TypeAlias = "Callable[[Shipment], None] | trio.MemorySendChannel[Shipment]"
+
+
+def _encode_ranks(encode: Encoder, grid: Sequence[Sequence[MicroBatch]]) -> list[Payload]:
+    # Runs in a worker. One rank at a time, checking for cancellation in between; the wire
+    # encoder packs one micro-batch (one field list) per C call, so the loop gets the GIL back
+    # between calls instead of waiting for a whole payload.
+    payloads: list[Payload] = []
+    for rank_batches in grid:
+        trio.from_thread.check_cancelled()
+        payloads.append(encode(rank_batches))
+    return payloads
+
+
+def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> None:
+    if len(grid) != world_size:
+        raise PublishError(
+            f"step {step}: the packer returned {len(grid)} rank lists for a sender of "
+            f"world size {world_size}"
+        )
+    lengths = {len(ranks) for ranks in grid}
+    if len(lengths) > 1:
+        raise PublishError(
+            f"step {step}: ranks got different numbers of micro-batches {sorted(lengths)}; "
+            "every rank must get the same number"
+        )
+
+
+@attrs.define(eq=False)
+class Publisher(Generic[SnapshotT]):
+    """Ships the train sink's batches. Create it with `open_publisher`.
+
+    Publications are serialized (one batch at a time, in step order); `publish` may be called
+    from any task of the publisher's lifetime.
+    """
+
+    _nursery: trio.Nursery
+    sink: BatchSource
+    sender: BatchSender
+    _pack: Packer
+    _encode: Encoder
+    limiter: trio.CapacityLimiter
+    _checkpointer: Checkpointer[SnapshotT] | None
+    _monitor: Monitor | None
+    _release: DeferredRelease
+    send_timeout: float
+    monitor_timeout: float
+    _policy_wait: float = attrs.field(default=0.0, init=False)
+    _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+
+    @property
+    def step(self) -> int:
+        """The step of the next batch (the sink's)."""
+        return self.sink.step
+
+    @property
+    def release(self) -> DeferredRelease:
+        """The deferred memory release (counts of scheduled and completed releases)."""
+        return self._release
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_policy_wait(self, seconds: float) -> None:
+        """Account time spent waiting for the policy (the ship gate). Sync; call on the loop.
+
+        The total is read and reset right after the threaded metrics of the next shipped batch
+        return, so a wait that completes while that batch is being finalized is reported with it.
+        """
+        if not seconds >= 0:
+            raise ValueError(f"policy wait must be >= 0 seconds, got {seconds!r}")
+        self._policy_wait += seconds
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def publish(self, *, force: bool = False) -> ShipRecord | None:
+        """Cut the sink's next batch and ship it; return its record.
+
+        Returns ``None`` without advancing the step when the sink has no batch ready (``force``
+        cuts what there is, for draining), or when pruning after selection left nothing to train
+        (the sink keeps its window for the next batch).
+
+        On cancellation or error before the send completed, the batch goes back to the sink's
+        queue (pruned samples stay booked as pruned) and the step is unchanged; a worker job
+        already running finishes first (workers are never abandoned; encoding stops at its next
+        cancellation check). Once the send completed the batch is shipped: it is booked, the step
+        advances, the checkpoint snapshot is taken and its memory release is scheduled, all
+        before the next checkpoint, so a cancellation during the checkpoint write or the monitor
+        delivery cannot lose or repeat any of that.
+        """
+        if self._closed:
+            raise PublishClosedError("publish() called on a closed publisher")
+        async with self._lock:
+            if self._closed:
+                raise PublishClosedError("publish() called on a closed publisher")
+            if not (self.sink.ready() or (force and self.sink.queued)):
+                return None
+            return await self._ship(self.sink.detach_batch(force=force))
+
+    async def _ship(self, detached: DetachedBatch) -> ShipRecord | None:
+        sink, step = self.sink, detached.step
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        pruned: PruneResult | None = None
+        policy_wait = 0.0
+        settled = False
+        try:
+            if sink.config.prune is PruneMode.AFTER_SELECTION:
+                mark = time.perf_counter()
+                pruned = await self._run(prune_detached, list(detached.samples))
+                timings["prune"] = time.perf_counter() - mark
+                if not pruned.kept:
+                    settled = True
+                    sink.settle_batch(detached, pruned)  # empty: no step, window carried over
+                    return None
+                samples = list(pruned.kept)
+            else:
+                samples = list(detached.samples)
+
+            mark = time.perf_counter()
+            grid = await self._run(self._pack, samples)
+            timings["pack"] = time.perf_counter() - mark
+            _check_grid(grid, self.sender.world_size, step)
+
+            mark = time.perf_counter()
+            effective = await self._run(cohort_stats, samples, step)
+            timings["metrics"] = time.perf_counter() - mark
+            # Read-and-reset with no await since the worker returned: a wait that completed
+            # while the metrics were computed is reported now, a later one next time.
+            policy_wait, self._policy_wait = self._policy_wait, 0.0
+
+            mark = time.perf_counter()
+            payloads = await self._run(_encode_ranks, self._encode, grid)
+            with trio.move_on_after(self.send_timeout) as send_scope:
+                await self.sender.send(step, payloads)
+            if send_scope.cancelled_caught:
+                raise PublishError(
+                    f"step {step}: sending did not finish within {self.send_timeout:g} s"
+                )
+            timings["send"] = time.perf_counter() - mark
+            settled = True
+            batch = sink.settle_batch(detached, pruned)
+        except BaseException:
+            if not settled:
+                self._policy_wait += policy_wait  # not reported: keep it for the next record
+                sink.requeue_batch(detached, pruned)
+            raise
+
+        # Shipped and booked. Everything up to the release scheduling is sync or shielded.
+        assert batch.window is not None
+        all_stats = attempt_stats(batch.window)  # scalars read and reset by the sink
+        counters = attrs.asdict(sink.counters)
+        snapshot = None if self._checkpointer is None else self._checkpointer.snapshot(step)
+        monitor_copy = list(samples)
+        ranks, per_rank = len(grid), len(grid[0]) if grid else 0
+        payload_bytes = sum(len(p) for p in payloads)
+        mark = time.perf_counter()
+        await self._schedule_release([samples, detached.samples, payloads, *grid, grid])
+        timings["release_wait"] = time.perf_counter() - mark
+        del samples, payloads, grid, batch
+
+        mark = time.perf_counter()
+        if self._checkpointer is not None:
+            await self._run(self._checkpointer.write, snapshot)
+        timings["checkpoint"] = time.perf_counter() - mark
+        record = ShipRecord(
+            step=step,
+            all=all_stats,
+            effective=effective,
+            counters=counters,
+            policy_wait=policy_wait,
+            ranks=ranks,
+            micro_batches_per_rank=per_rank,
+            payload_bytes=payload_bytes,
+            timings=ShipTimings(total=time.perf_counter() - started, **timings),
+        )
+        await self._deliver(Shipment(record=record, samples=monitor_copy))
+        return record
+
+    async def _schedule_release(self, containers: list[Container]) -> None:
+        if self._closed:
+            # The nursery may be gone: release here (shielded: it must happen exactly once).
+            await self._release.wait()
+            with trio.CancelScope(shield=True):
+                await self._run(self._release.release, containers)
+            return
+        await self._release.schedule(self._nursery, containers)
+
+    async def _deliver(self, shipment: Shipment) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        if isinstance(monitor, trio.MemorySendChannel):
+            with trio.move_on_after(self.monitor_timeout) as scope:
+                await monitor.send(shipment)
+            if scope.cancelled_caught:
+                raise MonitorTimeoutError(
+                    f"step {shipment.record.step}: the monitor channel did not accept the "
+                    f"record within {self.monitor_timeout:g} s"
+                )
+        else:
+            monitor(shipment)
+
+    async def aclose(self) -> None:
+        """Stop accepting batches and wait for the pending release. Idempotent.
+
+        On cancellation: the wait for the pending release is shielded (with the release
+        deadline inside the shield), so teardown never orphans it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._release.wait()
+        finally:
+            self._nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_publisher(
+    sink: BatchSource,
+    sender: BatchSender,
+    *,
+    pack: Packer,
+    encode: Encoder = encode,
+    limiter: trio.CapacityLimiter | None = None,
+    checkpointer: Checkpointer[SnapshotT] | None = None,
+    monitor: Monitor | None = None,
+    release: ReleaseFn = release_containers,
+    release_timeout: float = 60.0,
+    send_timeout: float = 300.0,
+    monitor_timeout: float = 60.0,
+) -> AsyncIterator[Publisher[SnapshotT]]:
+    """Open a publisher for ``sink``'s batches; it owns a nursery for its deferred releases.
+
+    Args:
+        sink: the train sink; in ``PruneMode.AFTER_SELECTION`` the publisher prunes the
+            detached batch in a worker.
+        sender: where payloads go; its ``world_size`` must match the packer's rank count.
+        pack: samples -> one list of micro-batches per rank (runs in a worker).
+        encode: one rank's MessagePack payload (default `trio_rl.wire.encode`, which packs one
+            micro-batch at a time; runs in a worker).
+        limiter: the one `trio.CapacityLimiter` every worker job borrows from (default: a new
+            limiter of 4 tokens, exposed as ``publisher.limiter`` to share with the sender).
+        checkpointer: snapshot on the loop, write in a worker, once per shipped step.
+        monitor: receives a `Shipment` per shipped batch.
+        release: empties shipped containers and trims the heap (runs in a worker).
+        release_timeout: how long the next ship or the teardown waits for a pending release.
+        send_timeout, monitor_timeout: deadlines of the send and of a channel monitor.
+
+    On exit (or cancellation) the pending release is awaited, shielded, before the nursery
+    closes; a release never outlives the block.
+    """
+    limiter = trio.CapacityLimiter(4) if limiter is None else limiter
+    async with trio.open_nursery() as nursery:
+        publisher: Publisher[SnapshotT] = Publisher(
+            nursery,
+            sink,
+            sender,
+            pack,
+            encode,
+            limiter,
+            checkpointer,
+            monitor,
+            DeferredRelease(limiter, release, release_timeout),
+            send_timeout,
+            monitor_timeout,
+        )
+        try:
+            yield publisher
+        finally:
+            await publisher.aclose()

@@ -1,0 +1,454 @@
+"""The fully-async driver (reference ``FullyAsyncRolloutFn``): a worker keeps engines busy.
+
+:func:`open_async_rollout` is an ``async with`` service: it owns a nursery holding one worker
+task, which owns a nursery holding one task per running group. Finished groups go into a
+bounded buffer; the trainer pulls batches with :meth:`AsyncRolloutDriver.next_batch`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import attrs
+import trio
+
+from ..samples import Group, PolicyVersion, ResumedGroup
+from ._credits import CreditScheduler, GroupStatus, SampleBackfill, SubmissionPolicy
+from ._errors import DriverFailed, GroupFailed, RolloutError, SourceExhausted
+from ._factory import GroupFactory
+from ._group import GroupRunner, pending_samples, run_reporting
+from ._sources import DataSource
+from ._sync import DynamicFilter
+
+__all__ = [
+    "AsyncDriverStatistics",
+    "AsyncRolloutDriver",
+    "FailurePolicy",
+    "UnusedPolicy",
+    "open_async_rollout",
+]
+
+logger = logging.getLogger("trio_rl.rollout")
+
+#: What to do with a stale or aborted group: drop it, or give its prompt back to the source.
+UnusedPolicy = Literal["drop", "recycle"]
+
+
+@attrs.frozen
+class FailurePolicy:
+    """What the worker does when a group fails.
+
+    ``"skip"``: log and count it, start a new prompt instead. ``"retry"``: reset its samples
+    (keeping indices, seeds and routing keys) and run the same group again, up to
+    ``max_retries`` times, then skip it. ``"fail"``: stop the driver; the consumer's next
+    :meth:`~AsyncRolloutDriver.next_batch` raises :class:`DriverFailed`.
+    """
+
+    action: Literal["skip", "retry", "fail"] = "skip"
+    max_retries: int = attrs.field(default=1)
+
+    @max_retries.validator
+    def _check(self, attribute: attrs.Attribute[int], value: int) -> None:
+        if value < 0:
+            raise ValueError(f"max_retries must be >= 0, got {value}")
+
+
+@attrs.frozen
+class AsyncDriverStatistics:
+    """Counters of a fully-async driver since it opened (a snapshot).
+
+    ``submitted`` counts group starts (retries included); ``buffered`` is the buffer's
+    current size; ``consumed`` groups were handed to the consumer. ``max_staleness`` and
+    ``mean_staleness`` are over consumed groups.
+    """
+
+    policy_version: PolicyVersion
+    paused: bool
+    submitted: int
+    completed: int
+    in_flight_groups: int
+    in_flight_samples: int
+    buffered: int
+    consumed: int
+    failed: int
+    retried: int
+    aborted_dropped: int
+    aborted_recycled: int
+    stale_dropped: int
+    stale_recycled: int
+    filtered: Mapping[str, int]
+    max_staleness: int
+    mean_staleness: float
+
+
+class _Signal:
+    """A repeatable wake-up: :meth:`fire` wakes every current waiter; nothing is latched."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class AsyncRolloutDriver:
+    """The handle :func:`open_async_rollout` yields. Create it through that function."""
+
+    def __init__(
+        self,
+        source: DataSource,
+        factory: GroupFactory,
+        runner: GroupRunner,
+        *,
+        batch_size: int,
+        policy: SubmissionPolicy,
+        max_groups_in_flight: int,
+        buffer_capacity: int,
+        max_staleness: int | None,
+        stale: UnusedPolicy,
+        aborted: UnusedPolicy,
+        on_failure: FailurePolicy,
+        dynamic_filter: DynamicFilter | None,
+        policy_version: PolicyVersion,
+    ) -> None:
+        self.source = source
+        self.factory = factory
+        self.runner = runner
+        self.batch_size = batch_size
+        self.max_groups_in_flight = max_groups_in_flight
+        self.buffer_capacity = buffer_capacity
+        self.max_staleness = max_staleness
+        self.stale = stale
+        self.aborted = aborted
+        self.on_failure = on_failure
+        self.dynamic_filter = dynamic_filter
+        #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
+        self.scheduler = CreditScheduler(policy, factory.group_size)
+        self._version = policy_version
+        self._queued: deque[Group] = deque()  # resumed and retried groups, before new prompts
+        self._buffer: deque[Group] = deque()
+        self._changed = _Signal()  # buffer, failure, dryness or close changed (consumer side)
+        self._space = _Signal()  # buffer space freed (worker side)
+        self._pauses = 0
+        self._dry = False
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._retries: dict[str, int] = {}
+        self._submitted = self._completed = self._consumed = self._failed = self._retried = 0
+        self._aborted_dropped = self._aborted_recycled = 0
+        self._stale_dropped = self._stale_recycled = 0
+        self._filtered: Counter[str] = Counter()
+        self._max_staleness = 0
+        self._staleness_total = 0
+
+    # -- consumer side ------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self._version
+
+    def set_policy_version(self, version: PolicyVersion) -> None:
+        """Record a new policy version (after a weight update). Versions never go backwards:
+        a smaller version raises ``ValueError``. New groups open at this version and staleness
+        is judged against it."""
+        if version < self._version:
+            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        self._version = version
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pauses > 0
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Stop new submissions while the block runs (evaluation, weight update).
+
+        Groups already running go on and finished groups are still buffered. Pauses nest;
+        submission resumes when the last one exits (also on error or cancellation).
+        """
+        self._pauses += 1
+        try:
+            yield
+        finally:
+            self._pauses -= 1
+            if not self._closed and self._pauses == 0:
+                self.scheduler.nudge("resume")
+
+    def resume(self, groups: Iterable[ResumedGroup]) -> None:
+        """Queue resumed groups; the worker starts them before any new prompt."""
+        self._queued.extend(self.factory.resume(g) for g in groups)
+        if not self._closed:
+            self.scheduler.nudge("resumed groups")
+
+    async def next_batch(
+        self, batch_size: int | None = None, *, allow_partial: bool = False
+    ) -> list[Group]:
+        """Take ``batch_size`` (default: the driver's) groups, sorted by first sample index.
+
+        Staleness is judged here, as each group is taken: a group whose staleness exceeds
+        ``max_staleness`` is dropped or recycled (and another is waited for). Waits while the
+        buffer is empty. Raises :class:`DriverFailed` (with the worker's error as cause) if
+        the worker failed, even when groups are buffered. When the source is exhausted and
+        nothing is running, raises :class:`SourceExhausted`, or with ``allow_partial`` returns
+        the groups taken so far (if any).
+
+        On cancellation, groups already taken by this call go back to the front of the buffer.
+        """
+        size = self.batch_size if batch_size is None else batch_size
+        if size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {size}")
+        batch: list[Group] = []
+        try:
+            while len(batch) < size:
+                group = await self._take()
+                if group is None:
+                    if allow_partial and batch:
+                        break
+                    raise SourceExhausted(
+                        f"data source exhausted with {len(batch)} of {size} groups available"
+                    )
+                if self._judge_staleness(group):
+                    batch.append(group)
+        except BaseException:
+            self._buffer.extendleft(reversed(batch))
+            raise
+        self._consumed += len(batch)
+        for group in batch:
+            staleness = group.staleness(self._version)
+            self._staleness_total += staleness
+            self._max_staleness = max(self._max_staleness, staleness)
+        batch.sort(key=lambda g: g.first_index)
+        return batch
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise DriverFailed(f"rollout worker failed: {self._failure!r}") from self._failure
+        if self._closed:
+            raise RolloutError("the rollout driver is closed")
+
+    async def _take(self) -> Group | None:
+        while True:
+            self._raise_if_failed()
+            if self._buffer:
+                group = self._buffer.popleft()
+                self._space.fire()
+                return group
+            if self._dry:
+                return None
+            await self._changed.wait()
+
+    def _judge_staleness(self, group: Group) -> bool:
+        if self.max_staleness is None or group.staleness(self._version) <= self.max_staleness:
+            return True
+        if self.stale == "recycle":
+            self._stale_recycled += 1
+            self._recycle(group)
+        else:
+            self._stale_dropped += 1
+        return False
+
+    def _recycle(self, group: Group) -> None:
+        self.source.recycle(group.prompt)
+        self._dry = False
+        if not self._closed:
+            self.scheduler.nudge("recycled")
+
+    def statistics(self) -> AsyncDriverStatistics:
+        ledger = self.scheduler.ledger
+        return AsyncDriverStatistics(
+            policy_version=self._version,
+            paused=self.is_paused,
+            submitted=self._submitted,
+            completed=self._completed,
+            in_flight_groups=ledger.pending_groups,
+            in_flight_samples=ledger.in_flight,
+            buffered=len(self._buffer),
+            consumed=self._consumed,
+            failed=self._failed,
+            retried=self._retried,
+            aborted_dropped=self._aborted_dropped,
+            aborted_recycled=self._aborted_recycled,
+            stale_dropped=self._stale_dropped,
+            stale_recycled=self._stale_recycled,
+            filtered=dict(self._filtered),
+            max_staleness=self._max_staleness,
+            mean_staleness=self._staleness_total / self._consumed if self._consumed else 0.0,
+        )
+
+    # -- worker side --------------------------------------------------------------------
+
+    def _next_group(self) -> Group | None:
+        if self._queued:
+            return self._queued.popleft()
+        try:
+            prompt = self.source.take()
+        except SourceExhausted:
+            return None
+        return self.factory.make(prompt, self._version)
+
+    async def _run(self) -> None:
+        """The worker; records its failure for the consumer instead of raising."""
+        try:
+            async with trio.open_nursery() as groups:
+                await self._work(groups)
+        except Exception as exc:
+            self._failure = _first_real(exc)
+            logger.error("rollout worker failed", exc_info=self._failure)
+        finally:
+            self._changed.fire()
+
+    async def _work(self, groups: trio.Nursery) -> None:
+        scheduler = self.scheduler
+        while True:
+            budget = self.max_groups_in_flight
+            while not self.is_paused and scheduler.admits(budget):
+                group = self._next_group()
+                if group is None:
+                    break
+                scheduler.submitted(group.group_id, pending_samples(group))
+                self._submitted += 1
+                groups.start_soon(run_reporting, self.runner, group, scheduler)
+            dry = (
+                scheduler.ledger.pending_groups == 0
+                and not self._queued
+                and self.source.exhausted
+                and not self.is_paused
+            )
+            if dry != self._dry:
+                self._dry = dry
+                self._changed.fire()
+            for outcome in await scheduler.wait_for_progress():
+                group = outcome.group
+                if outcome.status is GroupStatus.FAILED:
+                    assert outcome.error is not None
+                    self._handle_failure(group, outcome.error)
+                    continue
+                self._completed += 1
+                if group.has_aborted:
+                    if self.aborted == "recycle":
+                        self._aborted_recycled += 1
+                        self._recycle(group)
+                    else:
+                        self._aborted_dropped += 1
+                    continue
+                reason = self.dynamic_filter(group) if self.dynamic_filter else None
+                if reason is not None:
+                    self._filtered[reason] += 1
+                    continue
+                # backpressure: while the buffer is full nothing new is submitted
+                while len(self._buffer) >= self.buffer_capacity:
+                    await self._space.wait()
+                self._buffer.append(group)
+                self._changed.fire()
+
+    def _handle_failure(self, group: Group, error: GroupFailed) -> None:
+        action = self.on_failure.action
+        if action == "fail":
+            raise error
+        tries = self._retries.get(group.group_id, 0)
+        if action == "retry" and tries < self.on_failure.max_retries:
+            self._retries[group.group_id] = tries + 1
+            self._retried += 1
+            for sample in group.samples:
+                sample.reset_for_retry()
+            self._queued.appendleft(group)
+            logger.warning("rollout group %s failed; retry %d", group.group_id, tries + 1)
+            return
+        self._retries.pop(group.group_id, None)
+        self._failed += 1
+        logger.error("rollout group %s failed; skipping it", group.group_id, exc_info=error)
+
+
+def _first_real(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group that is not a cancellation (or ``exc`` itself)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for leaf in exc.exceptions:
+            found = _first_real(leaf)
+            if not isinstance(found, trio.Cancelled):
+                return found
+    return exc
+
+
+@asynccontextmanager
+async def open_async_rollout(
+    source: DataSource,
+    factory: GroupFactory,
+    runner: GroupRunner,
+    *,
+    batch_size: int,
+    policy: SubmissionPolicy | None = None,
+    max_groups_in_flight: int | None = None,
+    max_samples_in_flight: int | None = None,
+    buffer_capacity: int | None = None,
+    max_staleness: int | None = None,
+    stale: UnusedPolicy = "drop",
+    aborted: UnusedPolicy = "recycle",
+    on_failure: FailurePolicy | None = None,
+    dynamic_filter: DynamicFilter | None = None,
+    resumed: Iterable[ResumedGroup] = (),
+    policy_version: PolicyVersion = 0,
+) -> AsyncIterator[AsyncRolloutDriver]:
+    """Run a fully-async rollout worker for the duration of the block.
+
+    The worker keeps up to ``B`` groups' worth of work running under ``policy`` (default
+    :class:`SampleBackfill`): ``B`` is ``max_groups_in_flight``, or ``max(1,
+    max_samples_in_flight // G)``, or ``batch_size``. Finished groups are filtered (aborted
+    ones dropped or recycled per ``aborted``; ``dynamic_filter`` drops by reason) and put
+    into a buffer of ``buffer_capacity`` groups (default ``2 x batch_size``); when it is full,
+    production pauses. ``resumed`` groups start before any new prompt.
+
+    Leaving the block cancels every running group and the worker, and waits for them: no
+    task outlives it. Groups still buffered are discarded; save state first if needed.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_groups_in_flight is None:
+        if max_samples_in_flight is not None:
+            if max_samples_in_flight < factory.group_size:
+                raise ValueError(
+                    f"max_samples_in_flight ({max_samples_in_flight}) is below the group size "
+                    f"({factory.group_size})"
+                )
+            max_groups_in_flight = max(1, max_samples_in_flight // factory.group_size)
+        else:
+            max_groups_in_flight = batch_size
+    if max_groups_in_flight < 1:
+        raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
+    capacity = 2 * batch_size if buffer_capacity is None else buffer_capacity
+    if capacity < 1:
+        raise ValueError(f"buffer_capacity must be >= 1, got {capacity}")
+    driver = AsyncRolloutDriver(
+        source,
+        factory,
+        runner,
+        batch_size=batch_size,
+        policy=policy if policy is not None else SampleBackfill(),
+        max_groups_in_flight=max_groups_in_flight,
+        buffer_capacity=capacity,
+        max_staleness=max_staleness,
+        stale=stale,
+        aborted=aborted,
+        on_failure=on_failure if on_failure is not None else FailurePolicy(),
+        dynamic_filter=dynamic_filter,
+        policy_version=policy_version,
+    )
+    driver.resume(resumed)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(driver._run)
+            try:
+                yield driver
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        driver._closed = True
+        driver._changed.fire()
+        driver.scheduler.close()

@@ -1,0 +1,399 @@
+"""Credits and submission policies: *may another group start now?*
+
+The pieces, from the bottom up:
+
+- :class:`CreditLedger` is the driver's book of credits: one credit per sample that is (or will
+  be) generated, per pending group the number of its samples not yet finished. It is plain
+  bookkeeping with no I/O, so a test harness can inspect it at any decision point and check
+  ``ledger.in_flight == sum(ledger.pending().values())``.
+- A :class:`SubmissionPolicy` is a small pure object: ``admits(view)`` decides from a
+  :class:`CreditView` (credits in flight, pending groups, group size, budget) whether one more
+  group may start, and ``counts_samples`` says whether a sample completion is progress that is
+  worth waking the driver for. :class:`GroupGranularity` and :class:`SampleBackfill` are the two
+  reference policies; write your own by implementing the protocol.
+- :class:`CreditScheduler` ties a policy and a ledger to **one** trio memory channel. Sample tasks
+  report :class:`SampleDone` and group tasks :class:`GroupDone` on it with a synchronous
+  ``send_nowait`` (safe in a ``finally``, even while being cancelled), so a wake-up can never be
+  lost; the driver applies events to the ledger only when it drains the channel, and it drains
+  everything queued before it decides again.
+
+Credits are conserved per group: when a group's :class:`GroupDone` is applied, every credit of
+that group that no :class:`SampleDone` returned (samples that never started) comes back with it.
+There is no "reset the counter when nothing is pending" repair: with ``P`` empty the count is
+zero by construction, and :meth:`CreditLedger.check` reports it if it ever is not.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Protocol, runtime_checkable
+
+import attrs
+import trio
+
+from ..samples import Group
+from ._errors import CreditError, GroupFailed
+
+__all__ = [
+    "CreditEvent",
+    "CreditLedger",
+    "CreditScheduler",
+    "CreditView",
+    "GroupDone",
+    "GroupGranularity",
+    "GroupOutcome",
+    "GroupStatus",
+    "Nudge",
+    "SampleBackfill",
+    "SampleDone",
+    "SchedulerStatistics",
+    "SubmissionPolicy",
+]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@attrs.frozen
+class CreditView:
+    """What a policy sees at a decision point.
+
+    ``in_flight`` is the number of credits held (samples submitted and not yet finished, as of
+    the last drain), ``pending_groups`` the number of groups started and not yet done,
+    ``group_size`` the size G of the group that would start, ``budget`` the budget B in groups.
+    """
+
+    in_flight: int = attrs.field(validator=_non_negative)
+    pending_groups: int = attrs.field(validator=_non_negative)
+    group_size: int = attrs.field(validator=_positive)
+    budget: int = attrs.field(validator=_non_negative)
+
+
+@runtime_checkable
+class SubmissionPolicy(Protocol):
+    """Decides whether one more group may start. Must be pure (no state, no I/O)."""
+
+    @property
+    def counts_samples(self) -> bool:
+        """True if a single finished sample can open capacity (so it should wake the driver)."""
+        ...
+
+    def admits(self, view: CreditView) -> bool:
+        """May one more group of ``view.group_size`` samples start now?"""
+        ...
+
+
+@attrs.frozen
+class GroupGranularity:
+    """Group granularity (reference ``GroupLevelSubmission``): admit iff ``|P| < B``.
+
+    Only a finished group frees room, so sample completions do not wake the driver.
+    """
+
+    @property
+    def counts_samples(self) -> bool:
+        return False
+
+    def admits(self, view: CreditView) -> bool:
+        return view.pending_groups < view.budget
+
+
+@attrs.frozen
+class SampleBackfill:
+    """Sample backfill (reference ``SampleBackfillSubmission``): a budget of ``B x G`` credits.
+
+    Admit iff ``in_flight + G <= B x G``. Every finished sample returns one credit whatever its
+    outcome, so a group held open by one straggler frees the slots of its finished siblings. With
+    exact accounting it admits whenever :class:`GroupGranularity` would.
+    """
+
+    @property
+    def counts_samples(self) -> bool:
+        return True
+
+    def admits(self, view: CreditView) -> bool:
+        return view.in_flight + view.group_size <= view.budget * view.group_size
+
+
+# --------------------------------------------------------------------------- events
+
+
+class GroupStatus(enum.Enum):
+    """How a group task ended."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen
+class GroupOutcome:
+    """The result of one group task, as delivered to the driver.
+
+    ``error`` is set iff ``status`` is ``FAILED``. A ``CANCELLED`` group was cancelled from
+    outside (the driver closing or discarding leftovers); its samples are in whatever state the
+    cancellation left them.
+    """
+
+    group: Group
+    status: GroupStatus
+    error: GroupFailed | None = None
+
+    @property
+    def group_id(self) -> str:
+        return self.group.group_id
+
+
+@attrs.frozen
+class SampleDone:
+    """One sample of ``group_id`` finished (any outcome): one credit comes back."""
+
+    group_id: str
+
+
+@attrs.frozen
+class GroupDone:
+    """A group task ended; its unreturned credits come back with it."""
+
+    outcome: GroupOutcome
+
+
+@attrs.frozen
+class Nudge:
+    """Something other than a completion may have changed a decision (resume, recycle, close)."""
+
+    reason: str = ""
+
+
+CreditEvent = SampleDone | GroupDone | Nudge
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+@attrs.define(slots=True)
+class CreditLedger:
+    """Credits in flight and, per pending group, its number of unfinished samples.
+
+    Invariant (checked by :meth:`check`): ``in_flight == sum(pending().values())``, so no
+    pending group means no credit in flight. Mutated only by the driver, between awaits.
+    """
+
+    in_flight: int = 0
+    _unfinished: dict[str, int] = attrs.field(factory=dict)
+    #: Credits handed out and returned since creation (for statistics and harness checks).
+    opened: int = 0
+    returned: int = 0
+
+    @property
+    def pending_groups(self) -> int:
+        return len(self._unfinished)
+
+    def pending(self) -> dict[str, int]:
+        """A copy of ``{group_id: unfinished samples}`` for every pending group."""
+        return dict(self._unfinished)
+
+    def unfinished(self, group_id: str) -> int:
+        """Unfinished samples of a pending group; raises :class:`CreditError` if unknown."""
+        try:
+            return self._unfinished[group_id]
+        except KeyError:
+            raise CreditError(f"group {group_id} is not pending") from None
+
+    def open(self, group_id: str, credits: int) -> None:
+        """A group starts and takes ``credits`` credits (its samples to generate; may be 0)."""
+        if credits < 0:
+            raise CreditError(f"group {group_id}: negative credit count {credits}")
+        if group_id in self._unfinished:
+            raise CreditError(f"group {group_id} is already pending")
+        self._unfinished[group_id] = credits
+        self.in_flight += credits
+        self.opened += credits
+
+    def sample_done(self, group_id: str) -> None:
+        """One sample of a pending group finished; its credit comes back."""
+        left = self.unfinished(group_id)
+        if left == 0:
+            raise CreditError(f"group {group_id} returned more credits than it took")
+        self._unfinished[group_id] = left - 1
+        self.in_flight -= 1
+        self.returned += 1
+
+    def close(self, group_id: str) -> int:
+        """The group ended: remove it and return its remaining credits; returns how many."""
+        left = self.unfinished(group_id)
+        del self._unfinished[group_id]
+        self.in_flight -= left
+        self.returned += left
+        return left
+
+    def check(self) -> None:
+        """Raise :class:`CreditError` unless ``in_flight`` equals the pending groups' sum."""
+        total = sum(self._unfinished.values())
+        if self.in_flight != total or self.opened - self.returned != total:
+            raise CreditError(
+                f"credit ledger out of balance: in_flight={self.in_flight}, "
+                f"sum over pending groups={total}, opened-returned={self.opened - self.returned}"
+            )
+
+    def view(self, group_size: int, budget: int) -> CreditView:
+        return CreditView(
+            in_flight=self.in_flight,
+            pending_groups=len(self._unfinished),
+            group_size=group_size,
+            budget=budget,
+        )
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    in_flight: int
+    pending_groups: int
+    groups_admitted: int
+    decisions: int
+    sample_events: int
+    group_events: int
+    wakeups: int
+
+
+class CreditScheduler:
+    """A policy, a ledger and one event channel; the driver's side of admission.
+
+    Typical driver loop::
+
+        while running:
+            while scheduler.admits(budget):
+                group = ...                       # next group
+                scheduler.submitted(group.group_id, credits=len(samples_to_generate))
+                nursery.start_soon(task, group)   # task reports via sample_done/group_done
+            for outcome in await scheduler.wait_for_progress():
+                ...                               # reap finished groups
+
+    ``sample_done``, ``group_done`` and ``nudge`` are synchronous and never block (the channel is
+    unbounded; it holds at most one event per credit plus one per group), so they are safe in a
+    ``finally`` while the calling task is being cancelled. The scheduler must outlive every
+    task that reports to it: close it (:meth:`close`) only after the nursery running the
+    groups has exited.
+    """
+
+    def __init__(self, policy: SubmissionPolicy, group_size: int) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.policy = policy
+        self.group_size = group_size
+        self.ledger = CreditLedger()
+        send, receive = trio.open_memory_channel[CreditEvent](math.inf)
+        self._send = send
+        self._receive = receive
+        self._admitted = 0
+        self._decisions = 0
+        self._sample_events = 0
+        self._group_events = 0
+        self._wakeups = 0
+        self._done: list[GroupOutcome] = []
+
+    # -- reporting side (called by group and sample tasks) -----------------------------
+
+    def sample_done(self, group_id: str) -> None:
+        """Report that one sample of ``group_id`` finished (whatever its outcome)."""
+        self._send.send_nowait(SampleDone(group_id))
+
+    def group_done(self, outcome: GroupOutcome) -> None:
+        """Report that a group task ended (after all its samples reported)."""
+        self._send.send_nowait(GroupDone(outcome))
+
+    def nudge(self, reason: str = "") -> None:
+        """Wake a driver waiting in :meth:`wait_for_progress` without any completion."""
+        self._send.send_nowait(Nudge(reason))
+
+    # -- driver side -------------------------------------------------------------------
+
+    def view(self, budget: int) -> CreditView:
+        return self.ledger.view(self.group_size, budget)
+
+    def admits(self, budget: int) -> bool:
+        """Ask the policy whether one more group may start under a budget of ``budget`` groups."""
+        self._decisions += 1
+        return self.policy.admits(self.ledger.view(self.group_size, budget))
+
+    def submitted(self, group_id: str, credits: int) -> None:
+        """Record that a group was started and takes ``credits`` credits."""
+        self.ledger.open(group_id, credits)
+        self._admitted += 1
+
+    def _apply(self, event: CreditEvent) -> bool:
+        """Apply one event to the ledger; True if it is progress for this policy."""
+        if isinstance(event, SampleDone):
+            self._sample_events += 1
+            self.ledger.sample_done(event.group_id)
+            return self.policy.counts_samples
+        if isinstance(event, GroupDone):
+            self._group_events += 1
+            self.ledger.close(event.outcome.group_id)
+            self._done.append(event.outcome)
+            return True
+        return True
+
+    def _drain(self) -> bool:
+        progress = False
+        while True:
+            try:
+                event = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return progress
+            progress = self._apply(event) or progress
+
+    def _take_done(self) -> list[GroupOutcome]:
+        done, self._done = self._done, []
+        return done
+
+    def poll(self) -> list[GroupOutcome]:
+        """Apply every queued event without waiting; return the groups that finished."""
+        self._drain()
+        return self._take_done()
+
+    async def wait_for_progress(self) -> list[GroupOutcome]:
+        """Wait for progress, then apply every queued event; return the finished groups.
+
+        Progress is a group ending, a :meth:`nudge`, or (when the policy counts samples) a
+        sample finishing; other events are applied to the ledger without returning. Events
+        queued before the call count, so a completion can never be missed. The list may be
+        empty (a sample finished, or a nudge). On cancellation, events already applied stay
+        applied and the outcomes they carried are returned by the next call.
+        """
+        progress = self._drain() or bool(self._done)
+        while not progress:
+            progress = self._apply(await self._receive.receive())
+            progress = self._drain() or progress
+        self._wakeups += 1
+        return self._take_done()
+
+    def close(self) -> None:
+        """Close the channel; later reports raise ``trio.ClosedResourceError``."""
+        self._send.close()
+        self._receive.close()
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            in_flight=self.ledger.in_flight,
+            pending_groups=self.ledger.pending_groups,
+            groups_admitted=self._admitted,
+            decisions=self._decisions,
+            sample_events=self._sample_events,
+            group_events=self._group_events,
+            wakeups=self._wakeups,
+        )

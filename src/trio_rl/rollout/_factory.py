@@ -1,0 +1,111 @@
+"""Turning prompts into groups: indices, group ids, seeds and routing keys."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus, new_group_id
+from ._errors import DataSourceError
+
+__all__ = ["GroupFactory"]
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.define(slots=True)
+class GroupFactory:
+    """Makes a :class:`~trio_rl.samples.Group` of ``group_size`` samples from a prompt.
+
+    Sample indices are consecutive and unique across the run; every group gets the next group
+    index and a fresh :func:`~trio_rl.samples.new_group_id`. With ``seed`` set, sample ``i`` of
+    a group gets seed ``seed + i`` (the same seed set for every group and every retry, for
+    reproducibility). With ``routing_keys`` on, every sample gets its own uuid routing key,
+    kept across retries for cache affinity. The counters are saved by :meth:`state`.
+    """
+
+    group_size: int = attrs.field(validator=_positive)
+    seed: int | None = None
+    routing_keys: bool = False
+    next_sample_index: int = 0
+    next_group_index: int = 0
+
+    def _sample(self, prompt: Prompt, group_index: int, position: int) -> Sample:
+        sample = Sample(
+            index=self.next_sample_index,
+            group_index=group_index,
+            prompt_tokens=prompt.tokens,
+            seed=None if self.seed is None else self.seed + position,
+            routing_key=uuid.uuid4().hex if self.routing_keys else None,
+            label=prompt.label,
+            env_name=prompt.env_name,
+            metadata={"prompt_key": prompt.key},
+        )
+        self.next_sample_index += 1
+        return sample
+
+    def make(self, prompt: Prompt, policy_version: PolicyVersion = 0) -> Group:
+        """A new group for ``prompt``, opened at ``policy_version``."""
+        group_index = self.next_group_index
+        self.next_group_index += 1
+        samples = [self._sample(prompt, group_index, i) for i in range(self.group_size)]
+        return Group(
+            group_id=new_group_id(),
+            prompt=prompt,
+            samples=samples,
+            policy_version_at_start=policy_version,
+        )
+
+    def resume(self, resumed: ResumedGroup) -> Group:
+        """A group that continues ``resumed``: same id, prompt and start version.
+
+        The arrived members are kept as they are (first, in their order); only the missing ones
+        are new ``PENDING`` samples (fresh indices, the group's index, seeds by position). A
+        resumed group with nothing missing has no pending sample, so running it generates
+        nothing. Arrived members must have finished (not ``PENDING``): a ``ValueError`` says
+        which one otherwise, since the runner would regenerate it.
+        """
+        for sample in resumed.arrived:
+            if sample.status is SampleStatus.PENDING:
+                raise ValueError(
+                    f"resumed group {resumed.group_id}: arrived sample {sample.index} is PENDING"
+                )
+        if resumed.arrived:
+            group_index = resumed.arrived[0].group_index
+        else:
+            group_index = self.next_group_index
+            self.next_group_index += 1
+        arrived = list(resumed.arrived)
+        start = len(arrived)
+        missing = [
+            self._sample(resumed.prompt, group_index, start + i) for i in range(resumed.missing)
+        ]
+        return Group(
+            group_id=resumed.group_id,
+            prompt=resumed.prompt,
+            samples=arrived + missing,
+            policy_version_at_start=resumed.policy_version_at_start,
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "next_sample_index": self.next_sample_index,
+            "next_group_index": self.next_group_index,
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        for name in ("next_sample_index", "next_group_index"):
+            value = state.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise DataSourceError(
+                    f"group factory state: field {name!r} must be a non-negative integer, "
+                    f"got {value!r}"
+                )
+        self.next_sample_index = state["next_sample_index"]
+        self.next_group_index = state["next_group_index"]

@@ -1,0 +1,215 @@
+"""The group runner: one nursery per group, one task per sample.
+
+:func:`run_group` is the primitive; :class:`GroupRunner` bundles its options so drivers (and the
+testing harness) can pass "how to run a group" around as one value. :func:`engine_generate`
+builds the default generate function on top of an :class:`~trio_rl.engines.Engine`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import trio
+
+from ..engines import Engine, GenerateRequest, SamplingParams
+from ..samples import Group, Sample, SampleStatus
+from ._credits import CreditScheduler, GroupOutcome, GroupStatus
+from ._errors import GroupFailed
+
+__all__ = [
+    "GenerateFn",
+    "GroupRewardFn",
+    "GroupRunner",
+    "SampleRewardFn",
+    "engine_generate",
+    "pending_samples",
+    "run_group",
+    "run_reporting",
+]
+
+#: Fills one sample in place (tokens, logprobs, loss mask, status, policy versions). Raising
+#: fails the group. Must be cancellable.
+GenerateFn = Callable[[Sample], Awaitable[None]]
+#: Scores one finished sample; sync or async. The result is stored in ``sample.reward``.
+SampleRewardFn = Callable[[Sample], float | Awaitable[float]]
+#: Scores a whole group after every sample finished; sync or async; returns one reward per
+#: sample, in group order.
+GroupRewardFn = Callable[[Group], Sequence[float] | Awaitable[Sequence[float]]]
+
+_STATUS_BY_FINISH = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+def engine_generate(
+    engine: Engine,
+    params: SamplingParams | None = None,
+    *,
+    timeout: float | None = None,
+) -> GenerateFn:
+    """The default generate function: one :class:`GenerateRequest` per sample.
+
+    The sample's seed (if set) overrides ``params.seed`` and its routing key is passed along.
+    The completion's tokens and logprobs are appended (loss mask True), its policy version is
+    appended to ``sample.policy_versions``, and the finish reason sets the status: ``stop`` ->
+    COMPLETED, ``length`` -> TRUNCATED, ``abort`` -> ABORTED. ``timeout`` (seconds) bounds each
+    engine call; expiry raises ``trio.TooSlowError``, which fails the sample. On cancellation
+    the engine call is abandoned and the sample is left untouched.
+    """
+    base = params if params is not None else SamplingParams()
+
+    async def generate(sample: Sample) -> None:
+        sample_params = base if sample.seed is None else attrs.evolve(base, seed=sample.seed)
+        request = GenerateRequest(
+            prompt_tokens=sample.prompt_tokens,
+            params=sample_params,
+            routing_key=sample.routing_key,
+            request_id=f"{sample.index}-{uuid.uuid4().hex[:12]}",
+        )
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            completion = await engine.generate(request)
+        sample.completion_tokens.extend(completion.tokens)
+        sample.logprobs.extend(completion.logprobs)
+        sample.loss_mask.extend([True] * len(completion.tokens))
+        sample.policy_versions.append(completion.policy_version)
+        sample.status = _STATUS_BY_FINISH[completion.finish_reason]
+
+    return generate
+
+
+_T = TypeVar("_T")
+_S = TypeVar("_S")
+
+
+async def _call(fn: Callable[[_S], _T | Awaitable[_T]], arg: _S) -> _T:
+    result = fn(arg)
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+async def run_group(
+    group: Group,
+    generate: GenerateFn,
+    *,
+    on_sample_done: Callable[[Sample], None] | None = None,
+    sample_reward: SampleRewardFn | None = None,
+    group_reward: GroupRewardFn | None = None,
+    sample_timeout: float | None = None,
+) -> Group:
+    """Generate and score one group; return it (the same object, filled in place).
+
+    Only samples whose status is ``PENDING`` are generated; the others (for example the
+    arrived members of a resumed group) are kept as they are, so a group with nothing pending
+    starts no task at all. Each generated sample runs in its own task in one nursery:
+    ``generate(sample)``, then ``sample_reward`` if the sample finished (COMPLETED or
+    TRUNCATED). ``on_sample_done(sample)`` is called exactly once per started sample task, in
+    its ``finally``, whatever the outcome (result, exception, cancellation); it must be
+    synchronous and must not raise. ``sample_timeout`` bounds each sample task (expiry is a
+    failure, ``trio.TooSlowError``).
+
+    After every sample finished, ``group_reward`` (if any) runs once over the whole group,
+    unless a sample is ABORTED (such groups are rejected by consumers anyway).
+
+    Failure: the first sample that raises cancels its siblings; the nursery waits for all of
+    them (every ``on_sample_done`` has run), then :class:`GroupFailed` is raised with the first
+    failure as ``__cause__`` and all failures in ``.failures``. Siblings' cancellations are not
+    failures, and no ``ExceptionGroup`` escapes. A failing group reward raises
+    :class:`GroupFailed` too. Group reward does not run on failure.
+
+    Cancellation from outside: the sample tasks are cancelled and settled (each calls
+    ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
+    """
+    failures: list[tuple[int | None, Exception]] = []
+    to_run = [s for s in group.samples if s.status is SampleStatus.PENDING]
+
+    async def sample_task(sample: Sample, cancel_scope: trio.CancelScope) -> None:
+        try:
+            with trio.fail_after(math.inf if sample_timeout is None else sample_timeout):
+                await generate(sample)
+                if sample_reward is not None and sample.status.is_finished:
+                    sample.reward = float(await _call(sample_reward, sample))
+        except Exception as exc:  # a real failure; Cancelled is a BaseException and passes
+            failures.append((sample.index, exc))
+            cancel_scope.cancel()
+        finally:
+            if on_sample_done is not None:
+                on_sample_done(sample)
+
+    if to_run:
+        async with trio.open_nursery() as nursery:
+            for sample in to_run:
+                nursery.start_soon(sample_task, sample, nursery.cancel_scope)
+    if failures:
+        error = GroupFailed(group, failures)
+        raise error from failures[0][1]
+    if group_reward is not None and not group.has_aborted:
+        try:
+            rewards = list(await _call(group_reward, group))
+            if len(rewards) != group.size:
+                raise ValueError(
+                    f"group reward returned {len(rewards)} rewards for {group.size} samples"
+                )
+        except Exception as exc:
+            raise GroupFailed(group, [(None, exc)]) from exc
+        for sample, reward in zip(group.samples, rewards, strict=True):
+            sample.reward = float(reward)
+    return group
+
+
+@attrs.frozen
+class GroupRunner:
+    """How to run one group: the generate function and the reward functions.
+
+    Calling :meth:`run` is :func:`run_group` with these options.
+    """
+
+    generate: GenerateFn
+    sample_reward: SampleRewardFn | None = None
+    group_reward: GroupRewardFn | None = None
+    #: Deadline in seconds for each sample task (None: no deadline of its own).
+    sample_timeout: float | None = None
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        return await run_group(
+            group,
+            self.generate,
+            on_sample_done=on_sample_done,
+            sample_reward=self.sample_reward,
+            group_reward=self.group_reward,
+            sample_timeout=self.sample_timeout,
+        )
+
+
+async def run_reporting(runner: GroupRunner, group: Group, scheduler: CreditScheduler) -> None:
+    """Run ``group`` and report everything to ``scheduler``; the drivers' group task.
+
+    Each started sample reports :class:`SampleDone` in its ``finally``; then, in this task's
+    ``finally``, one :class:`GroupDone` carries the outcome: COMPLETED, FAILED (with the
+    :class:`GroupFailed`), or CANCELLED (cancelled from outside; ``trio.Cancelled``
+    propagates). Applying the ``GroupDone`` returns any credit no sample returned. A
+    :class:`GroupFailed` is reported, not raised; any other exception (a bug) propagates.
+    """
+    group_id = group.group_id
+    outcome = GroupOutcome(group, GroupStatus.CANCELLED)
+    try:
+        await runner.run(group, on_sample_done=lambda _sample: scheduler.sample_done(group_id))
+        outcome = GroupOutcome(group, GroupStatus.COMPLETED)
+    except GroupFailed as exc:
+        outcome = GroupOutcome(group, GroupStatus.FAILED, exc)
+    finally:
+        scheduler.group_done(outcome)
+
+
+def pending_samples(group: Group) -> int:
+    """The number of samples :func:`run_group` would generate: the credits the group takes."""
+    return sum(1 for s in group.samples if s.status is SampleStatus.PENDING)

@@ -1,0 +1,529 @@
+"""The Hypothesis properties: one example is one adversarial schedule in MockClock time.
+
+``check_credit_loop``, ``check_sync_driver`` and ``check_async_driver`` run one example from a
+Hypothesis ``data`` object; the ``*_property`` functions wrap them into ready-made test
+functions. Every step of every example checks SPEC section 5's invariants; a violation raises
+:class:`~trio_rl.testing.InvariantViolation` carrying the (shrunk) schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ..rollout import (
+    DriverFailed,
+    FailurePolicy,
+    GroupFactory,
+    InMemorySource,
+    RolloutError,
+    SourceExhausted,
+    SyncRolloutDriver,
+    open_async_rollout,
+    pending_samples,
+    reject_aborted,
+    run_reporting,
+)
+from ..samples import Group, Prompt, ResumedGroup, Sample, SampleStatus
+from ._recorder import TrackingLedger
+from ._report import live_tasks, unwrap_single
+from ._subject import HANG_TIMEOUT, RolloutSubject
+from ._world import World
+
+__all__ = [
+    "async_driver_property",
+    "check_async_driver",
+    "check_credit_loop",
+    "check_sync_driver",
+    "credit_loop_property",
+    "sync_driver_property",
+]
+
+_ENGINE_STEPS = ["settle", "settle", "settle all", "advance"]
+
+
+def _run(data: st.DataObject, subject: RolloutSubject, body: Callable[[World], Awaitable[None]]) -> None:
+    clock = trio.testing.MockClock()
+    worlds: list[World] = []
+
+    async def main() -> None:
+        world = World(data, subject, clock)
+        worlds.append(world)
+        await body(world)
+
+    try:
+        trio.run(main, clock=clock)
+    except BaseException as exc:
+        leaf = unwrap_single(exc)
+        # Hypothesis's own control flow (end of data, ...) must reach Hypothesis untouched.
+        if type(leaf).__module__.startswith("hypothesis"):
+            raise leaf from None
+        violation = worlds[0].recorder.violation if worlds else None
+        if violation is not None:
+            if leaf is violation:
+                raise violation from None
+            raise violation from leaf
+        if leaf is not exc:
+            raise leaf from None
+        raise
+
+
+def _steps(world: World, most: int = 30) -> int:
+    return world.draw(st.integers(0, most), "steps")
+
+
+# --------------------------------------------------------------------------- credit loop
+
+
+def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None) -> None:
+    """One example: a minimal driver loop over ``subject``'s policy, scheduler and runner.
+
+    Draws the group size, budget and number of groups (some of them resumed, with members
+    already arrived), then a schedule of engine moves, budget changes and an optional early
+    stop; the loop admits groups while the policy says so and reaps them from the scheduler.
+    Checks invariants 1-6 after every step, and at the end that every group ended exactly once
+    and nothing is left running.
+    """
+    subject = subject if subject is not None else RolloutSubject()
+    _run(data, subject, _credit_loop_body)
+
+
+async def _credit_loop_body(world: World) -> None:
+    g = world.draw(st.integers(1, 4), "group size G")
+    budget = world.draw(st.integers(1, 4), "budget B")
+    n = world.draw(st.integers(1, 8), "groups")
+    resumed = world.draw(st.integers(0, n), "resumed groups")
+    factory = GroupFactory(g)
+    todo: deque[Group] = deque()
+    for i in range(n):
+        prompt = Prompt(f"p{i}", (i,))
+        if i < resumed:
+            arrived = world.draw(st.integers(0, g), f"group {i}: members already arrived")
+            members = [
+                Sample(index=10_000 + 100 * i + k, group_index=10_000 + i, prompt_tokens=(i,),
+                       status=SampleStatus.COMPLETED)
+                for k in range(arrived)
+            ]
+            todo.append(factory.resume(ResumedGroup(f"r{i}", prompt, g, members)))
+        else:
+            todo.append(factory.make(prompt))
+    world.log(f"G={g} B={budget} groups={n} resumed={resumed}")
+    total = len(todo)
+
+    scheduler = world.subject.scheduler(world.policy, g)
+    world.ledger = lambda: scheduler.ledger
+    outcomes: dict[str, int] = {}
+    state: dict[str, Any] = {"budget": budget, "done": False, "stopped": False}
+
+    async def loop() -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                while todo and scheduler.admits(state["budget"]):
+                    group = todo.popleft()
+                    scheduler.submitted(group.group_id, pending_samples(group))
+                    nursery.start_soon(run_reporting, world.group_runner, group, scheduler)
+                if not todo and scheduler.ledger.pending_groups == 0:
+                    break
+                for outcome in await scheduler.wait_for_progress():
+                    record = world.recorder.groups.get(outcome.group_id)
+                    world.recorder.check(
+                        record is not None and record.ended,
+                        2,
+                        f"outcome of group {outcome.group_id} delivered before it ended",
+                    )
+                    outcomes[outcome.group_id] = outcomes.get(outcome.group_id, 0) + 1
+        state["done"] = True
+
+    def awake() -> None:
+        if not state["done"] and not state["stopped"]:
+            world.check_awake(budget=state["budget"], group_size=g, may_submit=bool(todo))
+
+    baseline = live_tasks()
+    try:
+        async with trio.open_nursery() as harness:
+            harness.start_soon(loop)
+            for _ in range(_steps(world)):
+                await world.quiesce()
+                awake()
+                if state["done"]:
+                    break
+                action = world.draw(
+                    st.sampled_from([*_ENGINE_STEPS, "budget", "stop"]), "step"
+                )
+                if action == "budget":
+                    state["budget"] = world.draw(st.integers(1, 4), "new budget B")
+                    world.log(f"budget -> {state['budget']}")
+                    scheduler.nudge("budget")
+                elif action == "stop":
+                    world.log("stop: cancel the driver loop")
+                    state["stopped"] = True
+                    harness.cancel_scope.cancel()
+                    break
+                else:
+                    await world.engine_step(action)
+            if not state["stopped"]:
+                await world.finish(lambda: bool(state["done"]), each_round=awake,
+                                   time_bound=HANG_TIMEOUT * (total + 2) * 4)
+    finally:
+        scheduler.close()
+    await world.quiesce()
+    world.check_no_leftovers(baseline)
+    if state["stopped"]:
+        return
+    ledger = scheduler.ledger
+    world.check(
+        ledger.in_flight == 0 and ledger.opened == ledger.returned and ledger.pending_groups == 0,
+        3,
+        f"run over but ledger holds {ledger.in_flight} credits "
+        f"(opened {ledger.opened}, returned {ledger.returned})",
+    )
+    world.check(
+        len(outcomes) == total and all(v == 1 for v in outcomes.values()),
+        2,
+        f"{total} groups ran but outcomes were delivered as {sorted(outcomes.values())}",
+    )
+
+
+def credit_loop_property(
+    subject: RolloutSubject | None = None, *, settings_: settings | None = None
+) -> Callable[[], None]:
+    """A ready-made Hypothesis test of :func:`check_credit_loop` for ``subject``.
+
+    Assign it to a module-level ``test_*`` name and pytest runs it. ``settings_`` defaults to
+    the active profile with ``report_multiple_bugs=False``.
+    """
+    return _property(check_credit_loop, subject, settings_)
+
+
+def _property(
+    check: Callable[[st.DataObject, RolloutSubject | None], None],
+    subject: RolloutSubject | None,
+    settings_: settings | None,
+) -> Callable[[], None]:
+    def test(data: st.DataObject, _random: Any) -> None:
+        check(data, subject)
+
+    test.__name__ = test.__qualname__ = check.__name__.replace("check_", "test_")
+    chosen = settings_ if settings_ is not None else settings(report_multiple_bugs=False)
+    # st.random_module() lets Hypothesis explore (and shrink) trio's task scheduling order.
+    wrapped: Callable[[], None] = chosen(given(st.data(), st.random_module())(test))
+    return wrapped
+
+
+# --------------------------------------------------------------------------- sync driver
+
+
+def check_sync_driver(data: st.DataObject, subject: RolloutSubject | None = None) -> None:
+    """One example: the real :class:`~trio_rl.rollout.SyncRolloutDriver` over ``subject``.
+
+    Draws ``T``, ``G``, over-sampling, the dynamic filter, partial rollouts and the number of
+    calls, then an adversarial schedule. Checks invariants 1-6 after every step and 7 after
+    every call: exactly ``T`` groups of ``G`` samples sorted by first index, all started by
+    that call, everything else cancelled and settled (or :class:`SourceExhausted` with the
+    source really exhausted).
+    """
+    subject = subject if subject is not None else RolloutSubject()
+    _run(data, subject, _sync_body)
+
+
+async def _sync_body(world: World) -> None:
+    t = world.draw(st.integers(1, 3), "batch size T")
+    g = world.draw(st.integers(1, 3), "group size G")
+    calls = world.draw(st.integers(1, 2), "calls")
+    over = world.draw(st.integers(1, 2), "groups per admission")
+    spare = world.draw(st.integers(0, 3), "spare prompts")
+    filtering = world.draw(st.booleans(), "reject aborted groups")
+    partial = world.draw(st.booleans(), "partial rollouts")
+    allow_partial = world.draw(st.booleans(), "allow partial batch")
+    n = t * calls + spare
+    world.log(f"T={t} G={g} calls={calls} O={over} prompts={n} filter={filtering}")
+    source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
+    factory = GroupFactory(g)
+    driver = SyncRolloutDriver(
+        source,
+        factory,
+        world.group_runner,
+        policy=world.policy,
+        groups_per_admission=over,
+        dynamic_filter=reject_aborted if filtering else None,
+        partial_rollouts=partial,
+    )
+    world.ledger = lambda: driver.scheduler.ledger if driver.scheduler is not None else None
+    state: dict[str, Any] = {"done": False, "calls": 0}
+
+    async def consumer() -> None:
+        try:
+            for call in range(calls):
+                first = factory.next_sample_index
+                try:
+                    batch = await driver.generate(t, allow_partial=allow_partial)
+                except SourceExhausted:
+                    world.check(
+                        source.exhausted, 7, "SourceExhausted raised but the source has prompts"
+                    )
+                    world.log(f"call {call + 1}: source exhausted")
+                    return
+                state["calls"] += 1
+                groups = batch.groups
+                world.log(f"call {call + 1} returned {len(groups)} groups")
+                _check_batch(world, groups, t, g, partial_ok=not batch.complete)
+                world.check(
+                    batch.complete or (allow_partial and source.exhausted),
+                    7,
+                    f"partial batch of {len(groups)} while prompts remain",
+                )
+                world.check(
+                    all(gr.first_index >= first for gr in groups),
+                    7,
+                    "a group started by an earlier call was carried over",
+                )
+                if filtering:
+                    world.check(
+                        not any(gr.has_aborted for gr in groups), 7, "aborted group accepted"
+                    )
+                world.check(driver.scheduler is None, 7, "scheduler survived the call")
+                world.check(
+                    not world.engine.running and not world.recorder.open_groups,
+                    7,
+                    "groups still running after generate() returned",
+                )
+        finally:
+            state["done"] = True
+
+    def awake() -> None:
+        if state["done"] or driver.scheduler is None:
+            return
+        world.check_awake(
+            budget=world.last_budget(), group_size=g, may_submit=not source.exhausted
+        )
+
+    baseline = live_tasks()
+    async with trio.open_nursery() as harness:
+        harness.start_soon(consumer)
+        for _ in range(_steps(world)):
+            await world.quiesce()
+            awake()
+            if state["done"]:
+                break
+            await world.engine_step(world.draw(st.sampled_from(_ENGINE_STEPS), "step"))
+        await world.finish(
+            lambda: bool(state["done"]), each_round=awake, time_bound=HANG_TIMEOUT * (n + 2) * 4
+        )
+    world.check_no_leftovers(baseline)
+
+
+def _check_batch(
+    world: World, groups: tuple[Group, ...] | list[Group], t: int, g: int, *, partial_ok: bool
+) -> None:
+    world.check(
+        len(groups) == t or (partial_ok and 0 < len(groups) < t),
+        7,
+        f"batch of {len(groups)} groups, expected {t}",
+    )
+    world.check(
+        all(gr.size == g for gr in groups),
+        7,
+        f"group sizes {[gr.size for gr in groups]}, expected {g}",
+    )
+    firsts = [gr.first_index for gr in groups]
+    world.check(firsts == sorted(firsts), 7, f"batch not sorted by first index: {firsts}")
+    ids = [gr.group_id for gr in groups]
+    world.check(len(set(ids)) == len(ids), 7, "a group appears twice in one batch")
+    for gr in groups:
+        record = world.recorder.groups.get(gr.group_id)
+        world.check(
+            record is not None and record.outcome == "completed",
+            7,
+            f"group {gr.group_id} in the batch did not complete "
+            f"({None if record is None else record.outcome})",
+        )
+        world.check(
+            all(s.status is not SampleStatus.PENDING for s in gr.samples),
+            7,
+            f"group {gr.group_id} in the batch has unfinished samples",
+        )
+
+
+def sync_driver_property(
+    subject: RolloutSubject | None = None, *, settings_: settings | None = None
+) -> Callable[[], None]:
+    """A ready-made Hypothesis test of :func:`check_sync_driver` for ``subject``."""
+    return _property(check_sync_driver, subject, settings_)
+
+
+# --------------------------------------------------------------------------- async driver
+
+
+def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = None) -> None:
+    """One example: the real fully-async driver (:func:`~trio_rl.rollout.open_async_rollout`).
+
+    Draws the batch size, budget, buffer capacity, failure and aborted-group policies, then a
+    schedule that interleaves engine moves with the consumer taking batches, pauses and
+    resumes, weight updates and an early close. Checks invariants 1-6 after every step, and 8:
+    the buffer never exceeds its capacity, nothing is submitted while paused, and closing
+    leaves no task, engine call or group running.
+    """
+    subject = subject if subject is not None else RolloutSubject()
+    _run(data, subject, _async_body)
+
+
+async def _async_body(world: World) -> None:
+    t = world.draw(st.integers(1, 3), "batch size T")
+    g = world.draw(st.integers(1, 3), "group size G")
+    budget = world.draw(st.integers(1, 3), "max groups in flight B")
+    capacity = world.draw(st.integers(1, 2 * t), "buffer capacity")
+    n = world.draw(st.integers(1, 8), "prompts")
+    failure = world.draw(st.sampled_from(["skip", "retry"]), "on failure")
+    aborted = world.draw(st.sampled_from(["recycle", "drop"]), "aborted groups")
+    staleness = world.draw(st.sampled_from([None, 0, 1]), "max staleness")
+    world.log(f"T={t} G={g} B={budget} capacity={capacity} prompts={n} {failure} {aborted}")
+    source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
+    taken: list[int] = []
+    state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
+
+    baseline = live_tasks()
+    async with trio.open_nursery() as harness:
+
+        def submissions() -> int:
+            # Group runs started plus admissions whose runner has not started yet.
+            ledger = world.ledger()
+            starts = sum(r.runs for r in world.recorder.groups.values())
+            if ledger is None:
+                return starts
+            waiting = sum(1 for gid in ledger.pending() if world.recorder.not_started(ledger, gid))
+            return starts + waiting
+
+        async with contextlib.AsyncExitStack() as pause_stack:
+            async with open_async_rollout(
+                source,
+                GroupFactory(g),
+                world.group_runner,
+                batch_size=t,
+                policy=world.policy,
+                max_groups_in_flight=budget,
+                buffer_capacity=capacity,
+                max_staleness=staleness,
+                aborted=aborted,
+                on_failure=FailurePolicy(failure, max_retries=1),
+            ) as driver:
+                # The worker has not run yet: give it a ledger that counts re-submissions.
+                world.check(driver.scheduler.ledger.opened == 0, 3, "worker decided early")
+                ledger = TrackingLedger()
+                driver.scheduler.ledger = ledger
+                world.ledger = lambda: ledger
+
+                async def consume() -> None:
+                    try:
+                        batch = await driver.next_batch(allow_partial=True)
+                    except (SourceExhausted, DriverFailed, RolloutError) as exc:
+                        world.log(f"next_batch raised {type(exc).__name__}")
+                        if isinstance(exc, SourceExhausted) or isinstance(exc, DriverFailed):
+                            state["ended"] = True
+                        return
+                    finally:
+                        state["consumer"] = False
+                    world.log(f"next_batch returned {len(batch)} groups")
+                    taken.extend(gr.group_id for gr in batch)
+                    _check_batch(world, batch, t, g, partial_ok=source.exhausted)
+                    if staleness is not None:
+                        world.check(
+                            all(gr.staleness(driver.policy_version) <= staleness for gr in batch),
+                            8,
+                            "a stale group was handed to the consumer",
+                        )
+
+                def take() -> None:
+                    if not state["consumer"]:
+                        state["consumer"] = True
+                        harness.start_soon(consume)
+
+                def checks() -> None:
+                    stats = driver.statistics()
+                    world.check(
+                        stats.buffered <= capacity,
+                        8,
+                        f"buffer holds {stats.buffered} groups, capacity {capacity}",
+                    )
+                    if state["paused_at"] is not None:
+                        world.check(
+                            submissions() == state["paused_at"],
+                            8,
+                            f"{submissions() - state['paused_at']} groups submitted while paused",
+                        )
+                    alive = getattr(driver, "_failure", None) is None
+                    world.check_awake(
+                        budget=budget,
+                        group_size=g,
+                        may_submit=alive
+                        and not driver.is_paused
+                        and stats.buffered < capacity
+                        and not source.exhausted,
+                    )
+
+                closed = False
+                for _ in range(_steps(world)):
+                    await world.quiesce()
+                    checks()
+                    if state["ended"]:
+                        break
+                    action = world.draw(
+                        st.sampled_from(
+                            [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
+                        ),
+                        "step",
+                    )
+                    if action == "take":
+                        world.log("consumer: next_batch()")
+                        take()
+                    elif action == "pause" and not driver.is_paused:
+                        world.log("pause")
+                        await pause_stack.enter_async_context(driver.paused())
+                        await world.quiesce()
+                        state["paused_at"] = submissions()
+                    elif action == "resume" and driver.is_paused:
+                        world.log("resume")
+                        state["paused_at"] = None
+                        await pause_stack.aclose()
+                    elif action == "new version":
+                        driver.set_policy_version(driver.policy_version + 1)
+                        world.log(f"policy version -> {driver.policy_version}")
+                    elif action == "close":
+                        world.log("close the driver")
+                        closed = True
+                        break
+                    elif action in _ENGINE_STEPS:
+                        await world.engine_step(action)
+                if not closed:
+                    state["paused_at"] = None
+                    await pause_stack.aclose()
+
+                    def round_checks() -> None:
+                        checks()
+                        if not state["ended"]:
+                            take()
+
+                    await world.finish(
+                        lambda: bool(state["ended"]),
+                        each_round=round_checks,
+                        rounds=400,
+                        time_bound=HANG_TIMEOUT * (n + 2) * 20,
+                    )
+        # The driver is closed: nothing it started may still run.
+        await world.quiesce()
+        world.check_no_leftovers(baseline, allowed=harness.child_tasks)
+        world.check(len(set(taken)) == len(taken), 8, "a group was handed out twice")
+
+
+def async_driver_property(
+    subject: RolloutSubject | None = None, *, settings_: settings | None = None
+) -> Callable[[], None]:
+    """A ready-made Hypothesis test of :func:`check_async_driver` for ``subject``."""
+    return _property(check_async_driver, subject, settings_)
+

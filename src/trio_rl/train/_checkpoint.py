@@ -1,0 +1,428 @@
+"""Checkpoints: progress, the data-source cursor and the sink state, written as one unit.
+
+File format (schema version 1), ``step_<N>.ckpt``::
+
+    header   b"TRIORLCK"  u16 schema version  u16 flags (0)  u32 reserved (0)     16 bytes
+    body     a stream of MessagePack objects:
+               meta map {"step", "progress", "cursor", "sink", "n_queued", "n_open"}
+               n_queued queued training samples (compact records, see ``_codec``)
+               n_open open groups [group_id, prompt, group_size, start version, [members]]
+    trailer  u64 body length  u32 crc32 of the body  b"TRIOEND!"                   20 bytes
+
+All integers little-endian. A file without a complete trailer is truncated; a checksum mismatch
+is corruption; both, and an unknown schema version, raise :class:`CheckpointError` naming the file.
+Loading never executes code (no pickle).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import re
+import struct
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import attrs
+import msgpack
+import trio
+
+from ._codec import (
+    CodecError,
+    decode_prompt,
+    decode_sample,
+    decode_training_sample,
+    encode_prompt,
+    encode_sample,
+    encode_training_sample,
+)
+from ._errors import CheckpointError
+from ._sink import (
+    OpenGroupState,
+    SinkCounters,
+    SinkState,
+    SinkWindow,
+    TrainSink,
+    payload_files_of_state,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "encode_checkpoint",
+    "decode_checkpoint",
+    "Checkpoint",
+    "CheckpointManager",
+    "CheckpointSnapshot",
+    "read_checkpoint",
+    "write_checkpoint",
+]
+
+logger = logging.getLogger("trio_rl.train")
+
+SCHEMA_VERSION = 1
+_MAGIC = b"TRIORLCK"
+_END = b"TRIOEND!"
+_HEADER = struct.Struct("<8sHHI")
+_TRAILER = struct.Struct("<QI8s")
+_NAME = re.compile(r"^step_(\d+)\.ckpt$")
+_FLUSH = 8 << 20
+
+
+@attrs.frozen
+class CheckpointSnapshot:
+    """An owned copy of everything a checkpoint records, taken on the event loop."""
+
+    step: int
+    progress: Mapping[str, Any]
+    cursor: Any
+    sink: SinkState
+
+
+@attrs.frozen
+class Checkpoint:
+    """A loaded checkpoint. ``missing_files`` are payload files its samples name that are gone
+    (computed when the manager knows the payload root); pass them to
+    :meth:`TrainSink.load_state_dict`.
+    """
+
+    path: Path
+    step: int
+    progress: Mapping[str, Any]
+    cursor: Any
+    sink: SinkState
+    missing_files: frozenset[str] = frozenset()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Body:
+    """Buffered body writer that tracks length and crc32."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.chunks, self.pending, self.length, self.crc = f, list[bytes](), 0, 0, 0
+
+    def add(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.pending += len(data)
+        if self.pending >= _FLUSH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.chunks:
+            data = b"".join(self.chunks)
+            self.f.write(data)
+            self.crc = zlib.crc32(data, self.crc)
+            self.length += len(data)
+            self.chunks, self.pending = [], 0
+
+
+def _write_stream(f: BinaryIO, snap: CheckpointSnapshot, name: str) -> None:
+    packer = msgpack.Packer(use_bin_type=True)
+    sink = snap.sink
+    meta = {
+        "step": snap.step,
+        "progress": dict(snap.progress),
+        "cursor": snap.cursor,
+        "sink": {
+            "step": sink.step,
+            "next_arrival": sink.next_arrival,
+            "counters": attrs.asdict(sink.counters),
+            "window": attrs.asdict(sink.window),
+        },
+        "n_queued": len(sink.queued),
+        "n_open": len(sink.open_groups),
+    }
+    f.write(_HEADER.pack(_MAGIC, SCHEMA_VERSION, 0, 0))
+    body = _Body(f)
+    try:
+        body.add(packer.pack(meta))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(name, f"progress or cursor is not MessagePack-able: {exc}") from exc
+    for ts in sink.queued:
+        body.add(packer.pack(encode_training_sample(ts)))
+    for og in sink.open_groups:
+        try:
+            rec = [
+                og.group_id,
+                encode_prompt(og.prompt),
+                og.group_size,
+                og.policy_version_at_start,
+                [encode_sample(m) for m in og.members],
+            ]
+            body.add(packer.pack(rec))
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                name, f"open group {og.group_id}: label or metadata not MessagePack-able: {exc}"
+            ) from exc
+    body.flush()
+    f.write(_TRAILER.pack(body.length, body.crc, _END))
+
+
+def encode_checkpoint(snap: CheckpointSnapshot) -> bytes:
+    """A snapshot as checkpoint bytes (the same format as the files)."""
+    buf = io.BytesIO()
+    _write_stream(buf, snap, "<memory>")
+    return buf.getvalue()
+
+
+def decode_checkpoint(data: bytes, name: str = "<memory>") -> Checkpoint:
+    """Decode checkpoint bytes; errors name ``name``."""
+    return _read_stream(io.BytesIO(data), len(data), Path(name), name)
+
+
+def write_checkpoint(path: str | os.PathLike[str], snap: CheckpointSnapshot) -> Path:
+    """Serialise and write a snapshot atomically (blocking; run it in a worker thread).
+
+    Writes ``<path>.<pid>.tmp``, fsyncs it, renames it over ``path`` and fsyncs the directory. On
+    any error the temporary file is removed and the previous file at ``path`` is untouched.
+    """
+    target = Path(path)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            _write_stream(f, snap, str(target))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def _decode_meta(obj: Any, path: str) -> dict[str, Any]:
+    if not isinstance(obj, dict) or not {"step", "sink", "n_queued", "n_open"} <= obj.keys():
+        raise CheckpointError(path, "malformed header record at byte offset 16")
+    return obj
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Verify and decode a checkpoint file (blocking; run it in a worker thread).
+
+    Raises :class:`CheckpointError` naming the file when it is missing, truncated, corrupt, of an
+    unknown schema version, or malformed.
+    """
+    p = Path(path)
+    name = str(p)
+    try:
+        f = open(p, "rb")  # noqa: SIM115 - closed in finally
+    except OSError as exc:
+        raise CheckpointError(name, f"cannot open: {exc.strerror}") from exc
+    try:
+        return _read_stream(f, os.fstat(f.fileno()).st_size, p, name)
+    finally:
+        f.close()
+
+
+def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> Checkpoint:
+    if size < _HEADER.size + _TRAILER.size:
+        raise CheckpointError(name, f"truncated ({size} bytes)")
+    magic, version, _flags, _res = _HEADER.unpack(f.read(_HEADER.size))
+    if magic != _MAGIC:
+        raise CheckpointError(name, "not a trio-rl checkpoint (bad magic)")
+    if version != SCHEMA_VERSION:
+        raise CheckpointError(
+            name, f"unknown schema version {version} (this library reads {SCHEMA_VERSION})"
+        )
+    f.seek(size - _TRAILER.size)
+    body_len, crc, end = _TRAILER.unpack(f.read(_TRAILER.size))
+    if end != _END or body_len != size - _HEADER.size - _TRAILER.size:
+        raise CheckpointError(name, "truncated or incomplete (no valid trailer)")
+    f.seek(_HEADER.size)
+    got, left = 0, body_len
+    while left:
+        chunk = f.read(min(left, _FLUSH))
+        if not chunk:
+            raise CheckpointError(name, "truncated while reading")
+        got = zlib.crc32(chunk, got)
+        left -= len(chunk)
+    if got != crc:
+        raise CheckpointError(name, "checksum mismatch (corrupt)")
+    f.seek(_HEADER.size)
+    unpacker = msgpack.Unpacker(
+        f,
+        raw=False,
+        strict_map_key=False,
+        max_buffer_size=max(1, min(body_len, 2**31 - 1)),
+    )
+    return _decode_body(unpacker, p, body_len)
+
+
+def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int) -> Checkpoint:
+    name = str(p)
+
+    def nxt(what: str) -> Any:
+        offset = _HEADER.size + unpacker.tell()
+        try:
+            return next(unpacker)
+        except StopIteration:
+            raise CheckpointError(name, f"{what} missing at byte offset {offset}") from None
+        except Exception as exc:
+            raise CheckpointError(name, f"{what} undecodable at byte offset {offset}") from exc
+
+    meta = _decode_meta(nxt("header record"), name)
+    try:
+        s = meta["sink"]
+        queued = []
+        for i in range(int(meta["n_queued"])):
+            off = _HEADER.size + unpacker.tell()
+            try:
+                queued.append(decode_training_sample(nxt(f"queued[{i}]"), f"queued[{i}]"))
+            except (CodecError, TypeError, ValueError, IndexError) as exc:
+                raise CheckpointError(name, f"{exc} (record at byte offset {off})") from exc
+        groups = []
+        for i in range(int(meta["n_open"])):
+            off = _HEADER.size + unpacker.tell()
+            what = f"open_groups[{i}]"
+            rec = nxt(what)
+            try:
+                gid, prompt, size, start, members = rec
+                groups.append(
+                    OpenGroupState(
+                        group_id=gid,
+                        prompt=decode_prompt(prompt, f"{what}.prompt"),
+                        group_size=int(size),
+                        policy_version_at_start=int(start),
+                        members=tuple(
+                            decode_sample(m, f"{what}.members[{j}]") for j, m in enumerate(members)
+                        ),
+                    )
+                )
+            except (CodecError, TypeError, ValueError, IndexError) as exc:
+                raise CheckpointError(name, f"{exc} (record at byte offset {off})") from exc
+        state = SinkState(
+            step=int(s["step"]),
+            next_arrival=int(s["next_arrival"]),
+            counters=SinkCounters(**s["counters"]),
+            window=SinkWindow(**s["window"]),
+            queued=tuple(queued),
+            open_groups=tuple(groups),
+        )
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(name, f"malformed sink state: {exc!r}") from exc
+    if unpacker.tell() != body_len:
+        raise CheckpointError(
+            name,
+            f"trailing data after the last record at byte offset {_HEADER.size + unpacker.tell()}",
+        )
+    return Checkpoint(
+        path=p,
+        step=int(meta["step"]),
+        progress=meta.get("progress") or {},
+        cursor=meta.get("cursor"),
+        sink=state,
+    )
+
+
+class CheckpointManager:
+    """One checkpoint per step in ``directory``, keeping the last ``keep``.
+
+    :meth:`snapshot` runs on the loop (an owned copy); :meth:`save` and the loads run the file
+    work in a worker thread under ``limiter``. ``payload_root`` lets loads report which payload
+    files named by the checkpoint are gone.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int = 3,
+        limiter: trio.CapacityLimiter | None = None,
+        payload_root: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"CheckpointManager keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.limiter = limiter
+        self.payload_root = Path(payload_root) if payload_root is not None else None
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}.ckpt"
+
+    def snapshot(
+        self,
+        sink: TrainSink,
+        *,
+        step: int | None = None,
+        cursor: Any = None,
+        progress: Mapping[str, Any] | None = None,
+    ) -> CheckpointSnapshot:
+        """Snapshot on the loop (no await): later mutation of the sink cannot tear it.
+
+        ``step`` defaults to the last shipped step (``sink.step - 1``); ``cursor`` is the data
+        source's opaque, MessagePack-able state (deep-copied).
+        """
+        return CheckpointSnapshot(
+            step=sink.step - 1 if step is None else step,
+            progress=copy.deepcopy(dict(progress or {})),
+            cursor=copy.deepcopy(cursor),
+            sink=sink.state_dict(),
+        )
+
+    def write(self, snap: CheckpointSnapshot) -> Path:
+        """Blocking save: atomic write, then drop all but the newest ``keep`` checkpoints."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = write_checkpoint(self.path_for(snap.step), snap)
+        for old in self.list_checkpoints()[: -self.keep]:
+            old.unlink(missing_ok=True)
+        return path
+
+    async def save(self, snap: CheckpointSnapshot) -> Path:
+        """Serialise and write ``snap`` in a worker thread.
+
+        On cancellation the write runs to completion (a checkpoint is never half-written) and
+        then Cancelled is raised.
+        """
+        return await trio.to_thread.run_sync(self.write, snap, limiter=self.limiter)
+
+    def list_checkpoints(self) -> list[Path]:
+        """Complete-named checkpoint files, oldest first (temporary files are ignored)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in os.scandir(self.directory):
+            m = _NAME.match(entry.name)
+            if m:
+                found.append((int(m.group(1)), Path(entry.path)))
+        return [p for _, p in sorted(found)]
+
+    def read(self, path: str | os.PathLike[str]) -> Checkpoint:
+        """Blocking load of one checkpoint, with its missing payload files."""
+        ckpt = read_checkpoint(path)
+        if self.payload_root is None:
+            return ckpt
+        missing = frozenset(
+            f for f in payload_files_of_state(ckpt.sink) if not (self.payload_root / f).exists()
+        )
+        return attrs.evolve(ckpt, missing_files=missing)
+
+    def read_latest(self) -> Checkpoint | None:
+        """Blocking: the newest checkpoint that loads; broken ones are skipped with a warning."""
+        for path in reversed(self.list_checkpoints()):
+            try:
+                return self.read(path)
+            except CheckpointError as exc:
+                logger.warning("skipping unusable checkpoint: %s", exc)
+        return None
+
+    async def load(self, path: str | os.PathLike[str]) -> Checkpoint:
+        """:meth:`read` in a worker thread (cancellation waits for the read)."""
+        return await trio.to_thread.run_sync(self.read, path, limiter=self.limiter)
+
+    async def load_latest(self) -> Checkpoint | None:
+        """:meth:`read_latest` in a worker thread (cancellation waits for the read)."""
+        return await trio.to_thread.run_sync(self.read_latest, limiter=self.limiter)

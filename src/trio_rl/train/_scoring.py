@@ -1,0 +1,198 @@
+"""GRPO scoring and zero-advantage pruning: pure functions, safe to run in worker threads."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from ..samples import PolicyVersion, Sample
+from ..wire import PayloadSegment
+from ._errors import TrainSinkError
+from ._payload import clip_segments
+from ._types import TrainingSample
+
+__all__ = [
+    "PAYLOAD_METADATA_KEY",
+    "PruneResult",
+    "ScoringConfig",
+    "grpo_advantages",
+    "prune_detached",
+    "prune_zero_advantages",
+    "sample_version",
+    "to_training_sample",
+    "validate_sample",
+]
+
+#: Where a :class:`~trio_rl.samples.Sample` carries by-handle payload segments: a list of
+#: :class:`~trio_rl.wire.PayloadSegment` in ``sample.metadata[PAYLOAD_METADATA_KEY]``, with
+#: positions relative to the sample's full sequence (prompt then completion).
+PAYLOAD_METADATA_KEY = "payload"
+
+
+@attrs.frozen
+class ScoringConfig:
+    """How groups become training samples.
+
+    ``normalize_std`` divides advantages by the group's reward standard deviation (plus ``eps``).
+    ``temperature`` is stamped on every token unless ``env_temperatures`` names the sample's env.
+    """
+
+    normalize_std: bool = False
+    eps: float = 1e-6
+    temperature: float = 1.0
+    env_temperatures: Mapping[str, float] = attrs.field(factory=dict)
+
+    def temperature_for(self, env_name: str) -> float:
+        return self.env_temperatures.get(env_name, self.temperature)
+
+
+def grpo_advantages(
+    rewards: Sequence[float], *, normalize_std: bool = False, eps: float = 1e-6
+) -> list[float]:
+    """GRPO advantages: ``reward - mean(rewards)``, optionally divided by ``std + eps``.
+
+    Equal rewards give exactly ``0.0`` everywhere (which zero-advantage pruning then removes).
+    """
+    if not rewards:
+        return []
+    if rewards.count(rewards[0]) == len(rewards):
+        # fsum(n * [r]) / n can differ from r in the last bit; equal rewards carry no signal
+        return [0.0] * len(rewards)
+    mean = math.fsum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not normalize_std:
+        return centred
+    std = math.sqrt(math.fsum(c * c for c in centred) / len(centred))
+    return [c / (std + eps) for c in centred]
+
+
+def sample_version(sample: Sample, start: PolicyVersion) -> PolicyVersion:
+    """The version a sample is judged by: the oldest version behind any of its tokens.
+
+    A sample with no recorded version falls back to its group's start version.
+    """
+    return min(sample.policy_versions) if sample.policy_versions else start
+
+
+def _payload_of(sample: Sample) -> list[PayloadSegment] | None:
+    raw: Any = sample.metadata.get(PAYLOAD_METADATA_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(s, PayloadSegment) for s in raw):
+        raise TrainSinkError(
+            f"sample {sample.index}: metadata[{PAYLOAD_METADATA_KEY!r}] must be a list of "
+            f"PayloadSegment, got {type(raw).__name__}"
+        )
+    return raw
+
+
+def validate_sample(sample: Sample, where: str) -> None:
+    """Raise :class:`TrainSinkError` if a finished sample cannot be turned into training data."""
+    n = len(sample.completion_tokens)
+    for name in ("logprobs", "loss_mask"):
+        got = len(getattr(sample, name))
+        if got != n:
+            raise TrainSinkError(
+                f"{where}, sample {sample.index}: {name} has {got} entries but the completion "
+                f"has {n} tokens"
+            )
+    if sample.status.is_finished and sample.reward is None:
+        raise TrainSinkError(f"{where}, sample {sample.index}: finished sample has no reward")
+    if sample.status.is_finished and not math.isfinite(sample.reward or 0.0):
+        raise TrainSinkError(
+            f"{where}, sample {sample.index}: reward {sample.reward!r} is not finite"
+        )
+    _payload_of(sample)
+
+
+def to_training_sample(
+    sample: Sample,
+    advantage: float,
+    *,
+    temperature: float,
+    group_id: str,
+    version: PolicyVersion,
+    arrival: int,
+) -> TrainingSample:
+    """One finished sample as a training sample.
+
+    Token ids are prompt then completion; the prompt is never trained (mask False, logprob 0.0,
+    advantage 0.0); completion tokens carry the sample's loss mask and logprobs, and the group
+    advantage on every trained token. Payload segments are clipped to the sequence.
+    """
+    p = len(sample.prompt_tokens)
+    token_ids = [*sample.prompt_tokens, *sample.completion_tokens]
+    mask = [False] * p + [bool(m) for m in sample.loss_mask]
+    length = len(token_ids)
+    payload = _payload_of(sample)
+    return TrainingSample(
+        token_ids=token_ids,
+        mask=mask,
+        logprobs=[0.0] * p + [float(x) for x in sample.logprobs],
+        temperatures=[temperature] * length,
+        env_name=sample.env_name,
+        advantages=[0.0] * p + [advantage if m else 0.0 for m in sample.loss_mask],
+        payload=clip_segments(payload, 0, length) if payload else None,
+        policy_version=version,
+        group_id=group_id,
+        sample_index=sample.index,
+        arrival=arrival,
+    )
+
+
+def prune_zero_advantages(sample: TrainingSample) -> bool:
+    """Zero-advantage pruning of one sample, exactly as the reference defines it.
+
+    Trained tokens (mask True) whose advantage is exactly ``0.0`` and whose rl weight is nonzero
+    get rl weight ``0.0``. If nothing changed the sample is kept untouched (``rl_weights`` stays
+    None if it was). Otherwise ``rl_weights`` is *replaced* by a new list (never edited in place,
+    so a checkpoint snapshot sharing the old list is not torn) and the sample is kept iff some
+    trained token still has nonzero rl weight, or some ce or ref-kl weight is nonzero.
+    Samples without advantages are kept unchanged. Returns the keep flag.
+    """
+    adv = sample.advantages
+    if adv is None:
+        return True
+    mask = sample.mask
+    rl = (
+        list(sample.rl_weights)
+        if sample.rl_weights is not None
+        else [1.0 if m else 0.0 for m in mask]
+    )
+    changed = False
+    for i, m in enumerate(mask):
+        if m and adv[i] == 0.0 and rl[i] != 0.0:
+            rl[i] = 0.0
+            changed = True
+    if not changed:
+        return True
+    sample.rl_weights = rl
+    if any(m and rl[i] != 0.0 for i, m in enumerate(mask)):
+        return True
+    if sample.ce_weights is not None and any(w != 0.0 for w in sample.ce_weights):
+        return True
+    return sample.ref_kl_weights is not None and any(w != 0.0 for w in sample.ref_kl_weights)
+
+
+@attrs.frozen
+class PruneResult:
+    """The outcome of post-selection pruning: samples that still train, and those dropped."""
+
+    kept: list[TrainingSample]
+    pruned: list[TrainingSample]
+
+
+def prune_detached(samples: Sequence[TrainingSample]) -> PruneResult:
+    """Prune already-detached samples (post-selection mode). Pure apart from ``rl_weights``.
+
+    Safe to run in a worker thread: it touches only the samples it is handed, which the sink no
+    longer references.
+    """
+    kept: list[TrainingSample] = []
+    pruned: list[TrainingSample] = []
+    for s in samples:
+        (kept if prune_zero_advantages(s) else pruned).append(s)
+    return PruneResult(kept=kept, pruned=pruned)

@@ -1,0 +1,725 @@
+"""The train sink: finished groups in, training batches out, every sample accounted for.
+
+All methods except :meth:`TrainSink.take_batch` are synchronous and meant to run on the event
+loop; they never block. Post-selection pruning runs in a worker thread on samples the sink has
+already detached.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+from collections.abc import Collection
+from typing import Literal
+
+import attrs
+import trio
+
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus
+from ._errors import TrainSinkError
+from ._scoring import (
+    PAYLOAD_METADATA_KEY,
+    PruneResult,
+    ScoringConfig,
+    grpo_advantages,
+    prune_detached,
+    prune_zero_advantages,
+    sample_version,
+    to_training_sample,
+    validate_sample,
+)
+from ._types import TrainingSample
+
+__all__ = [
+    "DetachedBatch",
+    "OpenGroupState",
+    "PruneMode",
+    "RestoreReport",
+    "SinkConfig",
+    "SinkCounters",
+    "SinkState",
+    "SinkWindow",
+    "TrainBatch",
+    "TrainSink",
+]
+
+logger = logging.getLogger("trio_rl.train")
+
+
+class PruneMode(enum.Enum):
+    """When zero-advantage pruning runs.
+
+    ``BEFORE_QUEUE``: per group, before queueing; the queue holds only samples that train, so
+    every batch has exactly ``batch_size`` samples. ``AFTER_SELECTION``: on the cut, in a worker
+    thread, so a batch may shrink (or come out empty, which does not advance the step).
+    """
+
+    BEFORE_QUEUE = "before_queue"
+    AFTER_SELECTION = "after_selection"
+
+
+def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"SinkConfig.{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class SinkConfig:
+    """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set.
+
+    ``max_off_policy_steps=None`` disables the staleness filter.
+    """
+
+    batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    token_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    max_off_policy_steps: int | None = 8
+    prune: PruneMode = PruneMode.BEFORE_QUEUE
+    scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.batch_size is None) == (self.token_batch_size is None):
+            raise ValueError("SinkConfig needs exactly one of batch_size or token_batch_size")
+        if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
+            raise ValueError(
+                f"SinkConfig.max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}"
+            )
+
+
+_Outcome = Literal["shipped", "pruned", "stale", "filtered", "failed", "cancelled"]
+
+
+@attrs.frozen
+class SinkCounters:
+    """Cumulative accounting since the start of the run (restored from checkpoints).
+
+    Invariant: ``dispatched == shipped + pruned + stale + filtered + failed + cancelled + held``
+    where ``held`` is what the sink still holds (queued samples, arrived members of open groups,
+    samples of a cut being settled).
+    """
+
+    dispatched: int = 0
+    shipped: int = 0
+    pruned: int = 0
+    stale: int = 0
+    filtered: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    @property
+    def settled(self) -> int:
+        terminal = (self.shipped, self.pruned, self.stale, self.filtered, self.failed)
+        return sum(terminal) + self.cancelled
+
+
+@attrs.frozen
+class SinkWindow:
+    """Metrics of the window since the previous non-empty batch (read and reset by the cut).
+
+    ``attempts`` is the attempt budget of every group finalized in the window: every member that
+    arrived (stale ones included) plus failed and cancelled ones.
+    """
+
+    attempts: int = 0
+    groups: int = 0
+    shipped: int = 0
+    shipped_tokens: int = 0
+    pruned: int = 0
+    stale: int = 0
+    filtered: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    reward_sum: float = 0.0
+    reward_count: int = 0
+
+    @property
+    def reward_mean(self) -> float | None:
+        return self.reward_sum / self.reward_count if self.reward_count else None
+
+
+@attrs.frozen
+class TrainBatch:
+    """A cut: samples detached from the sink (owned by the caller now).
+
+    ``step`` is the batch's step. An empty batch (everything pruned) has ``window=None``: the
+    step did not advance and the window stays in the sink for the next batch.
+    """
+
+    samples: list[TrainingSample]
+    step: int
+    window: SinkWindow | None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+@attrs.define(slots=True, eq=False)
+class DetachedBatch:
+    """Samples detached by :meth:`TrainSink.detach_batch`, to be settled exactly once."""
+
+    samples: list[TrainingSample]
+    step: int
+    settled: bool = False
+
+
+@attrs.frozen
+class OpenGroupState:
+    """A checkpointed open group: its identity, task and the finished members that arrived."""
+
+    group_id: str
+    prompt: Prompt
+    group_size: int
+    policy_version_at_start: PolicyVersion
+    members: tuple[Sample, ...]
+
+
+@attrs.frozen
+class SinkState:
+    """An owned snapshot of the sink (see :meth:`TrainSink.state_dict`)."""
+
+    step: int
+    next_arrival: int
+    counters: SinkCounters
+    window: SinkWindow
+    queued: tuple[TrainingSample, ...]
+    open_groups: tuple[OpenGroupState, ...]
+
+
+@attrs.frozen
+class RestoreReport:
+    """What :meth:`TrainSink.load_state_dict` restored and dropped.
+
+    ``resumed`` go back to the rollout layer (same id, prompt, arrived members) to be scheduled
+    before any new prompt; ``completed_groups`` were already full and were scored at restore, so
+    nothing is dispatched for them.
+    """
+
+    resumed: list[ResumedGroup]
+    completed_groups: list[str]
+    queued: int
+    dropped_queued_missing: int
+    dropped_queued_stale: int
+    dropped_members_missing: int
+    dropped_members_stale: int
+
+
+@attrs.define(slots=True, eq=False)
+class _OpenGroup:
+    group_id: str
+    prompt: Prompt
+    group_size: int
+    start: PolicyVersion
+    members: list[Sample] = attrs.field(factory=list)
+    seen: set[int] = attrs.field(factory=set)
+    failed: int = 0
+    cancelled: int = 0
+    aborted: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.members) + self.failed + self.cancelled >= self.group_size
+
+
+def _copy_sample(s: Sample) -> Sample:
+    meta = dict(s.metadata)
+    payload = meta.get(PAYLOAD_METADATA_KEY)
+    if isinstance(payload, list):
+        meta[PAYLOAD_METADATA_KEY] = [copy.copy(seg) for seg in payload]
+    return attrs.evolve(
+        s,
+        completion_tokens=list(s.completion_tokens),
+        logprobs=list(s.logprobs),
+        loss_mask=list(s.loss_mask),
+        policy_versions=list(s.policy_versions),
+        metadata=meta,
+    )
+
+
+def _sample_files(s: Sample) -> set[str]:
+    payload = s.metadata.get(PAYLOAD_METADATA_KEY)
+    return {seg.file for seg in payload} if isinstance(payload, list) else set()
+
+
+class TrainSink:
+    """Scores finished groups, queues training samples and cuts batches.
+
+    Groups arrive whole (:meth:`add_group`) or member by member (:meth:`open_group` then
+    :meth:`add_member`); failures and cancellations that produced no sample are booked with
+    :meth:`record_failed` / :meth:`record_cancelled`. ``step`` is the batch being collected
+    (1-based); batch ``S`` trains on policy ``S - 1``, and a sample generated at version ``v`` is
+    stale for it when ``v < (S - 1) - max_off_policy_steps``.
+    """
+
+    def __init__(self, config: SinkConfig, *, step: int = 1) -> None:
+        self.config = config
+        self._step = step
+        self._next_arrival = 0
+        self._queue: dict[int, TrainingSample] = {}
+        self._queued_tokens = 0
+        self._open: dict[str, _OpenGroup] = {}
+        self._in_cut: dict[int, TrainingSample] = {}
+        self._unread: dict[int, PolicyVersion] = {}
+        self._swept_step: int | None = None
+        self._counters = SinkCounters()
+        self._window = SinkWindow()
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def counters(self) -> SinkCounters:
+        return self._counters
+
+    @property
+    def window(self) -> SinkWindow:
+        """The metrics window accumulated since the last non-empty batch (not reset by reading)."""
+        return self._window
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    @property
+    def held(self) -> int:
+        """Samples the sink holds: queued, arrived members of open groups, and in a cut."""
+        return (
+            len(self._queue) + sum(len(g.members) for g in self._open.values()) + len(self._in_cut)
+        )
+
+    def open_group_ids(self) -> list[str]:
+        return list(self._open)
+
+    def queued_samples(self) -> list[TrainingSample]:
+        """The queue in arrival order (the objects themselves: do not mutate)."""
+        return list(self._queue.values())
+
+    def live_payload_versions(self) -> set[PolicyVersion]:
+        """Versions whose payload directories a holder the sink knows of may still read.
+
+        Queued samples (restored ones included), arrived members and start versions of open groups
+        (in-flight and resumed), samples in a cut, and batches shipped but not yet
+        :meth:`mark_read`. In-flight work the sink was never told about must be added by the
+        caller before :meth:`PayloadStore.sweep_orphans`.
+        """
+        live: set[int] = set()
+        live.update(s.policy_version for s in self._in_cut.values())
+        for g in self._open.values():
+            live.add(g.start)
+            live.update(sample_version(m, g.start) for m in g.members)
+        live.update(self._unread.values())
+        return live
+
+    def mark_read(self, step: int) -> None:
+        """The trainer has read batch ``step``: its payload files no longer need protecting."""
+        self._unread.pop(step, None)
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    def _book(self, outcome: _Outcome, n: int) -> None:
+        if n:
+            c = self._counters
+            self._counters = attrs.evolve(c, **{outcome: getattr(c, outcome) + n})
+            w = self._window
+            self._window = attrs.evolve(w, **{outcome: getattr(w, outcome) + n})
+
+    def _dispatched(self, n: int) -> None:
+        self._counters = attrs.evolve(self._counters, dispatched=self._counters.dispatched + n)
+
+    def _min_fresh(self) -> int | None:
+        m = self.config.max_off_policy_steps
+        if m is None:
+            return None
+        floor = (self._step - 1) - m
+        return floor if floor > 0 else None
+
+    def _is_stale(self, version: PolicyVersion) -> bool:
+        floor = self._min_fresh()
+        return floor is not None and version < floor
+
+    # -- ingest ---------------------------------------------------------------------------------
+
+    def open_group(
+        self, group_id: str, prompt: Prompt, group_size: int, policy_version_at_start: int = 0
+    ) -> None:
+        """Register a group whose members will arrive one by one (it is a live payload holder)."""
+        if group_id in self._open:
+            raise TrainSinkError(f"group {group_id}: already open")
+        if group_size < 1:
+            raise TrainSinkError(f"group {group_id}: group_size must be >= 1, got {group_size}")
+        self._open[group_id] = _OpenGroup(group_id, prompt, group_size, policy_version_at_start)
+
+    def add_member(self, group_id: str, sample: Sample) -> None:
+        """One member of an open group arrived (in any status); the group finalizes when full."""
+        g = self._open.get(group_id)
+        if g is None:
+            raise TrainSinkError(f"group {group_id}: member {sample.index} for a group not open")
+        self._check_new(g, [sample])
+        self._arrive(g, [sample])
+        if g.complete:
+            self._finalize(group_id)
+
+    def _arrive(self, g: _OpenGroup, samples: list[Sample]) -> None:
+        # failed and aborted members are booked at once; only finished ones are held
+        self._dispatched(len(samples))
+        for s in samples:
+            g.seen.add(s.index)
+            if s.status is SampleStatus.FAILED:
+                g.failed += 1
+                self._book("failed", 1)
+            elif s.status is SampleStatus.ABORTED:
+                g.cancelled += 1
+                g.aborted = True
+                self._book("cancelled", 1)
+            else:
+                g.members.append(s)
+
+    def add_group(self, group: Group) -> None:
+        """A finished group. If the group is open (e.g. resumed), members it already holds (same
+        sample index) are recognised and not counted twice. The group finalizes now.
+        """
+        g = self._open.get(group.group_id)
+        held = g.seen if g is not None else set()
+        new = [s for s in group.samples if s.index not in held]
+        where = f"group {group.group_id}"
+        if len({s.index for s in new}) != len(new):
+            raise TrainSinkError(f"{where}: duplicate sample indices")
+        for s in new:
+            if s.status is SampleStatus.PENDING:
+                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
+            validate_sample(s, where)
+        if g is None:
+            self.open_group(
+                group.group_id, group.prompt, max(1, group.size), group.policy_version_at_start
+            )
+            g = self._open[group.group_id]
+        self._arrive(g, new)
+        self._finalize(group.group_id)
+
+    def _check_new(self, g: _OpenGroup, samples: list[Sample]) -> None:
+        held = g.seen
+        for s in samples:
+            where = f"group {g.group_id}"
+            if s.index in held:
+                raise TrainSinkError(f"{where}, sample {s.index}: arrived twice")
+            if s.status is SampleStatus.PENDING:
+                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
+            validate_sample(s, where)
+
+    def record_failed(self, n: int, group_id: str | None = None) -> None:
+        """``n`` dispatched samples failed without producing a sample (counts toward completion)."""
+        self._record_lost("failed", n, group_id)
+
+    def record_cancelled(self, n: int, group_id: str | None = None) -> None:
+        """``n`` dispatched samples were cancelled (counts toward completion of ``group_id``)."""
+        self._record_lost("cancelled", n, group_id)
+
+    def _record_lost(
+        self, outcome: Literal["failed", "cancelled"], n: int, gid: str | None
+    ) -> None:
+        if n < 0:
+            raise TrainSinkError(f"record_{outcome}: n must be >= 0, got {n}")
+        g = self._open.get(gid) if gid is not None else None
+        if gid is not None and g is None:
+            raise TrainSinkError(f"record_{outcome}: group {gid} is not open")
+        self._dispatched(n)
+        self._book(outcome, n)
+        if g is not None:
+            setattr(g, outcome, getattr(g, outcome) + n)
+            if g.complete:
+                self._finalize(g.group_id)
+
+    def _finalize(self, group_id: str) -> None:
+        """Score a complete group exactly once with exactly its arrived members."""
+        g = self._open.pop(group_id)
+        w = self._window
+        # the attempt budget counts every member that arrived, stale ones included (defect 2)
+        n_owed = len(g.members) + g.failed + g.cancelled
+        self._window = attrs.evolve(w, attempts=w.attempts + n_owed, groups=w.groups + 1)
+        finished = g.members
+        if g.aborted:
+            # a group holding an aborted member is rejected as a whole
+            self._book("filtered", len(finished))
+            return
+        fresh = [s for s in finished if not self._is_stale(sample_version(s, g.start))]
+        self._book("stale", len(finished) - len(fresh))
+        if not fresh:
+            return
+        rewards = [float(s.reward or 0.0) for s in fresh]
+        w = self._window
+        self._window = attrs.evolve(
+            w, reward_sum=w.reward_sum + sum(rewards), reward_count=w.reward_count + len(rewards)
+        )
+        sc = self.config.scoring
+        advs = grpo_advantages(rewards, normalize_std=sc.normalize_std, eps=sc.eps)
+        for s, a in zip(fresh, advs, strict=True):
+            if not any(s.loss_mask):
+                self._book("filtered", 1)
+                continue
+            ts = to_training_sample(
+                s,
+                a,
+                temperature=sc.temperature_for(s.env_name),
+                group_id=group_id,
+                version=sample_version(s, g.start),
+                arrival=self._next_arrival,
+            )
+            self._next_arrival += 1
+            if self.config.prune is PruneMode.BEFORE_QUEUE and not prune_zero_advantages(ts):
+                self._book("pruned", 1)
+                continue
+            self._enqueue(ts)
+
+    def _enqueue(self, ts: TrainingSample) -> None:
+        self._queue[ts.arrival] = ts
+        self._queued_tokens += ts.num_tokens
+
+    # -- staleness, readiness, cut --------------------------------------------------------------
+
+    def sweep_stale(self) -> int:
+        """Drop queued samples stale for the current step; returns how many were dropped."""
+        floor = self._min_fresh()
+        self._swept_step = self._step
+        if floor is None:
+            return 0
+        stale = [k for k, s in self._queue.items() if s.policy_version < floor]
+        for k in stale:
+            self._queued_tokens -= self._queue.pop(k).num_tokens
+        self._book("stale", len(stale))
+        if stale:
+            logger.warning(
+                "dropped %d queued samples past max_off_policy_steps=%s (step %d)",
+                len(stale),
+                self.config.max_off_policy_steps,
+                self._step,
+            )
+        return len(stale)
+
+    def ready(self) -> bool:
+        """Whether a batch can be cut; sweeps stale work first (at most once per step)."""
+        if self._swept_step != self._step:
+            self.sweep_stale()
+        if self.config.batch_size is not None:
+            return len(self._queue) >= self.config.batch_size
+        assert self.config.token_batch_size is not None
+        return self._queued_tokens >= self.config.token_batch_size
+
+    def detach_batch(self, *, force: bool = False) -> DetachedBatch:
+        """Select and detach the next batch on the loop: oldest policy version first, stable on
+        arrival order; ``batch_size`` samples, or samples until ``token_batch_size`` tokens (the
+        crossing sample included). ``force`` cuts what there is when not ready (draining).
+        """
+        if not self.ready() and not force:
+            raise TrainSinkError(
+                f"take_batch: not ready ({len(self._queue)} samples, {self._queued_tokens} tokens)"
+            )
+        order = sorted(self._queue.values(), key=lambda s: (s.policy_version, s.arrival))
+        if self.config.batch_size is not None:
+            chosen = order[: self.config.batch_size]
+        else:
+            assert self.config.token_batch_size is not None
+            chosen, running = [], 0
+            for s in order:
+                if running >= self.config.token_batch_size:
+                    break
+                chosen.append(s)
+                running += s.num_tokens
+        for s in chosen:
+            del self._queue[s.arrival]
+            self._queued_tokens -= s.num_tokens
+            self._in_cut[s.arrival] = s
+        return DetachedBatch(samples=chosen, step=self._step)
+
+    def settle_batch(
+        self, detached: DetachedBatch, pruned: PruneResult | None = None
+    ) -> TrainBatch:
+        """Finish a cut on the loop: book pruned and shipped samples; a non-empty batch takes the
+        window and advances the step, an empty one leaves both as they are.
+        """
+        if detached.settled:
+            raise TrainSinkError(f"batch for step {detached.step} settled twice")
+        if detached.step != self._step:
+            raise TrainSinkError(f"batch for step {detached.step} settled at step {self._step}")
+        detached.settled = True
+        for s in detached.samples:
+            self._in_cut.pop(s.arrival, None)
+        kept = pruned.kept if pruned is not None else detached.samples
+        self._book("pruned", len(pruned.pruned) if pruned is not None else 0)
+        if not kept:
+            logger.warning("skipping empty train batch at step %d (all pruned)", self._step)
+            return TrainBatch(samples=[], step=self._step, window=None)
+        self._book("shipped", len(kept))
+        w = self._window
+        window = attrs.evolve(w, shipped_tokens=w.shipped_tokens + sum(s.num_tokens for s in kept))
+        self._window = SinkWindow()
+        batch = TrainBatch(samples=kept, step=self._step, window=window)
+        self._unread[self._step] = min(s.policy_version for s in kept)
+        self._step += 1
+        return batch
+
+    def _requeue(self, detached: DetachedBatch, pruned: PruneResult) -> None:
+        detached.settled = True
+        for s in detached.samples:
+            self._in_cut.pop(s.arrival, None)
+        self._book("pruned", len(pruned.pruned))
+        for s in sorted(pruned.kept, key=lambda s: s.arrival):
+            self._enqueue(s)
+        self._queue = dict(sorted(self._queue.items()))
+
+    async def take_batch(
+        self, *, limiter: trio.CapacityLimiter | None = None, force: bool = False
+    ) -> TrainBatch:
+        """Cut the next batch; in ``AFTER_SELECTION`` mode prune it in a worker thread.
+
+        On cancellation before the cut nothing changes. A cancellation during pruning waits for
+        the worker (shielded), puts the surviving samples back in the queue (the pruned ones are
+        booked as pruned) and re-raises: nothing is lost or counted twice.
+        """
+        await trio.lowlevel.checkpoint()
+        detached = self.detach_batch(force=force)
+        if self.config.prune is not PruneMode.AFTER_SELECTION:
+            return self.settle_batch(detached)
+        with trio.CancelScope(shield=True):
+            result = await trio.to_thread.run_sync(
+                prune_detached, list(detached.samples), limiter=limiter
+            )
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled:
+            self._requeue(detached, result)
+            raise
+        return self.settle_batch(detached, result)
+
+    def discard_queued(self) -> int:
+        """Shutdown: drop every queued sample, booked as cancelled. Returns how many."""
+        n = len(self._queue)
+        self._queue.clear()
+        self._queued_tokens = 0
+        self._book("cancelled", n)
+        return n
+
+    # -- checkpoint -----------------------------------------------------------------------------
+
+    def state_dict(self) -> SinkState:
+        """An owned snapshot, taken on the loop.
+
+        Containers are copied; queued samples are shallow copies sharing their per-token lists,
+        which the sink never edits in place (pruning replaces ``rl_weights``). Members of open
+        groups are copied with their lists. Samples in a cut are saved as queued.
+        """
+        queued = sorted([*self._queue.values(), *self._in_cut.values()], key=lambda s: s.arrival)
+        return SinkState(
+            step=self._step,
+            next_arrival=self._next_arrival,
+            counters=self._counters,
+            window=self._window,
+            queued=tuple(copy.copy(s) for s in queued),
+            open_groups=tuple(
+                OpenGroupState(
+                    group_id=g.group_id,
+                    prompt=g.prompt,
+                    group_size=g.group_size,
+                    policy_version_at_start=g.start,
+                    members=tuple(_copy_sample(m) for m in g.members),
+                )
+                for g in self._open.values()
+            ),
+        )
+
+    def load_state_dict(
+        self, state: SinkState, *, missing_files: Collection[str] = ()
+    ) -> RestoreReport:
+        """Replace the sink's state with a checkpoint's.
+
+        Queued samples come back first in the queue (stale ones and those naming a file in
+        ``missing_files`` are dropped and logged). Open groups keep their id, prompt and fresh
+        members; members dropped (stale or missing files) are regenerated like any missing one.
+        An open group whose fresh members already fill it is scored now and dispatches nothing.
+        """
+        self._step = state.step
+        self._next_arrival = state.next_arrival
+        self._counters = state.counters
+        self._window = state.window
+        self._queue, self._queued_tokens, self._open = {}, 0, {}
+        self._in_cut, self._unread = {}, {}
+        missing = set(missing_files)
+        q_missing = q_stale = m_missing = m_stale = 0
+        for ts in state.queued:
+            ts = copy.copy(ts)
+            if missing and any(seg.file in missing for seg in ts.payload or ()):
+                q_missing += 1
+            elif self._is_stale(ts.policy_version):
+                q_stale += 1
+            else:
+                self._enqueue(ts)
+                self._next_arrival = max(self._next_arrival, ts.arrival + 1)
+        self._book("filtered", q_missing)
+        self._book("stale", q_stale)
+        resumed: list[ResumedGroup] = []
+        completed: list[str] = []
+        for og in state.open_groups:
+            fresh: list[Sample] = []
+            for m in og.members:
+                if missing and _sample_files(m) & missing:
+                    m_missing += 1
+                elif self._is_stale(sample_version(m, og.policy_version_at_start)):
+                    m_stale += 1
+                else:
+                    fresh.append(_copy_sample(m))
+            g = _OpenGroup(og.group_id, og.prompt, og.group_size, og.policy_version_at_start)
+            g.members = fresh
+            g.seen = {m.index for m in fresh}
+            self._open[og.group_id] = g
+            if g.complete:
+                completed.append(og.group_id)
+                self._finalize(og.group_id)
+            else:
+                resumed.append(
+                    ResumedGroup(
+                        group_id=og.group_id,
+                        prompt=og.prompt,
+                        group_size=og.group_size,
+                        arrived=[_copy_sample(m) for m in fresh],
+                        policy_version_at_start=og.policy_version_at_start,
+                    )
+                )
+        self._book("filtered", m_missing)
+        self._book("stale", m_stale)
+        self._swept_step = self._step
+        if q_missing or q_stale or m_missing or m_stale:
+            logger.warning(
+                "restore: dropped %d queued samples with missing payload files, %d stale queued "
+                "samples, %d open-group members with missing payload files and %d stale members "
+                "(dropped members are regenerated)",
+                q_missing,
+                q_stale,
+                m_missing,
+                m_stale,
+            )
+        return RestoreReport(
+            resumed=resumed,
+            completed_groups=completed,
+            queued=len(self._queue),
+            dropped_queued_missing=q_missing,
+            dropped_queued_stale=q_stale,
+            dropped_members_missing=m_missing,
+            dropped_members_stale=m_stale,
+        )
+
+
+def payload_files_of_state(state: SinkState) -> set[str]:
+    """Every payload file a snapshot's queued samples and open-group members refer to."""
+    files: set[str] = set()
+    for ts in state.queued:
+        files.update(seg.file for seg in ts.payload or ())
+    for og in state.open_groups:
+        for m in og.members:
+            files |= _sample_files(m)
+    return files

@@ -1,0 +1,161 @@
+"""`BatchReceiver`: a trio trainer rank's ``async for`` over its decoded micro-batches."""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+from typing import Self
+
+import trio
+
+from trio_rl.transport import (
+    FileBatchReceiver,
+    ReceivedPayload,
+    ReceiverTransport,
+    ZmqBatchReceiver,
+)
+from trio_rl.wire import MicroBatch, decode
+
+__all__ = ["BatchReceiver"]
+
+#: Payloads at least this large are decoded in a worker thread.
+DEFAULT_THREAD_THRESHOLD = 256 * 1024
+
+
+class BatchReceiver:
+    """Receives and decodes one trainer rank's micro-batches, step after step.
+
+    ::
+
+        async with BatchReceiver.zmq(rank, host="orchestrator", port=5555) as receiver:
+            async for step, micro_batches in receiver:
+                ...
+
+    The receiver owns its transport: entering opens it, leaving closes it.
+
+    Args:
+        transport: the rank's receiving transport (`FileBatchReceiver`, `ZmqBatchReceiver`).
+        stop_step: iteration ends before this step (``None``: iterate until cancelled).
+        thread_threshold: payloads of at least this many bytes are decoded in a worker thread
+            so the event loop keeps running; smaller ones inline.
+        limiter: the capacity limiter for decoding threads (default: a private one of 1).
+
+    A payload that is not a valid micro-batch array raises `trio_rl.wire.WireFormatError`
+    whose ``source`` names the file (or the ZeroMQ endpoint, rank and step) and whose
+    ``offset`` is the byte offset of the fault; that payload is then dropped and the next
+    receive moves on to the next step.
+    """
+
+    def __init__(
+        self,
+        transport: ReceiverTransport,
+        *,
+        stop_step: int | None = None,
+        thread_threshold: int = DEFAULT_THREAD_THRESHOLD,
+        limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._transport = transport
+        self._stop_step = stop_step
+        self._thread_threshold = thread_threshold
+        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self._pending: ReceivedPayload | None = None
+
+    @classmethod
+    def files(
+        cls,
+        directory: str | os.PathLike[str],
+        rank: int,
+        *,
+        start_step: int = 0,
+        stop_step: int | None = None,
+        timeout: float | None = None,
+        delete: bool = False,
+    ) -> BatchReceiver:
+        """A receiver over the filesystem transport (see `FileBatchReceiver`)."""
+        transport = FileBatchReceiver(
+            directory, rank, start_step=start_step, timeout=timeout, delete=delete
+        )
+        return cls(transport, stop_step=stop_step)
+
+    @classmethod
+    def zmq(
+        cls,
+        rank: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 5555,
+        hwm: int = 10,
+        start_step: int = 0,
+        stop_step: int | None = None,
+    ) -> BatchReceiver:
+        """A receiver over the ZeroMQ transport (see `ZmqBatchReceiver`)."""
+        transport = ZmqBatchReceiver(rank, host=host, port=port, hwm=hwm, start_step=start_step)
+        return cls(transport, stop_step=stop_step)
+
+    @property
+    def transport(self) -> ReceiverTransport:
+        return self._transport
+
+    @property
+    def rank(self) -> int:
+        return self._transport.rank
+
+    @property
+    def next_step(self) -> int:
+        """The step the next `receive` returns."""
+        if self._pending is not None:
+            return self._pending.step
+        return self._transport.next_step
+
+    async def receive(self) -> tuple[int, list[MicroBatch]]:
+        """Wait for the next step's payload and return ``(step, micro_batches)``.
+
+        Cancellation: safe. A payload already taken from the transport but not yet decoded is
+        kept and returned by the next call, so nothing is lost.
+        """
+        if self._pending is None:
+            self._pending = await self._transport.receive()
+        received = self._pending
+        try:
+            if len(received.data) >= self._thread_threshold:
+                micro_batches = await trio.to_thread.run_sync(
+                    self._decode, received, limiter=self._limiter
+                )
+            else:
+                micro_batches = self._decode(received)
+        except trio.Cancelled:
+            raise
+        except BaseException:
+            self._pending = None
+            raise
+        self._pending = None
+        return received.step, micro_batches
+
+    @staticmethod
+    def _decode(received: ReceivedPayload) -> list[MicroBatch]:
+        return decode(received.data, source=received.source)
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> tuple[int, list[MicroBatch]]:
+        if self._stop_step is not None and self.next_step >= self._stop_step:
+            await trio.lowlevel.checkpoint()
+            raise StopAsyncIteration
+        return await self.receive()
+
+    async def aclose(self) -> None:
+        """Close the transport. Idempotent."""
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self._transport.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,98 @@
+"""The sender and receiver interfaces every batch transport implements.
+
+A transport moves opaque payload bytes, one per (step, rank); it knows nothing of their format
+(decoding belongs to the trainer's ``BatchReceiver``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Self, TypeAlias
+
+import attrs
+
+__all__ = ["BatchSender", "Payload", "ReceivedPayload", "ReceiverTransport"]
+
+#: What a sender accepts and a receiver returns: any contiguous bytes-like buffer.
+Payload: TypeAlias = bytes | bytearray | memoryview
+
+
+@attrs.frozen
+class ReceivedPayload:
+    """One rank's payload of one step.
+
+    ``source`` names where it came from (a file path, or the ZeroMQ endpoint, rank and step),
+    so a decoding error can say which payload was bad.
+    """
+
+    step: int
+    rank: int
+    data: Payload
+    source: str
+
+
+class BatchSender(abc.ABC):
+    """Sends each step's payloads, one per data-parallel rank. Use as ``async with``."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """The number of ranks; every `send` carries exactly this many payloads."""
+
+    @abc.abstractmethod
+    async def send(self, step: int, payloads: Sequence[Payload]) -> None:
+        """Send ``payloads[r]`` to rank ``r`` for ``step``.
+
+        Raises `ValueError` if ``len(payloads) != world_size``. Payload buffers must not be
+        mutated while the send is in progress (zero-copy transports may still read them).
+        """
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource; idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+class ReceiverTransport(abc.ABC):
+    """Receives one rank's payloads, step after step. Use as ``async with``."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """The data-parallel rank whose payloads this receives."""
+
+    @property
+    @abc.abstractmethod
+    def next_step(self) -> int:
+        """The step the next `receive` returns."""
+
+    @abc.abstractmethod
+    async def receive(self) -> ReceivedPayload:
+        """Wait for and return the payload of `next_step`, then advance `next_step` by one."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Release every resource; idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

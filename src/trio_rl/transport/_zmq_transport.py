@@ -1,0 +1,391 @@
+"""The ZeroMQ transport (the reference's wire protocol, on trio).
+
+- Data: the sender binds a PUB socket at ``tcp://host:port`` and sends one two-frame message
+  per rank and step, ``[b"data_rank|<R>|", payload]``. The trailing ``|`` keeps rank 1's
+  prefix subscription from matching rank 10.
+- READY barrier: the sender binds a PULL socket at ``tcp://host:port+1``. Each trainer rank
+  subscribes its SUB socket to its topic, connects, and sends its rank as ASCII once over a
+  PUSH socket. Before its first send the sender waits (up to ``ready_timeout``) until it has
+  heard ``world_size`` distinct ranks.
+- No step number is on the wire: the receiver numbers messages in arrival order, from
+  ``start_step``. Sender and receiver stay in step only if nothing is dropped (see below).
+- A slow or dead receiver never blocks the sender: PUB queues up to ``hwm`` messages per
+  subscriber (plus what the kernel's socket buffers hold) and silently drops newer messages
+  past that. The orchestrator's ship gate keeps at most ``max_lag + 1`` steps unconsumed per
+  rank, which must stay below ``hwm``; a dropped message shifts the receiver's step numbering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
+from ._errors import TransportError, TransportTimeoutError
+from ._zmq import ZmqSocket
+
+__all__ = ["ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
+
+
+def rank_topic(rank: int) -> bytes:
+    """The topic frame of rank ``rank``'s data messages."""
+    return b"data_rank|" + str(rank).encode() + b"|"
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def _check_port(port: int) -> None:
+    if not 0 < port < 65535:
+        raise ValueError(f"port must be in 1..65534 (port + 1 is used too), got {port}")
+
+
+async def _term(ctx: zmq.Context[Any]) -> None:
+    # Context.term blocks until every socket's linger has expired: run it in a thread, shielded,
+    # so a cancelled close still releases the context (the wait is bounded by the linger).
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(ctx.term)
+
+
+class ZmqBatchSender(BatchSender):
+    """Publishes each step's payloads to the trainer ranks over ZeroMQ.
+
+    Sockets are bound when entering ``async with``.
+
+    Args:
+        world_size: the number of trainer ranks.
+        host: the interface to bind (``"*"`` for all).
+        port: the data port; the READY barrier uses ``port + 1``.
+        hwm: the send and receive high-water marks, in messages.
+        ready_timeout: seconds the first send waits for every rank's READY before raising
+            `TransportTimeoutError`.
+        linger: seconds closing may keep delivering queued messages in the background.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 5555,
+        hwm: int = 10,
+        ready_timeout: float = 60.0,
+        linger: float = 5.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        _check_port(port)
+        if hwm < 1:
+            raise ValueError(f"hwm must be >= 1, got {hwm}")
+        self._world_size = world_size
+        self._host = host
+        self._port = port
+        self._hwm = hwm
+        self._ready_timeout = ready_timeout
+        self._linger_ms = int(linger * 1000)
+        self._ctx: zmq.Context[Any] | None = None
+        self._pub: ZmqSocket | None = None
+        self._ready_sock: ZmqSocket | None = None
+        self._ready_ranks: set[int] = set()
+        self._ignored_ready = 0
+        self._last_step: int | None = None
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def data_endpoint(self) -> str:
+        return _endpoint(self._host, self._port)
+
+    @property
+    def ready_endpoint(self) -> str:
+        return _endpoint(self._host, self._port + 1)
+
+    @property
+    def ready_ranks(self) -> frozenset[int]:
+        """The ranks heard from so far in the READY barrier."""
+        return frozenset(self._ready_ranks)
+
+    async def __aenter__(self) -> ZmqBatchSender:
+        await trio.lowlevel.checkpoint()
+        if self._closed or self._ctx is not None:
+            raise RuntimeError("a ZmqBatchSender can be entered only once")
+        ctx: zmq.Context[Any] = zmq.Context()
+        self._ctx = ctx
+        try:
+            pub = ctx.socket(zmq.PUB)
+            self._pub = ZmqSocket(pub)
+            pub.setsockopt(zmq.SNDHWM, self._hwm)
+            pull = ctx.socket(zmq.PULL)
+            self._ready_sock = ZmqSocket(pull)
+            pull.setsockopt(zmq.RCVHWM, self._hwm)
+            for sock, endpoint in ((pub, self.data_endpoint), (pull, self.ready_endpoint)):
+                try:
+                    sock.bind(endpoint)
+                except zmq.ZMQError as exc:
+                    raise TransportError(f"cannot bind {endpoint}: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    def _sockets(self) -> tuple[ZmqSocket, ZmqSocket]:
+        if self._closed:
+            raise trio.ClosedResourceError("this ZmqBatchSender is closed")
+        if self._pub is None or self._ready_sock is None:
+            raise RuntimeError("use ZmqBatchSender as `async with ZmqBatchSender(...) as s`")
+        return self._pub, self._ready_sock
+
+    @property
+    def is_ready(self) -> bool:
+        return len(self._ready_ranks) == self._world_size
+
+    async def wait_ready(self) -> None:
+        """Wait until every rank ``0..world_size-1`` has sent READY (done once, for good).
+
+        Messages that are not a rank in range are ignored (and counted in the timeout error);
+        duplicates count once. Raises `TransportTimeoutError` naming the missing ranks after
+        ``ready_timeout`` seconds.
+
+        Cancellation: safe; the ranks heard so far are kept for the next call.
+        """
+        _, ready = self._sockets()
+        with trio.move_on_after(self._ready_timeout) as scope:
+            while not self.is_ready:
+                [msg, *_] = await ready.recv_multipart()
+                try:
+                    rank = int(msg.decode("ascii"))
+                except (UnicodeDecodeError, ValueError):
+                    rank = -1
+                if 0 <= rank < self._world_size:
+                    self._ready_ranks.add(rank)
+                else:
+                    self._ignored_ready += 1
+        if scope.cancelled_caught:
+            missing = sorted(set(range(self._world_size)) - self._ready_ranks)
+            raise TransportTimeoutError(
+                f"READY barrier on {self.ready_endpoint}: ranks {missing} of {self._world_size} "
+                f"did not report within {self._ready_timeout:g} s"
+                + (
+                    f" ({self._ignored_ready} malformed READY messages ignored)"
+                    if self._ignored_ready
+                    else ""
+                )
+            )
+
+    async def send(self, step: int, payloads: Sequence[Payload]) -> None:
+        """Publish ``payloads[r]`` to rank ``r``; the first call waits for the READY barrier.
+
+        Steps must be consecutive (the receivers count them). Never blocks on a slow or dead
+        receiver: past its high-water mark PUB drops the message. Payloads are sent without
+        copying; do not mutate their buffers afterwards.
+
+        Cancellation: safe while waiting for the barrier (nothing was sent). Once the barrier
+        is passed a send does not wait, so it completes.
+        """
+        pub, _ = self._sockets()
+        if len(payloads) != self._world_size:
+            raise ValueError(
+                f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
+            )
+        if self._last_step is not None and step != self._last_step + 1:
+            raise ValueError(
+                f"ZeroMQ steps must be consecutive (receivers count them): "
+                f"got step {step} after step {self._last_step}"
+            )
+        if not self.is_ready:
+            await self.wait_ready()
+        # Reading ZMQ_EVENTS makes libzmq process the subscribers' pending "I have read up to
+        # here" notices now; a plain send processes them at most about once a millisecond, so
+        # back-to-back sends would otherwise see a stale count and drop below the HWM.
+        pub.events()
+        # PUB never waits for room, so this loop runs without a schedule point between ranks.
+        for rank, payload in enumerate(payloads):
+            await pub.send_multipart([rank_topic(rank), payload], copy=False)
+        self._last_step = step
+
+    async def aclose(self) -> None:
+        """Close both sockets and the context.
+
+        Queued messages get up to ``linger`` seconds to be delivered; that wait runs in a
+        thread and is shielded from cancellation (it is bounded by ``linger``).
+        """
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._ready_sock is not None:
+            self._ready_sock.close(linger=0)
+        if self._pub is not None:
+            self._pub.close(linger=self._linger_ms)
+        if self._ctx is not None:
+            await _term(self._ctx)
+        else:
+            await trio.lowlevel.checkpoint()
+
+
+class ZmqBatchReceiver(ReceiverTransport):
+    """Receives one rank's payloads from a `ZmqBatchSender`.
+
+    Entering ``async with`` subscribes and connects the SUB socket (the sender may come up
+    later; zmq keeps reconnecting) and starts a background task, owned by the ``async with``,
+    that waits until the SUB connection's handshake has succeeded (so the subscription is on
+    its way before READY) and then sends READY once, whether or not `receive` is called yet.
+    If that task fails, the error cancels the ``async with`` body and surfaces at its exit.
+
+    A restarted sender needs restarted receivers: READY is sent once and the step count is
+    never reset.
+
+    Args:
+        rank: this trainer's data-parallel rank.
+        host: the sender's host.
+        port: the sender's data port (READY goes to ``port + 1``).
+        hwm: the receive and send high-water marks, in messages.
+        start_step: the step number of the first message received.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 5555,
+        hwm: int = 10,
+        start_step: int = 0,
+    ) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        _check_port(port)
+        self._rank = rank
+        self._host = host
+        self._port = port
+        self._hwm = hwm
+        self._topic = rank_topic(rank)
+        self._next_step = start_step
+        self._ctx: zmq.Context[Any] | None = None
+        self._sub: ZmqSocket | None = None
+        self._monitor: ZmqSocket | None = None
+        self._push: ZmqSocket | None = None
+        self._announced = trio.Event()
+        self._tasks = AsyncExitStack()
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+    @property
+    def data_endpoint(self) -> str:
+        return _endpoint(self._host, self._port)
+
+    async def __aenter__(self) -> ZmqBatchReceiver:
+        await trio.lowlevel.checkpoint()
+        if self._closed or self._ctx is not None:
+            raise RuntimeError("a ZmqBatchReceiver can be entered only once")
+        ctx: zmq.Context[Any] = zmq.Context()
+        self._ctx = ctx
+        try:
+            sub = ctx.socket(zmq.SUB)
+            self._sub = ZmqSocket(sub)
+            sub.setsockopt(zmq.RCVHWM, self._hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            self._monitor = ZmqSocket(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+            sub.connect(self.data_endpoint)
+            push = ctx.socket(zmq.PUSH)
+            self._push = ZmqSocket(push)
+            push.setsockopt(zmq.SNDHWM, self._hwm)
+            self._nursery = await self._tasks.enter_async_context(trio.open_nursery())
+            self._nursery.start_soon(self._announce, self._sub, self._monitor, self._push)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    def _require_sub(self) -> ZmqSocket:
+        if self._closed:
+            raise trio.ClosedResourceError("this ZmqBatchReceiver is closed")
+        if self._sub is None:
+            raise RuntimeError("use ZmqBatchReceiver as `async with ZmqBatchReceiver(...) as r`")
+        return self._sub
+
+    async def _announce(self, sub: ZmqSocket, monitor: ZmqSocket, push: ZmqSocket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                break
+        sub.socket.disable_monitor()
+        sub.events()  # disable_monitor may have consumed an edge a parked receive needs
+        monitor.close(linger=0)
+        self._monitor = None
+        # Connect only now: READY then travels a fresh connection, set up after the
+        # subscription was sent on the data connection, so it cannot overtake it in practice.
+        push.socket.connect(_endpoint(self._host, self._port + 1))
+        await push.send_multipart([str(self._rank).encode("ascii")])
+        self._announced.set()
+
+    @property
+    def announced(self) -> bool:
+        """Whether READY has been sent."""
+        return self._announced.is_set()
+
+    async def announce(self) -> None:
+        """Wait until the data connection is up and READY has been sent.
+
+        Cancellation: safe; READY is sent by the background task regardless.
+        """
+        self._require_sub()
+        await self._announced.wait()
+
+    async def receive(self) -> ReceivedPayload:
+        """Wait for this rank's next message; it is numbered `next_step`.
+
+        The payload is a read-only memoryview of the received zmq frame (no copy).
+
+        Cancellation: safe; a cancelled receive takes no message off the socket.
+        """
+        sub = self._require_sub()
+        frames = await sub.recv_multipart(copy=False)
+        step = self._next_step
+        source = f"{self.data_endpoint} rank {self._rank} step {step}"
+        if len(frames) != 2 or frames[0].bytes != self._topic:
+            raise TransportError(
+                f"{source}: malformed message: expected [{self._topic!r}, payload], "
+                f"got {len(frames)} frame(s) starting {frames[0].bytes[:32]!r}"
+            )
+        self._next_step = step + 1
+        return ReceivedPayload(step=step, rank=self._rank, data=frames[1].buffer, source=source)
+
+    async def aclose(self) -> None:
+        """Stop the READY task, close the sockets (dropping anything queued) and the context.
+
+        Call it from the task that entered (``async with`` does).
+        """
+        if self._closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closed = True
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+        try:
+            await self._tasks.aclose()
+        finally:
+            for sock in (self._monitor, self._push, self._sub):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._ctx is not None:
+                await _term(self._ctx)

@@ -1,0 +1,491 @@
+"""OpenAICompatibleEngine against a real (fake vLLM) HTTP server on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import attrs
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trio_rl.engines import (
+    Engine,
+    EngineClosedError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineTransportError,
+    GenerateRequest,
+    OpenAICompatibleEngine,
+    SamplingParams,
+    parse_completion_response,
+)
+
+
+@attrs.define(eq=False)
+class FakeVLLM:
+    """A tiny vLLM-like server: answers /v1/completions with ``n`` tokens continuing the prompt,
+    can fail (503) or drop the connection N times, hang until aborted, answer a fixed status or
+    a raw body, and records every completion request and every abort."""
+
+    name: str
+    token_style: str = "strings"  # or "ids"
+    fail_next: int = 0
+    drop_next: int = 0
+    hang: bool = False
+    status: int | None = None
+    raw_body: bytes | None = None
+    version_field: Any = None
+    version_header: str | None = None
+    requests: list[dict[str, Any]] = attrs.field(factory=list)
+    headers: list[dict[str, str]] = attrs.field(factory=list)
+    aborts: list[dict[str, Any]] = attrs.field(factory=list)
+    release: threading.Event = attrs.field(factory=threading.Event)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _server: ThreadingHTTPServer | None = None
+    _thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes, extra: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                for k, v in (extra or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/abort_request":
+                    with fake.lock:
+                        fake.aborts.append(payload)
+                    self._send(200, b"{}")
+                    return
+                with fake.lock:
+                    fake.requests.append(payload)
+                    fake.headers.append(dict(self.headers))
+                    drop = fake.drop_next > 0
+                    fake.drop_next -= drop
+                    fail = not drop and fake.fail_next > 0
+                    fake.fail_next -= fail
+                if drop:
+                    self.close_connection = True
+                    return
+                if fail:
+                    self._send(503, b'{"error": "overloaded"}')
+                    return
+                if fake.hang:
+                    fake.release.wait(30)
+                if fake.status is not None:
+                    self._send(fake.status, b'{"error": "bad request: max_tokens"}')
+                    return
+                if fake.raw_body is not None:
+                    self._send(200, fake.raw_body)
+                    return
+                n = min(payload["max_tokens"], 5)
+                tokens = [payload["prompt"][-1] + 1 + i for i in range(n)]
+                logprobs: dict[str, Any] = {"token_logprobs": [-0.1 * (i + 1) for i in range(n)]}
+                choice: dict[str, Any] = {
+                    "text": "",
+                    "finish_reason": "length" if n == payload["max_tokens"] else "stop",
+                    "logprobs": logprobs,
+                }
+                if fake.token_style == "ids":
+                    choice["token_ids"] = tokens
+                else:
+                    logprobs["tokens"] = [f"token_id:{t}" for t in tokens]
+                body: dict[str, Any] = {"id": "cmpl-1", "server": fake.name, "choices": [choice]}
+                if fake.version_field is not None:
+                    body["policy_version"] = fake.version_field
+                extra = {}
+                if fake.version_header is not None:
+                    extra["X-Policy-Version"] = fake.version_header
+                self._send(200, json.dumps(body).encode(), extra)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 128
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client that went away (cancelled) is expected here
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.02,), daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.release.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(10)
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., FakeVLLM]]:
+    started: list[FakeVLLM] = []
+
+    def make(**kwargs: Any) -> FakeVLLM:
+        server = FakeVLLM(name=f"s{len(started)}", **kwargs)
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def req(i: int = 0, key: str | None = None, **params: Any) -> GenerateRequest:
+    return GenerateRequest(
+        prompt_tokens=(100, 200 + i),
+        params=SamplingParams(**params),
+        routing_key=key,
+        request_id=f"req-{i}",
+    )
+
+
+def engine(urls: Any, **kwargs: Any) -> OpenAICompatibleEngine:
+    kwargs.setdefault("backoff", 0.01)
+    kwargs.setdefault("timeout", 10.0)
+    return OpenAICompatibleEngine(urls, model="m", **kwargs)
+
+
+def test_satisfies_engine_protocol() -> None:
+    assert isinstance(OpenAICompatibleEngine("http://127.0.0.1:1"), Engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"base_urls": []}, "at least one server"),
+        ({"base_urls": "localhost:8000"}, "not an http"),
+        ({"base_urls": "http://x", "timeout": 0}, "timeout must be > 0"),
+        ({"base_urls": "http://x", "max_attempts": 0}, "max_attempts must be > 0"),
+    ],
+)
+def test_bad_configuration_is_rejected(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OpenAICompatibleEngine(**kwargs)
+
+
+@pytest.mark.parametrize("style", ["strings", "ids"])
+async def test_generates_tokens_and_logprobs(
+    make_server: Callable[..., FakeVLLM], style: str
+) -> None:
+    server = make_server(token_style=style)
+    async with engine(server.url) as e:
+        c = await e.generate(req(3, max_tokens=16, temperature=0.7, seed=42))
+    assert c.tokens == [204, 205, 206, 207, 208]
+    assert c.logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert (c.finish_reason, c.policy_version) == ("stop", 0)
+    [body] = server.requests
+    assert body["prompt"] == [100, 203]
+    assert body["logprobs"] == 1
+    assert body["return_tokens_as_token_ids"] is True
+    assert (body["model"], body["max_tokens"], body["temperature"], body["seed"]) == (
+        "m",
+        16,
+        0.7,
+        42,
+    )
+    assert body["rid"] == "req-3"
+    assert server.headers[0]["X-Request-Id"] == "req-3"
+
+
+async def test_length_finish_reason(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server()
+    async with engine(server.url) as e:
+        c = await e.generate(req(0, max_tokens=2))
+    assert (len(c.tokens), c.finish_reason) == (2, "length")
+
+
+async def test_generate_outside_lifetime_is_a_clear_error(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    e = engine(make_server().url)
+    with pytest.raises(EngineClosedError, match="outside its 'async with'"):
+        await e.generate(req())
+    async with e:
+        await e.generate(req())
+    with pytest.raises(EngineClosedError):
+        await e.generate(req())
+
+
+# ---------------------------------------------------------------- retries
+
+
+async def test_retries_5xx_then_succeeds(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server(fail_next=2)
+    async with engine(server.url, max_attempts=3) as e:
+        c = await e.generate(req())
+    assert len(c.tokens) == 5
+    assert len(server.requests) == 3
+    assert {r["rid"] for r in server.requests} == {"req-0"}  # one request id across attempts
+
+
+async def test_retries_dropped_connections(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server(drop_next=2)
+    async with engine(server.url, max_attempts=3) as e:
+        c = await e.generate(req())
+    assert len(c.tokens) == 5
+    assert len(server.requests) == 3
+
+
+async def test_gives_up_after_max_attempts(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server(fail_next=10)
+    async with engine(server.url, max_attempts=3) as e:
+        with pytest.raises(EngineTransportError, match=r"'req-0' failed after 3 attempts.*503"):
+            await e.generate(req())
+    assert len(server.requests) == 3
+
+
+async def test_unreachable_server_is_a_transport_error() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # nothing listens on that port now
+    async with engine(f"http://127.0.0.1:{port}", max_attempts=2) as e:
+        with pytest.raises(EngineTransportError, match="ConnectError"):
+            await e.generate(req())
+
+
+async def test_4xx_is_not_retried(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server(status=400)
+    async with engine(server.url, max_attempts=5) as e:
+        with pytest.raises(EngineRequestError, match=r"refused with HTTP 400.*max_tokens") as info:
+            await e.generate(req())
+    assert info.value.status_code == 400
+    assert len(server.requests) == 1
+
+
+async def test_a_retry_without_routing_key_moves_to_another_server(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    bad, good = make_server(fail_next=100), make_server()
+    async with engine([bad.url, good.url], max_attempts=2) as e:
+        for i in range(4):
+            await e.generate(req(i))
+    assert len(good.requests) == 4
+    assert len(bad.requests) > 0  # some attempts landed there, and each moved on at once
+    assert sorted(r["rid"] for r in bad.requests) == sorted({r["rid"] for r in bad.requests})
+
+
+# ---------------------------------------------------------------- bad responses
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"<html>oops", "body is not valid JSON"),
+        (b"[1, 2]", "body is list, not a JSON object"),
+        (b'{"choices": []}', "'choices' is missing"),
+        (b'{"choices": [{"finish_reason": "stop"}]}', r"'choices\[0\].logprobs' is missing"),
+        (
+            b'{"choices": [{"finish_reason": "stop", "logprobs": '
+            b'{"tokens": ["token_id:1", "hello"], "token_logprobs": [-1, -2]}}]}',
+            r"'choices\[0\].logprobs.tokens\[1\]' = 'hello'",
+        ),
+        (
+            b'{"choices": [{"finish_reason": "stop", "logprobs": '
+            b'{"tokens": ["token_id:1"], "token_logprobs": [-1, -2]}}]}',
+            "1 tokens but 2 logprobs",
+        ),
+        (
+            b'{"choices": [{"finish_reason": "eos", "token_ids": [1], "logprobs": '
+            b'{"token_logprobs": [-1]}}]}',
+            r"'choices\[0\].finish_reason' = 'eos'",
+        ),
+        (
+            b'{"choices": [{"finish_reason": "stop", "token_ids": [1], "logprobs": '
+            b'{"token_logprobs": [null]}}]}',
+            r"token_logprobs\[0\]' = None is not a number",
+        ),
+    ],
+)
+async def test_bad_responses_are_clear_library_errors(
+    make_server: Callable[..., FakeVLLM], raw: bytes, match: str
+) -> None:
+    server = make_server(raw_body=raw)
+    async with engine(server.url) as e:
+        with pytest.raises(EngineResponseError, match=match) as info:
+            await e.generate(req(7))
+    assert server.url in str(info.value)
+    assert "'req-7'" in str(info.value)
+    assert len(server.requests) == 1  # a malformed answer is not retried
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**31), max_size=50),
+    data=st.data(),
+    style=st.sampled_from(["ids", "strings"]),
+    finish=st.sampled_from(["stop", "length", "abort"]),
+)
+def test_parse_round_trips(tokens: list[int], data: st.DataObject, style: str, finish: str) -> None:
+    logprobs = data.draw(
+        st.lists(
+            st.floats(max_value=0, allow_nan=False), min_size=len(tokens), max_size=len(tokens)
+        )
+    )
+    lp: dict[str, Any] = {"token_logprobs": logprobs}
+    choice: dict[str, Any] = {"finish_reason": finish, "logprobs": lp}
+    if style == "ids":
+        choice["token_ids"] = tokens
+    else:
+        lp["tokens"] = [f"token_id:{t}" for t in tokens]
+    body = json.loads(json.dumps({"choices": [choice]}))
+    assert parse_completion_response(body) == (tokens, logprobs, finish)
+
+
+# ---------------------------------------------------------------- deadline and cancellation
+
+
+async def test_deadline_raises_timeout_and_aborts_engine_side(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(hang=True)
+    async with engine(server.url, timeout=0.3) as e:
+        with pytest.raises(EngineTimeoutError, match=r"'req-5' did not finish within 0.3s"):
+            await e.generate(req(5))
+    assert server.aborts == [{"rid": "req-5"}]
+
+
+async def test_cancellation_aborts_on_the_server_that_had_the_request(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    idle, busy = make_server(), make_server(hang=True)
+    async with engine([idle.url, busy.url]) as e:
+        key = next(k for k in (f"k{i}" for i in range(100)) if e.server_for(k) == busy.url)
+        with trio.move_on_after(0.3) as scope:
+            await e.generate(req(9, key=key))
+    assert scope.cancelled_caught
+    assert busy.aborts == [{"rid": "req-9"}]
+    assert idle.aborts == []
+    assert idle.requests == []
+
+
+async def test_cancellation_without_abort_path_sends_nothing(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(hang=True)
+    async with engine(server.url, abort_path=None) as e:
+        with trio.move_on_after(0.2):
+            await e.generate(req())
+    assert server.aborts == []
+    assert len(server.requests) == 1
+
+
+async def test_a_dead_abort_endpoint_does_not_block_cancellation(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(hang=True)
+    async with engine(server.url, abort_path="/no-such-endpoint", abort_timeout=0.5) as e:
+        start = trio.current_time()
+        with trio.move_on_after(0.2):
+            await e.generate(req())
+        assert trio.current_time() - start < 5  # bounded by abort_timeout, not the hang
+
+
+# ---------------------------------------------------------------- routing
+
+
+async def test_routing_key_pins_a_server_and_keys_spread(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    servers = [make_server() for _ in range(3)]
+    async with engine([s.url for s in servers]) as e, trio.open_nursery() as nursery:
+        for i in range(60):
+            nursery.start_soon(e.generate, req(i, key=f"prompt-{i % 20}"))
+    seen: dict[str, set[str]] = {}
+    for s in servers:
+        for r in s.requests:
+            key = f"prompt-{(r['prompt'][1] - 200) % 20}"
+            seen.setdefault(key, set()).add(s.name)
+    assert len(seen) == 20
+    assert all(len(names) == 1 for names in seen.values())  # affinity
+    assert all(len(s.requests) > 0 for s in servers)  # and spread
+    # consistent: adding a server moves only some keys
+    bigger = OpenAICompatibleEngine([s.url for s in servers] + ["http://127.0.0.1:9"])
+    moved = sum(e.server_for(f"prompt-{i}") != bigger.server_for(f"prompt-{i}") for i in range(200))
+    assert 0 < moved < 100
+
+
+async def test_round_robin_without_key(make_server: Callable[..., FakeVLLM]) -> None:
+    servers = [make_server() for _ in range(3)]
+    async with engine([s.url for s in servers]) as e:
+        for i in range(9):
+            await e.generate(req(i))
+    assert [len(s.requests) for s in servers] == [3, 3, 3]
+
+
+async def test_concurrent_requests(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server()
+    results: dict[int, list[int]] = {}
+    async with engine(server.url) as e:
+
+        async def one(i: int) -> None:
+            results[i] = (await e.generate(req(i))).tokens
+
+        async with trio.open_nursery() as nursery:
+            for i in range(30):
+                nursery.start_soon(one, i)
+    assert all(results[i][0] == 201 + i for i in range(30))
+
+
+# ---------------------------------------------------------------- policy version
+
+
+async def test_policy_version_sources(make_server: Callable[..., FakeVLLM]) -> None:
+    field = make_server(version_field=7, version_header="3")
+    header = make_server(version_header="4")
+    plain = make_server()
+    async with engine(field.url) as e:
+        assert (await e.generate(req())).policy_version == 7  # field wins over header
+    async with engine(header.url) as e:
+        assert (await e.generate(req())).policy_version == 4
+    async with engine(plain.url) as e:
+        e.set_policy_version(2)
+        assert (await e.generate(req())).policy_version == 2
+        with pytest.raises(ValueError, match="must not decrease"):
+            e.set_policy_version(1)
+    async with engine(field.url, version_source=lambda: 11) as e:
+        assert (await e.generate(req())).policy_version == 11
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"version_field": "v2"}, "field 'policy_version' = 'v2' is not an int"),
+        ({"version_header": "soon"}, "header 'x-policy-version' = 'soon' is not an int"),
+    ],
+)
+async def test_bad_policy_version_is_a_clear_error(
+    make_server: Callable[..., FakeVLLM], kwargs: dict[str, Any], match: str
+) -> None:
+    server = make_server(**kwargs)
+    async with engine(server.url) as e:
+        with pytest.raises(EngineResponseError, match=match):
+            await e.generate(req())

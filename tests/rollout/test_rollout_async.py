@@ -1,0 +1,382 @@
+"""The fully-async driver: bounded work, backpressure, staleness, pause, failures, close."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from rollout_helpers import Puppet, prompts, source
+
+from trio_rl.rollout import (
+    DriverFailed,
+    FailurePolicy,
+    GroupFactory,
+    GroupFailed,
+    GroupGranularity,
+    GroupRunner,
+    InMemorySource,
+    RolloutError,
+    SampleBackfill,
+    SourceExhausted,
+    open_async_rollout,
+)
+from trio_rl.samples import Group, ResumedGroup, Sample, SampleStatus
+
+G = 2
+
+
+def parts(puppet: Puppet, src: InMemorySource | None = None, group_size: int = G):  # type: ignore[no-untyped-def]
+    return (
+        src if src is not None else source(1000),
+        GroupFactory(group_size=group_size),
+        GroupRunner(puppet),
+    )
+
+
+def samples_of(g: int, size: int = G) -> list[int]:
+    return list(range(g * size, (g + 1) * size))
+
+
+async def test_worker_defaults_to_sample_backfill() -> None:
+    """Reference: B = 1, G = 2; two sample completions start a replacement group."""
+    puppet = Puppet()
+    src = source(100)
+    async with open_async_rollout(*parts(puppet, src), batch_size=1) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        puppet.finish(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        puppet.finish(1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 2
+        batch = await driver.next_batch()
+        assert [g.group_index for g in batch] == [0]
+
+
+async def test_group_granularity_opts_out_of_backfill() -> None:
+    puppet = Puppet()
+    src = source(100)
+    async with open_async_rollout(
+        *parts(puppet, src), batch_size=1, policy=GroupGranularity(), buffer_capacity=1
+    ) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        puppet.finish(0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        puppet.finish(1)
+        assert [g.group_index for g in await driver.next_batch()] == [0]
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 2
+
+
+async def test_worker_bounds_in_flight_groups() -> None:
+    puppet = Puppet()
+    src = source(100)
+    async with open_async_rollout(*parts(puppet, src), batch_size=2) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 2
+        assert driver.statistics().in_flight_groups == 2
+        assert driver.statistics().in_flight_samples == 4
+        puppet.finish(*samples_of(0), *samples_of(1))
+        batch = await driver.next_batch()
+        assert [g.group_index for g in batch] == [0, 1]
+
+
+async def test_sample_cap_rounds_down_to_whole_groups() -> None:
+    """Reference: batch 4, max 3 samples, G = 2 -> one group in flight."""
+    puppet = Puppet()
+    src = source(100)
+    async with open_async_rollout(
+        *parts(puppet, src), batch_size=4, max_samples_in_flight=3
+    ) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        for g in range(4):
+            await trio.testing.wait_all_tasks_blocked()
+            assert driver.statistics().in_flight_groups == 1
+            puppet.finish(*samples_of(g))
+        batch = await driver.next_batch()
+        assert [g.group_index for g in batch] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="below the group size"):
+        async with open_async_rollout(*parts(puppet), batch_size=1, max_samples_in_flight=1):
+            pass
+
+
+async def test_batches_are_sorted_and_backpressure_pauses_production(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    src = source(1000)
+    async with open_async_rollout(*parts(puppet, src), batch_size=3, buffer_capacity=4) as driver:
+        first = await driver.next_batch()
+        assert len(first) == 3
+        assert [g.first_index for g in first] == sorted(g.first_index for g in first)
+        await trio.sleep(100)  # nobody consumes: the buffer fills and production stops
+        stats = driver.statistics()
+        assert stats.buffered == 4
+        taken = src.taken
+        await trio.sleep(100)
+        assert src.taken == taken
+        assert driver.statistics().buffered == 4
+        second = await driver.next_batch()
+        assert len(second) == 3
+        await trio.sleep(10)
+        assert src.taken > taken
+
+
+async def test_pause_stops_submissions_while_in_flight_groups_go_on() -> None:
+    puppet = Puppet()
+    src = source(100)
+    async with open_async_rollout(*parts(puppet, src), batch_size=2) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 2
+        async with driver.paused():
+            assert driver.is_paused
+            puppet.finish(*samples_of(0), *samples_of(1))
+            await trio.testing.wait_all_tasks_blocked()
+            assert src.taken == 2  # nothing new while paused
+            assert driver.statistics().buffered == 2  # but running groups finished
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 4  # submissions resume
+        assert len(await driver.next_batch()) == 2
+
+
+async def test_stale_groups_judged_when_taken(autojump_clock: trio.testing.MockClock) -> None:
+    puppet = Puppet(auto_delay=1)
+    src = source(100)
+    async with open_async_rollout(
+        *parts(puppet, src), batch_size=2, max_staleness=2, stale="recycle", buffer_capacity=2
+    ) as driver:
+        await trio.sleep(10)  # two groups generated at version 0 wait in the buffer
+        driver.set_policy_version(5)
+        batch = await driver.next_batch()
+        # the two version-0 groups were stale when taken: recycled, regenerated
+        stats = driver.statistics()
+        assert stats.stale_recycled == 2
+        assert all(g.staleness(5) <= 2 for g in batch)
+        assert sorted(g.prompt.key for g in batch) != ["p0", "p1"] or stats.stale_recycled == 2
+        with pytest.raises(ValueError, match="cannot go back"):
+            driver.set_policy_version(4)
+
+
+async def test_stale_groups_dropped_by_default(autojump_clock: trio.testing.MockClock) -> None:
+    puppet = Puppet(auto_delay=1)
+    src = source(100)
+    async with open_async_rollout(
+        *parts(puppet, src), batch_size=1, max_staleness=0, buffer_capacity=1
+    ) as driver:
+        await trio.sleep(10)
+        driver.set_policy_version(1)
+        puppet.version = 1
+        batch = await driver.next_batch()
+        assert batch[0].oldest_version == 1
+        stats = driver.statistics()
+        assert stats.stale_dropped >= 1
+        assert stats.stale_recycled == 0
+        assert src.recycled == 0
+
+
+@pytest.mark.parametrize("handling", ["recycle", "drop"])
+async def test_aborted_groups_follow_policy(
+    autojump_clock: trio.testing.MockClock, handling: str
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    puppet.hold(*samples_of(0))
+    puppet.finish(*samples_of(0), status=SampleStatus.ABORTED)
+    src = source(100)
+    async with open_async_rollout(
+        *parts(puppet, src),
+        batch_size=1,
+        max_groups_in_flight=1,
+        aborted=handling,  # type: ignore[arg-type]
+    ) as driver:
+        batch = await driver.next_batch()
+        assert batch[0].group_index != 0
+        assert not batch[0].has_aborted
+        stats = driver.statistics()
+    if handling == "recycle":
+        assert stats.aborted_recycled == 1
+        assert batch[0].prompt.key == "p0"  # the recycled prompt is served first
+    else:
+        assert stats.aborted_dropped == 1
+        assert batch[0].prompt.key == "p1"
+
+
+async def test_worker_error_reaches_the_consumer_even_with_buffered_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    puppet.hold(*samples_of(1))
+    async with open_async_rollout(
+        *parts(puppet), batch_size=1, max_groups_in_flight=2, on_failure=FailurePolicy("fail")
+    ) as driver:
+        await trio.sleep(5)
+        assert driver.statistics().buffered >= 1
+        puppet.fail(samples_of(1)[0], RuntimeError("generation exploded"))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(DriverFailed) as info:
+            await driver.next_batch()
+        assert isinstance(info.value.__cause__, GroupFailed)
+        assert isinstance(info.value.__cause__.__cause__, RuntimeError)
+        with pytest.raises(DriverFailed):  # and again: the driver stays failed
+            await driver.next_batch()
+        # the failing worker cancelled its other groups
+        assert driver.statistics().in_flight_groups == 0
+
+
+async def test_failed_groups_are_skipped_and_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    puppet.fail(0, RuntimeError("x"))
+    async with open_async_rollout(*parts(puppet), batch_size=2, max_groups_in_flight=1) as driver:
+        batch = await driver.next_batch()
+        assert [g.group_index for g in batch] == [1, 2]
+        assert driver.statistics().failed == 1
+
+
+async def test_failed_groups_are_retried_up_to_n(autojump_clock: trio.testing.MockClock) -> None:
+    attempts: dict[int, int] = {}
+
+    async def flaky(sample: Sample) -> None:
+        await trio.sleep(1)
+        attempts[sample.index] = attempts.get(sample.index, 0) + 1
+        if sample.group_index == 0 and attempts[sample.index] <= 2:
+            raise OSError("transient")
+        sample.status = SampleStatus.COMPLETED
+
+    factory = GroupFactory(group_size=2, routing_keys=True)
+    async with open_async_rollout(
+        source(10),
+        factory,
+        GroupRunner(flaky),
+        batch_size=3,
+        max_groups_in_flight=1,
+        on_failure=FailurePolicy("retry", max_retries=2),
+    ) as driver:
+        batch = await driver.next_batch()
+        stats = driver.statistics()
+    assert [g.group_index for g in batch] == [0, 1, 2]  # group 0 succeeded on its 3rd try
+    assert stats.retried == 2
+    assert stats.failed == 0
+    # the retried group kept its identity (indices, routing keys)
+    assert [s.index for s in batch[0].samples] == [0, 1]
+    assert all(s.routing_key for s in batch[0].samples)
+
+
+async def test_retries_give_up_after_max(autojump_clock: trio.testing.MockClock) -> None:
+    async def broken(sample: Sample) -> None:
+        await trio.sleep(1)
+        if sample.group_index == 0:
+            raise OSError("permanent")
+        sample.status = SampleStatus.COMPLETED
+
+    async with open_async_rollout(
+        source(10),
+        GroupFactory(group_size=2),
+        GroupRunner(broken),
+        batch_size=1,
+        max_groups_in_flight=1,
+        on_failure=FailurePolicy("retry", max_retries=1),
+    ) as driver:
+        batch = await driver.next_batch()
+        stats = driver.statistics()
+    assert batch[0].group_index == 1
+    assert stats.retried == 1
+    assert stats.failed == 1
+
+
+async def test_exhaustion_raises_or_returns_partial(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_async_rollout(*parts(Puppet(auto_delay=1), source(3)), batch_size=2) as driver:
+        assert len(await driver.next_batch()) == 2
+        with pytest.raises(SourceExhausted, match="0 of 2"):
+            await driver.next_batch()
+    async with open_async_rollout(*parts(Puppet(auto_delay=1), source(3)), batch_size=2) as driver:
+        assert len(await driver.next_batch()) == 2
+        assert len(await driver.next_batch(allow_partial=True)) == 1
+        with pytest.raises(SourceExhausted):
+            await driver.next_batch(allow_partial=True)
+
+
+async def test_resumed_groups_first_and_zero_missing_dispatches_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    factory = GroupFactory(group_size=G, next_sample_index=500, next_group_index=50)
+    arrived = [
+        Sample(index=10 + i, group_index=5, prompt_tokens=(1,), status=SampleStatus.COMPLETED)
+        for i in range(G)
+    ]
+    complete = ResumedGroup(
+        group_id="done", prompt=prompts(1, "d")[0], group_size=G, arrived=arrived
+    )
+    partial = ResumedGroup(
+        group_id="half", prompt=prompts(1, "h")[0], group_size=G, arrived=arrived[:1]
+    )
+    async with open_async_rollout(
+        source(10),
+        factory,
+        GroupRunner(puppet),
+        batch_size=2,
+        max_groups_in_flight=2,
+        resumed=[complete, partial],
+    ) as driver:
+        batch = await driver.next_batch()
+    assert {g.group_id for g in batch} == {"done", "half"}
+    done = next(g for g in batch if g.group_id == "done")
+    assert done.samples == arrived
+    assert puppet.started_indices()[:1] == [500]  # only the missing member of "half" ran first
+    assert 10 not in puppet.started_indices() and 11 not in puppet.started_indices()
+
+
+async def test_closing_cancels_every_in_flight_group() -> None:
+    puppet = Puppet()
+    async with open_async_rollout(*parts(puppet), batch_size=3) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(puppet.started) == 6
+    assert sorted(puppet.cancelled) == list(range(6))
+    with pytest.raises(RolloutError, match="closed"):
+        await driver.next_batch()
+
+
+async def test_cancelling_a_waiting_consumer_keeps_taken_groups(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    puppet.hold(*samples_of(1))
+    async with open_async_rollout(
+        *parts(puppet), batch_size=2, max_groups_in_flight=2, buffer_capacity=4
+    ) as driver:
+        with trio.move_on_after(50):
+            await driver.next_batch(3)
+        assert driver.statistics().buffered >= 1
+        assert driver.statistics().consumed == 0
+        puppet.finish(*samples_of(1))
+        batch = await driver.next_batch(3)
+        assert 0 in [g.group_index for g in batch]
+
+
+async def test_body_error_propagates_and_closes_the_driver() -> None:
+    puppet = Puppet()
+    with pytest.raises(KeyError):
+        async with open_async_rollout(*parts(puppet), batch_size=2):
+            await trio.testing.wait_all_tasks_blocked()
+            raise KeyError("consumer bug")
+    assert sorted(puppet.cancelled) == list(range(4))
+
+
+async def test_credits_balance_at_every_step(autojump_clock: trio.testing.MockClock) -> None:
+    puppet = Puppet(auto_delay=3)
+    async with open_async_rollout(
+        *parts(puppet, group_size=4), batch_size=4, policy=SampleBackfill()
+    ) as driver:
+        for _ in range(5):
+            await driver.next_batch()
+            driver.scheduler.ledger.check()
+            assert driver.scheduler.ledger.in_flight <= 4 * 4
+
+
+def _unused(group: Group) -> None:  # keep the import used for type hints
+    del group

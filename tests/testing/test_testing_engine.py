@@ -1,0 +1,76 @@
+"""The scripted engine does exactly what its script and the test tell it to."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from trio_rl.engines import Engine, GenerateRequest
+from trio_rl.testing import Fate, ScriptedEngine, ScriptedFailure
+
+
+def test_is_an_engine() -> None:
+    assert isinstance(ScriptedEngine(), Engine)
+
+
+async def test_delayed_fates_end_at_their_virtual_time(autojump_clock: trio.testing.MockClock) -> None:
+    fates = {(1,): Fate("stop", after=2.0, tokens=3), (2,): Fate("length", after=5.0)}
+    engine = ScriptedEngine(lambda r: fates[r.prompt_tokens], policy_version=7)
+    results = {}
+
+    async def one(name: str, tokens: tuple[int, ...]) -> None:
+        results[name] = (await engine.generate(GenerateRequest(tokens)), trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "a", (1,))
+        nursery.start_soon(one, "b", (2,))
+    (a, ta), (b, tb) = results["a"], results["b"]
+    assert (a.finish_reason, a.tokens, a.policy_version, ta) == ("stop", [0, 1, 2], 7, 2.0)
+    assert (b.finish_reason, tb) == ("length", 5.0)
+    assert sorted(str(c.outcome) for c in engine.calls) == ["length", "stop"]
+
+
+async def test_held_calls_wait_for_settle_and_record_cancellation() -> None:
+    engine = ScriptedEngine(lambda _r: Fate("stop"))
+    outcomes: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            outcomes[i] = (await engine.generate(GenerateRequest((i,)))).finish_reason
+        except ScriptedFailure as exc:
+            outcomes[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(engine.held) == 4 and outcomes == {}
+        c0, c1, c2, c3 = sorted(engine.calls, key=lambda c: c.request.prompt_tokens)
+        engine.settle(c0)
+        engine.settle(c1, "raise")
+        engine.settle(c2, "abort")
+        await trio.testing.wait_all_tasks_blocked()
+        assert engine.held == [c3] and engine.running == [c3]
+        with pytest.raises(ValueError, match="not waiting"):
+            engine.settle(c0)
+        nursery.cancel_scope.cancel()
+    assert outcomes[0] == "stop" and isinstance(outcomes[1], ScriptedFailure)
+    assert outcomes[2] == "abort" and 3 not in outcomes
+    assert [c.outcome for c in (c0, c1, c2, c3)] == ["stop", "raise", "abort", "cancelled"]
+    assert engine.running == []
+
+
+async def test_hang_ends_only_by_cancellation(autojump_clock: trio.testing.MockClock) -> None:
+    engine = ScriptedEngine(lambda _r: Fate("hang", after=1.0))
+    with trio.move_on_after(1000) as scope:
+        await engine.generate(GenerateRequest(()))
+    assert scope.cancelled_caught and trio.current_time() == 1000
+    assert engine.calls[0].outcome == "cancelled"
+
+
+def test_fate_validates() -> None:
+    with pytest.raises(ValueError):
+        Fate("explode")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Fate("stop", after=-1.0)

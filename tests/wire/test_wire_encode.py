@@ -1,0 +1,211 @@
+"""The encoder is byte-identical to the reference (msgspec's MessagePack, array-like structs)."""
+
+from __future__ import annotations
+
+import io
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from wire_reference import micro_batches, minimal, reference_encode
+
+from trio_rl.wire import (
+    MicroBatch,
+    MMImageRef,
+    MMRefs,
+    PayloadSegment,
+    RoutedExperts,
+    SamplingMask,
+    WireEncodeError,
+    encode,
+    encode_into,
+)
+
+WORKED_EXAMPLE = bytes.fromhex(
+    "dc0014"
+    "920102"
+    "92c3c2"
+    "92cb3fe0000000000000cb0000000000000000"
+    "92cbbfb999999999999acbbfc999999999999a"
+    "920001"
+    "9102"
+    "92cb3ff0000000000000cb3ff0000000000000"
+    "91a3656e76"
+    "9102" + "c0" * 11
+)
+
+
+def test_spec_worked_example_is_literal() -> None:
+    assert encode([minimal()]) == b"\x91" + WORKED_EXAMPLE
+    assert encode([minimal()]) == reference_encode([minimal()])
+
+
+@given(st.lists(micro_batches, max_size=4))
+def test_encode_equals_reference(mbs: list[MicroBatch]) -> None:
+    assert encode(mbs) == reference_encode(mbs)
+
+
+@given(st.lists(micro_batches, max_size=4))
+def test_encode_into_equals_encode(mbs: list[MicroBatch]) -> None:
+    out = io.BytesIO()
+    written = encode_into(mbs, out)
+    assert out.getvalue() == encode(mbs)
+    assert written == len(out.getvalue())
+
+
+def test_int_in_float_list_encodes_as_int() -> None:
+    mb = minimal(advantages=[1, 0.5], temperatures=[1, 1.0])
+    data = encode([mb])
+    assert data == reference_encode([mb])
+    assert bytes.fromhex("9201cb3fe0000000000000") in data  # advantages: 1 as fixint
+    assert bytes.fromhex("9201cb3ff0000000000000") in data
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (0, "00"),
+        (127, "7f"),
+        (128, "cc80"),
+        (255, "ccff"),
+        (256, "cd0100"),
+        (65535, "cdffff"),
+        (65536, "ce00010000"),
+        (2**32 - 1, "ceffffffff"),
+        (2**32, "cf0000000100000000"),
+        (2**64 - 1, "cfffffffffffffffff"),
+        (-1, "ff"),
+        (-32, "e0"),
+        (-33, "d0df"),
+        (-128, "d080"),
+        (-129, "d1ff7f"),
+        (-32768, "d18000"),
+        (-32769, "d2ffff7fff"),
+        (-(2**31), "d280000000"),
+        (-(2**31) - 1, "d3ffffffff7fffffff"),
+        (-(2**63), "d38000000000000000"),
+    ],
+)
+def test_int_widths(value: int, expected: str) -> None:
+    mb = minimal(input_ids=[value])
+    data = encode([mb])
+    assert data == reference_encode([mb])
+    assert data.startswith(bytes.fromhex("91dc0014") + b"\x91" + bytes.fromhex(expected))
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (float("nan"), "cb7ff8000000000000"),
+        (float("inf"), "cb7ff0000000000000"),
+        (float("-inf"), "cbfff0000000000000"),
+        (-0.0, "cb8000000000000000"),
+        (1.5, "cb3ff8000000000000"),
+    ],
+)
+def test_floats_are_float64(value: float, expected: str) -> None:
+    mb = minimal(advantages=[value])
+    data = encode([mb])
+    assert data == reference_encode([mb])
+    assert bytes.fromhex("91" + expected) in data
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 65535, 65536])
+def test_array_length_boundaries(n: int) -> None:
+    mb = minimal(input_ids=list(range(n)) if n else [], env_names=["e"] * n)
+    data = encode([mb])
+    assert data == reference_encode([mb])
+    header = {0: "90", 1: "91", 15: "9f", 16: "dc0010", 17: "dc0011"}.get(
+        n, "dcffff" if n == 65535 else "dd00010000"
+    )
+    assert data.startswith(bytes.fromhex("91dc0014" + header))
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 65535, 65536])
+def test_micro_batch_count_boundaries(n: int) -> None:
+    mbs = [minimal(input_ids=[i % 300]) for i in range(n)]
+    data = encode(mbs)
+    assert data == reference_encode(mbs)
+    out = io.BytesIO()
+    encode_into(mbs, out)
+    assert out.getvalue() == data
+
+
+@pytest.mark.parametrize("n", [0, 31, 32, 255, 256, 65535, 65536])
+def test_str_length_boundaries(n: int) -> None:
+    mb = minimal(env_names=["é" * (n // 2) + "x" * (n % 2)], trace_ids=["t" * n])
+    assert encode([mb]) == reference_encode([mb])
+    assert (b"\xa0" if n == 0 else b"t" * n) in encode([mb])
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 4095, 4096, 65535, 65536, 70000])
+def test_bin_length_boundaries(n: int) -> None:
+    data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    mb = minimal(
+        routed_experts=RoutedExperts(data=data, shape=[n], dtype="uint8"),
+        sampling_mask=SamplingMask(ids=bytearray(data), counts=memoryview(data)),
+    )
+    encoded = encode([mb])
+    assert encoded == reference_encode([mb])
+    header = {0: "c400", 1: "c401", 255: "c4ff", 256: "c50100", 4095: "c50fff"}.get(
+        n, f"c5{n:04x}" if n < 65536 else f"c6{n:08x}"
+    )
+    assert bytes.fromhex("93" + header) + data in encoded
+
+
+def test_every_nested_record_and_optional_stream() -> None:
+    mb = minimal(
+        ref_logprobs=[-1.0, -2.0],
+        routed_experts=RoutedExperts(data=b"\x01\x02", shape=[2, 1, 1], dtype="uint8"),
+        mm_refs=MMRefs(images=[MMImageRef(url="s3://x", offset=3, length=4)]),
+        mm_token_type_ids=[0, 1],
+        rl_weights=[1.0, 0.0],
+        ce_weights=[0.0, 1],
+        ref_kl_weights=[0.0, 0.0],
+        sampling_mask=SamplingMask(ids=b"\x05\x00\x00\x00", counts=b"\x01\x00\x00\x00" * 2),
+        trace_ids=["a", "b"],
+        branch_indices=[0, 3],
+        payload=[PayloadSegment("f", "v0/a.bin", 0, 1, 2, "float32", [4])],
+    )
+    data = encode([mb, minimal()])
+    assert data == reference_encode([mb, minimal()])
+    assert bytes.fromhex("93c4020102930201 01a575696e7438".replace(" ", "")) in data
+    assert bytes.fromhex("91" "91" "93a6") in data  # mm_refs: [[ [url, offset, length] ]]
+
+
+def test_large_bins_stream_without_a_second_copy(tmp_path: object) -> None:
+    # 16 MiB of routed-expert bytes written to a file: the encoder itself allocates next to
+    # nothing (the bytes go from the record's own buffer to the file).
+    data = bytes(16 << 20)
+    mb = minimal(routed_experts=RoutedExperts(data=data, shape=[16 << 20], dtype="uint8"))
+    path = tmp_path / "rank_0.bin"  # type: ignore[operator]
+    with open(path, "wb") as f:
+        tracemalloc.start()
+        try:
+            written = encode_into([mb], f)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 1 << 20
+    assert path.read_bytes() == encode([mb]) == reference_encode([mb])
+    assert written == path.stat().st_size
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"input_ids": [np.int64(1)]}, "input_ids"),
+        ({"advantages": [object()]}, "advantages"),
+        ({"input_ids": [2**64]}, "input_ids"),
+        ({"routed_experts": "not a record"}, "routed_experts"),
+        ({"payload": [None]}, "payload"),
+    ],
+)
+def test_unencodable_values_name_the_field(overrides: dict[str, object], field: str) -> None:
+    with pytest.raises(WireEncodeError) as info:
+        encode([minimal(), minimal(**overrides)])
+    assert info.value.micro_batch == 1
+    assert info.value.field == field
+    assert f"micro-batch 1, field {field!r}" in str(info.value)

@@ -1,0 +1,190 @@
+"""The reference encoder, for differential tests: msgspec Structs built from the SPEC 4.3 table.
+
+msgspec is a test-only dependency; these Structs mirror the reference's (array_like=True).
+Also Hypothesis strategies for micro-batches with values at every encoding boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import msgspec
+from hypothesis import strategies as st
+
+from trio_rl.wire import (
+    MicroBatch,
+    MMImageRef,
+    MMRefs,
+    PayloadSegment,
+    RoutedExperts,
+    SamplingMask,
+)
+
+
+class RefRoutedExperts(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    data: bytes
+    shape: list[int]
+    dtype: str
+
+
+class RefMMImageRef(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    url: str
+    offset: int
+    length: int
+
+
+class RefMMRefs(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    images: list[RefMMImageRef]
+
+
+class RefSamplingMask(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    ids: bytes
+    counts: bytes
+
+
+class RefPayloadSegment(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    field: str
+    file: str
+    offset: int
+    pos: int
+    rows: int
+    dtype: str
+    shape: list[int]
+
+
+class RefMicroBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    input_ids: list[int]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    position_ids: list[int]
+    sequence_lengths: list[int]
+    temperatures: list[float]
+    env_names: list[str]
+    seq_lens: list[int]
+    ref_logprobs: list[float] | None = None
+    routed_experts: RefRoutedExperts | None = None
+    mm_refs: RefMMRefs | None = None
+    mm_token_type_ids: list[int] | None = None
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+    sampling_mask: RefSamplingMask | None = None
+    trace_ids: list[str] | None = None
+    branch_indices: list[int] | None = None
+    payload: list[RefPayloadSegment] | None = None
+
+
+REF_ENCODER = msgspec.msgpack.Encoder()
+REF_DECODER = msgspec.msgpack.Decoder(list[RefMicroBatch])
+
+_REF_OF: dict[type[Any], type[msgspec.Struct]] = {
+    MicroBatch: RefMicroBatch,
+    RoutedExperts: RefRoutedExperts,
+    MMImageRef: RefMMImageRef,
+    MMRefs: RefMMRefs,
+    SamplingMask: RefSamplingMask,
+    PayloadSegment: RefPayloadSegment,
+}
+
+
+def to_ref(value: Any) -> Any:
+    """The msgspec mirror of an attrs wire record (recursively), keeping every Python value."""
+    ref = _REF_OF.get(type(value))
+    if ref is not None:
+        return ref(*(to_ref(getattr(value, f.name)) for f in attrs.fields(type(value))))
+    if isinstance(value, list):
+        return [to_ref(x) for x in value]
+    return value
+
+
+def reference_encode(micro_batches: list[MicroBatch]) -> bytes:
+    return REF_ENCODER.encode([to_ref(mb) for mb in micro_batches])
+
+
+# --- strategies ----------------------------------------------------------------------------
+
+INT_BOUNDARIES = sorted(
+    {
+        b + d
+        for b in (0, 2**7, 2**8, 2**15, 2**16, 2**31, 2**32, 2**63, 2**64)
+        for d in (-1, 0)
+        if 0 <= b + d < 2**64
+    }
+    | {
+        -b + d
+        for b in (32, 33, 2**7, 2**15, 2**31, 2**63)
+        for d in (0, 1, -1)
+        if -(2**63) <= -b + d < 0
+    }
+)
+
+ints = st.sampled_from(INT_BOUNDARIES) | st.integers(-(2**63), 2**64 - 1)
+floats = st.floats(allow_nan=True, allow_infinity=True)
+# The Python type of each value decides its encoding: an int in a float list stays an int.
+float_items = floats | st.integers(-(2**63), 2**64 - 1)
+texts = st.text(max_size=40) | st.text(min_size=30, max_size=34)
+blobs = st.binary(max_size=64) | st.sampled_from([b"\x00" * n for n in (255, 256, 4095, 4096)])
+
+
+def _lists(elements: st.SearchStrategy[Any]) -> st.SearchStrategy[list[Any]]:
+    return st.lists(elements, max_size=20) | st.lists(elements, min_size=14, max_size=17)
+
+
+routed = st.builds(RoutedExperts, data=blobs, shape=_lists(ints), dtype=texts)
+mm_refs = st.builds(
+    MMRefs, images=st.lists(st.builds(MMImageRef, url=texts, offset=ints, length=ints), max_size=3)
+)
+sampling = st.builds(SamplingMask, ids=blobs, counts=blobs)
+segments = st.builds(
+    PayloadSegment,
+    field=texts,
+    file=texts,
+    offset=ints,
+    pos=ints,
+    rows=ints,
+    dtype=texts,
+    shape=_lists(ints),
+)
+
+micro_batches = st.builds(
+    MicroBatch,
+    input_ids=_lists(ints),
+    loss_mask=_lists(st.booleans()),
+    advantages=_lists(float_items),
+    inference_logprobs=_lists(float_items),
+    position_ids=_lists(ints),
+    sequence_lengths=_lists(ints),
+    temperatures=_lists(float_items),
+    env_names=_lists(texts),
+    seq_lens=_lists(ints),
+    ref_logprobs=st.none() | _lists(float_items),
+    routed_experts=st.none() | routed,
+    mm_refs=st.none() | mm_refs,
+    mm_token_type_ids=st.none() | _lists(ints),
+    rl_weights=st.none() | _lists(float_items),
+    ce_weights=st.none() | _lists(float_items),
+    ref_kl_weights=st.none() | _lists(float_items),
+    sampling_mask=st.none() | sampling,
+    trace_ids=st.none() | _lists(texts),
+    branch_indices=st.none() | _lists(ints),
+    payload=st.none() | st.lists(segments, max_size=3),
+)
+
+
+def minimal(**overrides: Any) -> MicroBatch:
+    """The SPEC 4.3 worked example, with fields replaced as given."""
+    fields: dict[str, Any] = {
+        "input_ids": [1, 2],
+        "loss_mask": [True, False],
+        "advantages": [0.5, 0.0],
+        "inference_logprobs": [-0.1, -0.2],
+        "position_ids": [0, 1],
+        "sequence_lengths": [2],
+        "temperatures": [1.0, 1.0],
+        "env_names": ["env"],
+        "seq_lens": [2],
+    }
+    fields.update(overrides)
+    return MicroBatch(**fields)
