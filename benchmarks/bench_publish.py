@@ -134,7 +134,7 @@ class Heartbeat:
         )
         lags = lags or [0.0]
         p95 = lags[min(len(lags) - 1, int(0.95 * len(lags)))]
-        return len(lags), statistics.median(lags), p95, lags[-1]
+        return len(lags), statistics.median_low(lags), p95, lags[-1]
 
 
 def publish_inline(sink: Sink, directory: Path, ranks: int, seq_len: int) -> None:

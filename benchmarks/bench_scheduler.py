@@ -40,9 +40,11 @@ from trio_rl.rollout import (
     GroupGranularity,
     GroupRunner,
     GroupStatus,
+    InMemorySource,
     SampleBackfill,
     SubmissionPolicy,
     engine_generate,
+    open_async_rollout,
     run_reporting,
 )
 from trio_rl.samples import Prompt, Sample, SampleStatus
@@ -51,20 +53,54 @@ G = 8
 
 # --------------------------------------------------------------------------- part A
 
+#: Distinct prompts for part A (the source wraps around; a repeated prompt draws afresh).
+_PROMPTS = [Prompt(key=f"p{i}", tokens=(i, 17, 42)) for i in range(20_000)]
 
-async def _occupancy_run(
-    distribution: str, policy: SubmissionPolicy, *, slots: int, budget: int, hours: float, seed: int
-) -> dict[str, float]:
-    engine = SimulatedEngine(distribution, slots=slots, seed=seed)
+
+def _runner(engine: SimulatedEngine, distribution: str) -> GroupRunner:
     # Wall-time distributions take their drawn time whatever max_tokens is; a small cap only
     # keeps their synthetic token lists (30 tok/s x ~25 min) from dominating the run's cost.
     wall_time = distribution in ("swe", "heavy-tail")
     params = SamplingParams(max_tokens=1024 if wall_time else 32768)
-    runner = GroupRunner(engine_generate(engine, params))
+    return GroupRunner(engine_generate(engine, params))
+
+
+async def _occupancy_driver(
+    distribution: str, policy: SubmissionPolicy, *, slots: int, budget: int, hours: float, seed: int
+) -> dict[str, float]:
+    """The real fully-async driver (``open_async_rollout``) with a trainer that never lags."""
+    engine = SimulatedEngine(distribution, slots=slots, seed=seed)
+    source = InMemorySource(_PROMPTS, epochs=None)
+    async with open_async_rollout(
+        source,
+        GroupFactory(G, seed=seed),
+        _runner(engine, distribution),
+        batch_size=budget,
+        policy=policy,
+        max_groups_in_flight=budget,
+        aborted="drop",
+    ) as driver:
+        engine.reset_statistics()
+        with trio.move_on_after(hours * 3600.0):
+            while True:
+                await driver.next_batch()
+        stats = driver.statistics()
+    return {
+        "occupancy": engine.statistics().occupancy,
+        "groups_per_hour": stats.completed / hours,
+    }
+
+
+async def _occupancy_bare(
+    distribution: str, policy: SubmissionPolicy, *, slots: int, budget: int, hours: float, seed: int
+) -> dict[str, float]:
+    """A bare admission loop on ``CreditScheduler`` (what the driver does, minus buffering)."""
+    engine = SimulatedEngine(distribution, slots=slots, seed=seed)
+    runner = _runner(engine, distribution)
     factory = GroupFactory(G, seed=seed)
     scheduler = CreditScheduler(policy, G)
     prompt_ids = itertools.count()
-    groups = samples = aborted_groups = 0
+    groups = 0
     engine.reset_statistics()
     with trio.move_on_after(hours * 3600.0):
         async with trio.open_nursery() as nursery:
@@ -75,16 +111,12 @@ async def _occupancy_run(
                     scheduler.submitted(group.group_id, credits=G)
                     nursery.start_soon(run_reporting, runner, group, scheduler)
                 for outcome in await scheduler.wait_for_progress():
-                    if outcome.status is GroupStatus.COMPLETED:
-                        groups += 1
-                        samples += outcome.group.size
-                        aborted_groups += outcome.group.has_aborted
+                    groups += outcome.status is GroupStatus.COMPLETED
     scheduler.close()
     stats = engine.statistics()
     return {
         "occupancy": stats.occupancy,
         "groups_per_hour": groups / hours,
-        "clean_groups_per_hour": (groups - aborted_groups) / hours,
     }
 
 
@@ -92,11 +124,12 @@ async def _occupancy_run(
 HORIZON_HOURS = {"long-cot": 2.0, "correlated": 1.0, "swe": 24.0, "heavy-tail": 2.0}
 
 
-def part_a(scale: float, slots: int, budget: int, seed: int) -> list[dict[str, Any]]:
+def part_a(scale: float, slots: int, budget: int, seed: int, loop: str) -> list[dict[str, Any]]:
     print(
         f"\n== A. slot occupancy and groups per simulated hour "
-        f"({slots} slots, G = {G}, B = {budget} groups, seed {seed})"
+        f"({slots} slots, G = {G}, B = {budget} groups, seed {seed}, {loop} loop)"
     )
+    run_fn = _occupancy_driver if loop == "driver" else _occupancy_bare
     header = (
         f"{'distribution':<12} | {'group: occ':>10} {'groups/h':>9} | "
         f"{'backfill: occ':>13} {'groups/h':>9} | {'ratio':>6} | {'sim h':>5} | {'wall s':>6}"
@@ -110,7 +143,7 @@ def part_a(scale: float, slots: int, budget: int, seed: int) -> list[dict[str, A
         results = {}
         for label, policy in (("group", GroupGranularity()), ("backfill", SampleBackfill())):
             run = functools.partial(
-                _occupancy_run, name, policy, slots=slots, budget=budget, hours=hours, seed=seed
+                run_fn, name, policy, slots=slots, budget=budget, hours=hours, seed=seed
             )
             results[label] = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
         wall = time.perf_counter() - t0
@@ -133,15 +166,33 @@ def part_a(scale: float, slots: int, budget: int, seed: int) -> list[dict[str, A
 _PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
 
 
-async def _trio_zero_latency(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
+async def _zero_latency(sample: Sample) -> None:
+    await trio.lowlevel.checkpoint()
+    sample.status = SampleStatus.COMPLETED
+
+
+async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
+    """The real fully-async driver; the trainer takes batches of B groups as they come."""
+    budget = concurrent // G
+    async with open_async_rollout(
+        InMemorySource([_PROMPT], epochs=None),
+        GroupFactory(G),
+        GroupRunner(_zero_latency),
+        batch_size=budget,
+        policy=policy,
+        max_groups_in_flight=budget,
+    ) as driver:
+        finished = 0
+        while finished < target:
+            finished += sum(g.size for g in await driver.next_batch())
+    return finished
+
+
+async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
+    """A bare admission loop on ``CreditScheduler`` + ``run_reporting``."""
     budget = concurrent // G
     factory = GroupFactory(G)
-
-    async def generate(sample: Sample) -> None:
-        await trio.lowlevel.checkpoint()
-        sample.status = SampleStatus.COMPLETED
-
-    runner = GroupRunner(generate)
+    runner = GroupRunner(_zero_latency)
     scheduler = CreditScheduler(policy, G)
     finished = 0
     async with trio.open_nursery() as nursery:
@@ -201,11 +252,12 @@ def _measure(fn: Callable[[], int], gc_on: bool) -> float:
 
 
 def part_b(
-    sizes: list[int], factor: float, minimum: int, granularities: list[str]
+    sizes: list[int], factor: float, minimum: int, granularities: list[str], loop: str
 ) -> list[dict[str, Any]]:
+    trio_fn = _trio_driver if loop == "driver" else _trio_bare
     print(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
-        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples"
+        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop"
     )
     header = (
         f"{'policy':<8} {'N in flight':>11} | {'trio-rl':>8} {'asyncio':>8} | "
@@ -224,7 +276,7 @@ def part_b(
             for gc_on in (True, False):
                 suffix = "" if gc_on else "_nogc"
                 row["trio" + suffix] = _measure(
-                    functools.partial(trio.run, _trio_zero_latency, policy, n, target), gc_on
+                    functools.partial(trio.run, trio_fn, policy, n, target), gc_on
                 )
                 row["asyncio" + suffix] = _measure(
                     functools.partial(_run_asyncio, granularity, n, target), gc_on
@@ -249,23 +301,30 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32, help="B, in groups (part A)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sizes", default="1000,10000,100000", help="samples in flight (part B)")
-    parser.add_argument("--factor", type=float, default=2.0, help="finished samples per run / N")
+    parser.add_argument("--factor", type=float, default=1.0, help="finished samples per run / N")
     parser.add_argument(
         "--minimum", type=int, default=20000, help="minimum finished samples per run"
     )
     parser.add_argument(
         "--granularity", default="sample", help="comma list of sample,group (part B)"
     )
+    parser.add_argument(
+        "--loop",
+        choices=["driver", "bare"],
+        default="driver",
+        help="trio-rl side: the real open_async_rollout driver, or a bare CreditScheduler loop",
+    )
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, trio {trio.__version__}")
     if args.part in ("a", "all"):
-        part_a(args.scale, args.slots, args.budget, args.seed)
+        part_a(args.scale, args.slots, args.budget, args.seed, args.loop)
     if args.part in ("b", "all"):
         part_b(
             [int(s) for s in args.sizes.split(",")],
             args.factor,
             args.minimum,
             args.granularity.split(","),
+            args.loop,
         )
 
 

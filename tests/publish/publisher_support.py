@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -96,3 +97,20 @@ def one_per_sample_packer(
         return grid
 
     return pack
+
+
+def free_port_pair() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are both free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no free port pair found")

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
-from publisher_support import make_group, make_sink, one_per_sample_packer
+from publisher_support import free_port_pair, make_group, make_sink, one_per_sample_packer
 
 from trio_rl.publish import (
     PublishClosedError,
@@ -21,8 +21,8 @@ from trio_rl.publish import (
     open_publisher,
 )
 from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
-from trio_rl.transport import FileBatchSender, batch_path
-from trio_rl.wire import MicroBatch, encode
+from trio_rl.transport import FileBatchSender, ZmqBatchReceiver, ZmqBatchSender, batch_path
+from trio_rl.wire import MicroBatch, decode, encode
 
 
 def _decode(path: Path) -> list[list[Any]]:
@@ -93,6 +93,40 @@ async def test_the_payload_is_the_wire_encoding_of_the_packed_grid(tmp_path: Pat
         await pub.publish()
     for rank, micro_batches in enumerate(packed[0]):
         assert batch_path(tmp_path, 1, rank).read_bytes() == encode(micro_batches)
+
+
+async def test_ships_over_zeromq_to_trainer_ranks() -> None:
+    port = free_port_pair()
+    sink = make_sink(batch_size=4, groups=4)
+    packed: list[list[list[MicroBatch]]] = []
+    base = one_per_sample_packer(2)
+
+    def pack(samples: Sequence[TrainingSample]) -> list[list[MicroBatch]]:
+        grid = base(samples)
+        packed.append([list(rank) for rank in grid])
+        return grid
+
+    received: dict[int, list[tuple[int, list[MicroBatch]]]] = {0: [], 1: []}
+    with trio.fail_after(30):
+        async with (
+            ZmqBatchSender(2, port=port, ready_timeout=20) as sender,
+            ZmqBatchReceiver(0, port=port, start_step=1) as rank0,
+            ZmqBatchReceiver(1, port=port, start_step=1) as rank1,
+            open_publisher(sink, sender, pack=pack) as pub,
+            trio.open_nursery() as nursery,
+        ):
+
+            async def receive(rx: ZmqBatchReceiver) -> None:
+                for _ in range(2):
+                    item = await rx.receive()
+                    received[rx.rank].append((item.step, decode(item.data)))
+
+            nursery.start_soon(receive, rank0)
+            nursery.start_soon(receive, rank1)
+            assert (await pub.publish()) is not None
+            assert (await pub.publish()) is not None
+    for rank in (0, 1):
+        assert received[rank] == [(1, packed[0][rank]), (2, packed[1][rank])]
 
 
 async def test_cpu_work_runs_in_worker_threads_on_the_shared_limiter(tmp_path: Path) -> None:

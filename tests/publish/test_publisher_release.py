@@ -269,9 +269,9 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     world_size: int,
     cancel_at: int,
 ) -> None:
-    """Cancel the publisher's owner at the ``cancel_at``-th worker job (pack, encode, file
-    write, release): every shipped batch is released exactly once, no unshipped batch is,
-    and every sample is shipped or back in the queue."""
+    """Cancel the publisher's owner at the ``cancel_at``-th worker job (pack, encode,
+    checkpoint write, release): every shipped batch is released exactly once and checkpointed
+    once, no unshipped batch is, and every sample is shipped or back in the queue."""
     tmp_path = tmp_path_factory.mktemp("cancel")
     sink = make_sink(batch_size=batch_size, groups=groups)
     total = sink.queued
@@ -279,6 +279,7 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     releases: list[int] = []
     jobs = 0
     shipped_steps: list[int] = []
+    checkpoints: list[int] = []
 
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
@@ -305,10 +306,20 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
             releases.append(len(containers[0]))
             release_containers(containers)
 
+        class Checkpoints:
+            def snapshot(self, step: int) -> int:
+                return step
+
+            def write(self, step: int) -> None:
+                job()
+                checkpoints.append(step)
+
         with scope:
             async with (
                 FileBatchSender(tmp_path, world_size=world_size, fsync=False) as sender,
-                open_publisher(sink, sender, pack=pack, encode=enc, release=release) as pub,
+                open_publisher(
+                    sink, sender, pack=pack, encode=enc, release=release, checkpointer=Checkpoints()
+                ) as pub,
             ):
                 while True:
                     record = await pub.publish(force=True)
@@ -321,6 +332,7 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     assert shipped_steps == list(range(1, len(shipped_steps) + 1))
     assert len(shipped_steps) in (shipped, shipped - 1)  # the last may be cancelled after send
     assert len(releases) == shipped  # exactly once per shipped batch
+    assert checkpoints == list(range(1, shipped + 1))  # and one checkpoint per shipped step
     assert sum(releases) == sink.counters.shipped
     assert sink.counters.shipped + sink.queued == total
     assert sink.held == sink.queued  # nothing stuck in a cut

@@ -123,7 +123,11 @@ async def test_batches_are_sorted_and_backpressure_pauses_production(
         second = await driver.next_batch()
         assert len(second) == 3
         await trio.sleep(10)
-        assert src.taken > taken
+        assert driver.statistics().buffered == 4  # refilled from finished work first
+        for _ in range(3):
+            await driver.next_batch()
+        assert src.taken > taken  # then production resumed
+        assert driver.statistics().buffered <= 4
 
 
 async def test_pause_stops_submissions_while_in_flight_groups_go_on() -> None:
@@ -151,12 +155,13 @@ async def test_stale_groups_judged_when_taken(autojump_clock: trio.testing.MockC
     ) as driver:
         await trio.sleep(10)  # two groups generated at version 0 wait in the buffer
         driver.set_policy_version(5)
+        puppet.version = 5
         batch = await driver.next_batch()
         # the two version-0 groups were stale when taken: recycled, regenerated
         stats = driver.statistics()
-        assert stats.stale_recycled == 2
+        assert stats.stale_recycled >= 2  # the buffered ones, and any finished meanwhile
         assert all(g.staleness(5) <= 2 for g in batch)
-        assert sorted(g.prompt.key for g in batch) != ["p0", "p1"] or stats.stale_recycled == 2
+        assert stats.max_staleness == 0
         with pytest.raises(ValueError, match="cannot go back"):
             driver.set_policy_version(4)
 

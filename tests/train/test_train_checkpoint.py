@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,8 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
-
 from train_helpers import assert_accounted, make_group, make_sample
+
 from trio_rl.samples import Group, Prompt, SampleStatus
 from trio_rl.train import (
     PAYLOAD_METADATA_KEY,
@@ -22,6 +23,7 @@ from trio_rl.train import (
     CheckpointManager,
     OpenGroupState,
     PayloadStore,
+    PruneMode,
     SinkConfig,
     SinkState,
     TrainingSample,
@@ -45,8 +47,13 @@ def state_dicts(state: SinkState) -> dict[str, Any]:
         "window": state.window,
         "queued": [ts_dict(s) for s in state.queued],
         "open": [
-            (g.group_id, g.prompt, g.group_size, g.policy_version_at_start,
-             [attrs.asdict(m) for m in g.members])
+            (
+                g.group_id,
+                g.prompt,
+                g.group_size,
+                g.policy_version_at_start,
+                [attrs.asdict(m) for m in g.members],
+            )
             for g in state.open_groups
         ],
     }
@@ -105,15 +112,21 @@ def test_codec_is_exact_for_any_values(tokens: list[int], floats: list[float]) -
 
 
 async def test_snapshot_is_isolated_from_later_mutation(tmp_path: Path) -> None:
-    sink = filled_sink()
+    sink = TrainSink(SinkConfig(batch_size=64, prune=PruneMode.AFTER_SELECTION))
+    sink.add_group(make_group([1.0, 0.0, 0.5], version=1))  # one zero advantage: pruned later
+    sink.open_group("open-1", Prompt("k1", (1, 2, 3)), 4, 2)
+    sink.add_member("open-1", make_sample(9, 1.0, version=2))
     mgr = CheckpointManager(tmp_path)
     snap = mgr.snapshot(sink)
     expected = state_dicts(snap.sink)
-    # mutate everything after the snapshot: new work, a cut, pruning, arrivals
+    assert all(s["rl_weights"] is None for s in expected["queued"])
+    # mutate everything after the snapshot: new work, arrivals, a cut with pruning
     sink.add_group(make_group([3.0, 1.0]))
     sink.add_member("open-1", make_sample(9, 0.0, version=2))
-    sink.queued_samples()[0].rl_weights = [0.0]
-    await sink.take_batch(force=True)
+    sink.open_group("open-2", Prompt("k2", (1,)), 2, 2)
+    batch = await sink.take_batch(force=True)
+    assert sink.counters.pruned == 1
+    assert len(batch.samples) == 4
     loaded = await mgr.load(await mgr.save(snap))
     assert state_dicts(loaded.sink) == expected
 
@@ -124,7 +137,22 @@ async def test_keeps_the_last_k(tmp_path: Path) -> None:
     for step in range(5):
         await mgr.save(mgr.snapshot(sink, step=step))
     assert [p.name for p in mgr.list_checkpoints()] == ["step_00000003.ckpt", "step_00000004.ckpt"]
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+async def test_saving_after_resuming_from_an_older_checkpoint_supersedes_newer_ones(
+    tmp_path: Path,
+) -> None:
+    mgr = CheckpointManager(tmp_path, keep=3)
+    sink = filled_sink()
+    for step in (4, 5, 6):
+        await mgr.save(mgr.snapshot(sink, step=step, cursor=f"first run {step}"))
+    # resume from step 4 and save step 5 again: the abandoned step 6 must not stay "latest"
+    await mgr.save(mgr.snapshot(sink, step=5, cursor="second run 5"))
+    assert [p.name for p in mgr.list_checkpoints()] == ["step_00000004.ckpt", "step_00000005.ckpt"]
+    latest = await mgr.load_latest()
+    assert latest is not None
+    assert latest.cursor == "second run 5"
 
 
 async def _two_checkpoints(tmp_path: Path) -> tuple[CheckpointManager, Path, Path]:
@@ -153,11 +181,15 @@ async def test_damaged_checkpoint_is_named_and_the_previous_one_loads(
     second.write_bytes(damage(second.read_bytes()))
     with pytest.raises(CheckpointError, match=message) as info:
         read_checkpoint(second)
-    assert info.value.path == str(second) and str(second) in str(info.value)
+    assert info.value.path == str(second)
+    assert str(second) in str(info.value)
     with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
         latest = await mgr.load_latest()
-    assert latest is not None and latest.cursor == "first" and latest.path == first
-    assert "skipping unusable checkpoint" in caplog.text and second.name in caplog.text
+    assert latest is not None
+    assert latest.cursor == "first"
+    assert latest.path == first
+    assert "skipping unusable checkpoint" in caplog.text
+    assert second.name in caplog.text
 
 
 async def test_missing_checkpoint_and_no_checkpoints(tmp_path: Path) -> None:
@@ -171,7 +203,7 @@ async def test_unserialisable_cursor_is_a_checkpoint_error(tmp_path: Path) -> No
     snap = mgr.snapshot(filled_sink(), cursor={"rng": object()})
     with pytest.raises(CheckpointError, match="not MessagePack-able"):
         await mgr.save(snap)
-    assert list(tmp_path.iterdir()) == []
+    assert os.listdir(tmp_path) == []
 
 
 async def test_cancelled_save_leaves_no_partial_file(tmp_path: Path) -> None:
@@ -181,7 +213,7 @@ async def test_cancelled_save_leaves_no_partial_file(tmp_path: Path) -> None:
     async with limiter:
         with trio.move_on_after(0.05):
             await mgr.save(snap)  # waits for the limiter, then is cancelled
-    assert list(tmp_path.iterdir()) == []
+    assert os.listdir(tmp_path) == []
     await mgr.save(snap)
     assert len(mgr.list_checkpoints()) == 1
 
@@ -193,10 +225,12 @@ async def test_restore_ships_queued_first_and_resumes_open_groups(tmp_path: Path
     ck = await mgr.load(await mgr.save(mgr.snapshot(sink)))
     new = TrainSink(SinkConfig(batch_size=4, max_off_policy_steps=None))
     report = new.load_state_dict(ck.sink)
-    assert report.queued == 4 and report.completed_groups == []
+    assert report.queued == 4
+    assert report.completed_groups == []
     by_id = {r.group_id: r for r in report.resumed}
     assert set(by_id) == {"open-1", "open-empty"}
-    assert by_id["open-1"].missing == 3 and len(by_id["open-1"].arrived) == 1
+    assert by_id["open-1"].missing == 3
+    assert len(by_id["open-1"].arrived) == 1
     assert by_id["open-1"].prompt == Prompt("k1", (1, 2, 3), label={"answer": 4}, env_name="math")
     assert by_id["open-1"].policy_version_at_start == 2
     assert by_id["open-empty"].missing == 2
@@ -218,7 +252,9 @@ def _open_state(members: list[Any], group_size: int, step: int = 1) -> SinkState
     return SinkState(
         step=step,
         next_arrival=0,
-        counters=attrs.evolve(TrainSink(SinkConfig(batch_size=1)).counters, dispatched=len(members)),
+        counters=attrs.evolve(
+            TrainSink(SinkConfig(batch_size=1)).counters, dispatched=len(members)
+        ),
         window=TrainSink(SinkConfig(batch_size=1)).window,
         queued=(),
         open_groups=(OpenGroupState("full", Prompt("k", (1, 2)), group_size, 0, tuple(members)),),
@@ -233,17 +269,21 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
     mgr = CheckpointManager(tmp_path)
     from trio_rl.train import CheckpointSnapshot
 
-    await mgr.save(CheckpointSnapshot(step=0, progress={}, cursor=None, sink=_open_state(members, 4)))
+    await mgr.save(
+        CheckpointSnapshot(step=0, progress={}, cursor=None, sink=_open_state(members, 4))
+    )
     ck = await mgr.load_latest()
     assert ck is not None
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     report = sink.load_state_dict(ck.sink)
     # no resumed request at all for the full group, hence no zero-rollout request
-    assert report.resumed == [] and report.completed_groups == ["full"]
+    assert report.resumed == []
+    assert report.completed_groups == ["full"]
     assert all(r.missing > 0 for r in report.resumed)
     assert sink.open_group_ids() == []
     # scored exactly once, with exactly its members
-    assert sink.window.groups == 1 and sink.window.attempts == len(members)
+    assert sink.window.groups == 1
+    assert sink.window.attempts == len(members)
     queued = sink.queued_samples()
     assert sorted(s.sample_index for s in queued) == sorted(m.index for m in members)
     rewards = [float(i % 2) for i in range(len(members))]
@@ -274,7 +314,8 @@ async def test_defect2_stale_members_count_in_the_attempt_budget(tmp_path: Path)
     fresh = [make_sample(0, r, version=5) for r in (3.0, 1.0)]
     resumed_sink.add_group(Group("g", resumed.prompt, [*resumed.arrived, *fresh], 2))
     w = resumed_sink.window
-    assert w.attempts == 4 and w.groups == 1  # every member that arrived, stale ones included
+    assert w.attempts == 4
+    assert w.groups == 1
     assert resumed_sink.counters.stale - before.stale == 2
     scored = [s for s in resumed_sink.queued_samples() if s.group_id == "g"]
     assert sorted(s.sample_index for s in scored) == sorted(m.index for m in fresh)
@@ -295,7 +336,8 @@ async def test_defect3_sweep_keeps_restored_queued_payloads(tmp_path: Path) -> N
     assert ck.missing_files == frozenset()
     restored = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     report = restored.load_state_dict(ck.sink, missing_files=ck.missing_files)
-    assert report.queued == 2 and report.resumed == []
+    assert report.queued == 2
+    assert report.resumed == []
     # nothing else is live; the restored queue alone must protect v2
     assert store.sweep_orphans(restored.live_payload_versions(), current_version=5) == []
     assert store.versions_on_disk() == [2]
@@ -316,12 +358,16 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     group = make_group([1.0, 0.0, 0.25], version=1)
     for s in group.samples:
-        s.metadata[PAYLOAD_METADATA_KEY] = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
+        s.metadata[PAYLOAD_METADATA_KEY] = store.write_request(
+            1, {"routed_experts": np.ones((7, 1), np.int32)}
+        )
     sink.add_group(group)
     sink.open_group("open", Prompt("k", (1, 2, 3)), 3, 1)
     members = [make_sample(0, r, version=1) for r in (1.0, 0.0)]
     for m in members:
-        m.metadata[PAYLOAD_METADATA_KEY] = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
+        m.metadata[PAYLOAD_METADATA_KEY] = store.write_request(
+            1, {"routed_experts": np.ones((7, 1), np.int32)}
+        )
         sink.add_member("open", m)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     path = await mgr.save(mgr.snapshot(sink))
@@ -337,12 +383,14 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     assert (report.dropped_queued_missing, report.dropped_members_missing) == (1, 1)
     assert report.queued == 2
     (r,) = report.resumed
-    assert r.missing == 2 and [m.index for m in r.arrived] == [members[0].index]
+    assert r.missing == 2
+    assert [m.index for m in r.arrived] == [members[0].index]
     assert_accounted(restored)
     # an inline run (no payload root) loses nothing
     inline = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     rep2 = inline.load_state_dict((await CheckpointManager(tmp_path / "ckpt").load(path)).sink)
-    assert rep2.queued == 3 and rep2.resumed[0].missing == 1
+    assert rep2.queued == 3
+    assert rep2.resumed[0].missing == 1
 
 
 async def test_restore_filters_stale_work(tmp_path: Path) -> None:

@@ -27,13 +27,17 @@ def test_write_then_read_roundtrip(tmp_path: Path) -> None:
     store = PayloadStore(tmp_path)
     experts = np.arange(4 * 2 * 3, dtype=np.int32).reshape(4, 2, 3)
     weights = np.linspace(0, 1, 8, dtype=np.float32).reshape(4, 2)
-    segs = store.write_request(3, {"routed_experts": experts, "routed_expert_weights": weights}, pos=2)
+    segs = store.write_request(
+        3, {"routed_experts": experts, "routed_expert_weights": weights}, pos=2
+    )
     assert [s.file for s in segs] == [segs[0].file] * 2
     assert segs[0].file.startswith("v3/")
     assert (segs[0].pos, segs[0].rows, segs[0].shape) == (2, 4, [2, 3])
     out = store.read_field(segs, "routed_experts", 0, 7)
-    assert out is not None and out.shape == (7, 2, 3)
-    assert (out[:2] == 0).all() and (out[6] == 0).all()  # fill 0 outside the segment
+    assert out is not None
+    assert out.shape == (7, 2, 3)
+    assert (out[:2] == 0).all()
+    assert (out[6] == 0).all()
     np.testing.assert_array_equal(out[2:6], experts)
     w = store.read_field(segs, "routed_expert_weights", 3, 5)
     np.testing.assert_array_equal(w, weights[1:3])
@@ -49,13 +53,21 @@ def test_fill_values_and_later_segments_win(tmp_path: Path) -> None:
     assert out[:, 0].tolist() == [7, 7, 9, 9, -1, -1]
     lp = store.write_request(1, {"sampling_mask_logprobs": np.zeros((1, 1), np.float32)}, pos=0)
     out2 = store.read_field(lp, "sampling_mask_logprobs", 0, 2)
-    assert out2 is not None and out2[0, 0] == 0.0 and np.isneginf(out2[1, 0])
+    assert out2 is not None
+    assert out2[0, 0] == 0.0
+    assert np.isneginf(out2[1, 0])
 
 
 @given(
-    st.integers(0, 20), st.integers(1, 20), st.integers(0, 40), st.integers(0, 40), st.integers(-5, 5)
+    st.integers(0, 20),
+    st.integers(1, 20),
+    st.integers(0, 40),
+    st.integers(0, 40),
+    st.integers(-5, 5),
 )
-def test_clip_and_shift_keep_rows_aligned(pos: int, rows: int, lo: int, hi: int, delta: int) -> None:
+def test_clip_and_shift_keep_rows_aligned(
+    pos: int, rows: int, lo: int, hi: int, delta: int
+) -> None:
     seg = PayloadSegment("f", "v0/x.bin", 100, pos, rows, "<i4", [3])
     out = clip_segments([seg], lo, hi)
     start, end = max(pos, lo), min(pos + rows, hi)
@@ -75,7 +87,8 @@ def test_clip_then_read_reads_the_same_rows(tmp_path: Path) -> None:
     segs = store.write_request(0, {"routed_experts": arr}, pos=0)
     clipped = shift_segments(clip_segments(segs, 4, 8), -4)
     out = store.read_field(clipped, "routed_experts", 0, 4)
-    assert out is not None and out[:, 0].tolist() == [4, 5, 6, 7]
+    assert out is not None
+    assert out[:, 0].tolist() == [4, 5, 6, 7]
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -104,7 +117,8 @@ def test_short_reads_are_retried_then_reported(
     monkeypatch.setattr(payload_mod.os, "pread", flaky)
     monkeypatch.setattr(payload_mod.time, "sleep", lambda s: None)
     out = store.read_field(segs, "routed_experts", 0, 4)
-    assert out is not None and out[:, 0].tolist() == [0, 1, 2, 3]
+    assert out is not None
+    assert out[:, 0].tolist() == [0, 1, 2, 3]
     assert len(calls) == 2
     # a file that really is too short keeps failing and is reported with sizes
     bad = [PayloadSegment("routed_experts", segs[0].file, 0, 0, 40, "<i4", [])]
@@ -140,6 +154,7 @@ async def test_async_wrappers_run_in_threads(tmp_path: Path) -> None:
         lambda: store.write_request(4, {"routed_experts": np.ones((3, 2), np.int32)})
     )
     out = await store.aread_field(segs, "routed_experts", 0, 3)
-    assert out is not None and out.sum() == 6
+    assert out is not None
+    assert out.sum() == 6
     assert await store.adelete_files(segment_files(segs)) == 1
     assert await store.asweep_orphans([], current_version=9) == [4]

@@ -176,5 +176,13 @@ def test_prune_matches_the_reference_definition(
 def test_prune_detached_splits_kept_and_pruned() -> None:
     a, b, c = _ts([True], [1.0]), _ts([True], [0.0]), _ts([True], None)
     result = prune_detached([a, b, c])
-    assert result.kept == [a, c]
-    assert result.pruned == [b]
+    assert result.kept == [a, c]  # unchanged samples are passed through as they are
+    (pb,) = result.pruned
+    assert pb.token_ids is b.token_ids
+    assert pb.rl_weights == [0.0]
+    assert b.rl_weights is None  # the input is never mutated (a snapshot may share it)
+    d = _ts([True, True], [0.0, 1.0])
+    (kd,) = prune_detached([d]).kept
+    assert kd is not d
+    assert kd.rl_weights == [0.0, 1.0]
+    assert d.rl_weights is None

@@ -7,8 +7,8 @@ import logging
 import pytest
 import trio
 import trio.testing
-
 from train_helpers import assert_accounted, make_group, make_sample
+
 from trio_rl.samples import Group, Prompt, SampleStatus
 from trio_rl.train import PruneMode, ScoringConfig, SinkConfig, TrainSink, TrainSinkError
 
@@ -33,7 +33,8 @@ async def test_group_is_scored_queued_and_cut_at_batch_size() -> None:
     assert s.queued == 4
     assert s.ready()
     batch = await s.take_batch()
-    assert batch.step == 1 and s.step == 2
+    assert batch.step == 1
+    assert s.step == 2
     assert [x.advantages[-1] for x in batch.samples] == [0.5, -0.5, 0.5, -0.5]  # type: ignore[index]
     assert all(x.temperatures == [0.6] * x.num_tokens for x in batch.samples)
     assert batch.window is not None
@@ -78,7 +79,11 @@ async def test_cut_takes_oldest_version_first_stable_on_arrival() -> None:
         (5, g_new.samples[0].index),
     ]
     rest = [(x.policy_version, x.sample_index) for x in s.queued_samples()]
-    assert rest == [(5, g_new.samples[1].index), (5, g_new2.samples[0].index), (5, g_new2.samples[1].index)]
+    assert rest == [
+        (5, g_new.samples[1].index),
+        (5, g_new2.samples[0].index),
+        (5, g_new2.samples[1].index),
+    ]
 
 
 async def test_token_batch_includes_the_crossing_sample() -> None:
@@ -121,15 +126,20 @@ async def test_all_pruned_cut_keeps_step_and_window() -> None:
     assert s.queued == 2  # not pruned before queueing in this mode
     before = s.window
     batch = await s.take_batch()
-    assert batch.samples == [] and batch.window is None
+    assert batch.samples == []
+    assert batch.window is None
     assert s.step == 1
     # the window is kept (it also records the pruning) and goes out with the next batch
-    assert s.window.attempts == before.attempts == 2 and s.window.pruned == 2
+    assert s.window.attempts == before.attempts == 2
+    assert s.window.pruned == 2
     assert s.counters.pruned == 2
     s.add_group(make_group([1.0, 0.0]))
     batch = await s.take_batch()
-    assert len(batch.samples) == 2 and s.step == 2
-    assert batch.window is not None and batch.window.attempts == 4 and batch.window.pruned == 2
+    assert len(batch.samples) == 2
+    assert s.step == 2
+    assert batch.window is not None
+    assert batch.window.attempts == 4
+    assert batch.window.pruned == 2
     assert_accounted(s)
 
 
@@ -139,7 +149,8 @@ async def test_after_selection_batch_may_shrink() -> None:
     s.add_group(make_group([1.0, 0.0]))
     batch = await s.take_batch(limiter=trio.CapacityLimiter(1))
     assert len(batch.samples) == 2
-    assert s.counters.pruned == 2 and s.counters.shipped == 2
+    assert s.counters.pruned == 2
+    assert s.counters.shipped == 2
     assert_accounted(s)
 
 
@@ -165,7 +176,8 @@ async def test_cancelled_while_pruning_requeues_survivors() -> None:
             nursery.cancel_scope.cancel()
     assert s.step == 1
     assert [x.arrival for x in s.queued_samples()] == order[2:]
-    assert s.counters.pruned == 2 and s.counters.shipped == 0
+    assert s.counters.pruned == 2
+    assert s.counters.shipped == 0
     assert_accounted(s)
 
 
@@ -180,7 +192,8 @@ def test_failed_aborted_and_unfinished_members() -> None:
     assert s.queued == 2
     aborted = make_group([1.0, 0.0], statuses=[SampleStatus.COMPLETED, SampleStatus.ABORTED])
     s.add_group(aborted)
-    assert s.counters.cancelled == 1 and s.counters.filtered == 1
+    assert s.counters.cancelled == 1
+    assert s.counters.filtered == 1
     s.record_failed(3)
     s.record_cancelled(2)
     assert (s.counters.failed, s.counters.cancelled) == (4, 3)
@@ -192,7 +205,8 @@ def test_untrainable_member_is_filtered() -> None:
     g = make_group([1.0, 0.0])
     g.samples[0].loss_mask = [False] * len(g.samples[0].loss_mask)
     s.add_group(g)
-    assert s.counters.filtered == 1 and s.queued == 1
+    assert s.counters.filtered == 1
+    assert s.queued == 1
 
 
 def test_bad_group_is_rejected_without_changing_state() -> None:
@@ -219,10 +233,12 @@ def test_members_arrive_one_by_one() -> None:
     with pytest.raises(TrainSinkError, match="arrived twice"):
         s.add_member("g", a)
     s.record_failed(1, group_id="g")
-    assert s.open_group_ids() == ["g"] and s.held == 1
+    assert s.open_group_ids() == ["g"]
+    assert s.held == 1
     s.add_member("g", make_sample(0, 0.0))
     assert s.open_group_ids() == []
-    assert s.queued == 2 and s.window.attempts == 3
+    assert s.queued == 2
+    assert s.window.attempts == 3
     with pytest.raises(TrainSinkError, match="not open"):
         s.add_member("g", make_sample(0, 0.0))
     assert_accounted(s)
@@ -236,7 +252,8 @@ def test_whole_group_for_an_open_group_counts_held_members_once() -> None:
         s.add_member("g", m)
     rest = [make_sample(0, 1.0), make_sample(0, 0.0)]
     s.add_group(Group("g", Prompt("k", (1, 2)), [*first, *rest]))
-    assert s.counters.dispatched == 4 and s.queued == 4
+    assert s.counters.dispatched == 4
+    assert s.queued == 4
     assert sorted(x.sample_index for x in s.queued_samples()) == sorted(
         m.index for m in first + rest
     )
@@ -246,7 +263,8 @@ def test_discard_queued_books_cancelled() -> None:
     s = sink()
     s.add_group(make_group([1.0, 0.0]))
     assert s.discard_queued() == 2
-    assert s.counters.cancelled == 2 and s.queued == 0
+    assert s.counters.cancelled == 2
+    assert s.queued == 0
     assert_accounted(s)
 
 

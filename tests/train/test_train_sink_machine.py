@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from train_helpers import make_sample
+
 from trio_rl.samples import Group, Prompt, ResumedGroup, SampleStatus, new_group_id
 from trio_rl.train import (
     PAYLOAD_METADATA_KEY,
@@ -97,7 +97,9 @@ class SinkMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.sink.open_group_ids()))
     @rule(data=st.data(), reward=REWARDS, by_handle=st.booleans(), fail=st.booleans())
-    def member_arrives(self, data: st.DataObject, reward: float, by_handle: bool, fail: bool) -> None:
+    def member_arrives(
+        self, data: st.DataObject, reward: float, by_handle: bool, fail: bool
+    ) -> None:
         gid = data.draw(st.sampled_from(self.sink.open_group_ids()))
         if fail:
             self.sink.record_failed(1, group_id=gid)
@@ -116,7 +118,9 @@ class SinkMachine(RuleBasedStateMachine):
             self._member(rewards[i % 3], 0, by_handle, SampleStatus.COMPLETED)
             for i in range(r.missing)
         ]
-        self.sink.add_group(Group(r.group_id, r.prompt, [*r.arrived, *new], r.policy_version_at_start))  # type: ignore[list-item]
+        self.sink.add_group(
+            Group(r.group_id, r.prompt, [*r.arrived, *new], r.policy_version_at_start)
+        )  # type: ignore[list-item]
         self.dispatched += len(new)
 
     @rule(n=st.integers(0, 2))
@@ -129,7 +133,11 @@ class SinkMachine(RuleBasedStateMachine):
         if not (self.sink.ready() or (force and self.sink.queued)):
             return
         detached = self.sink.detach_batch(force=force)
-        result = prune_detached(detached.samples) if self.config.prune is PruneMode.AFTER_SELECTION else None
+        result = (
+            prune_detached(detached.samples)
+            if self.config.prune is PruneMode.AFTER_SELECTION
+            else None
+        )
         batch = self.sink.settle_batch(detached, result)
         if batch.samples:
             self.unread.append(batch)
@@ -159,7 +167,8 @@ class SinkMachine(RuleBasedStateMachine):
         for s in batch.samples:
             if s.payload:
                 out = self.store.read_field(s.payload, "routed_experts", 0, s.num_tokens)
-                assert out is not None and (out[: min(5, s.num_tokens), 0] == s.sample_index).all()
+                assert out is not None
+                assert (out[: min(5, s.num_tokens), 0] == s.sample_index).all()
                 files |= segment_files(s.payload)
         self.store.delete_files(files)
         self.sink.mark_read(batch.step)

@@ -35,18 +35,26 @@ async def test_layout_and_content_are_exactly_the_payload_bytes(tmp_path: Path) 
     assert [batch_path(tmp_path, 5, r).read_bytes() for r in range(3)] == [b"", b"x", b"yz"]
 
 
-async def test_multi_mib_round_trip_for_several_ranks_and_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("use_mmap", "delete"), [(False, False), (True, False), (True, True)])
+async def test_multi_mib_round_trip_for_several_ranks_and_steps(
+    tmp_path: Path, use_mmap: bool, delete: bool
+) -> None:
     world, steps, size = 3, 3, 3 << 20
     async with FileBatchSender(tmp_path, world_size=world, fsync=False) as sender:
         for step in range(steps):
             await sender.send(step, [payload(step, r, size + step) for r in range(world)])
     for rank in range(world):
-        async with FileBatchReceiver(tmp_path, rank, timeout=5) as receiver:
+        async with FileBatchReceiver(
+            tmp_path, rank, timeout=5, use_mmap=use_mmap, delete=delete
+        ) as receiver:
             for step in range(steps):
                 got = await receiver.receive()
                 assert (got.step, got.rank) == (step, rank)
+                assert isinstance(got.data, memoryview if use_mmap else bytes)
                 assert got.data == payload(step, rank, size + step)
                 assert got.source == str(batch_path(tmp_path, step, rank))
+                assert batch_path(tmp_path, step, rank).exists() is not delete
+                del got  # a mapped payload stays valid after the unlink, until released
             assert receiver.next_step == steps
 
 

@@ -33,6 +33,7 @@ from ..train import (
     PruneResult,
     SinkConfig,
     SinkCounters,
+    SinkWindow,
     TrainBatch,
     TrainingSample,
     TrainSink,
@@ -225,8 +226,8 @@ class Publisher(Generic[SnapshotT]):
         already running finishes first (workers are never abandoned; encoding stops at its next
         cancellation check). Once the send completed the batch is shipped: it is booked, the step
         advances, the checkpoint snapshot is taken and its memory release is scheduled, all
-        before the next checkpoint, so a cancellation during the checkpoint write or the monitor
-        delivery cannot lose or repeat any of that.
+        before the next checkpoint; the checkpoint write is shielded. A cancellation after the
+        send therefore lands only in the monitor delivery, or after the checkpoint is written.
         """
         if self._closed:
             raise PublishClosedError("publish() called on a closed publisher")
@@ -287,21 +288,28 @@ class Publisher(Generic[SnapshotT]):
             raise
 
         # Shipped and booked. Everything up to the release scheduling is sync or shielded.
-        assert batch.window is not None
-        all_stats = attempt_stats(batch.window)  # scalars read and reset by the sink
+        # the window the sink read and reset (scalars: constant time, fine on the loop)
+        all_stats = attempt_stats(batch.window if batch.window is not None else SinkWindow())
         counters = attrs.asdict(sink.counters)
         snapshot = None if self._checkpointer is None else self._checkpointer.snapshot(step)
         monitor_copy = list(samples)
         ranks, per_rank = len(grid), len(grid[0]) if grid else 0
         payload_bytes = sum(len(p) for p in payloads)
         mark = time.perf_counter()
-        await self._schedule_release([samples, detached.samples, payloads, *grid, grid])
+        containers: list[Container] = [samples, detached.samples, payloads, *grid, grid]
+        if pruned is not None:
+            containers += [pruned.kept, pruned.pruned]
+        await self._schedule_release(containers)
         timings["release_wait"] = time.perf_counter() - mark
         del samples, payloads, grid, batch
 
         mark = time.perf_counter()
         if self._checkpointer is not None:
-            await self._run(self._checkpointer.write, snapshot)
+            # Shielded: every shipped step gets its checkpoint, even when the publication is
+            # cancelled right now (the thread would run to completion anyway; a cancellation
+            # arriving before it started must not skip it).
+            with trio.CancelScope(shield=True):
+                await self._run(self._checkpointer.write, snapshot)
         timings["checkpoint"] = time.perf_counter() - mark
         record = ShipRecord(
             step=step,

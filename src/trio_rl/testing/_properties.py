@@ -75,10 +75,6 @@ def _run(data: st.DataObject, subject: RolloutSubject, body: Callable[[World], A
         raise
 
 
-def _steps(world: World, most: int = 30) -> int:
-    return world.draw(st.integers(0, most), "steps")
-
-
 # --------------------------------------------------------------------------- credit loop
 
 
@@ -96,20 +92,29 @@ def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None
 
 
 async def _credit_loop_body(world: World) -> None:
-    g = world.draw(st.integers(1, 4), "group size G")
-    budget = world.draw(st.integers(1, 4), "budget B")
-    n = world.draw(st.integers(1, 8), "groups")
-    resumed = world.draw(st.integers(0, n), "resumed groups")
+    g, budget, n, arrived = world.draw(
+        st.tuples(
+            st.integers(1, 4),
+            st.integers(1, 4),
+            st.integers(1, 8),
+            st.lists(st.integers(0, 4), max_size=3),
+        ),
+        "G, B, groups, members already arrived in the first (resumed) groups",
+    )
+    resumed = min(len(arrived), n)
     factory = GroupFactory(g)
     todo: deque[Group] = deque()
     for i in range(n):
         prompt = Prompt(f"p{i}", (i,))
         if i < resumed:
-            arrived = world.draw(st.integers(0, g), f"group {i}: members already arrived")
             members = [
-                Sample(index=10_000 + 100 * i + k, group_index=10_000 + i, prompt_tokens=(i,),
-                       status=SampleStatus.COMPLETED)
-                for k in range(arrived)
+                Sample(
+                    index=10_000 + 100 * i + k,
+                    group_index=10_000 + i,
+                    prompt_tokens=(i,),
+                    status=SampleStatus.COMPLETED,
+                )
+                for k in range(min(arrived[i], g))
             ]
             todo.append(factory.resume(ResumedGroup(f"r{i}", prompt, g, members)))
         else:
@@ -142,32 +147,39 @@ async def _credit_loop_body(world: World) -> None:
         state["done"] = True
 
     def awake() -> None:
-        if not state["done"] and not state["stopped"]:
-            world.check_awake(budget=state["budget"], group_size=g, may_submit=bool(todo))
+        if state["done"] or state["stopped"]:
+            return
+        undelivered = [
+            gid for gid, r in world.recorder.groups.items() if r.ended and gid not in outcomes
+        ]
+        world.check(
+            not undelivered,
+            5,
+            f"the driver is asleep although group {undelivered[:1]} ended and its outcome "
+            "was never delivered",
+        )
+        world.check_awake(budget=state["budget"], group_size=g, may_submit=bool(todo))
 
     baseline = live_tasks()
     try:
         async with trio.open_nursery() as harness:
             harness.start_soon(loop)
-            for _ in range(_steps(world)):
+            for step in world.schedule([*_ENGINE_STEPS, "budget", "stop"]):
                 await world.quiesce()
                 awake()
                 if state["done"]:
                     break
-                action = world.draw(
-                    st.sampled_from([*_ENGINE_STEPS, "budget", "stop"]), "step"
-                )
-                if action == "budget":
-                    state["budget"] = world.draw(st.integers(1, 4), "new budget B")
-                    world.log(f"budget -> {state['budget']}")
+                if step.action == "budget":
+                    state["budget"] = step.value
+                    world.log(f"budget -> {step.value}")
                     scheduler.nudge("budget")
-                elif action == "stop":
+                elif step.action == "stop":
                     world.log("stop: cancel the driver loop")
                     state["stopped"] = True
                     harness.cancel_scope.cancel()
                     break
                 else:
-                    await world.engine_step(action)
+                    await world.engine_step(step)
             if not state["stopped"]:
                 await world.finish(lambda: bool(state["done"]), each_round=awake,
                                    time_bound=HANG_TIMEOUT * (total + 2) * 4)
@@ -234,14 +246,20 @@ def check_sync_driver(data: st.DataObject, subject: RolloutSubject | None = None
 
 
 async def _sync_body(world: World) -> None:
-    t = world.draw(st.integers(1, 3), "batch size T")
-    g = world.draw(st.integers(1, 3), "group size G")
-    calls = world.draw(st.integers(1, 2), "calls")
-    over = world.draw(st.integers(1, 2), "groups per admission")
-    spare = world.draw(st.integers(0, 3), "spare prompts")
-    filtering = world.draw(st.booleans(), "reject aborted groups")
-    partial = world.draw(st.booleans(), "partial rollouts")
-    allow_partial = world.draw(st.booleans(), "allow partial batch")
+    t, g, calls, over, spare, filtering, partial, allow_partial = world.draw(
+        st.tuples(
+            st.integers(1, 3),
+            st.integers(1, 3),
+            st.integers(1, 2),
+            st.integers(1, 2),
+            st.integers(0, 3),
+            st.booleans(),
+            st.booleans(),
+            st.booleans(),
+        ),
+        "T, G, calls, groups per admission, spare prompts, reject aborted, partial "
+        "rollouts, allow partial batch",
+    )
     n = t * calls + spare
     world.log(f"T={t} G={g} calls={calls} O={over} prompts={n} filter={filtering}")
     source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
@@ -307,12 +325,12 @@ async def _sync_body(world: World) -> None:
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
         harness.start_soon(consumer)
-        for _ in range(_steps(world)):
+        for step in world.schedule(_ENGINE_STEPS):
             await world.quiesce()
             awake()
             if state["done"]:
                 break
-            await world.engine_step(world.draw(st.sampled_from(_ENGINE_STEPS), "step"))
+            await world.engine_step(step)
         await world.finish(
             lambda: bool(state["done"]), each_round=awake, time_bound=HANG_TIMEOUT * (n + 2) * 4
         )
@@ -375,14 +393,19 @@ def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = Non
 
 
 async def _async_body(world: World) -> None:
-    t = world.draw(st.integers(1, 3), "batch size T")
-    g = world.draw(st.integers(1, 3), "group size G")
-    budget = world.draw(st.integers(1, 3), "max groups in flight B")
-    capacity = world.draw(st.integers(1, 2 * t), "buffer capacity")
-    n = world.draw(st.integers(1, 8), "prompts")
-    failure = world.draw(st.sampled_from(["skip", "retry"]), "on failure")
-    aborted = world.draw(st.sampled_from(["recycle", "drop"]), "aborted groups")
-    staleness = world.draw(st.sampled_from([None, 0, 1]), "max staleness")
+    t, g, budget, capacity, n, failure, aborted, staleness = world.draw(
+        st.tuples(
+            st.integers(1, 3),
+            st.integers(1, 3),
+            st.integers(1, 3),
+            st.integers(1, 6),
+            st.integers(1, 8),
+            st.sampled_from(["skip", "retry"]),
+            st.sampled_from(["recycle", "drop"]),
+            st.sampled_from([None, 0, 1]),
+        ),
+        "T, G, B, buffer capacity, prompts, on failure, aborted groups, max staleness",
+    )
     world.log(f"T={t} G={g} B={budget} capacity={capacity} prompts={n} {failure} {aborted}")
     source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
     taken: list[int] = []
@@ -465,20 +488,17 @@ async def _async_body(world: World) -> None:
                         and not driver.is_paused
                         and stats.buffered < capacity
                         and not source.exhausted,
+                        drains=alive and stats.buffered < capacity,
                     )
 
                 closed = False
-                for _ in range(_steps(world)):
+                actions = [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
+                for step in world.schedule(actions):
                     await world.quiesce()
                     checks()
                     if state["ended"]:
                         break
-                    action = world.draw(
-                        st.sampled_from(
-                            [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
-                        ),
-                        "step",
-                    )
+                    action = step.action
                     if action == "take":
                         world.log("consumer: next_batch()")
                         take()
@@ -499,7 +519,7 @@ async def _async_body(world: World) -> None:
                         closed = True
                         break
                     elif action in _ENGINE_STEPS:
-                        await world.engine_step(action)
+                        await world.engine_step(step)
                 if not closed:
                     state["paused_at"] = None
                     await pause_stack.aclose()

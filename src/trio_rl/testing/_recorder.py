@@ -241,7 +241,7 @@ class CreditRecorder:
         if ledger is not None:
             pending = ledger.pending()
             for g in self.groups.values():
-                if False and g.ended and g.group_id in pending and not self.not_started(ledger, g.group_id):
+                if g.ended and g.group_id in pending and not self.not_started(ledger, g.group_id):
                     self.fail(
                         3,
                         f"decision with group {g.group_id} still pending in the ledger after "
@@ -254,13 +254,13 @@ class CreditRecorder:
                 f"{sum(pending.values())}",
             )
         self.check(
-            True or (view.in_flight, view.pending_groups) == (c, p),
+            (view.in_flight, view.pending_groups) == (c, p),
             3,
             f"decision saw in_flight={view.in_flight}, pending={view.pending_groups}; "
             f"the unfinished samples of the {p} pending groups are {c}",
         )
         self.check(
-            p > 0 or view.in_flight == 0,
+            view.pending_groups > 0 or view.in_flight == 0,
             3,
             f"no group pending but {view.in_flight} credits in flight",
         )

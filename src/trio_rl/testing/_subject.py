@@ -11,6 +11,7 @@ from ..rollout import (
     CreditScheduler,
     CreditView,
     GenerateFn,
+    GroupGranularity,
     GroupRunner,
     SampleBackfill,
     SubmissionPolicy,
@@ -19,7 +20,10 @@ from ..rollout import (
 from ._engine import FateKind
 from ._recorder import RunnerLike
 
-__all__ = ["HANG_TIMEOUT", "RolloutSubject", "default_generate"]
+__all__ = ["HANG_TIMEOUT", "PolicyFactory", "RolloutSubject", "default_generate"]
+
+#: Makes a fresh submission policy.
+PolicyFactory = Callable[[], SubmissionPolicy]
 
 #: Virtual seconds after which the default generate function gives up on an engine call
 #: (``trio.TooSlowError``), so a hanging sample cannot hold a run forever.
@@ -39,7 +43,8 @@ def _all_kinds() -> tuple[FateKind, ...]:
 class RolloutSubject:
     """The pieces under test; each defaults to the library's own.
 
-    ``policy()`` makes a :class:`~trio_rl.rollout.SubmissionPolicy`; ``runner(generate)``
+    ``policy()`` makes a :class:`~trio_rl.rollout.SubmissionPolicy` (a tuple of factories:
+    each example draws one; the default draws both library policies); ``runner(generate)``
     makes a group runner (anything with ``async run(group, on_sample_done)``, like
     :class:`~trio_rl.rollout.GroupRunner`) around the harness's generate function;
     ``generate(engine)`` makes the per-sample generate function on top of the harness's
@@ -54,12 +59,17 @@ class RolloutSubject:
     or every hang is reported as a deadlock.
     """
 
-    policy: Callable[[], SubmissionPolicy] = SampleBackfill
+    policy: PolicyFactory | tuple[PolicyFactory, ...] = (SampleBackfill, GroupGranularity)
     runner: Callable[[GenerateFn], RunnerLike] = GroupRunner
     generate: Callable[[Engine], GenerateFn] = default_generate
     scheduler: Callable[[SubmissionPolicy, int], CreditScheduler] = CreditScheduler
     rule: Callable[[CreditView], bool] | None = None
     kinds: tuple[FateKind, ...] = attrs.field(factory=_all_kinds)
+
+    @property
+    def policies(self) -> tuple[PolicyFactory, ...]:
+        """The policy factories; with several, each example draws one."""
+        return self.policy if isinstance(self.policy, tuple) else (self.policy,)
 
     @kinds.validator
     def _check_kinds(

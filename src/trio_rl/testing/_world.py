@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ..engines import GenerateRequest
 from ..rollout import CreditLedger, CreditView, GroupRunner, SubmissionPolicy
-from ._engine import Call, Fate, FateKind, ScriptedEngine
+from ._engine import Call, Fate, ScriptedEngine
 from ._recorder import (
     CreditRecorder,
     RecordingPolicy,
@@ -26,16 +26,13 @@ from ._recorder import (
     spec_rule,
 )
 from ._report import InvariantViolation, Trace, live_tasks
+from ._strategies import ADVANCE_SECONDS, Step, schedules
 from ._subject import RolloutSubject
 
 __all__ = ["World"]
 
 _T = TypeVar("_T")
 
-#: How long after a step settles a call it ends; 0 first, so shrinking goes towards
-#: immediate, step-by-step schedules.
-_DELAYS = st.sampled_from([0.0, 0.0, 1.0, 5.0])
-_ADVANCE = st.sampled_from([1.0, 5.0, 30.0, 100.0])
 
 
 class World:
@@ -49,7 +46,11 @@ class World:
         self.engine = ScriptedEngine(self._script)
         self.ledger: Callable[[], CreditLedger | None] = lambda: None
         self.recorder = CreditRecorder(self.trace, lambda: self.ledger())
-        self.inner_policy: SubmissionPolicy = subject.policy()
+        factories = subject.policies
+        factory = factories[0] if len(factories) == 1 else self.draw(
+            st.sampled_from(factories), "policy"
+        )
+        self.inner_policy: SubmissionPolicy = factory()
         rule = subject.rule if subject.rule is not None else spec_rule(self.inner_policy)
         self.policy = RecordingPolicy(self.inner_policy, self.recorder, rule)
         generate = recording_generate(self.recorder, subject.generate(self.engine))
@@ -76,32 +77,32 @@ class World:
     def _name(self, call: Call) -> str:
         return "sample " + (call.request.request_id.split("-", 1)[0] or str(call.number))
 
-    def _fate(self, call: Call) -> tuple[FateKind, float]:
-        kind = self.draw(st.sampled_from(self.subject.kinds), f"{self._name(call)}: fate")
-        return kind, self.draw(_DELAYS, f"{self._name(call)}: after")
+    def schedule(self, actions: Sequence[str]) -> list[Step]:
+        """Draw the whole adversarial schedule at once (see :func:`schedules`)."""
+        return self.draw(schedules(actions, self.subject.kinds), "schedule")
 
-    async def engine_step(self, action: str) -> None:
+    async def engine_step(self, step: Step) -> None:
         """Apply one engine move: ``settle``, ``settle all`` or ``advance``."""
         held = sorted(self.engine.held, key=lambda c: c.number)
-        if action == "settle" and held:
-            call = held[self.draw(st.integers(0, len(held) - 1), "which held call")]
-            kind, after = self._fate(call)
-            self.log(f"settle {self._name(call)}: {kind} after {after:g}s")
-            self.engine.settle(call, kind, after=after)
-        elif action == "settle all" and held:
-            fates = [(call, *self._fate(call)) for call in held]
+        if step.action == "settle" and held:
+            call = held[step.pick % len(held)]
+            self.log(f"settle {self._name(call)}: {step.kind} after {step.after:g}s")
+            self.engine.settle(call, step.kind, after=step.after)
+        elif step.action == "settle all" and held:
+            # All at once: the picked call gets the step's fate, the others finish normally.
+            chosen = held[step.pick % len(held)]
             self.log(
-                "settle all at once: "
-                + ", ".join(f"{self._name(c)}={k}@{a:g}s" for c, k, a in fates)
+                f"settle all {len(held)} held at once after {step.after:g}s: "
+                f"{self._name(chosen)} {step.kind}, the rest stop"
             )
-            for call, kind, after in fates:
-                self.engine.settle(call, kind, after=after)
-        elif action == "advance":
-            dt = self.draw(_ADVANCE, "advance seconds")
+            for call in held:
+                self.engine.settle(call, step.kind if call is chosen else "stop", after=step.after)
+        elif step.action == "advance":
+            dt = ADVANCE_SECONDS[(step.value - 1) % len(ADVANCE_SECONDS)]
             self.log(f"advance {dt:g}s")
             self.clock.jump(dt)
         else:
-            self.log(f"{action}: nothing to do")
+            self.log(f"{step.action}: nothing to do")
 
     # -- checks ------------------------------------------------------------------------
     async def quiesce(self) -> None:
@@ -118,12 +119,31 @@ class World:
         assert self.recorder.violation is not None
         return self.recorder.violation
 
-    def check_awake(self, *, budget: int | None, group_size: int, may_submit: bool) -> None:
-        """Invariant 5: the driver is blocked, so it must have no capacity to use.
+    def check_awake(
+        self, *, budget: int | None, group_size: int, may_submit: bool, drains: bool = True
+    ) -> None:
+        """Invariant 5: the driver is blocked, so it must have no capacity to use and no
+        completion it has not applied.
 
         Called once every task is blocked. ``may_submit`` is False when the driver has a
-        legitimate reason to sleep (paused, buffer full, nothing left to submit, done).
+        legitimate reason not to submit (paused, buffer full, nothing left to submit);
+        ``drains`` is False while it may legitimately block on something other than progress
+        (backpressure), so undrained completions are expected.
         """
+        ledger = self.ledger()
+        if ledger is not None and drains:
+            pending = ledger.pending()
+            stale = [
+                gid
+                for gid, record in self.recorder.groups.items()
+                if record.ended and gid in pending and not self.recorder.not_started(ledger, gid)
+            ]
+            self.check(
+                not stale,
+                5,
+                f"the driver is asleep although group {stale[:1]} ended (its completion "
+                "was never applied to the ledger)",
+            )
         if not may_submit or budget is None:
             return
         c, p = self.recorder.truth()
@@ -162,6 +182,7 @@ class World:
         ``done()``. A run that cannot end, or needs more than ``rounds`` rounds or more
         than ``time_bound`` virtual seconds, violates invariant 6 (no deadlock)."""
         self.log("finish: settle everything held as stop, let deadlines pass")
+        idle_at: tuple[int, int, int] | None = None
         for _ in range(rounds):
             await self.quiesce()
             each_round()
@@ -179,11 +200,17 @@ class World:
                     self.engine.settle(call, "stop")
                 continue
             wait = trio.lowlevel.current_statistics().seconds_to_next_deadline
-            if math.isinf(wait):
+            if not math.isinf(wait):
+                self.clock.jump(max(wait, 0.0))
+                continue
+            # Nothing to settle and no deadline: fine once if ``each_round`` made progress
+            # (say, a consumer took a batch); twice in a row with no progress is a deadlock.
+            progress = (len(self.trace.steps), len(self.engine.calls), len(self.recorder.decisions))
+            if progress == idle_at:
                 raise self.fail(
                     6,
                     "deadlock: the run has not ended, every task is blocked and nothing "
-                    "(no engine call, no deadline) can wake one",
+                    "(no engine call, no deadline, no consumer) can wake one",
                 )
-            self.clock.jump(max(wait, 0.0))
+            idle_at = progress
         raise self.fail(6, f"the run did not end within {rounds} rounds")

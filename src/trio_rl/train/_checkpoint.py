@@ -327,6 +327,11 @@ def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int) -> Checkpoi
     )
 
 
+def _step_of(path: Path) -> int:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
 class CheckpointManager:
     """One checkpoint per step in ``directory``, keeping the last ``keep``.
 
@@ -374,10 +379,17 @@ class CheckpointManager:
         )
 
     def write(self, snap: CheckpointSnapshot) -> Path:
-        """Blocking save: atomic write, then drop all but the newest ``keep`` checkpoints."""
+        """Blocking save: atomic write, then rotation.
+
+        Checkpoints of later steps than ``snap.step`` belong to a run that was abandoned by
+        resuming from an older checkpoint, and are deleted (otherwise "latest" would jump back to
+        them); then all but the newest ``keep`` are deleted.
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
         path = write_checkpoint(self.path_for(snap.step), snap)
-        for old in self.list_checkpoints()[: -self.keep]:
+        existing = self.list_checkpoints()
+        newer = [p for p in existing if _step_of(p) > snap.step]
+        for old in newer + [p for p in existing if p not in newer][: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 

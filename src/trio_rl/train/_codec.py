@@ -68,7 +68,13 @@ def enc_floats(values: Sequence[float]) -> msgpack.ExtType:
 
 
 def enc_bools(values: Sequence[bool]) -> msgpack.ExtType:
-    return msgpack.ExtType(_BOOL, bytes(bytearray(1 if v else 0 for v in values)))
+    try:
+        data = bytes(values)  # C speed for a list of bools
+    except (TypeError, ValueError):
+        data = bytes(1 if v else 0 for v in values)
+    if data.count(0) + data.count(1) != len(data):
+        data = bytes(1 if v else 0 for v in values)
+    return msgpack.ExtType(_BOOL, data)
 
 
 def _ext(obj: object, what: str) -> msgpack.ExtType:

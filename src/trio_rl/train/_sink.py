@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Literal
 
 import attrs
@@ -309,7 +309,7 @@ class TrainSink:
         :meth:`mark_read`. In-flight work the sink was never told about must be added by the
         caller before :meth:`PayloadStore.sweep_orphans`.
         """
-        live: set[int] = set()
+        live = {s.policy_version for s in self._queue.values()}
         live.update(s.policy_version for s in self._in_cut.values())
         for g in self._open.values():
             live.add(g.start)
@@ -610,17 +610,21 @@ class TrainSink:
     def state_dict(self) -> SinkState:
         """An owned snapshot, taken on the loop.
 
-        Containers are copied; queued samples are shallow copies sharing their per-token lists,
-        which the sink never edits in place (pruning replaces ``rl_weights``). Members of open
-        groups are copied with their lists. Samples in a cut are saved as queued.
+        Containers are copied. Queued samples are shared, not copied: once queued, the library
+        never mutates a training sample (post-selection pruning works on copies), so sharing them
+        costs nothing and cannot tear. Callers must not mutate queued or shipped samples in place
+        while a save of an earlier snapshot is still running. Members of open groups are copied
+        with their lists. Samples in a cut are saved as queued.
         """
-        queued = sorted([*self._queue.values(), *self._in_cut.values()], key=lambda s: s.arrival)
+        queued: Iterable[TrainingSample] = self._queue.values()  # kept in arrival order
+        if self._in_cut:
+            queued = sorted([*queued, *self._in_cut.values()], key=lambda s: s.arrival)
         return SinkState(
             step=self._step,
             next_arrival=self._next_arrival,
             counters=self._counters,
             window=self._window,
-            queued=tuple(copy.copy(s) for s in queued),
+            queued=tuple(queued),
             open_groups=tuple(
                 OpenGroupState(
                     group_id=g.group_id,
@@ -652,7 +656,6 @@ class TrainSink:
         missing = set(missing_files)
         q_missing = q_stale = m_missing = m_stale = 0
         for ts in state.queued:
-            ts = copy.copy(ts)
             if missing and any(seg.file in missing for seg in ts.payload or ()):
                 q_missing += 1
             elif self._is_stale(ts.policy_version):

@@ -1,0 +1,167 @@
+"""The harness catches real bugs, and reports them with a shrunk schedule.
+
+Each test runs a property against a deliberately broken component and asserts that the
+property fails with the right invariant, after shrinking to a short schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import trio
+from hypothesis import settings
+
+from trio_rl.rollout import (
+    CreditScheduler,
+    GenerateFn,
+    GroupFailed,
+    GroupOutcome,
+    SubmissionPolicy,
+)
+from trio_rl.samples import Group, Sample, SampleStatus
+from trio_rl.testing import (
+    InvariantViolation,
+    RolloutSubject,
+    credit_loop_property,
+    sync_driver_property,
+)
+
+# Enough examples to find each bug reliably (derandomized: the same examples every run).
+HUNT = settings(max_examples=500, database=None, report_multiple_bugs=False, derandomize=True)
+
+
+class LeakyRunner:
+    """Returns a sample's credit only when the sample was not cancelled (the bug)."""
+
+    def __init__(self, generate: GenerateFn) -> None:
+        self.generate = generate
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        failures: list[tuple[int | None, Exception]] = []
+
+        async def one(sample: Sample, scope: trio.CancelScope) -> None:
+            try:
+                await self.generate(sample)
+            except Exception as exc:
+                failures.append((sample.index, exc))
+                scope.cancel()
+            # BUG: a cancelled sample skips this line, so its credit never comes back
+            if on_sample_done is not None:
+                on_sample_done(sample)
+
+        async with trio.open_nursery() as nursery:
+            for sample in group.samples:
+                if sample.status is SampleStatus.PENDING:
+                    nursery.start_soon(one, sample, nursery.cancel_scope)
+        if failures:
+            raise GroupFailed(group, failures)
+        return group
+
+
+class DoubleReturnRunner(LeakyRunner):
+    """Returns a failed sample's credit twice (the bug): once on failure, once after."""
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        failures: list[tuple[int | None, Exception]] = []
+
+        async def one(sample: Sample, scope: trio.CancelScope) -> None:
+            try:
+                await self.generate(sample)
+            except Exception as exc:
+                failures.append((sample.index, exc))
+                if on_sample_done is not None:
+                    on_sample_done(sample)  # BUG: the finally below returns it again
+                scope.cancel()
+            finally:
+                if on_sample_done is not None:
+                    on_sample_done(sample)
+
+        async with trio.open_nursery() as nursery:
+            for sample in group.samples:
+                if sample.status is SampleStatus.PENDING:
+                    nursery.start_soon(one, sample, nursery.cancel_scope)
+        if failures:
+            raise GroupFailed(group, failures)
+        return group
+
+
+class LateArmScheduler(CreditScheduler):
+    """The reference's clearable-Event design with the wake-up armed after an await (the bug).
+
+    Completions update the ledger directly and set an event; the driver waits on a fresh
+    event, but creates it only after an await, so a completion that lands in between sets the
+    old event and is lost.
+    """
+
+    def __init__(self, policy: SubmissionPolicy, group_size: int) -> None:
+        super().__init__(policy, group_size)
+        self._event = trio.Event()
+        self._finished: list[GroupOutcome] = []
+
+    def sample_done(self, group_id: str) -> None:
+        self.ledger.sample_done(group_id)
+        if self.policy.counts_samples:
+            self._event.set()
+
+    def group_done(self, outcome: GroupOutcome) -> None:
+        self.ledger.close(outcome.group_id)
+        self._finished.append(outcome)
+        self._event.set()
+
+    def nudge(self, reason: str = "") -> None:
+        self._event.set()
+
+    async def wait_for_progress(self) -> list[GroupOutcome]:
+        if not self._finished:
+            await trio.lowlevel.checkpoint()  # BUG: an await between deciding and arming
+            self._event = trio.Event()
+            await self._event.wait()
+        finished, self._finished = self._finished, []
+        return finished
+
+
+def _hunt(prop: Callable[[], None]) -> InvariantViolation:
+    with pytest.raises(InvariantViolation) as info:
+        prop()
+    return info.value
+
+
+def _shrunk(error: InvariantViolation, most_steps: int) -> None:
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert "Falsifying example" in notes or "Failing test case" in notes, notes
+    assert len(error.steps) <= most_steps, str(error)
+
+
+def test_catches_credit_not_returned_on_cancellation() -> None:
+    error = _hunt(credit_loop_property(RolloutSubject(runner=LeakyRunner), settings_=HUNT))
+    assert error.invariant == 1
+    assert "returned 0 credits" in error.detail
+    _shrunk(error, most_steps=6)
+
+
+def test_catches_credit_not_returned_in_the_sync_driver() -> None:
+    error = _hunt(sync_driver_property(RolloutSubject(runner=LeakyRunner), settings_=HUNT))
+    assert error.invariant == 1
+    _shrunk(error, most_steps=8)
+
+
+def test_catches_a_credit_returned_twice() -> None:
+    error = _hunt(
+        credit_loop_property(RolloutSubject(runner=DoubleReturnRunner), settings_=HUNT)
+    )
+    assert error.invariant == 1
+    assert "returned 2 credits" in error.detail
+    _shrunk(error, most_steps=6)
+
+
+def test_catches_a_lost_wakeup() -> None:
+    error = _hunt(
+        credit_loop_property(RolloutSubject(scheduler=LateArmScheduler), settings_=HUNT)
+    )
+    assert error.invariant == 5
+    _shrunk(error, most_steps=10)
