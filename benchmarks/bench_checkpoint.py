@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -159,6 +160,8 @@ async def main() -> None:
         del sink
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of this process: {peak:.0f} MiB (samples share their per-token lists)")
+    if args.dir is None:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

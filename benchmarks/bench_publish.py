@@ -21,77 +21,31 @@ switch interval).
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
-from trio_rl.publish import cohort_stats, open_publisher, release_containers
+from trio_rl.publish import Packer, cohort_stats, open_publisher, pack_samples, release_containers
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-from trio_rl.train import PruneResult, SinkConfig, TrainingSample, TrainSink
-from trio_rl.train._sink import DetachedBatch
+from trio_rl.train import SinkConfig, TrainSink
 from trio_rl.transport import FileBatchSender
-from trio_rl.wire import MicroBatch, encode
+from trio_rl.wire import encode
 
 HEARTBEAT = 0.005
 
 
-class Sink(TrainSink):
-    # TrainSink has this as the private ``_requeue``; the publisher needs it public.
-    def requeue_batch(self, detached: DetachedBatch, pruned: PruneResult | None = None) -> None:
-        self._requeue(detached, pruned or PruneResult(kept=list(detached.samples), pruned=[]))
+def _packer(ranks: int, seq_len: int) -> Packer:
+    return functools.partial(pack_samples, seq_len=seq_len, num_ranks=ranks)
 
 
-def _packer(ranks: int, seq_len: int):  # type: ignore[no-untyped-def]
-    try:  # the library's packer, when present
-        from trio_rl.publish import pack_samples  # type: ignore[attr-defined]
-
-        return lambda samples: pack_samples(samples, seq_len=seq_len, num_ranks=ranks)
-    except ImportError:
-        pass
-
-    def pack(samples: Sequence[TrainingSample]) -> list[list[MicroBatch]]:
-        # first-fit-decreasing into bins of seq_len tokens, concatenated, dealt to ranks
-        bins: list[list[TrainingSample]] = []
-        room: list[int] = []
-        for s in sorted(samples, key=lambda s: -s.num_tokens):
-            for i, free in enumerate(room):
-                if s.num_tokens <= free:
-                    bins[i].append(s)
-                    room[i] -= s.num_tokens
-                    break
-            else:
-                bins.append([s])
-                room.append(seq_len - s.num_tokens)
-        mbs = []
-        for b in bins:
-            mbs.append(
-                MicroBatch(
-                    input_ids=[t for s in b for t in s.token_ids],
-                    loss_mask=[m for s in b for m in s.mask],
-                    advantages=[a for s in b for a in (s.advantages or [])],
-                    inference_logprobs=[x for s in b for x in s.logprobs],
-                    position_ids=[p for s in b for p in range(s.num_tokens)],
-                    sequence_lengths=[s.num_tokens for s in b],
-                    temperatures=[x for s in b for x in s.temperatures],
-                    env_names=[s.env_name for s in b for _ in range(s.num_tokens)],
-                    seq_lens=[s.num_tokens for s in b],
-                )
-            )
-        while len(mbs) % ranks:
-            mbs.append(mbs[0])
-        return [mbs[r::ranks] for r in range(ranks)]
-
-    return pack
-
-
-def build_sink(samples: int, tokens: int) -> Sink:
-    sink = Sink(SinkConfig(batch_size=samples, max_off_policy_steps=None))
+def build_sink(samples: int, tokens: int) -> TrainSink:
+    sink = TrainSink(SinkConfig(batch_size=samples, max_off_policy_steps=None))
     prompt_len = tokens // 4
     index = 0
     for g in range(samples // 8):
@@ -137,7 +91,7 @@ class Heartbeat:
         return len(lags), statistics.median_low(lags), p95, lags[-1]
 
 
-def publish_inline(sink: Sink, directory: Path, ranks: int, seq_len: int) -> None:
+def publish_inline(sink: TrainSink, directory: Path, ranks: int, seq_len: int) -> None:
     """Everything on the calling thread (the event loop)."""
     detached = sink.detach_batch()
     samples = list(detached.samples)

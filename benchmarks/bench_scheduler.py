@@ -21,6 +21,7 @@ import asyncio
 import functools
 import gc
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -129,7 +130,7 @@ def part_a(scale: float, slots: int, budget: int, seed: int, loop: str) -> list[
         f"\n== A. slot occupancy and groups per simulated hour "
         f"({slots} slots, G = {G}, B = {budget} groups, seed {seed}, {loop} loop)"
     )
-    run_fn = _occupancy_driver if loop == "driver" else _occupancy_bare
+    run_fn = _occupancy_bare if loop == "bare" else _occupancy_driver
     header = (
         f"{'distribution':<12} | {'group: occ':>10} {'groups/h':>9} | "
         f"{'backfill: occ':>13} {'groups/h':>9} | {'ratio':>6} | {'sim h':>5} | {'wall s':>6}"
@@ -232,6 +233,47 @@ async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) 
     )
 
 
+async def _plain_trio(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
+    """A floor for comparison: the same shape in plain trio with no trio-rl code (a nursery per
+    group, a task per sample, credits on a memory channel, sample-backfill admission)."""
+    budget = concurrent // G
+    send, receive = trio.open_memory_channel[int](math.inf)
+    factory = GroupFactory(G)
+
+    async def sample_task(sample: Sample) -> None:
+        try:
+            await _zero_latency(sample)
+        finally:
+            send.send_nowait(1)
+
+    async def group_task(samples: list[Sample]) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                for sample in samples:
+                    nursery.start_soon(sample_task, sample)
+        finally:
+            send.send_nowait(0)
+
+    in_flight = finished = 0
+    async with trio.open_nursery() as nursery:
+        while finished < target:
+            while in_flight + G <= budget * G:
+                in_flight += G
+                nursery.start_soon(group_task, factory.make(_PROMPT).samples)
+            event = await receive.receive()
+            while True:
+                if event:
+                    in_flight -= 1
+                else:
+                    finished += G
+                try:
+                    event = receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+        nursery.cancel_scope.cancel()
+    return finished
+
+
 def _run_asyncio(granularity: str, concurrent: int, target: int) -> int:
     return asyncio.run(_asyncio_zero_latency(granularity, concurrent, target))
 
@@ -254,7 +296,7 @@ def _measure(fn: Callable[[], int], gc_on: bool) -> float:
 def part_b(
     sizes: list[int], factor: float, minimum: int, granularities: list[str], loop: str
 ) -> list[dict[str, Any]]:
-    trio_fn = _trio_driver if loop == "driver" else _trio_bare
+    trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
     print(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
         f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop"
@@ -310,9 +352,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--loop",
-        choices=["driver", "bare"],
+        choices=["driver", "bare", "plain"],
         default="driver",
-        help="trio-rl side: the real open_async_rollout driver, or a bare CreditScheduler loop",
+        help="trio side of part B: the real open_async_rollout driver, a bare CreditScheduler "
+        "loop, or plain trio without trio-rl (a floor); part A: driver or bare",
     )
     args = parser.parse_args()
     print(f"python {sys.version.split()[0]}, trio {trio.__version__}")

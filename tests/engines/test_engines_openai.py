@@ -489,3 +489,15 @@ async def test_bad_policy_version_is_a_clear_error(
     async with engine(server.url) as e:
         with pytest.raises(EngineResponseError, match=match):
             await e.generate(req())
+
+
+async def test_cancellation_between_attempts_sends_no_abort(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(fail_next=100)
+    async with engine(server.url, backoff=30.0) as e:
+        with trio.move_on_after(1.0) as scope:
+            await e.generate(req())  # 503, then sleeps in backoff: nothing is outstanding
+    assert scope.cancelled_caught
+    assert len(server.requests) == 1
+    assert server.aborts == []

@@ -133,6 +133,21 @@ def test_heavy_tail_has_hangs_killed_at_one_hour() -> None:
     assert 0.007 < killed < 0.014  # 0.5% hangs + ~0.5% natural tail beyond the kill
 
 
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((None, None, "stop"), "exactly one of tokens and seconds"),
+        ((5, 1.0, "stop"), "exactly one of tokens and seconds"),
+        ((-1, None, "stop"), "tokens must be >= 0"),
+        ((None, float("inf"), "stop"), "seconds must be finite"),
+        ((3, None, "eos"), "finish_reason must be"),
+    ],
+)
+def test_a_bad_draw_is_rejected(args: tuple[object, object, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Draw(*args)  # type: ignore[arg-type]
+
+
 def test_the_four_named_distributions_exist() -> None:
     assert sorted(DISTRIBUTIONS) == ["correlated", "heavy-tail", "long-cot", "swe"]
     for name, dist in DISTRIBUTIONS.items():
@@ -387,5 +402,51 @@ def test_reset_statistics_starts_a_new_window() -> None:
         await trio.sleep(5)
         s = engine.statistics()
         assert (s.elapsed, s.requests_done, s.tokens, s.busy_slot_seconds) == (5.0, 0, 0, 0.0)
+
+    run(main)
+
+
+@attrs.define
+class Scripted:
+    """A test distribution handing out the given token counts in call order."""
+
+    tokens: list[int]
+    name: str = "scripted"
+
+    def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
+        return Draw(self.tokens.pop(0), None, "stop")
+
+
+@given(
+    durations=st.lists(st.integers(1, 50), min_size=1, max_size=30),
+    slots=st.integers(1, 6),
+)
+@settings(deadline=None)
+def test_slots_behave_like_a_fifo_queue_of_servers(durations: list[int], slots: int) -> None:
+    # Model: request i starts when the earliest slot frees (FIFO), ends duration later.
+    free = [0] * slots
+    expected = []
+    for d in durations:
+        start = min(free)
+        free[free.index(start)] = start + d
+        expected.append(float(start + d))
+
+    async def main() -> None:
+        engine = SimulatedEngine(Scripted(list(durations)), slots=slots, seconds_per_token=1.0)
+        finished: dict[int, float] = {}
+
+        async def one(i: int) -> None:
+            await engine.generate(req(i))
+            finished[i] = trio.current_time()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(durations)):
+                nursery.start_soon(one, i)
+                await trio.testing.wait_all_tasks_blocked()  # queue in index order
+        assert [finished[i] for i in range(len(durations))] == expected
+        s = engine.statistics()
+        assert s.busy_slot_seconds == pytest.approx(sum(durations))
+        assert s.elapsed == max(expected)
+        assert s.occupancy <= 1.0 + 1e-9
 
     run(main)

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 from collections.abc import Callable, Sequence
 
-import attrs
-
+from trio_rl.publish import pack_samples
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
 from trio_rl.train import (
-    DetachedBatch,
     PruneMode,
-    PruneResult,
     SinkConfig,
     TrainingSample,
     TrainSink,
@@ -51,52 +49,21 @@ def make_group(
     return Group(group_id=group_id, prompt=prompt, samples=samples, policy_version_at_start=version)
 
 
-class Sink(TrainSink):
-    """The train sink plus the one method the publisher needs that it does not expose yet."""
-
-    def requeue_batch(self, detached: DetachedBatch, pruned: PruneResult | None = None) -> None:
-        self._requeue(detached, pruned or PruneResult(kept=list(detached.samples), pruned=[]))
-
-
 def make_sink(
     batch_size: int, groups: int = 0, *, prune: PruneMode = PruneMode.BEFORE_QUEUE
-) -> Sink:
+) -> TrainSink:
     """A sink with ``groups`` two-sample groups queued (rewards 1 and 0: both train)."""
-    sink = Sink(SinkConfig(batch_size=batch_size, prune=prune, max_off_policy_steps=None))
+    sink = TrainSink(SinkConfig(batch_size=batch_size, prune=prune, max_off_policy_steps=None))
     for g in range(groups):
         sink.add_group(make_group(f"g{g}", [1.0, 0.0]))
     return sink
 
 
 def one_per_sample_packer(
-    world_size: int,
+    world_size: int, seq_len: int = 8
 ) -> Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]:
-    """One micro-batch per sample, dealt round-robin; short ranks get a zero-loss filler."""
-
-    def pack(samples: Sequence[TrainingSample]) -> list[list[MicroBatch]]:
-        mbs = [
-            MicroBatch(
-                input_ids=list(s.token_ids),
-                loss_mask=list(s.mask),
-                advantages=list(s.advantages or [0.0] * s.num_tokens),
-                inference_logprobs=list(s.logprobs),
-                position_ids=list(range(s.num_tokens)),
-                sequence_lengths=[s.num_tokens],
-                temperatures=list(s.temperatures),
-                env_names=[s.env_name] * s.num_tokens,
-                seq_lens=[s.num_tokens],
-                rl_weights=None if s.rl_weights is None else list(s.rl_weights),
-            )
-            for s in samples
-        ]
-        grid: list[list[MicroBatch]] = [mbs[r::world_size] for r in range(world_size)]
-        longest = max(len(g) for g in grid)
-        for rank in grid:
-            while len(rank) < longest:
-                rank.append(attrs.evolve(mbs[0], loss_mask=[False] * len(mbs[0].loss_mask)))
-        return grid
-
-    return pack
+    """The library's packer with bins so short that each test sample (6 tokens) gets its own."""
+    return functools.partial(pack_samples, seq_len=seq_len, num_ranks=world_size)
 
 
 def free_port_pair() -> int:

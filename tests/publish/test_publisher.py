@@ -13,11 +13,13 @@ import trio
 from publisher_support import free_port_pair, make_group, make_sink, one_per_sample_packer
 
 from trio_rl.publish import (
+    BatchSource,
     PublishClosedError,
     PublishError,
     Shipment,
     ShipRecord,
     SinkCheckpointer,
+    cohort_stats,
     open_publisher,
 )
 from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
@@ -254,7 +256,7 @@ async def test_policy_wait_completed_during_the_metrics_is_reported_with_that_ba
 
     in_metrics = threading.Event()
     proceed = threading.Event()
-    real = publisher_module.cohort_stats
+    real = cohort_stats
 
     def slow_stats(samples: Sequence[TrainingSample], step: int) -> Any:
         in_metrics.set()
@@ -363,3 +365,12 @@ async def test_a_monitor_channel_that_does_not_receive_times_out(tmp_path: Path)
         assert pub.step == 2
         assert batch_path(tmp_path, 1, 0).exists()
     receive.close()
+
+
+def test_the_train_sink_is_a_batch_source() -> None:
+    # static (mypy) and structural: the publisher needs nothing the sink does not expose
+    source: BatchSource = make_sink(batch_size=2)
+    for name in ("config", "step", "counters", "queued"):
+        assert hasattr(source, name)
+    for name in ("ready", "detach_batch", "settle_batch", "requeue_batch"):
+        assert callable(getattr(source, name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from rollout_helpers import Puppet, ScriptedEngine
 
@@ -96,7 +97,7 @@ async def test_rewards_sync_and_async(autojump_clock: trio.testing.MockClock) ->
     group = make_group(3)
 
     async def sample_reward(sample: Sample) -> float:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return float(sample.index)
 
     order: list[str] = []

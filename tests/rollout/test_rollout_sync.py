@@ -251,3 +251,30 @@ async def test_cancelling_the_driver_leaves_nothing_running() -> None:
     assert sorted(puppet.cancelled) == list(range(12))
     assert driver.scheduler is None
     assert len(trio.lowlevel.current_root_task().child_nurseries[0].child_tasks) == 1
+
+
+async def test_a_failing_filter_propagates_unwrapped_and_loses_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    puppet = Puppet(auto_delay=1)
+    puppet.hold(*group_samples(1), *group_samples(2))
+
+    def picky(group: Group) -> str | None:
+        if group.group_index == 2:
+            raise ValueError("filter bug")
+        return None
+
+    src = source(10)
+    driver = make_driver(puppet, src, groups_per_admission=3, dynamic_filter=picky)
+
+    async def run() -> None:
+        with pytest.raises(ValueError, match="filter bug"):
+            await driver.generate(3)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        await trio.sleep(5)  # group 0 is accepted by now
+        puppet.finish(*group_samples(2))
+    assert sorted(puppet.cancelled) == group_samples(1)
+    assert src.take().key == "p0"  # the accepted group's prompt went back to the source
+    assert src.take().key == "p3"

@@ -10,14 +10,17 @@ from collections.abc import Callable
 
 import pytest
 import trio
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 from trio_rl.rollout import (
     CreditScheduler,
+    CreditView,
     GenerateFn,
     GroupFailed,
     GroupOutcome,
+    SampleBackfill,
     SubmissionPolicy,
+    engine_generate,
 )
 from trio_rl.samples import Group, Sample, SampleStatus
 from trio_rl.testing import (
@@ -28,7 +31,14 @@ from trio_rl.testing import (
 )
 
 # Enough examples to find each bug reliably (derandomized: the same examples every run).
-HUNT = settings(max_examples=500, database=None, report_multiple_bugs=False, derandomize=True)
+HUNT = settings(
+    max_examples=500,
+    database=None,
+    report_multiple_bugs=False,
+    derandomize=True,
+    # no "explain" phase: it re-runs examples under a tracer, which is slow
+    phases=[Phase.generate, Phase.shrink],
+)
 
 
 class LeakyRunner:
@@ -151,17 +161,68 @@ def test_catches_credit_not_returned_in_the_sync_driver() -> None:
 
 
 def test_catches_a_credit_returned_twice() -> None:
-    error = _hunt(
-        credit_loop_property(RolloutSubject(runner=DoubleReturnRunner), settings_=HUNT)
-    )
+    error = _hunt(credit_loop_property(RolloutSubject(runner=DoubleReturnRunner), settings_=HUNT))
     assert error.invariant == 1
     assert "returned 2 credits" in error.detail
     _shrunk(error, most_steps=6)
 
 
 def test_catches_a_lost_wakeup() -> None:
-    error = _hunt(
-        credit_loop_property(RolloutSubject(scheduler=LateArmScheduler), settings_=HUNT)
-    )
+    error = _hunt(credit_loop_property(RolloutSubject(scheduler=LateArmScheduler), settings_=HUNT))
     assert error.invariant == 5
     _shrunk(error, most_steps=10)
+
+
+class EagerRunner(LeakyRunner):
+    """Reports the group done as soon as its first sample finishes (the bug): the other
+    samples keep generating in system tasks, outside the group's lifetime."""
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        first = trio.Event()
+
+        async def one(sample: Sample) -> None:
+            try:
+                await self.generate(sample)
+            except Exception:
+                pass
+            finally:
+                if on_sample_done is not None:
+                    on_sample_done(sample)
+                first.set()
+
+        pending = [s for s in group.samples if s.status is SampleStatus.PENDING]
+        for sample in pending:
+            trio.lowlevel.spawn_system_task(one, sample)
+        if pending:
+            await first.wait()
+        return group
+
+
+class OffByOneBackfill(SampleBackfill):
+    """Sample backfill that admits one group too many (the bug)."""
+
+    def admits(self, view: CreditView) -> bool:
+        return view.in_flight <= view.budget * view.group_size
+
+
+def test_catches_a_group_that_ends_before_its_samples() -> None:
+    error = _hunt(credit_loop_property(RolloutSubject(runner=EagerRunner), settings_=HUNT))
+    assert error.invariant == 2
+    _shrunk(error, most_steps=6)
+
+
+def test_catches_over_admission() -> None:
+    error = _hunt(credit_loop_property(RolloutSubject(policy=OffByOneBackfill), settings_=HUNT))
+    assert error.invariant == 4
+    assert "the rule says False" in error.detail
+    _shrunk(error, most_steps=4)
+
+
+def test_catches_a_deadlock() -> None:
+    """A generate function with no deadline lets a hanging engine call block the run."""
+    error = _hunt(credit_loop_property(RolloutSubject(generate=engine_generate), settings_=HUNT))
+    assert error.invariant == 6
+    assert "deadlock" in error.detail
+    _shrunk(error, most_steps=6)

@@ -6,7 +6,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_rl.engines import Engine, GenerateRequest
+from trio_rl.engines import Completion, Engine, GenerateRequest
 from trio_rl.testing import Fate, ScriptedEngine, ScriptedFailure
 
 
@@ -14,10 +14,15 @@ def test_is_an_engine() -> None:
     assert isinstance(ScriptedEngine(), Engine)
 
 
-async def test_delayed_fates_end_at_their_virtual_time(autojump_clock: trio.testing.MockClock) -> None:
-    fates = {(1,): Fate("stop", after=2.0, tokens=3), (2,): Fate("length", after=5.0)}
+async def test_delayed_fates_end_at_their_virtual_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fates: dict[tuple[int, ...], Fate] = {
+        (1,): Fate("stop", after=2.0, tokens=3),
+        (2,): Fate("length", after=5.0),
+    }
     engine = ScriptedEngine(lambda r: fates[r.prompt_tokens], policy_version=7)
-    results = {}
+    results: dict[str, tuple[Completion, float]] = {}
 
     async def one(name: str, tokens: tuple[int, ...]) -> None:
         results[name] = (await engine.generate(GenerateRequest(tokens)), trio.current_time())
@@ -45,18 +50,22 @@ async def test_held_calls_wait_for_settle_and_record_cancellation() -> None:
         for i in range(4):
             nursery.start_soon(one, i)
         await trio.testing.wait_all_tasks_blocked()
-        assert len(engine.held) == 4 and outcomes == {}
+        assert len(engine.held) == 4
+        assert outcomes == {}
         c0, c1, c2, c3 = sorted(engine.calls, key=lambda c: c.request.prompt_tokens)
         engine.settle(c0)
         engine.settle(c1, "raise")
         engine.settle(c2, "abort")
         await trio.testing.wait_all_tasks_blocked()
-        assert engine.held == [c3] and engine.running == [c3]
+        assert engine.held == [c3]
+        assert engine.running == [c3]
         with pytest.raises(ValueError, match="not waiting"):
             engine.settle(c0)
         nursery.cancel_scope.cancel()
-    assert outcomes[0] == "stop" and isinstance(outcomes[1], ScriptedFailure)
-    assert outcomes[2] == "abort" and 3 not in outcomes
+    assert outcomes[0] == "stop"
+    assert isinstance(outcomes[1], ScriptedFailure)
+    assert outcomes[2] == "abort"
+    assert 3 not in outcomes
     assert [c.outcome for c in (c0, c1, c2, c3)] == ["stop", "raise", "abort", "cancelled"]
     assert engine.running == []
 
@@ -65,7 +74,8 @@ async def test_hang_ends_only_by_cancellation(autojump_clock: trio.testing.MockC
     engine = ScriptedEngine(lambda _r: Fate("hang", after=1.0))
     with trio.move_on_after(1000) as scope:
         await engine.generate(GenerateRequest(()))
-    assert scope.cancelled_caught and trio.current_time() == 1000
+    assert scope.cancelled_caught
+    assert trio.current_time() == 1000
     assert engine.calls[0].outcome == "cancelled"
 
 

@@ -1,12 +1,14 @@
 """The library's own policies, group runner and drivers pass the harness.
 
-Each property runs max_examples adversarial schedules (500 under the ``ci`` profile), checking
-SPEC section 5's invariants after every step.
+Each property runs the active profile's max_examples adversarial schedules (500 under ``ci``,
+5000 under ``thorough``), each example drawing one of the two library policies
+(``SampleBackfill``, ``GroupGranularity``), and checks SPEC section 5's invariants after every
+step. Thorough sessions also draw ten times longer schedules.
 """
 
 from __future__ import annotations
 
-from trio_rl.rollout import GroupGranularity, SampleBackfill
+from conftest import scaled
 from trio_rl.testing import (
     RolloutSubject,
     async_driver_property,
@@ -14,12 +16,9 @@ from trio_rl.testing import (
     sync_driver_property,
 )
 
-BACKFILL = RolloutSubject(policy=SampleBackfill)
-GROUPS = RolloutSubject(policy=GroupGranularity)
+# Defaults: both library policies, GroupRunner, engine_generate with a deadline.
+LIBRARY = RolloutSubject(max_steps=scaled(16))
 
-test_credit_loop_sample_backfill = credit_loop_property(BACKFILL)
-test_credit_loop_group_granularity = credit_loop_property(GROUPS)
-test_sync_driver_group_granularity = sync_driver_property(GROUPS)
-test_sync_driver_sample_backfill = sync_driver_property(BACKFILL)
-test_async_driver_sample_backfill = async_driver_property(BACKFILL)
-test_async_driver_group_granularity = async_driver_property(GROUPS)
+test_credit_loop = credit_loop_property(LIBRARY)
+test_sync_driver = sync_driver_property(LIBRARY)
+test_async_driver = async_driver_property(LIBRARY)

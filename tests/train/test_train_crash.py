@@ -76,3 +76,8 @@ def test_sigkilled_writer_never_loses_a_complete_checkpoint(tmp_path: Path) -> N
             f"trial {trial}, step {ck.step}"
         )
         assert len(CheckpointManager(d).list_checkpoints()) <= 4  # keep=3, plus one mid-rotation
+        # the next save clears whatever the killed writer left behind
+        mgr = CheckpointManager(d, keep=3)
+        mgr.write(loaded)
+        assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+        assert mgr.read_latest() is not None

@@ -280,3 +280,25 @@ async def test_live_payload_versions_cover_every_holder() -> None:
     assert 3 in s.live_payload_versions()  # shipped, not yet read
     s.mark_read(batch.step)
     assert s.live_payload_versions() == {4, 5, 6}
+
+
+async def test_requeue_undoes_an_unshipped_cut() -> None:
+    s = sink(batch_size=2, prune=PruneMode.AFTER_SELECTION)
+    s.add_group(make_group([1.0, 1.0]))
+    s.add_group(make_group([1.0, 0.0]))
+    order = [x.arrival for x in s.queued_samples()]
+    window = s.window
+    detached = s.detach_batch()
+    s.requeue_batch(detached)  # e.g. the send failed before pruning ran
+    assert [x.arrival for x in s.queued_samples()] == order
+    with pytest.raises(TrainSinkError, match="settled twice"):
+        s.settle_batch(detached)
+    detached = s.detach_batch()
+    from trio_rl.train import prune_detached
+
+    s.requeue_batch(detached, prune_detached(detached.samples))  # pruned, then not shipped
+    assert [x.arrival for x in s.queued_samples()] == order[2:]
+    assert s.counters.pruned == 2
+    assert s.step == 1
+    assert s.window.attempts == window.attempts
+    assert_accounted(s)

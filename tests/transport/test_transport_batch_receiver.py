@@ -155,6 +155,7 @@ async def test_cancelled_receives_lose_no_step(tmp_path: Path) -> None:
         async def send_all() -> None:
             for s in range(steps):
                 await sender.send(s, [encode(sent[s])])
+                await trio.sleep(0.002)  # make some receives wait, to be cancelled
 
         nursery.start_soon(send_all)
         with trio.fail_after(60):

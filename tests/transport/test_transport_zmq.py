@@ -147,6 +147,7 @@ async def test_a_dead_receiver_never_blocks_the_sender() -> None:
                 await sender.send(0, [payload(0, 0, size), payload(0, 1, size)])
         # r1 is gone now (its sockets closed): every message for it is dropped by PUB.
         got: list[tuple[int, int]] = []
+        progress = [trio.Event()]
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
 
@@ -155,12 +156,16 @@ async def test_a_dead_receiver_never_blocks_the_sender() -> None:
                         item = await r0.receive()
                         got.append(ident(item.data))
                         assert bytes(item.data) == payload(*ident(item.data), size)
+                        progress[0].set()
+                        progress[0] = trio.Event()
 
                 nursery.start_soon(receive)
                 for step in range(1, steps):
+                    # rank 0 is live and keeps up (the ship gate's role); rank 1 never reads
+                    while step - len(got) >= 2:
+                        await progress[0].wait()
                     with trio.fail_after(5):  # a hang detector, not a speed assertion
                         await sender.send(step, [payload(step, 0, size), payload(step, 1, size)])
-                    await trio.sleep(0.005)  # rank 0 is a live, reading receiver: let it keep up
         assert got == [(step, 0) for step in range(steps)]
 
 
@@ -210,11 +215,13 @@ async def test_cancelled_receives_lose_no_message() -> None:
 
             async def send_all() -> None:
                 for step in range(n):
-                    # At most 4 unread, back to back: below the HWM of 10, so nothing may be
-                    # dropped (plain pyzmq drops some here; see ZmqBatchSender.send).
-                    while step - len(got) >= 4:
+                    # At most 3 unread, back to back: well below the HWM of 10, so nothing
+                    # may be dropped (plain pyzmq drops some here; see ZmqBatchSender.send).
+                    while step - len(got) >= 3:
                         await progress[0].wait()
                     await sender.send(step, [step.to_bytes(4, "big")])
+                    if step % 10 == 0:
+                        await trio.sleep(0.002)  # make some receives wait, to be cancelled
 
             nursery.start_soon(send_all)
             with trio.fail_after(60):
@@ -325,3 +332,32 @@ async def test_binding_a_port_in_use_is_a_transport_error() -> None:
         with pytest.raises(TransportError, match=f"cannot bind tcp://127.0.0.1:{port}"):
             async with ZmqBatchSender(1, port=port):
                 pass
+
+
+async def test_a_cancelled_send_publishes_the_step_to_every_rank_or_none() -> None:
+    port, world = free_port_pair(), 3
+    async with AsyncExitStack() as stack:
+        sender = await stack.enter_async_context(ZmqBatchSender(world, port=port, ready_timeout=10))
+        receivers = [
+            await stack.enter_async_context(ZmqBatchReceiver(r, port=port)) for r in range(world)
+        ]
+        await sender.wait_ready()
+        with trio.CancelScope() as scope:
+            scope.cancel()  # cancelled before the send: Cancelled, and nothing sent
+            await sender.send(0, [b"x0", b"x1", b"x2"])
+        assert scope.cancelled_caught
+        await sender.send(0, [b"r0", b"r1", b"r2"])
+        async with trio.open_nursery() as nursery:
+            with trio.CancelScope() as scope:
+
+                async def cancel() -> None:
+                    scope.cancel()
+
+                # runs at the first schedule point inside the send, between two ranks
+                nursery.start_soon(cancel)
+                await sender.send(1, [b"s0", b"s1", b"s2"])  # still goes to every rank
+        with trio.fail_after(10):
+            for r, rx in enumerate(receivers):
+                first, second = await rx.receive(), await rx.receive()
+                assert (first.step, bytes(first.data)) == (0, b"r%d" % r)
+                assert (second.step, bytes(second.data)) == (1, b"s%d" % r)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from trio_rl.transport import ZmqSocket
@@ -81,7 +82,7 @@ async def test_cancelled_receives_lose_no_message(ctx) -> None:
                 for i in range(n):
                     await push.send_multipart([i.to_bytes(4, "big")])
                     if i % 7 == 0:
-                        await trio.sleep(0.0002)
+                        await trio.sleep(0.001)  # make some receives wait, to be cancelled
 
             nursery.start_soon(sender)
             with trio.fail_after(60):
@@ -203,3 +204,28 @@ async def test_large_frames_round_trip_without_copy(ctx) -> None:
     finally:
         push.close()
         pull.close()
+
+
+async def test_an_events_read_by_another_task_wakes_the_parked_receiver(ctx) -> None:
+    """Pitfall: reading ZMQ_EVENTS consumes the fd's edge. Through the wrapper, the read wakes
+    the receiver it concerns instead of leaving it parked on an fd that will never signal."""
+    a, b = _pair(ctx, zmq.PAIR, zmq.PAIR)
+    got: list[list[bytes]] = []
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+
+                async def parked() -> None:
+                    got.append(await b.recv_multipart())
+
+                nursery.start_soon(parked)
+                await trio.testing.wait_all_tasks_blocked()
+                # No schedule point from here on: the loop cannot poll the fd before we read
+                # EVENTS, which drains the signal the parked receiver waits for.
+                a.socket.send(b"hello")
+                assert b.events() & zmq.POLLIN
+                assert got == []
+        assert got == [[b"hello"]]
+    finally:
+        a.close()
+        b.close()

@@ -129,9 +129,12 @@ blobs = st.binary(max_size=64) | st.sampled_from([b"\x00" * n for n in (255, 256
 
 
 def _lists(elements: st.SearchStrategy[Any]) -> st.SearchStrategy[list[Any]]:
-    # Small lists keep examples cheap; the 15/16 header boundary is drawn now and then, and the
-    # large boundaries have their own explicit tests.
-    return st.lists(elements, max_size=4) | st.lists(elements, min_size=15, max_size=16)
+    # Small lists keep examples cheap; lists of 15/16 repeat one drawn value (the fixarray/array16
+    # boundary), and the large boundaries have their own explicit tests.
+    boundary = st.builds(
+        lambda head, x, n: [head] + [x] * n, elements, elements, st.sampled_from([14, 15])
+    )
+    return st.lists(elements, max_size=3) | boundary
 
 
 routed = st.builds(RoutedExperts, data=blobs, shape=_lists(ints), dtype=texts)

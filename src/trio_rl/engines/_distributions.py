@@ -57,6 +57,21 @@ class Draw:
     seconds: float | None
     finish_reason: FinishReason
 
+    def __attrs_post_init__(self) -> None:
+        if (self.tokens is None) == (self.seconds is None):
+            raise ValueError(
+                f"Draw needs exactly one of tokens and seconds, got tokens={self.tokens!r}, "
+                f"seconds={self.seconds!r}"
+            )
+        if self.tokens is not None and self.tokens < 0:
+            raise ValueError(f"Draw.tokens must be >= 0, got {self.tokens!r}")
+        if self.seconds is not None and not (self.seconds >= 0 and math.isfinite(self.seconds)):
+            raise ValueError(f"Draw.seconds must be finite and >= 0, got {self.seconds!r}")
+        if self.finish_reason not in ("stop", "length", "abort"):
+            raise ValueError(
+                f"Draw.finish_reason must be stop, length or abort, got {self.finish_reason!r}"
+            )
+
 
 @runtime_checkable
 class LatencyDistribution(Protocol):

@@ -298,7 +298,7 @@ class OpenAICompatibleEngine:
                 return await self._with_retries(client, request, rid, body)
         except trio.TooSlowError:
             raise EngineTimeoutError(
-                f"request {rid!r} did not finish within {self.timeout}s (aborted engine-side)"
+                f"request {rid!r} did not finish within {self.timeout}s"
             ) from None
 
     async def _with_retries(

@@ -89,7 +89,8 @@ class SimulatedEngine:
     afresh). Results therefore do not depend on the order in which tasks happen to run. A request
     with neither a seed nor a request id falls back to a global arrival counter, which does
     depend on scheduling order. The ``correlated`` distribution's per-prompt factor is seeded from
-    the engine seed and the prompt tokens only.
+    the engine seed and the prompt tokens only. (The engine keeps one small counter per distinct
+    request identity, so memory grows with the number of distinct requests.)
 
     **Faults.** With probability ``hang_rate`` a request holds its slot until cancelled; with
     probability ``failure_rate`` it raises :class:`SimulatedEngineFailure` part-way through its

@@ -16,6 +16,10 @@ from ._metrics import ShipRecord as ShipRecord
 from ._metrics import ShipTimings as ShipTimings
 from ._metrics import attempt_stats as attempt_stats
 from ._metrics import cohort_stats as cohort_stats
+from ._packing import PackingError as PackingError
+from ._packing import bin_cost as bin_cost
+from ._packing import pack_samples as pack_samples
+from ._packing import prepare_sample as prepare_sample
 from ._publisher import BatchSource as BatchSource
 from ._publisher import Checkpointer as Checkpointer
 from ._publisher import Encoder as Encoder

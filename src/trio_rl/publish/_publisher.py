@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import attrs
 import trio
@@ -165,7 +165,7 @@ def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> Non
 
 
 @attrs.define(eq=False)
-class Publisher(Generic[SnapshotT]):
+class Publisher:
     """Ships the train sink's batches. Create it with `open_publisher`.
 
     Publications are serialized (one batch at a time, in step order); `publish` may be called
@@ -178,7 +178,7 @@ class Publisher(Generic[SnapshotT]):
     _pack: Packer
     _encode: Encoder
     limiter: trio.CapacityLimiter
-    _checkpointer: Checkpointer[SnapshotT] | None
+    _checkpointer: Checkpointer[Any] | None
     _monitor: Monitor | None
     _release: DeferredRelease
     send_timeout: float
@@ -372,13 +372,13 @@ async def open_publisher(
     pack: Packer,
     encode: Encoder = encode,
     limiter: trio.CapacityLimiter | None = None,
-    checkpointer: Checkpointer[SnapshotT] | None = None,
+    checkpointer: Checkpointer[Any] | None = None,
     monitor: Monitor | None = None,
     release: ReleaseFn = release_containers,
     release_timeout: float = 60.0,
     send_timeout: float = 300.0,
     monitor_timeout: float = 60.0,
-) -> AsyncIterator[Publisher[SnapshotT]]:
+) -> AsyncIterator[Publisher]:
     """Open a publisher for ``sink``'s batches; it owns a nursery for its deferred releases.
 
     Args:
@@ -401,7 +401,7 @@ async def open_publisher(
     """
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
     async with trio.open_nursery() as nursery:
-        publisher: Publisher[SnapshotT] = Publisher(
+        publisher = Publisher(
             nursery,
             sink,
             sender,

@@ -142,6 +142,7 @@ class AsyncRolloutDriver:
         self._closed = False
         self._failure: BaseException | None = None
         self._retries: dict[str, int] = {}
+        self._running: dict[str, Group] = {}
         self._submitted = self._completed = self._consumed = self._failed = self._retried = 0
         self._aborted_dropped = self._aborted_recycled = 0
         self._stale_dropped = self._stale_recycled = 0
@@ -261,6 +262,29 @@ class AsyncRolloutDriver:
         if not self._closed:
             self.scheduler.nudge("recycled")
 
+    def buffered_groups(self) -> list[Group]:
+        """The finished groups waiting in the buffer, oldest first (for a checkpoint)."""
+        return list(self._buffer)
+
+    def open_groups(self) -> list[ResumedGroup]:
+        """The groups started and not yet finished, as :class:`ResumedGroup` (for a checkpoint).
+
+        Each keeps its id, prompt and start version; its finished samples (COMPLETED or
+        TRUNCATED) are the arrived members, so resuming it regenerates only the rest. Groups
+        queued for a retry or a resume and not yet started are included too.
+        """
+        groups = [*self._running.values(), *self._queued]
+        return [
+            ResumedGroup(
+                group_id=g.group_id,
+                prompt=g.prompt,
+                group_size=g.size,
+                arrived=[s for s in g.samples if s.status.is_finished],
+                policy_version_at_start=g.policy_version_at_start,
+            )
+            for g in groups
+        ]
+
     def statistics(self) -> AsyncDriverStatistics:
         ledger = self.scheduler.ledger
         return AsyncDriverStatistics(
@@ -303,6 +327,7 @@ class AsyncRolloutDriver:
             self._failure = _first_real(exc)
             logger.error("rollout worker failed", exc_info=self._failure)
         finally:
+            self.scheduler.poll()  # settle the ledger: every group task has ended by now
             self._changed.fire()
 
     async def _work(self, groups: trio.Nursery) -> None:
@@ -314,6 +339,7 @@ class AsyncRolloutDriver:
                 if group is None:
                     break
                 scheduler.submitted(group.group_id, pending_samples(group))
+                self._running[group.group_id] = group
                 self._submitted += 1
                 groups.start_soon(run_reporting, self.runner, group, scheduler)
             dry = (
@@ -327,6 +353,7 @@ class AsyncRolloutDriver:
                 self._changed.fire()
             for outcome in await scheduler.wait_for_progress():
                 group = outcome.group
+                self._running.pop(group.group_id, None)
                 if outcome.status is GroupStatus.FAILED:
                     assert outcome.error is not None
                     self._handle_failure(group, outcome.error)
@@ -441,13 +468,19 @@ async def open_async_rollout(
         policy_version=policy_version,
     )
     driver.resume(resumed)
+    # The body's exception is re-raised outside the nursery, so callers see it unwrapped.
+    body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(driver._run)
             try:
                 yield driver
+            except BaseException as exc:
+                body_error = exc
             finally:
                 nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
     finally:
         driver._closed = True
         driver._changed.fire()

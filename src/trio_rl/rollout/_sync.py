@@ -134,8 +134,10 @@ class SyncRolloutDriver:
         (``complete=False``) with ``allow_partial``. Once the batch is full, groups still
         running are cancelled; with ``partial_rollouts`` their prompts go back to the source.
 
-        On cancellation every group started by this call is cancelled and settled before
-        ``trio.Cancelled`` propagates; nothing keeps running.
+        Any other error (a failing source or filter, ``max_failures`` exceeded) cancels the
+        running groups, gives the prompts of the groups accepted so far back to the source, and
+        propagates unwrapped. On cancellation every group started by this call is cancelled
+        and settled before ``trio.Cancelled`` propagates; nothing keeps running.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -145,45 +147,50 @@ class SyncRolloutDriver:
         filtered: Counter[str] = Counter()
         submitted = failed = surplus = 0
         dry = False
-        fatal: RolloutError | None = None
+        fatal: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
-                while len(accepted) < batch_size and fatal is None:
-                    budget = batch_size - len(accepted)
-                    while not dry and scheduler.admits(budget):
-                        for _ in range(self.groups_per_admission):
-                            group = self._next_group(policy_version)
-                            if group is None:
-                                dry = True
-                                break
-                            scheduler.submitted(group.group_id, pending_samples(group))
-                            submitted += 1
-                            nursery.start_soon(run_reporting, self.runner, group, scheduler)
-                    if scheduler.ledger.pending_groups == 0:
-                        break  # dry and nothing left to wait for
-                    for outcome in await scheduler.wait_for_progress():
-                        if outcome.status is GroupStatus.FAILED:
-                            failed += 1
-                            logger.error(
-                                "rollout group %s failed; replacing it",
-                                outcome.group_id,
-                                exc_info=outcome.error,
-                            )
-                            if self.max_failures is not None and failed > self.max_failures:
-                                fatal = RolloutError(
-                                    f"{failed} groups failed in one batch "
-                                    f"(max_failures={self.max_failures})"
+                try:
+                    while len(accepted) < batch_size and fatal is None:
+                        budget = batch_size - len(accepted)
+                        while not dry and scheduler.admits(budget):
+                            for _ in range(self.groups_per_admission):
+                                group = self._next_group(policy_version)
+                                if group is None:
+                                    dry = True
+                                    break
+                                scheduler.submitted(group.group_id, pending_samples(group))
+                                submitted += 1
+                                nursery.start_soon(run_reporting, self.runner, group, scheduler)
+                        if scheduler.ledger.pending_groups == 0:
+                            break  # dry and nothing left to wait for
+                        for outcome in await scheduler.wait_for_progress():
+                            if outcome.status is GroupStatus.FAILED:
+                                failed += 1
+                                logger.error(
+                                    "rollout group %s failed; replacing it",
+                                    outcome.group_id,
+                                    exc_info=outcome.error,
                                 )
-                                fatal.__cause__ = outcome.error
-                                break
-                            continue
-                        reason = self.dynamic_filter(outcome.group) if self.dynamic_filter else None
-                        if reason is not None:
-                            filtered[reason] += 1
-                        elif len(accepted) < batch_size:
-                            accepted.append(outcome.group)
-                        else:
-                            surplus += 1
+                                if self.max_failures is not None and failed > self.max_failures:
+                                    fatal = RolloutError(
+                                        f"{failed} groups failed in one batch "
+                                        f"(max_failures={self.max_failures})"
+                                    )
+                                    fatal.__cause__ = outcome.error
+                                    break
+                                continue
+                            reason = (
+                                self.dynamic_filter(outcome.group) if self.dynamic_filter else None
+                            )
+                            if reason is not None:
+                                filtered[reason] += 1
+                            elif len(accepted) < batch_size:
+                                accepted.append(outcome.group)
+                            else:
+                                surplus += 1
+                except Exception as exc:  # raised below, outside the nursery: unwrapped
+                    fatal = exc
                 nursery.cancel_scope.cancel()  # leftovers: cancelled and settled on exit
             cancelled = recycled = 0
             for outcome in scheduler.poll():
@@ -196,6 +203,8 @@ class SyncRolloutDriver:
                     surplus += 1
             scheduler.ledger.check()
             if fatal is not None:
+                for group in accepted:  # accepted work is not lost: its prompts go back
+                    self.source.recycle(group.prompt)
                 raise fatal
         finally:
             scheduler.close()

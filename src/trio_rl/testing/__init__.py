@@ -26,6 +26,13 @@ from ._recorder import TrackingLedger as TrackingLedger
 from ._report import INVARIANTS as INVARIANTS
 from ._report import InvariantViolation as InvariantViolation
 from ._report import Trace as Trace
+from ._report import live_tasks as live_tasks
+from ._strategies import ADVANCE_SECONDS as ADVANCE_SECONDS
+from ._strategies import DELAYS as DELAYS
+from ._strategies import Step as Step
+from ._strategies import schedules as schedules
+from ._strategies import steps as steps
 from ._subject import HANG_TIMEOUT as HANG_TIMEOUT
+from ._subject import PolicyFactory as PolicyFactory
 from ._subject import RolloutSubject as RolloutSubject
 from ._subject import default_generate as default_generate

@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 import trio.testing
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from ..rollout import (
@@ -47,9 +47,14 @@ __all__ = [
 ]
 
 _ENGINE_STEPS = ["settle", "settle", "settle all", "advance"]
+#: Every phase but "explain", which re-runs failing examples under a tracer (slow, and the
+#: schedule in the error already explains).
+_PHASES = tuple(p for p in Phase if p is not Phase.explain)
 
 
-def _run(data: st.DataObject, subject: RolloutSubject, body: Callable[[World], Awaitable[None]]) -> None:
+def _run(
+    data: st.DataObject, subject: RolloutSubject, body: Callable[[World], Awaitable[None]]
+) -> None:
     clock = trio.testing.MockClock()
     worlds: list[World] = []
 
@@ -181,8 +186,11 @@ async def _credit_loop_body(world: World) -> None:
                 else:
                     await world.engine_step(step)
             if not state["stopped"]:
-                await world.finish(lambda: bool(state["done"]), each_round=awake,
-                                   time_bound=HANG_TIMEOUT * (total + 2) * 4)
+                await world.finish(
+                    lambda: bool(state["done"]),
+                    each_round=awake,
+                    time_bound=HANG_TIMEOUT * (total + 2) * 4,
+                )
     finally:
         scheduler.close()
     await world.quiesce()
@@ -209,7 +217,8 @@ def credit_loop_property(
     """A ready-made Hypothesis test of :func:`check_credit_loop` for ``subject``.
 
     Assign it to a module-level ``test_*`` name and pytest runs it. ``settings_`` defaults to
-    the active profile with ``report_multiple_bugs=False``.
+    the active profile with ``report_multiple_bugs=False`` and without the slow ``explain``
+    phase.
     """
     return _property(check_credit_loop, subject, settings_)
 
@@ -223,10 +232,32 @@ def _property(
         check(data, subject)
 
     test.__name__ = test.__qualname__ = check.__name__.replace("check_", "test_")
-    chosen = settings_ if settings_ is not None else settings(report_multiple_bugs=False)
+    chosen = (
+        settings_ if settings_ is not None else settings(report_multiple_bugs=False, phases=_PHASES)
+    )
+    # Failing examples saved in Hypothesis's database are keyed by the test's digest; fold the
+    # subject in, so properties of different subjects do not replay each other's examples.
+    test._hypothesis_internal_add_digest = _subject_digest(subject)  # type: ignore[attr-defined]
     # st.random_module() lets Hypothesis explore (and shrink) trio's task scheduling order.
     wrapped: Callable[[], None] = chosen(given(st.data(), st.random_module())(test))
     return wrapped
+
+
+def _subject_digest(subject: RolloutSubject | None) -> bytes:
+    if subject is None:
+        return b""
+
+    def name(value: object) -> str:
+        return (
+            str(getattr(value, "__module__", ""))
+            + "."
+            + str(getattr(value, "__qualname__", type(value).__qualname__))
+        )
+
+    parts = [name(p) for p in subject.policies]
+    parts += [name(subject.runner), name(subject.generate), name(subject.scheduler)]
+    parts += [name(subject.rule), repr(subject.kinds), str(subject.max_steps)]
+    return "|".join(parts).encode()
 
 
 # --------------------------------------------------------------------------- sync driver
@@ -318,9 +349,7 @@ async def _sync_body(world: World) -> None:
     def awake() -> None:
         if state["done"] or driver.scheduler is None:
             return
-        world.check_awake(
-            budget=world.last_budget(), group_size=g, may_submit=not source.exhausted
-        )
+        world.check_awake(budget=world.last_budget(), group_size=g, may_submit=not source.exhausted)
 
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
@@ -408,23 +437,20 @@ async def _async_body(world: World) -> None:
     )
     world.log(f"T={t} G={g} B={budget} capacity={capacity} prompts={n} {failure} {aborted}")
     source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
-    taken: list[int] = []
+    taken: list[str] = []
     state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
 
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
 
         def submissions() -> int:
-            # Group runs started plus admissions whose runner has not started yet.
+            # Every submission opens the group in the ledger (retries included).
             ledger = world.ledger()
-            starts = sum(r.runs for r in world.recorder.groups.values())
-            if ledger is None:
-                return starts
-            waiting = sum(1 for gid in ledger.pending() if world.recorder.not_started(ledger, gid))
-            return starts + waiting
+            return sum(ledger.opens.values()) if isinstance(ledger, TrackingLedger) else 0
 
-        async with contextlib.AsyncExitStack() as pause_stack:
-            async with open_async_rollout(
+        async with (
+            contextlib.AsyncExitStack() as pause_stack,
+            open_async_rollout(
                 source,
                 GroupFactory(g),
                 world.group_runner,
@@ -435,106 +461,107 @@ async def _async_body(world: World) -> None:
                 max_staleness=staleness,
                 aborted=aborted,
                 on_failure=FailurePolicy(failure, max_retries=1),
-            ) as driver:
-                # The worker has not run yet: give it a ledger that counts re-submissions.
-                world.check(driver.scheduler.ledger.opened == 0, 3, "worker decided early")
-                ledger = TrackingLedger()
-                driver.scheduler.ledger = ledger
-                world.ledger = lambda: ledger
+            ) as driver,
+        ):
+            # The worker has not run yet: give it a ledger that counts re-submissions.
+            world.check(driver.scheduler.ledger.opened == 0, 3, "worker decided early")
+            ledger = TrackingLedger()
+            driver.scheduler.ledger = ledger
+            world.ledger = lambda: ledger
 
-                async def consume() -> None:
-                    try:
-                        batch = await driver.next_batch(allow_partial=True)
-                    except (SourceExhausted, DriverFailed, RolloutError) as exc:
-                        world.log(f"next_batch raised {type(exc).__name__}")
-                        if isinstance(exc, SourceExhausted) or isinstance(exc, DriverFailed):
-                            state["ended"] = True
-                        return
-                    finally:
-                        state["consumer"] = False
-                    world.log(f"next_batch returned {len(batch)} groups")
-                    taken.extend(gr.group_id for gr in batch)
-                    _check_batch(world, batch, t, g, partial_ok=source.exhausted)
-                    if staleness is not None:
-                        world.check(
-                            all(gr.staleness(driver.policy_version) <= staleness for gr in batch),
-                            8,
-                            "a stale group was handed to the consumer",
-                        )
-
-                def take() -> None:
-                    if not state["consumer"]:
-                        state["consumer"] = True
-                        harness.start_soon(consume)
-
-                def checks() -> None:
-                    stats = driver.statistics()
+            async def consume() -> None:
+                try:
+                    batch = await driver.next_batch(allow_partial=True)
+                except (SourceExhausted, DriverFailed, RolloutError) as exc:
+                    world.log(f"next_batch raised {type(exc).__name__}")
+                    if isinstance(exc, (SourceExhausted, DriverFailed)):
+                        state["ended"] = True
+                    return
+                finally:
+                    state["consumer"] = False
+                world.log(f"next_batch returned {len(batch)} groups")
+                taken.extend(gr.group_id for gr in batch)
+                _check_batch(world, batch, t, g, partial_ok=source.exhausted)
+                if staleness is not None:
                     world.check(
-                        stats.buffered <= capacity,
+                        all(gr.staleness(driver.policy_version) <= staleness for gr in batch),
                         8,
-                        f"buffer holds {stats.buffered} groups, capacity {capacity}",
-                    )
-                    if state["paused_at"] is not None:
-                        world.check(
-                            submissions() == state["paused_at"],
-                            8,
-                            f"{submissions() - state['paused_at']} groups submitted while paused",
-                        )
-                    alive = getattr(driver, "_failure", None) is None
-                    world.check_awake(
-                        budget=budget,
-                        group_size=g,
-                        may_submit=alive
-                        and not driver.is_paused
-                        and stats.buffered < capacity
-                        and not source.exhausted,
-                        drains=alive and stats.buffered < capacity,
+                        "a stale group was handed to the consumer",
                     )
 
-                closed = False
-                actions = [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
-                for step in world.schedule(actions):
+            def take() -> None:
+                if not state["consumer"]:
+                    state["consumer"] = True
+                    harness.start_soon(consume)
+
+            def checks() -> None:
+                stats = driver.statistics()
+                world.check(
+                    stats.buffered <= capacity,
+                    8,
+                    f"buffer holds {stats.buffered} groups, capacity {capacity}",
+                )
+                if state["paused_at"] is not None:
+                    world.check(
+                        submissions() == state["paused_at"],
+                        8,
+                        f"{submissions() - state['paused_at']} groups submitted while paused",
+                    )
+                alive = getattr(driver, "_failure", None) is None
+                world.check_awake(
+                    budget=budget,
+                    group_size=g,
+                    may_submit=alive
+                    and not driver.is_paused
+                    and stats.buffered < capacity
+                    and not source.exhausted,
+                    drains=alive and stats.buffered < capacity,
+                )
+
+            closed = False
+            actions = [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
+            for step in world.schedule(actions):
+                await world.quiesce()
+                checks()
+                if state["ended"]:
+                    break
+                action = step.action
+                if action == "take":
+                    world.log("consumer: next_batch()")
+                    take()
+                elif action == "pause" and not driver.is_paused:
+                    world.log("pause")
+                    await pause_stack.enter_async_context(driver.paused())
                     await world.quiesce()
-                    checks()
-                    if state["ended"]:
-                        break
-                    action = step.action
-                    if action == "take":
-                        world.log("consumer: next_batch()")
-                        take()
-                    elif action == "pause" and not driver.is_paused:
-                        world.log("pause")
-                        await pause_stack.enter_async_context(driver.paused())
-                        await world.quiesce()
-                        state["paused_at"] = submissions()
-                    elif action == "resume" and driver.is_paused:
-                        world.log("resume")
-                        state["paused_at"] = None
-                        await pause_stack.aclose()
-                    elif action == "new version":
-                        driver.set_policy_version(driver.policy_version + 1)
-                        world.log(f"policy version -> {driver.policy_version}")
-                    elif action == "close":
-                        world.log("close the driver")
-                        closed = True
-                        break
-                    elif action in _ENGINE_STEPS:
-                        await world.engine_step(step)
-                if not closed:
+                    state["paused_at"] = submissions()
+                elif action == "resume" and driver.is_paused:
+                    world.log("resume")
                     state["paused_at"] = None
                     await pause_stack.aclose()
+                elif action == "new version":
+                    driver.set_policy_version(driver.policy_version + 1)
+                    world.log(f"policy version -> {driver.policy_version}")
+                elif action == "close":
+                    world.log("close the driver")
+                    closed = True
+                    break
+                elif action in _ENGINE_STEPS:
+                    await world.engine_step(step)
+            if not closed:
+                state["paused_at"] = None
+                await pause_stack.aclose()
 
-                    def round_checks() -> None:
-                        checks()
-                        if not state["ended"]:
-                            take()
+                def round_checks() -> None:
+                    checks()
+                    if not state["ended"]:
+                        take()
 
-                    await world.finish(
-                        lambda: bool(state["ended"]),
-                        each_round=round_checks,
-                        rounds=400,
-                        time_bound=HANG_TIMEOUT * (n + 2) * 20,
-                    )
+                await world.finish(
+                    lambda: bool(state["ended"]),
+                    each_round=round_checks,
+                    rounds=400,
+                    time_bound=HANG_TIMEOUT * (n + 2) * 20,
+                )
         # The driver is closed: nothing it started may still run.
         await world.quiesce()
         world.check_no_leftovers(baseline, allowed=harness.child_tasks)
@@ -546,4 +573,3 @@ def async_driver_property(
 ) -> Callable[[], None]:
     """A ready-made Hypothesis test of :func:`check_async_driver` for ``subject``."""
     return _property(check_async_driver, subject, settings_)
-

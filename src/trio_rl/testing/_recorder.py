@@ -67,6 +67,10 @@ class SampleRecord:
     generating: bool = False
     generated: bool = False
     credits: int = 0
+    #: Virtual times: generate started, generate ended, (last) credit returned.
+    started_at: float | None = None
+    ended_at: float | None = None
+    credit_at: float | None = None
 
 
 @attrs.define(slots=True, eq=False)
@@ -173,11 +177,11 @@ class CreditRecorder:
             )
             return
         entry.credits += 1
+        entry.credit_at = trio.current_time()
         self.check(
             entry.credits == 1,
             1,
-            f"sample {sample.index} of group {record.group_id} returned "
-            f"{entry.credits} credits",
+            f"sample {sample.index} of group {record.group_id} returned {entry.credits} credits",
         )
         self.check(
             not entry.generating,
@@ -278,9 +282,9 @@ def _short(group_id: str) -> str:
 
 def spec_rule(policy: SubmissionPolicy) -> Callable[[CreditView], bool] | None:
     """SPEC section 5, invariant 4, for the library's two policies (None for others)."""
-    if type(policy) is SampleBackfill:
+    if isinstance(policy, SampleBackfill):
         return lambda v: v.in_flight + v.group_size <= v.budget * v.group_size
-    if type(policy) is GroupGranularity:
+    if isinstance(policy, GroupGranularity):
         return lambda v: v.pending_groups < v.budget
     return None
 
@@ -326,10 +330,12 @@ def recording_generate(recorder: CreditRecorder, inner: GenerateFn) -> GenerateF
             f"sample {sample.index} generated twice in one group run",
         )
         entry.generating = entry.generated = True
+        entry.started_at = trio.current_time()
         try:
             await inner(sample)
         finally:
             entry.generating = False
+            entry.ended_at = trio.current_time()
 
     return generate
 
@@ -357,11 +363,15 @@ class RecordingRunner:
             result = await self.inner.run(group, on_sample_done=credit)
             outcome = "completed"
             return result
-        except trio.Cancelled:
-            raise
         except BaseException as exc:
-            outcome = f"failed: {type(exc).__name__}"
+            if not _only_cancelled(exc):
+                outcome = f"failed: {type(exc).__name__}"
             raise
         finally:
             recorder.group_ended(record, outcome)
 
+
+def _only_cancelled(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)

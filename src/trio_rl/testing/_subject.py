@@ -56,7 +56,7 @@ class RolloutSubject:
     :class:`~trio_rl.rollout.GroupGranularity`, and no rule for other policies. ``kinds`` are
     the fates the adversary may give an engine call. A ``hang`` needs a deadline somewhere
     (the default generate function has one); leave it out if your generate function has none,
-    or every hang is reported as a deadlock.
+    or every hang is reported as a deadlock. ``max_steps`` bounds each schedule.
     """
 
     policy: PolicyFactory | tuple[PolicyFactory, ...] = (SampleBackfill, GroupGranularity)
@@ -65,6 +65,8 @@ class RolloutSubject:
     scheduler: Callable[[SubmissionPolicy, int], CreditScheduler] = CreditScheduler
     rule: Callable[[CreditView], bool] | None = None
     kinds: tuple[FateKind, ...] = attrs.field(factory=_all_kinds)
+    #: The longest schedule an example draws (steps before the run is let finish).
+    max_steps: int = attrs.field(default=16, validator=attrs.validators.ge(0))
 
     @property
     def policies(self) -> tuple[PolicyFactory, ...]:

@@ -8,7 +8,7 @@ them all at once, or let virtual time pass) with *checks* made once every task i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar, cast
 
 import trio
@@ -34,7 +34,6 @@ __all__ = ["World"]
 _T = TypeVar("_T")
 
 
-
 class World:
     """Everything one example needs; the drivers' harnesses build on it."""
 
@@ -47,10 +46,11 @@ class World:
         self.ledger: Callable[[], CreditLedger | None] = lambda: None
         self.recorder = CreditRecorder(self.trace, lambda: self.ledger())
         factories = subject.policies
-        factory = factories[0] if len(factories) == 1 else self.draw(
-            st.sampled_from(factories), "policy"
+        factory = (
+            factories[0] if len(factories) == 1 else self.draw(st.sampled_from(factories), "policy")
         )
         self.inner_policy: SubmissionPolicy = factory()
+        self.log(f"policy {self.inner_policy!r}")
         rule = subject.rule if subject.rule is not None else spec_rule(self.inner_policy)
         self.policy = RecordingPolicy(self.inner_policy, self.recorder, rule)
         generate = recording_generate(self.recorder, subject.generate(self.engine))
@@ -59,7 +59,7 @@ class World:
     @property
     def group_runner(self) -> GroupRunner:
         # The drivers are annotated with GroupRunner but only call ``run``.
-        return cast(GroupRunner, self.runner)
+        return cast("GroupRunner", self.runner)
 
     def draw(self, strategy: st.SearchStrategy[_T], label: str) -> _T:
         return self.data.draw(strategy, label=label)
@@ -79,7 +79,8 @@ class World:
 
     def schedule(self, actions: Sequence[str]) -> list[Step]:
         """Draw the whole adversarial schedule at once (see :func:`schedules`)."""
-        return self.draw(schedules(actions, self.subject.kinds), "schedule")
+        strategy = schedules(actions, self.subject.kinds, max_steps=self.subject.max_steps)
+        return self.draw(strategy, "schedule")
 
     async def engine_step(self, step: Step) -> None:
         """Apply one engine move: ``settle``, ``settle all`` or ``advance``."""
@@ -157,10 +158,14 @@ class World:
     def last_budget(self) -> int | None:
         return self.recorder.decisions[-1][0].budget if self.recorder.decisions else None
 
-    def check_no_leftovers(self, baseline: set[trio.lowlevel.Task], allowed: Sequence[object] = ()) -> None:
+    def check_no_leftovers(
+        self, baseline: set[trio.lowlevel.Task], allowed: Iterable[trio.lowlevel.Task] = ()
+    ) -> None:
         """Nothing the system started is still running: tasks, engine calls, groups."""
         extra = live_tasks() - baseline - {trio.lowlevel.current_task()} - set(allowed)
-        self.check(not extra, 8, f"tasks still running after close: {sorted(t.name for t in extra)}")
+        self.check(
+            not extra, 8, f"tasks still running after close: {sorted(t.name for t in extra)}"
+        )
         running = self.engine.running
         self.check(not running, 8, f"{len(running)} engine calls still running after close")
         open_groups = self.recorder.open_groups

@@ -69,6 +69,7 @@ _END = b"TRIOEND!"
 _HEADER = struct.Struct("<8sHHI")
 _TRAILER = struct.Struct("<QI8s")
 _NAME = re.compile(r"^step_(\d+)\.ckpt$")
+_TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.tmp$")
 _FLUSH = 8 << 20
 
 
@@ -148,8 +149,13 @@ def _write_stream(f: BinaryIO, snap: CheckpointSnapshot, name: str) -> None:
         body.add(packer.pack(meta))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(name, f"progress or cursor is not MessagePack-able: {exc}") from exc
-    for ts in sink.queued:
-        body.add(packer.pack(encode_training_sample(ts)))
+    for i, ts in enumerate(sink.queued):
+        try:
+            body.add(packer.pack(encode_training_sample(ts)))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise CheckpointError(
+                name, f"queued[{i}] (group {ts.group_id}, sample {ts.sample_index}): {exc}"
+            ) from exc
     for og in sink.open_groups:
         try:
             rec = [
@@ -160,7 +166,7 @@ def _write_stream(f: BinaryIO, snap: CheckpointSnapshot, name: str) -> None:
                 [encode_sample(m) for m in og.members],
             ]
             body.add(packer.pack(rec))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise CheckpointError(
                 name, f"open group {og.group_id}: label or metadata not MessagePack-able: {exc}"
             ) from exc
@@ -228,13 +234,15 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> Checkpoint:
     if size < _HEADER.size + _TRAILER.size:
         raise CheckpointError(name, f"truncated ({size} bytes)")
-    magic, version, _flags, _res = _HEADER.unpack(f.read(_HEADER.size))
+    magic, version, flags, reserved = _HEADER.unpack(f.read(_HEADER.size))
     if magic != _MAGIC:
         raise CheckpointError(name, "not a trio-rl checkpoint (bad magic)")
     if version != SCHEMA_VERSION:
         raise CheckpointError(
             name, f"unknown schema version {version} (this library reads {SCHEMA_VERSION})"
         )
+    if flags or reserved:
+        raise CheckpointError(name, f"unsupported header flags {flags:#x}/{reserved:#x}")
     f.seek(size - _TRAILER.size)
     body_len, crc, end = _TRAILER.unpack(f.read(_TRAILER.size))
     if end != _END or body_len != size - _HEADER.size - _TRAILER.size:
@@ -383,7 +391,8 @@ class CheckpointManager:
 
         Checkpoints of later steps than ``snap.step`` belong to a run that was abandoned by
         resuming from an older checkpoint, and are deleted (otherwise "latest" would jump back to
-        them); then all but the newest ``keep`` are deleted.
+        them); then all but the newest ``keep`` are deleted, and temporary files a crashed writer
+        left behind. One writer per directory at a time.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         path = write_checkpoint(self.path_for(snap.step), snap)
@@ -391,6 +400,9 @@ class CheckpointManager:
         newer = [p for p in existing if _step_of(p) > snap.step]
         for old in newer + [p for p in existing if p not in newer][: -self.keep]:
             old.unlink(missing_ok=True)
+        for entry in os.scandir(self.directory):
+            if _TMP.match(entry.name):  # left behind by a writer that crashed mid-save
+                Path(entry.path).unlink(missing_ok=True)
         return path
 
     async def save(self, snap: CheckpointSnapshot) -> Path:

@@ -564,14 +564,25 @@ class TrainSink:
         self._step += 1
         return batch
 
-    def _requeue(self, detached: DetachedBatch, pruned: PruneResult) -> None:
+    def requeue_batch(self, detached: DetachedBatch, pruned: PruneResult | None = None) -> None:
+        """Undo a cut that was not shipped (cancelled or failed publication).
+
+        The samples (``pruned.kept`` if pruning ran) go back into the queue in arrival order;
+        ``pruned.pruned`` are booked as pruned. Window and step are untouched.
+        """
+        if detached.settled:
+            raise TrainSinkError(f"batch for step {detached.step} settled twice")
         detached.settled = True
         for s in detached.samples:
             self._in_cut.pop(s.arrival, None)
-        self._book("pruned", len(pruned.pruned))
-        for s in sorted(pruned.kept, key=lambda s: s.arrival):
+        back = detached.samples if pruned is None else pruned.kept
+        self._book("pruned", 0 if pruned is None else len(pruned.pruned))
+        for s in back:
             self._enqueue(s)
         self._queue = dict(sorted(self._queue.items()))
+
+    # the name the publisher's test support used before requeue_batch was public
+    _requeue = requeue_batch
 
     async def take_batch(
         self, *, limiter: trio.CapacityLimiter | None = None, force: bool = False
@@ -593,7 +604,7 @@ class TrainSink:
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled:
-            self._requeue(detached, result)
+            self.requeue_batch(detached, result)
             raise
         return self.settle_batch(detached, result)
 

@@ -188,10 +188,13 @@ class ZmqBatchSender(BatchSender):
         receiver: past its high-water mark PUB drops the message. Payloads are sent without
         copying; do not mutate their buffers afterwards.
 
-        Cancellation: safe while waiting for the barrier (nothing was sent). Once the barrier
-        is passed a send does not wait, so it completes.
+        Cancellation: all or nothing. If `trio.Cancelled` is raised (while waiting for the
+        barrier, or cancelled on entry), nothing of this step was sent. Otherwise the step is
+        published to every rank, shielded (it never waits), and the call returns normally.
         """
         pub, _ = self._sockets()
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         if len(payloads) != self._world_size:
             raise ValueError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
@@ -203,13 +206,17 @@ class ZmqBatchSender(BatchSender):
             )
         if not self.is_ready:
             await self.wait_ready()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         # Reading ZMQ_EVENTS makes libzmq process the subscribers' pending "I have read up to
         # here" notices now; a plain send processes them at most about once a millisecond, so
         # back-to-back sends would otherwise see a stale count and drop below the HWM.
         pub.events()
-        # PUB never waits for room, so this loop runs without a schedule point between ranks.
-        for rank, payload in enumerate(payloads):
-            await pub.send_multipart([rank_topic(rank), payload], copy=False)
+        # A step goes to every rank or to none: a cancellation between ranks would leave the
+        # ranks' step counts out of line for good. Shielding is safe: PUB never waits.
+        with trio.CancelScope(shield=True):
+            for rank, payload in enumerate(payloads):
+                await pub.send_multipart([rank_topic(rank), payload], copy=False)
         self._last_step = step
 
     async def aclose(self) -> None:

@@ -56,7 +56,7 @@ def _convert(value: Any, spec: Spec) -> Any:
         if type(value) is not list or len(value) < spec.required:
             raise _Reject
         # zip stops at the shorter: extra elements are ignored, missing ones take defaults.
-        return spec.build(*[_convert(x, f[1]) for x, f in zip(value, spec.fields)])
+        return spec.build(*[_convert(x, f[1]) for x, f in zip(value, spec.fields, strict=False)])
     assert type(spec) is Scalar
     if type(value) not in _ALLOWED[spec]:
         raise _Reject
@@ -71,9 +71,7 @@ def _decode_fast(data: bytes | bytearray | memoryview) -> list[MicroBatch]:
     return [_convert(mb, MICRO_BATCH) for mb in top]
 
 
-def decode(
-    data: bytes | bytearray | memoryview, *, source: str | None = None
-) -> list[MicroBatch]:
+def decode(data: bytes | bytearray | memoryview, *, source: str | None = None) -> list[MicroBatch]:
     """The micro-batches of one payload (the inverse of :func:`encode`).
 
     Raises :class:`WireFormatError` naming the byte offset, micro-batch and field of the first
@@ -215,7 +213,7 @@ class _Walker:
             if container:
                 if is_key:
                     self.fail(pos, f"a map key cannot be an {_describe(b)}")
-                if depth + len(stack) >= _MAX_DEPTH:
+                if depth + len(stack) > _MAX_DEPTH:
                     self.fail(pos, f"containers nested deeper than {_MAX_DEPTH}")
                 if children > self.end - pos - header:
                     self.fail(

@@ -60,9 +60,7 @@ def _record(cls: type[Any], specs: dict[str, Spec]) -> Record:
 _INTS = ListOf(Scalar.INT)
 _FLOATS = ListOf(Scalar.FLOAT)
 
-ROUTED_EXPERTS = _record(
-    RoutedExperts, {"data": Scalar.BIN, "shape": _INTS, "dtype": Scalar.STR}
-)
+ROUTED_EXPERTS = _record(RoutedExperts, {"data": Scalar.BIN, "shape": _INTS, "dtype": Scalar.STR})
 MM_IMAGE_REF = _record(MMImageRef, {"url": Scalar.STR, "offset": Scalar.INT, "length": Scalar.INT})
 MM_REFS = _record(MMRefs, {"images": ListOf(MM_IMAGE_REF)})
 SAMPLING_MASK = _record(SamplingMask, {"ids": Scalar.BIN, "counts": Scalar.BIN})

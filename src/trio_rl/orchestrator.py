@@ -1,0 +1,378 @@
+"""The orchestrator: rollout -> train sink -> publisher -> transport, checkpointed every step.
+
+This is the only module that knows every layer. It owns, in one nursery hierarchy:
+
+* a fully-async rollout driver (its worker keeps the engine saturated with groups);
+* the train sink, fed with finished groups;
+* a publisher that finalizes every batch in worker threads and ships it through a
+  :class:`~trio_rl.transport.BatchSender`, writing one checkpoint per shipped step.
+
+A checkpoint holds, besides the sink's queue, every group the rollout layer has open (running,
+buffered or resumed but not started) with its finished members, so a resume continues those
+groups under the same id and regenerates only their missing members.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from .engines import Engine, SamplingParams
+from .publish import Monitor, Publisher, ShipRecord, open_publisher
+from .publish._packing import pack_samples
+from .rollout import (
+    AsyncRolloutDriver,
+    DataSource,
+    FailurePolicy,
+    GroupFactory,
+    GroupGranularity,
+    GroupRewardFn,
+    GroupRunner,
+    SampleBackfill,
+    SampleRewardFn,
+    SubmissionPolicy,
+    engine_generate,
+    open_async_rollout,
+)
+from .samples import Group, PolicyVersion, Sample
+from .train import (
+    CheckpointManager,
+    CheckpointSnapshot,
+    OpenGroupState,
+    RestoreReport,
+    SinkConfig,
+    SinkCounters,
+    TrainSink,
+)
+from .transport import BatchSender
+
+__all__ = [
+    "Orchestrator",
+    "OrchestratorConfig",
+    "RunSummary",
+    "open_orchestrator",
+]
+
+logger = logging.getLogger("trio_rl.orchestrator")
+
+
+def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value < n:
+            raise ValueError(f"OrchestratorConfig.{attribute.name} must be >= {n}, got {value}")
+
+    return check
+
+
+@attrs.frozen
+class OrchestratorConfig:
+    """How a run is shaped.
+
+    A step trains on ``batch_groups`` groups of ``group_size`` samples. ``max_groups_in_flight``
+    (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
+    ``submission`` (``"sample"``: sample backfill; ``"group"``: group granularity).
+    ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
+    least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit.
+    """
+
+    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
+    group_size: int = attrs.field(default=8, validator=_at_least(1))
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
+    submission: Literal["sample", "group"] = "sample"
+    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
+    max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
+    seq_len: int = attrs.field(default=8192, validator=_at_least(1))
+    pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None
+    failure: FailurePolicy = FailurePolicy()
+    checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
+
+    def make_policy(self) -> SubmissionPolicy:
+        return SampleBackfill() if self.submission == "sample" else GroupGranularity()
+
+
+@attrs.frozen
+class RunSummary:
+    """What :meth:`Orchestrator.run` did."""
+
+    first_step: int
+    last_step: int
+    records: tuple[ShipRecord, ...]
+    counters: SinkCounters
+    resumed_groups: int
+    restored_queued: int
+
+
+def _copy_finished(sample: Sample) -> Sample:
+    return attrs.evolve(
+        sample,
+        completion_tokens=list(sample.completion_tokens),
+        logprobs=list(sample.logprobs),
+        loss_mask=list(sample.loss_mask),
+        policy_versions=list(sample.policy_versions),
+        metadata=dict(sample.metadata),
+    )
+
+
+@attrs.define(eq=False)
+class _RunCheckpointer:
+    """Snapshot on the loop: the sink's state plus the rollout layer's open groups."""
+
+    manager: CheckpointManager
+    sink: TrainSink
+    factory: GroupFactory
+    source: DataSource
+    orchestrator: Orchestrator
+
+    def snapshot(self, step: int) -> CheckpointSnapshot:
+        cursor = {"source": self.source.state(), "factory": self.factory.state()}
+        progress = {"policy_version": self.orchestrator.policy_version}
+        snap = self.manager.snapshot(self.sink, step=step, cursor=cursor, progress=progress)
+        driver = self.orchestrator._driver
+        if driver is None:
+            return snap
+        in_sink = {g.group_id for g in snap.sink.open_groups}
+        extra: list[OpenGroupState] = []
+        members = 0
+        for group in driver.open_groups():
+            if group.group_id in in_sink:
+                continue
+            finished = tuple(_copy_finished(s) for s in group.arrived)
+            members += len(finished)
+            extra.append(
+                OpenGroupState(
+                    group_id=group.group_id,
+                    prompt=group.prompt,
+                    group_size=group.group_size,
+                    policy_version_at_start=group.policy_version_at_start,
+                    members=finished,
+                )
+            )
+        # The members saved here count as dispatched in the checkpoint: on restore the sink holds
+        # them, and they must settle exactly once like any other arrival.
+        counters = attrs.evolve(
+            snap.sink.counters, dispatched=snap.sink.counters.dispatched + members
+        )
+        sink_state = attrs.evolve(
+            snap.sink, open_groups=(*snap.sink.open_groups, *extra), counters=counters
+        )
+        return attrs.evolve(snap, sink=sink_state)
+
+    def write(self, snapshot: CheckpointSnapshot) -> Path:
+        return self.manager.write(snapshot)
+
+
+class Orchestrator:
+    """The handle :func:`open_orchestrator` yields."""
+
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        sink: TrainSink,
+        factory: GroupFactory,
+        source: DataSource,
+        policy_version: PolicyVersion,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.factory = factory
+        self.source = source
+        self._version = policy_version
+        self._version_changed = trio.Event()
+        self._driver: AsyncRolloutDriver | None = None
+        self._publisher: Publisher[Any] | None = None
+        self.restore: RestoreReport | None = None
+        self._on_version: list[Callable[[PolicyVersion], None]] = []
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self._version
+
+    @property
+    def step(self) -> int:
+        """The step being collected (1-based)."""
+        return self.sink.step
+
+    @property
+    def driver(self) -> AsyncRolloutDriver:
+        assert self._driver is not None
+        return self._driver
+
+    @property
+    def publisher(self) -> Publisher[Any]:
+        assert self._publisher is not None
+        return self._publisher
+
+    def set_policy_version(self, version: PolicyVersion) -> None:
+        """Record a weight update (the trainer finished a step). Versions never go back."""
+        if version < self._version:
+            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        if version == self._version:
+            return
+        self._version = version
+        self.driver.set_policy_version(version)
+        for hook in self._on_version:
+            hook(version)
+        self._version_changed.set()
+        self._version_changed = trio.Event()
+
+    async def _ship_gate(self, step: int) -> None:
+        """Wait until batch ``step`` may ship; the wait is reported as policy-wait time."""
+        needed = step - 1 - self.config.max_async_level
+        if self._version >= needed:
+            return
+        started = trio.current_time()
+        while self._version < needed:
+            await self._version_changed.wait()
+        self.publisher.add_policy_wait(trio.current_time() - started)
+
+    async def run(self, steps: int) -> RunSummary:
+        """Collect and ship ``steps`` more batches; return what was shipped.
+
+        On cancellation the batch being published goes back to the sink's queue (or, once sent,
+        is checkpointed before the cancellation lands); groups in flight are cancelled when the
+        orchestrator closes, and are regenerated from the last checkpoint on resume.
+        """
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        first = self.sink.step
+        last = first + steps - 1
+        records: list[ShipRecord] = []
+        while self.sink.step <= last:
+            if self.sink.ready():
+                await self._ship_gate(self.sink.step)
+                record = await self.publisher.publish()
+                if record is not None:
+                    records.append(record)
+                continue
+            for group in await self.driver.next_batch():
+                self._ingest(group)
+        restore = self.restore
+        return RunSummary(
+            first_step=first,
+            last_step=self.sink.step - 1,
+            records=tuple(records),
+            counters=self.sink.counters,
+            resumed_groups=0 if restore is None else len(restore.resumed),
+            restored_queued=0 if restore is None else restore.queued,
+        )
+
+    def _ingest(self, group: Group) -> None:
+        self.sink.add_group(group)
+
+
+@asynccontextmanager
+async def open_orchestrator(
+    engine: Engine,
+    source: DataSource,
+    sender: BatchSender,
+    *,
+    config: OrchestratorConfig | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    resume: bool = True,
+    sample_reward: SampleRewardFn | None = None,
+    group_reward: GroupRewardFn | None = None,
+    monitor: Monitor | None = None,
+    limiter: trio.CapacityLimiter | None = None,
+    on_policy_version: Callable[[PolicyVersion], None] | None = None,
+) -> AsyncIterator[Orchestrator]:
+    """Open a run: rollout driver, sink and publisher, resumed from the latest checkpoint.
+
+    With ``checkpoint_dir`` set and ``resume`` on, the newest loadable checkpoint there is
+    restored: queued samples ship first, open groups continue with their id (only their missing
+    members are generated) before any new prompt, and the data source and sample counters carry
+    on from where they were. A broken newest checkpoint is skipped with a warning.
+
+    ``on_policy_version`` is told every new version (e.g. to update a simulated engine).
+
+    Leaving the block cancels the rollout worker and every group in flight, and waits for the
+    publisher's pending memory release (shielded); no task outlives it.
+    """
+    config = OrchestratorConfig() if config is None else config
+    limiter = trio.CapacityLimiter(4) if limiter is None else limiter
+    factory = GroupFactory(config.group_size, seed=config.seed)
+    sink = TrainSink(
+        SinkConfig(
+            batch_size=config.batch_groups * config.group_size,
+            max_off_policy_steps=config.max_off_policy_steps,
+        )
+    )
+    manager = (
+        None
+        if checkpoint_dir is None
+        else CheckpointManager(checkpoint_dir, keep=config.checkpoint_keep, limiter=limiter)
+    )
+    policy_version: PolicyVersion = 0
+    restore: RestoreReport | None = None
+    if manager is not None and resume:
+        ckpt = await manager.load_latest()
+        if ckpt is not None:
+            cursor: Mapping[str, Any] = ckpt.cursor or {}
+            source.load_state(cursor.get("source", {}))
+            factory.load_state(cursor.get("factory", {}))
+            policy_version = int(ckpt.progress.get("policy_version", 0))
+            restore = sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+            logger.info(
+                "resumed from step %d: %d queued samples, %d open groups continue",
+                ckpt.step,
+                restore.queued,
+                len(restore.resumed),
+            )
+    orch = Orchestrator(config, sink, factory, source, policy_version)
+    orch.restore = restore
+    if on_policy_version is not None:
+        orch._on_version.append(on_policy_version)
+        on_policy_version(policy_version)
+    runner = GroupRunner(
+        engine_generate(engine, config.sampling),
+        sample_reward=sample_reward,
+        group_reward=group_reward,
+    )
+    budget = config.max_groups_in_flight or 2 * config.batch_groups
+    pack = functools.partial(
+        pack_samples,
+        seq_len=config.seq_len,
+        num_ranks=sender.world_size,
+        pad_to_multiple_of=config.pad_to_multiple_of,
+    )
+    async with (
+        open_async_rollout(
+            source,
+            factory,
+            runner,
+            batch_size=config.batch_groups,
+            policy=config.make_policy(),
+            max_groups_in_flight=budget,
+            # The sink's staleness filter is the hard guarantee; the driver passes everything.
+            max_staleness=None,
+            aborted="drop",
+            on_failure=config.failure,
+            resumed=() if restore is None else restore.resumed,
+            policy_version=policy_version,
+        ) as driver,
+        open_publisher(
+            sink,
+            sender,
+            pack=pack,
+            limiter=limiter,
+            checkpointer=None
+            if manager is None
+            else _RunCheckpointer(manager, sink, factory, source, orch),
+            monitor=monitor,
+        ) as publisher,
+    ):
+        orch._driver, orch._publisher = driver, publisher
+        try:
+            yield orch
+        finally:
+            orch._driver = orch._publisher = None
+

@@ -1,0 +1,374 @@
+"""Packing training samples into micro-batches for data-parallel trainer ranks (SPEC 4.2).
+
+Pure, synchronous functions: the publisher runs them in worker threads. The steps follow the
+reference packer:
+
+1. each sample becomes a one-sequence micro-batch (positions ``0..L-1``), truncated to
+   ``seq_len`` tokens;
+2. first-fit-decreasing into bins of at most ``seq_len`` tokens; a bin never mixes routed and
+   non-routed samples (nor routed samples of different dtype or row shape);
+3. a bin is materialised by concatenation; an optional stream appears as soon as one sample in
+   the bin carries it, and the other samples are filled (ref logprobs 0.0, mm type 0, rl weight
+   1.0, ce and ref-kl weight 0.0, sampling-mask count 0, trace id ``""``, branch index -1);
+   routed-expert bytes are concatenated and their ``shape[0]`` summed; payload segments are
+   shifted to their sample's position in the bin;
+4. padded to a multiple of ``pad_to_multiple_of`` (input id 1, advantage 0.0, mask False,
+   positions ``0..pad-1``, the last sequence's length extended, logprob 0.0, temperature 1.0,
+   every stream 0.0, mm type 0, env name ``""``, routed-expert rows zero, mask counts 0);
+5. split across ranks: per modality, the heaviest multi-sample bins are split until the count is
+   a multiple of the rank count, the remainder is made up with zero-loss fillers, and bins are
+   dealt out so every rank gets the same number and similar cost.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from ..train import TrainingSample
+from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
+
+__all__ = ["PackingError", "pack_samples", "prepare_sample", "bin_cost"]
+
+PAD_TOKEN_ID = 1
+# Fill for a stream that a bin materialises but a sample in it lacks.
+STREAM_FILL = {"rl_weights": 1.0, "ce_weights": 0.0, "ref_kl_weights": 0.0}
+_WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
+_INT32 = 4
+
+
+class PackingError(ValueError):
+    """A training sample that cannot be packed (inconsistent lengths, missing advantages)."""
+
+
+def _describe(sample: TrainingSample, index: int) -> str:
+    who = f"sample {index}"
+    if sample.trace_id is not None:
+        who += f" (trace {sample.trace_id!r})"
+    elif sample.group_id:
+        who += f" (group {sample.group_id}, index {sample.sample_index})"
+    return who
+
+
+def _check_length(name: str, values: Any, length: int, who: str) -> None:
+    if values is not None and len(values) != length:
+        raise PackingError(f"{who}: {name} has {len(values)} entries for {length} tokens")
+
+
+def _check_routed(routed: RoutedExperts, length: int, who: str) -> RoutedExperts:
+    rows = routed.shape[0] if routed.shape else 0
+    if rows != length:
+        raise PackingError(f"{who}: routed_experts has {rows} rows for {length} tokens")
+    return routed
+
+
+def _routed_prefix(routed: RoutedExperts, keep: int) -> RoutedExperts:
+    rows = routed.shape[0]
+    if keep == rows:
+        return routed
+    row_bytes = len(routed.data) // rows if rows else 0
+    return RoutedExperts(
+        data=bytes(memoryview(routed.data)[: keep * row_bytes]),
+        shape=[keep, *routed.shape[1:]],
+        dtype=routed.dtype,
+    )
+
+
+def _mask_prefix(mask: SamplingMask, length: int, keep: int, who: str) -> SamplingMask:
+    if len(mask.counts) != _INT32 * length:
+        raise PackingError(
+            f"{who}: sampling_mask has {len(mask.counts) // _INT32} counts for {length} tokens"
+        )
+    if keep == length:
+        return mask
+    counts = memoryview(mask.counts).cast("i")
+    kept_ids = sum(counts[:keep])
+    return SamplingMask(
+        ids=bytes(memoryview(mask.ids)[: _INT32 * kept_ids]),
+        counts=bytes(memoryview(mask.counts)[: _INT32 * keep]),
+    )
+
+
+def _segments_prefix(segments: list[PayloadSegment], keep: int) -> list[PayloadSegment]:
+    out = []
+    for s in segments:
+        if s.pos >= keep:
+            continue
+        out.append(attrs.evolve(s, rows=min(s.rows, keep - s.pos), shape=list(s.shape)))
+    return out
+
+
+def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> MicroBatch:
+    """One sample as a one-sequence micro-batch, truncated to ``seq_len`` tokens.
+
+    Raises :class:`PackingError` when the sample's per-token streams disagree in length or it
+    has trainable rl tokens but no advantages.
+    """
+    who = _describe(sample, index)
+    length = len(sample.token_ids)
+    if length == 0:
+        raise PackingError(f"{who}: has no tokens")
+    for name in (
+        "mask",
+        "logprobs",
+        "temperatures",
+        "advantages",
+        "ref_logprobs",
+        "mm_token_type_ids",
+        *_WEIGHT_STREAMS,
+    ):
+        _check_length(name, getattr(sample, name), length, who)
+    advantages = sample.advantages
+    if advantages is None:
+        rl = sample.rl_weights
+        if any(m and (rl is None or rl[i] != 0) for i, m in enumerate(sample.mask)):
+            raise PackingError(f"{who}: has trainable rl tokens but no advantages")
+        advantages = [0.0] * length
+    keep = min(length, seq_len)
+
+    def cut(values: list[Any] | None) -> list[Any] | None:
+        return None if values is None else values[:keep]
+
+    routed = sample.routed_experts
+    if routed is not None:
+        routed = _routed_prefix(_check_routed(routed, length, who), keep)
+    mask = sample.sampling_mask
+    if mask is not None:
+        mask = _mask_prefix(mask, length, keep, who)
+    return MicroBatch(
+        input_ids=sample.token_ids[:keep],
+        loss_mask=sample.mask[:keep],
+        advantages=advantages[:keep],
+        inference_logprobs=sample.logprobs[:keep],
+        position_ids=list(range(keep)),
+        sequence_lengths=[keep],
+        temperatures=sample.temperatures[:keep],
+        env_names=[sample.env_name] * keep,
+        seq_lens=[keep],
+        ref_logprobs=cut(sample.ref_logprobs),
+        routed_experts=routed,
+        mm_refs=None if sample.mm_refs is None else MMRefs(list(sample.mm_refs.images)),
+        mm_token_type_ids=cut(sample.mm_token_type_ids),
+        rl_weights=cut(sample.rl_weights),
+        ce_weights=cut(sample.ce_weights),
+        ref_kl_weights=cut(sample.ref_kl_weights),
+        sampling_mask=mask,
+        trace_ids=None if sample.trace_id is None else [sample.trace_id],
+        branch_indices=None if sample.branch_index is None else [sample.branch_index],
+        payload=None if sample.payload is None else _segments_prefix(sample.payload, keep),
+    )
+
+
+def _modality(mb: MicroBatch) -> tuple[Any, ...]:
+    """Micro-batches pack together only when this key matches."""
+    routed = mb.routed_experts
+    if routed is None:
+        return ()
+    return ("routed", routed.dtype, tuple(routed.shape[1:]))
+
+
+def _first_fit_decreasing(items: list[MicroBatch], seq_len: int) -> list[list[MicroBatch]]:
+    bins: list[list[MicroBatch]] = []
+    room: list[int] = []
+    keys: list[tuple[Any, ...]] = []
+    # sorted() is stable: equal lengths keep their arrival order.
+    for mb in sorted(items, key=lambda m: -m.num_tokens):
+        key = _modality(mb)
+        for b, free in enumerate(room):
+            if free >= mb.num_tokens and keys[b] == key:
+                bins[b].append(mb)
+                room[b] -= mb.num_tokens
+                break
+        else:
+            bins.append([mb])
+            room.append(seq_len - mb.num_tokens)
+            keys.append(key)
+    return bins
+
+
+def _optional_stream(parts: Sequence[MicroBatch], name: str, fill: Any) -> list[Any] | None:
+    if all(getattr(p, name) is None for p in parts):
+        return None
+    out: list[Any] = []
+    for p in parts:
+        values = getattr(p, name)
+        out.extend(values if values is not None else [fill] * p.num_tokens)
+    return out
+
+
+def _per_sequence(parts: Sequence[MicroBatch], name: str, fill: Any) -> list[Any] | None:
+    if all(getattr(p, name) is None for p in parts):
+        return None
+    out: list[Any] = []
+    for p in parts:
+        values = getattr(p, name)
+        out.extend(values if values is not None else [fill] * len(p.sequence_lengths))
+    return out
+
+
+def _materialise(parts: list[MicroBatch]) -> MicroBatch:
+    def cat(name: str) -> list[Any]:
+        out: list[Any] = []
+        for p in parts:
+            out.extend(getattr(p, name))
+        return out
+
+    routed = None
+    if parts[0].routed_experts is not None:
+        pieces = [p.routed_experts for p in parts if p.routed_experts is not None]
+        routed = RoutedExperts(
+            data=b"".join(r.data for r in pieces),
+            shape=[sum(r.shape[0] for r in pieces), *pieces[0].shape[1:]],
+            dtype=pieces[0].dtype,
+        )
+    mm_refs = None
+    if any(p.mm_refs is not None for p in parts):
+        mm_refs = MMRefs([image for p in parts if p.mm_refs for image in p.mm_refs.images])
+    sampling_mask = None
+    if any(p.sampling_mask is not None for p in parts):
+        ids, counts = bytearray(), bytearray()
+        for p in parts:
+            if p.sampling_mask is None:
+                counts += bytes(_INT32 * p.num_tokens)
+            else:
+                ids += p.sampling_mask.ids
+                counts += p.sampling_mask.counts
+        sampling_mask = SamplingMask(ids=bytes(ids), counts=bytes(counts))
+    payload = None
+    if any(p.payload is not None for p in parts):
+        payload = []
+        start = 0
+        for p in parts:
+            for s in p.payload or ():
+                payload.append(attrs.evolve(s, pos=s.pos + start))
+            start += p.num_tokens
+    return MicroBatch(
+        input_ids=cat("input_ids"),
+        loss_mask=cat("loss_mask"),
+        advantages=cat("advantages"),
+        inference_logprobs=cat("inference_logprobs"),
+        position_ids=cat("position_ids"),
+        sequence_lengths=cat("sequence_lengths"),
+        temperatures=cat("temperatures"),
+        env_names=cat("env_names"),
+        seq_lens=cat("seq_lens"),
+        ref_logprobs=_optional_stream(parts, "ref_logprobs", 0.0),
+        routed_experts=routed,
+        mm_refs=mm_refs,
+        mm_token_type_ids=_optional_stream(parts, "mm_token_type_ids", 0),
+        rl_weights=_optional_stream(parts, "rl_weights", STREAM_FILL["rl_weights"]),
+        ce_weights=_optional_stream(parts, "ce_weights", STREAM_FILL["ce_weights"]),
+        ref_kl_weights=_optional_stream(parts, "ref_kl_weights", STREAM_FILL["ref_kl_weights"]),
+        sampling_mask=sampling_mask,
+        trace_ids=_per_sequence(parts, "trace_ids", ""),
+        branch_indices=_per_sequence(parts, "branch_indices", -1),
+        payload=payload,
+    )
+
+
+def _pad(mb: MicroBatch, multiple: int) -> MicroBatch:
+    pad = -mb.num_tokens % multiple
+    if pad == 0:
+        return mb
+    mb.input_ids.extend([PAD_TOKEN_ID] * pad)
+    mb.loss_mask.extend([False] * pad)
+    mb.advantages.extend([0.0] * pad)
+    mb.inference_logprobs.extend([0.0] * pad)
+    mb.position_ids.extend(range(pad))
+    mb.sequence_lengths[-1] += pad
+    mb.seq_lens[-1] += pad
+    mb.temperatures.extend([1.0] * pad)
+    mb.env_names.extend([""] * pad)
+    for name in ("ref_logprobs", *_WEIGHT_STREAMS):
+        values = getattr(mb, name)
+        if values is not None:
+            values.extend([0.0] * pad)
+    if mb.mm_token_type_ids is not None:
+        mb.mm_token_type_ids.extend([0] * pad)
+    routed = mb.routed_experts
+    if routed is not None:
+        row_bytes = len(routed.data) // routed.shape[0] if routed.shape[0] else 0
+        routed.data = routed.data + bytes(row_bytes * pad)
+        routed.shape[0] += pad
+    if mb.sampling_mask is not None:
+        mb.sampling_mask.counts = mb.sampling_mask.counts + bytes(_INT32 * pad)
+    return mb
+
+
+def bin_cost(mb: MicroBatch, seq_len: int) -> float:
+    """Relative trainer cost of a micro-batch: linear in tokens plus attention's square term."""
+    return mb.num_tokens + sum(length * length for length in mb.sequence_lengths) / seq_len
+
+
+def _zero_loss(mb: MicroBatch) -> MicroBatch:
+    """A filler that trains nothing: a copy of ``mb`` without advantages, mask or weights."""
+    filler = copy.deepcopy(mb)
+    filler.advantages = [0.0] * mb.num_tokens
+    filler.loss_mask = [False] * mb.num_tokens
+    filler.rl_weights = filler.ce_weights = filler.ref_kl_weights = None
+    return filler
+
+
+def _split_heaviest(bins: list[list[MicroBatch]], num_ranks: int, seq_len: int) -> None:
+    """Split multi-sample bins, heaviest first, until the count is a multiple of the ranks."""
+    while len(bins) % num_ranks:
+        multi = [b for b in bins if len(b) > 1]
+        if not multi:
+            return
+        heaviest = max(multi, key=lambda b: sum(p.num_tokens for p in b))
+        bins.remove(heaviest)
+        # Deal the samples (longest first) into two halves of similar size.
+        halves: tuple[list[MicroBatch], list[MicroBatch]] = ([], [])
+        for part in heaviest:  # already longest first
+            lighter = min(halves, key=lambda h: sum(p.num_tokens for p in h))
+            lighter.append(part)
+        bins.extend(halves)
+
+
+def pack_samples(
+    samples: Sequence[TrainingSample],
+    *,
+    seq_len: int,
+    num_ranks: int = 1,
+    pad_to_multiple_of: int = 1,
+) -> list[list[MicroBatch]]:
+    """Pack ``samples`` into micro-batches for ``num_ranks`` data-parallel ranks.
+
+    Returns one list per rank, all of the same length. No micro-batch holds more than
+    ``seq_len`` tokens (which must be a multiple of ``pad_to_multiple_of``); every token of every
+    (truncated) sample lands in exactly one micro-batch; fillers carry no loss. Pure and
+    synchronous (CPU work for a worker thread). Raises :class:`PackingError` for a sample that
+    cannot be packed and ``ValueError`` for bad arguments.
+    """
+    if seq_len < 1 or num_ranks < 1 or pad_to_multiple_of < 1:
+        raise ValueError("seq_len, num_ranks and pad_to_multiple_of must all be at least 1")
+    if seq_len % pad_to_multiple_of:
+        raise ValueError(
+            f"seq_len ({seq_len}) must be a multiple of pad_to_multiple_of ({pad_to_multiple_of})"
+            " so that padded micro-batches still fit"
+        )
+    prepared = [prepare_sample(s, seq_len, index=i) for i, s in enumerate(samples)]
+    bins = _first_fit_decreasing(prepared, seq_len)
+    by_modality: dict[tuple[Any, ...], list[list[MicroBatch]]] = {}
+    for b in bins:
+        by_modality.setdefault(_modality(b[0]), []).append(b)
+    ranks: list[list[MicroBatch]] = [[] for _ in range(num_ranks)]
+    costs = [0.0] * num_ranks
+    for group in by_modality.values():
+        _split_heaviest(group, num_ranks, seq_len)
+        batches = [_pad(_materialise(b), pad_to_multiple_of) for b in group]
+        if len(batches) % num_ranks:
+            filler = _zero_loss(batches[0])
+            batches.extend([filler] * (-len(batches) % num_ranks))
+        per_rank = len(batches) // num_ranks
+        taken = [0] * num_ranks
+        # Greedy balance: the costliest batch goes to the cheapest rank with room left.
+        for mb in sorted(batches, key=lambda m: -bin_cost(m, seq_len)):
+            rank = min((r for r in range(num_ranks) if taken[r] < per_rank), key=lambda r: costs[r])
+            ranks[rank].append(mb)
+            taken[rank] += 1
+            costs[rank] += bin_cost(mb, seq_len)
+    return ranks
