@@ -183,8 +183,9 @@ async def _run(args: argparse.Namespace) -> int:
     c = summary.counters
     tokens = sum(t for _, t, _ in trained)
     print(
-        f"done in {time.perf_counter() - started:.1f} s: steps {summary.first_step}..{summary.last_step}"
-        f", trainer ranks read {len(trained)} payloads ({tokens} tokens incl. padding)"
+        f"done in {time.perf_counter() - started:.1f} s: "
+        f"steps {summary.first_step}..{summary.last_step}, "
+        f"trainer ranks read {len(trained)} payloads ({tokens} tokens incl. padding)"
     )
     print(
         f"engine: {stats.requests_done} requests, {stats.tokens} tokens, "
@@ -216,4 +217,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-

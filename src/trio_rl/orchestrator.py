@@ -38,6 +38,7 @@ from .rollout import (
     GroupRunner,
     SampleBackfill,
     SampleRewardFn,
+    SourceExhausted,
     SubmissionPolicy,
     engine_generate,
     open_async_rollout,
@@ -91,9 +92,9 @@ class OrchestratorConfig:
     max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
     seq_len: int = attrs.field(default=8192, validator=_at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
     seed: int | None = None
-    failure: FailurePolicy = FailurePolicy()
+    failure: FailurePolicy = attrs.field(factory=FailurePolicy)
     checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
 
     def make_policy(self) -> SubmissionPolicy:
@@ -110,6 +111,8 @@ class RunSummary:
     counters: SinkCounters
     resumed_groups: int
     restored_queued: int
+    #: The data source ran dry before ``steps`` batches were shipped.
+    exhausted: bool = False
 
 
 def _copy_finished(sample: Sample) -> Sample:
@@ -189,7 +192,7 @@ class Orchestrator:
         self._version = policy_version
         self._version_changed = trio.Event()
         self._driver: AsyncRolloutDriver | None = None
-        self._publisher: Publisher[Any] | None = None
+        self._publisher: Publisher | None = None
         self.restore: RestoreReport | None = None
         self._on_version: list[Callable[[PolicyVersion], None]] = []
 
@@ -208,7 +211,7 @@ class Orchestrator:
         return self._driver
 
     @property
-    def publisher(self) -> Publisher[Any]:
+    def publisher(self) -> Publisher:
         assert self._publisher is not None
         return self._publisher
 
@@ -238,6 +241,9 @@ class Orchestrator:
     async def run(self, steps: int) -> RunSummary:
         """Collect and ship ``steps`` more batches; return what was shipped.
 
+        When the data source runs dry, the samples still queued ship as a last, shorter batch
+        and the summary says ``exhausted``; nothing taken from the source is left behind.
+
         On cancellation the batch being published goes back to the sink's queue (or, once sent,
         is checkpointed before the cancellation lands); groups in flight are cancelled when the
         orchestrator closes, and are regenerated from the last checkpoint on resume.
@@ -247,15 +253,30 @@ class Orchestrator:
         first = self.sink.step
         last = first + steps - 1
         records: list[ShipRecord] = []
+        exhausted = False
         while self.sink.step <= last:
-            if self.sink.ready():
+            if self.sink.ready() or (exhausted and self.sink.queued):
                 await self._ship_gate(self.sink.step)
-                record = await self.publisher.publish()
+                record = await self.publisher.publish(force=exhausted)
                 if record is not None:
                     records.append(record)
                 continue
-            for group in await self.driver.next_batch():
+            if exhausted:
+                break
+            # Ask for just the groups the next cut still needs: restored queued samples and
+            # groups completed at restore count toward it.
+            missing = (
+                self.sink.config.batch_size - self.sink.queued if self.sink.config.batch_size else 1
+            )
+            wanted = max(1, -(-missing // self.config.group_size))
+            try:
+                groups = await self.driver.next_batch(wanted, allow_partial=True)
+            except SourceExhausted:
+                groups = []
+            for group in groups:
                 self._ingest(group)
+            if len(groups) < wanted:
+                exhausted = True
         restore = self.restore
         return RunSummary(
             first_step=first,
@@ -264,6 +285,7 @@ class Orchestrator:
             counters=self.sink.counters,
             resumed_groups=0 if restore is None else len(restore.resumed),
             restored_queued=0 if restore is None else restore.queued,
+            exhausted=exhausted,
         )
 
     def _ingest(self, group: Group) -> None:
@@ -375,4 +397,3 @@ async def open_orchestrator(
             yield orch
         finally:
             orch._driver = orch._publisher = None
-

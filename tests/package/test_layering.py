@@ -21,7 +21,10 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": {"wire", "transport"},
     "testing": {"samples", "engines", "rollout"},
     "orchestrator": {"samples", "wire", "engines", "rollout", "train", "publish", "transport"},
-    "cli": {"samples", "wire", "engines", "rollout", "train", "publish", "transport", "orchestrator"},
+    "cli": {
+        *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
+        "orchestrator",
+    },
 }
 
 

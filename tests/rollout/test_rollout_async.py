@@ -422,3 +422,35 @@ async def test_open_groups_snapshot_resumes_only_the_unfinished_samples() -> Non
         batch = await driver.next_batch()
     assert {g.prompt.key for g in batch} == {"p0", "p1"}
     assert sorted(again.started_indices()) == [100, 101, 102]
+
+
+async def test_open_groups_hold_every_taken_prompt_even_while_waiting_for_buffer_space(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A checkpoint of ``open_groups()`` loses no prompt taken from the source: a finished
+    group the worker holds while the buffer is full is still listed."""
+    from rollout_helpers import Puppet, source
+
+    from trio_rl.rollout import GroupFactory, GroupRunner, open_async_rollout
+
+    src = source(50)
+    async with open_async_rollout(
+        src,
+        GroupFactory(2),
+        GroupRunner(Puppet(auto_delay=1.0)),
+        batch_size=1,
+        max_groups_in_flight=3,
+        buffer_capacity=1,
+    ) as driver:
+        for _ in range(4):
+            await trio.sleep(5)
+            taken = {f"p{i}" for i in range(src.state()["position"])}
+            held = [g.prompt.key for g in driver.open_groups()]
+            assert sorted(held) == sorted(taken)
+            assert driver.statistics().buffered == 1  # full: the worker waits for space
+        (group,) = await driver.next_batch()
+        await trio.sleep(5)
+        taken = {f"p{i}" for i in range(src.state()["position"])}
+        assert sorted([*(g.prompt.key for g in driver.open_groups()), group.prompt.key]) == sorted(
+            taken
+        )

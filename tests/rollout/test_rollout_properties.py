@@ -56,6 +56,7 @@ class Checked:
         self.seen = self.scheduler_of()
         assert self.seen is not None
         ledger = self.seen.ledger
+        assert self.seen.queued == 0  # every queued event was drained before deciding
         ledger.check()  # c == sum of unfinished samples over pending groups
         assert view.in_flight == ledger.in_flight
         if view.pending_groups == 0:

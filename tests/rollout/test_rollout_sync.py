@@ -278,3 +278,14 @@ async def test_a_failing_filter_propagates_unwrapped_and_loses_nothing(
     assert sorted(puppet.cancelled) == group_samples(1)
     assert src.take().key == "p0"  # the accepted group's prompt went back to the source
     assert src.take().key == "p3"
+
+
+async def test_one_call_at_a_time() -> None:
+    puppet = Puppet()
+    driver = make_driver(puppet)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(Run(driver, 1))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RolloutError, match="already running"):
+            await driver.generate(1)
+        nursery.cancel_scope.cancel()

@@ -115,6 +115,11 @@ MALFORMED = [
     ((b"\x91\x92\x90\x90", 1), None, "record has 2 fields; its first 9 are required"),
     ((NINE + b"\x00", len(NINE)), None, "1 trailing bytes"),
     ((NINE[:-1], len(NINE) - 2), "seq_lens", "truncated"),
+    (
+        (NINE[: NINE.index(bytes.fromhex("cb3fe0")) + 4], NINE.index(bytes.fromhex("cb3fe0"))),
+        "advantages[0]",
+        "the value needs 9 bytes, only 4 remain",
+    ),
     (_at([[*FIRST_NINE, [0.0, "x"]]], b"\xa1x"), "ref_logprobs[1]", "expected float, got str"),
     (
         _at([[*FIRST_NINE, None, [b"", [1, 2.5], "u8"]]], b"\xcb"),
@@ -144,6 +149,15 @@ def test_malformed_payloads(case: tuple[bytes, int], field: str | None, reason: 
     err = _error(data)
     assert (err.offset, err.field) == (offset, field), str(err)
     assert reason in str(err)
+
+
+def test_str_lists_are_checked_item_by_item() -> None:
+    good = _packed([*FIRST_NINE[:7], ["a", "b", "\u00e9"], [2]])
+    assert decode(good)[0].env_names == ["a", "b", "\u00e9"]
+    bad = good.replace(b"\xa2\xc3\xa9", b"\xa2\xc3\x28")
+    err = _error(bad)
+    assert (err.offset, err.field) == (good.index(b"\xa2\xc3\xa9"), "env_names[2]")
+    assert "not valid UTF-8" in str(err)
 
 
 def test_extra_elements_must_still_be_well_formed() -> None:
@@ -221,7 +235,11 @@ def test_fuzzed_payloads_decode_or_raise_wire_format_error(data: bytes) -> None:
     assert careful == fast == outcome == reference
 
 
-@given(micro_batches, st.integers(9, 20), st.lists(st.integers() | st.text(max_size=3), max_size=3))
+@given(
+    micro_batches,
+    st.integers(9, 20),
+    st.lists(st.integers(-(2**63), 2**64 - 1) | st.text(max_size=3), max_size=3),
+)
 def test_any_prefix_of_fields_decodes_with_defaults(
     mb: MicroBatch, keep: int, extra: list[Any]
 ) -> None:

@@ -17,7 +17,13 @@ import attrs
 import trio
 
 from ..samples import Group, PolicyVersion, ResumedGroup
-from ._credits import CreditScheduler, GroupStatus, SampleBackfill, SubmissionPolicy
+from ._credits import (
+    CreditScheduler,
+    GroupOutcome,
+    GroupStatus,
+    SampleBackfill,
+    SubmissionPolicy,
+)
 from ._errors import DriverFailed, GroupFailed, RolloutError, SourceExhausted
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples, run_reporting
@@ -267,13 +273,14 @@ class AsyncRolloutDriver:
         return list(self._buffer)
 
     def open_groups(self) -> list[ResumedGroup]:
-        """The groups started and not yet finished, as :class:`ResumedGroup` (for a checkpoint).
+        """Every group the driver holds, as :class:`ResumedGroup` (for a checkpoint).
 
-        Each keeps its id, prompt and start version; its finished samples (COMPLETED or
-        TRUNCATED) are the arrived members, so resuming it regenerates only the rest. Groups
-        queued for a retry or a resume and not yet started are included too.
+        Running groups, groups queued for a retry or a resume and not yet started, and finished
+        groups still in the buffer (the consumer has not taken them). Each keeps its id, prompt
+        and start version; its finished samples (COMPLETED or TRUNCATED) are the arrived
+        members, so resuming it regenerates only the rest (nothing, for a buffered group).
         """
-        groups = [*self._running.values(), *self._queued]
+        groups = [*self._running.values(), *self._queued, *self._buffer]
         return [
             ResumedGroup(
                 group_id=g.group_id,
@@ -332,7 +339,15 @@ class AsyncRolloutDriver:
 
     async def _work(self, groups: trio.Nursery) -> None:
         scheduler = self.scheduler
+        outcomes: deque[GroupOutcome] = deque()
         while True:
+            # Reap until nothing is queued: reaping may wait on backpressure, and events that
+            # arrive meanwhile must be applied before the next decision.
+            while True:
+                outcomes.extend(scheduler.poll())
+                if not outcomes:
+                    break
+                await self._reap(outcomes.popleft())
             budget = self.max_groups_in_flight
             while not self.is_paused and scheduler.admits(budget):
                 group = self._next_group()
@@ -351,30 +366,40 @@ class AsyncRolloutDriver:
             if dry != self._dry:
                 self._dry = dry
                 self._changed.fire()
-            for outcome in await scheduler.wait_for_progress():
-                group = outcome.group
-                self._running.pop(group.group_id, None)
-                if outcome.status is GroupStatus.FAILED:
-                    assert outcome.error is not None
-                    self._handle_failure(group, outcome.error)
-                    continue
-                self._completed += 1
-                if group.has_aborted:
-                    if self.aborted == "recycle":
-                        self._aborted_recycled += 1
-                        self._recycle(group)
-                    else:
-                        self._aborted_dropped += 1
-                    continue
-                reason = self.dynamic_filter(group) if self.dynamic_filter else None
-                if reason is not None:
-                    self._filtered[reason] += 1
-                    continue
-                # backpressure: while the buffer is full nothing new is submitted
-                while len(self._buffer) >= self.buffer_capacity:
-                    await self._space.wait()
-                self._buffer.append(group)
-                self._changed.fire()
+            outcomes.extend(await scheduler.wait_for_progress())
+
+    async def _reap(self, outcome: GroupOutcome) -> None:
+        group = outcome.group
+        if self._keep(outcome):
+            # backpressure: while the buffer is full nothing new is submitted
+            while len(self._buffer) >= self.buffer_capacity:
+                await self._space.wait()
+            self._buffer.append(group)
+            self._changed.fire()
+        # Only now: a finished group waiting for buffer space still counts as running for
+        # open_groups(), so a checkpoint taken meanwhile does not lose it.
+        self._running.pop(group.group_id, None)
+
+    def _keep(self, outcome: GroupOutcome) -> bool:
+        """Book a finished group; True if it goes to the buffer."""
+        group = outcome.group
+        if outcome.status is GroupStatus.FAILED:
+            assert outcome.error is not None
+            self._handle_failure(group, outcome.error)
+            return False
+        self._completed += 1
+        if group.has_aborted:
+            if self.aborted == "recycle":
+                self._aborted_recycled += 1
+                self._recycle(group)
+            else:
+                self._aborted_dropped += 1
+            return False
+        reason = self.dynamic_filter(group) if self.dynamic_filter else None
+        if reason is not None:
+            self._filtered[reason] += 1
+            return False
+        return True
 
     def _handle_failure(self, group: Group, error: GroupFailed) -> None:
         action = self.on_failure.action

@@ -261,6 +261,9 @@ class CreditLedger:
 
 @attrs.frozen
 class SchedulerStatistics:
+    """A snapshot of a :class:`CreditScheduler`: credits and groups in flight (as of the last
+    drain), groups admitted, admission decisions taken, events applied, and wake-ups."""
+
     in_flight: int
     pending_groups: int
     groups_admitted: int
@@ -321,6 +324,11 @@ class CreditScheduler:
         self._send.send_nowait(Nudge(reason))
 
     # -- driver side -------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        """Events reported but not applied yet (0 at every decision of a correct driver)."""
+        return self._receive.statistics().current_buffer_used
 
     def view(self, budget: int) -> CreditView:
         return self.ledger.view(self.group_size, budget)

@@ -56,6 +56,8 @@ class GroupFailed(RolloutError):
         self.group = group
         self.group_id = group.group_id
         self.failures: tuple[tuple[int | None, Exception], ...] = tuple(failures)
+        if not self.failures:
+            raise ValueError("GroupFailed needs at least one failure")
         first_index, first = self.failures[0]
         where = "group reward" if first_index is None else f"sample {first_index}"
         more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""

@@ -60,7 +60,9 @@ def engine_generate(
     The completion's tokens and logprobs are appended (loss mask True), its policy version is
     appended to ``sample.policy_versions``, and the finish reason sets the status: ``stop`` ->
     COMPLETED, ``length`` -> TRUNCATED, ``abort`` -> ABORTED. ``timeout`` (seconds) bounds each
-    engine call; expiry raises ``trio.TooSlowError``, which fails the sample. On cancellation
+    engine call; expiry raises ``trio.TooSlowError``, which fails the sample. Without it the
+    call is bounded only by the engine's own deadline (``OpenAICompatibleEngine`` has one) or
+    by ``GroupRunner.sample_timeout``; set one of them in production. On cancellation
     the engine call is abandoned and the sample is left untouched.
     """
     base = params if params is not None else SamplingParams()

@@ -141,6 +141,8 @@ class SyncRolloutDriver:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if self.scheduler is not None:
+            raise RolloutError("generate() is already running on this driver (one call at a time)")
         scheduler = CreditScheduler(self.policy, self.factory.group_size)
         self.scheduler = scheduler
         accepted: list[Group] = []

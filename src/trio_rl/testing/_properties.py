@@ -470,6 +470,8 @@ async def _async_body(world: World) -> None:
             world.ledger = lambda: ledger
 
             async def consume() -> None:
+                # Staleness is judged as each group is taken, at some version from here on.
+                version_at_call = driver.policy_version
                 try:
                     batch = await driver.next_batch(allow_partial=True)
                 except (SourceExhausted, DriverFailed, RolloutError) as exc:
@@ -484,9 +486,9 @@ async def _async_body(world: World) -> None:
                 _check_batch(world, batch, t, g, partial_ok=source.exhausted)
                 if staleness is not None:
                     world.check(
-                        all(gr.staleness(driver.policy_version) <= staleness for gr in batch),
+                        all(gr.staleness(version_at_call) <= staleness for gr in batch),
                         8,
-                        "a stale group was handed to the consumer",
+                        f"a group staler than {staleness} versions was handed to the consumer",
                     )
 
             def take() -> None:
@@ -539,7 +541,9 @@ async def _async_body(world: World) -> None:
                     state["paused_at"] = None
                     await pause_stack.aclose()
                 elif action == "new version":
+                    # A weight update: the engine generates with the new version from now on.
                     driver.set_policy_version(driver.policy_version + 1)
+                    world.engine.policy_version = driver.policy_version
                     world.log(f"policy version -> {driver.policy_version}")
                 elif action == "close":
                     world.log("close the driver")

@@ -267,6 +267,40 @@ class _Walker:
             )
         return n, pos + header
 
+    def plain_scalars(self, pos: int, n: int, kind: Scalar) -> tuple[int, int]:
+        """Skip the leading run of list items that are plainly valid (numbers, bools, ASCII str).
+
+        Returns ``(items skipped, position)``; the general path checks the rest, so this
+        only makes the careful pass fast on long numeric lists.
+        """
+        buf, end = self.buf, self.end
+        numbers = kind is Scalar.INT or kind is Scalar.FLOAT
+        floats = kind is Scalar.FLOAT
+        bools = kind is Scalar.BOOL
+        strs = kind is Scalar.STR
+        i = 0
+        while i < n and pos < end:
+            b = buf[pos]
+            if numbers and (b <= 0x7F or b >= 0xE0):
+                step = 1
+            elif numbers and 0xCC <= b <= 0xD3:
+                step = 1 + (1 << ((b - 0xCC) & 3))
+            elif floats and b == 0xCB:
+                step = 9
+            elif floats and b == 0xCA:
+                step = 5
+            elif bools and (b == 0xC2 or b == 0xC3):
+                step = 1
+            elif strs and 0xA0 <= b <= 0xBF and buf[pos + 1 : pos + 1 + (b & 0x1F)].isascii():
+                step = 1 + (b & 0x1F)
+            else:
+                break
+            if pos + step > end:
+                break
+            pos += step
+            i += 1
+        return i, pos
+
     def value(self, pos: int, spec: Spec, path: str, depth: int) -> int:
         self.path = path
         if type(spec) is Scalar:
@@ -282,7 +316,10 @@ class _Walker:
             return self.value(pos, spec.inner, path, depth)
         if type(spec) is ListOf:
             n, pos = self.array(pos, "an array", depth)
-            for i in range(n):
+            first = 0
+            if type(spec.item) is Scalar:
+                first, pos = self.plain_scalars(pos, n, spec.item)
+            for i in range(first, n):
                 pos = self.value(pos, spec.item, f"{path}[{i}]", depth + 1)
             return pos
         assert type(spec) is Record
