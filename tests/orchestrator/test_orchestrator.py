@@ -175,9 +175,11 @@ def test_cli_runs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     args = ["run", "--steps", "2", "--out", str(tmp_path), "--batch-groups", "2"]
     assert cli.main(args) == 0
     first = capsys.readouterr().out
-    assert "step   1:" in first and "step   2:" in first
+    assert "step   1:" in first
+    assert "step   2:" in first
     assert "accounting: dispatched" in first
     assert cli.main(args) == 0
     second = capsys.readouterr().out
     assert "resumed at step 3" in second
-    assert "step   3:" in second and "step   4:" in second
+    assert "step   3:" in second
+    assert "step   4:" in second
