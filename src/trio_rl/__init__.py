@@ -1,8 +1,56 @@
 """trio-rl: rollout orchestration for asynchronous RL on language models, on trio.
 
-The public facade: re-exports the API; defines nothing.
+The public facade: it re-exports the API of every layer and defines nothing. The layers follow
+the data flow, and each is importable on its own:
+
+* :mod:`trio_rl.samples` and :mod:`trio_rl.wire`: values and the byte-exact wire format;
+* :mod:`trio_rl.engines`: the ``Engine`` protocol, the simulated and OpenAI-compatible engines;
+* :mod:`trio_rl.rollout`: data sources, credit scheduling, group nurseries, drivers;
+* :mod:`trio_rl.train`: scoring, the train sink, by-handle payloads, checkpoint and resume;
+* :mod:`trio_rl.publish`: packing and the publisher that finalizes batches off the loop;
+* :mod:`trio_rl.transport`: filesystem and ZeroMQ batch transports;
+* :mod:`trio_rl.trainer`: the trainer-side ``BatchReceiver`` and torch conversion;
+* :mod:`trio_rl.orchestrator`: all of it wired together;
+* :mod:`trio_rl.testing`: the Hypothesis harness for credit conservation.
 """
 
+# Uses `from x import y as y` so that type checkers treat these as re-exports.
+from .engines import Completion as Completion
+from .engines import Engine as Engine
+from .engines import EngineError as EngineError
+from .engines import GenerateRequest as GenerateRequest
+from .engines import OpenAICompatibleEngine as OpenAICompatibleEngine
+from .engines import SamplingParams as SamplingParams
+from .engines import SimulatedEngine as SimulatedEngine
+from .orchestrator import Orchestrator as Orchestrator
+from .orchestrator import OrchestratorConfig as OrchestratorConfig
+from .orchestrator import RunSummary as RunSummary
+from .orchestrator import open_orchestrator as open_orchestrator
+from .publish import Publisher as Publisher
+from .publish import PublishError as PublishError
+from .publish import Shipment as Shipment
+from .publish import ShipRecord as ShipRecord
+from .publish import open_publisher as open_publisher
+from .publish import pack_samples as pack_samples
+from .rollout import AsyncRolloutDriver as AsyncRolloutDriver
+from .rollout import DataSource as DataSource
+from .rollout import DataSourceError as DataSourceError
+from .rollout import DriverFailed as DriverFailed
+from .rollout import FailurePolicy as FailurePolicy
+from .rollout import GroupFactory as GroupFactory
+from .rollout import GroupFailed as GroupFailed
+from .rollout import GroupGranularity as GroupGranularity
+from .rollout import GroupRunner as GroupRunner
+from .rollout import InMemorySource as InMemorySource
+from .rollout import JsonlSource as JsonlSource
+from .rollout import RolloutError as RolloutError
+from .rollout import SampleBackfill as SampleBackfill
+from .rollout import SourceExhausted as SourceExhausted
+from .rollout import SubmissionPolicy as SubmissionPolicy
+from .rollout import SyncRolloutDriver as SyncRolloutDriver
+from .rollout import engine_generate as engine_generate
+from .rollout import open_async_rollout as open_async_rollout
+from .rollout import run_group as run_group
 from .samples import Group as Group
 from .samples import PolicyVersion as PolicyVersion
 from .samples import Prompt as Prompt
@@ -10,5 +58,28 @@ from .samples import ResumedGroup as ResumedGroup
 from .samples import Sample as Sample
 from .samples import SampleStatus as SampleStatus
 from .samples import new_group_id as new_group_id
+from .train import CheckpointError as CheckpointError
+from .train import CheckpointManager as CheckpointManager
+from .train import PayloadStore as PayloadStore
+from .train import PruneMode as PruneMode
+from .train import ScoringConfig as ScoringConfig
+from .train import SinkConfig as SinkConfig
+from .train import TrainBatch as TrainBatch
+from .train import TrainingSample as TrainingSample
+from .train import TrainSink as TrainSink
+from .train import TrainSinkError as TrainSinkError
+from .trainer import BatchReceiver as BatchReceiver
+from .transport import BatchSender as BatchSender
+from .transport import FileBatchReceiver as FileBatchReceiver
+from .transport import FileBatchSender as FileBatchSender
+from .transport import ReceiverTransport as ReceiverTransport
+from .transport import TransportError as TransportError
+from .transport import ZmqBatchReceiver as ZmqBatchReceiver
+from .transport import ZmqBatchSender as ZmqBatchSender
+from .wire import MicroBatch as MicroBatch
+from .wire import WireFormatError as WireFormatError
+from .wire import decode as decode
+from .wire import encode as encode
+from .wire import encode_into as encode_into
 
 __version__ = "0.1.0"

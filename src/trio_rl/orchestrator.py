@@ -26,8 +26,7 @@ import attrs
 import trio
 
 from .engines import Engine, SamplingParams
-from .publish import Monitor, Publisher, ShipRecord, open_publisher
-from .publish._packing import pack_samples
+from .publish import Monitor, Publisher, ShipRecord, open_publisher, pack_samples
 from .rollout import (
     AsyncRolloutDriver,
     DataSource,
