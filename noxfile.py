@@ -68,5 +68,5 @@ def bench(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job on its embedded default: a simulated rollout run."""
-    _install(session)
+    _install(session, torch=True)
     session.run("trio-rl", "run", *session.posargs)

@@ -26,6 +26,7 @@ from .orchestrator import Orchestrator as Orchestrator
 from .orchestrator import OrchestratorConfig as OrchestratorConfig
 from .orchestrator import RunSummary as RunSummary
 from .orchestrator import open_orchestrator as open_orchestrator
+from .publish import PackingError as PackingError
 from .publish import Publisher as Publisher
 from .publish import PublishError as PublishError
 from .publish import Shipment as Shipment
@@ -69,6 +70,8 @@ from .train import TrainingSample as TrainingSample
 from .train import TrainSink as TrainSink
 from .train import TrainSinkError as TrainSinkError
 from .trainer import BatchReceiver as BatchReceiver
+from .trainer import TrainerTensors as TrainerTensors
+from .trainer import to_torch as to_torch
 from .transport import BatchSender as BatchSender
 from .transport import FileBatchReceiver as FileBatchReceiver
 from .transport import FileBatchSender as FileBatchSender
@@ -77,6 +80,7 @@ from .transport import TransportError as TransportError
 from .transport import ZmqBatchReceiver as ZmqBatchReceiver
 from .transport import ZmqBatchSender as ZmqBatchSender
 from .wire import MicroBatch as MicroBatch
+from .wire import WireEncodeError as WireEncodeError
 from .wire import WireFormatError as WireFormatError
 from .wire import decode as decode
 from .wire import encode as encode

@@ -10,6 +10,7 @@ checkpointed; run it again with the same ``--out`` and it resumes where it stopp
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orc
 from .publish import Shipment
 from .rollout import InMemorySource
 from .samples import Prompt, Sample
-from .trainer import BatchReceiver
+from .trainer import BatchReceiver, to_torch
 from .transport import FileBatchReceiver, FileBatchSender
 
 __all__ = ["main"]
@@ -81,10 +82,7 @@ async def _trainer_rank(
     rank: int, directory: Path, first: int, last: int, on_step: list[tuple[int, int, float]]
 ) -> None:
     """One trainer rank: read each step's micro-batches, tensorize, 'train', report."""
-    try:
-        from .trainer import to_torch
-    except ImportError:  # pragma: no cover - torch is optional
-        to_torch = None  # type: ignore[assignment]
+    tensorize = importlib.util.find_spec("torch") is not None  # torch is an optional extra
     receiver = FileBatchReceiver(
         directory, rank, start_step=first, delete=True, max_poll_interval=0.02
     )
@@ -93,7 +91,7 @@ async def _trainer_rank(
             tokens, loss = 0, 0.0
             for mb in micro_batches:
                 tokens += len(mb.input_ids)
-                if to_torch is not None:
+                if tensorize:
                     t = to_torch(mb)
                     loss += float((t.advantages * t.loss_mask).sum())
             on_step.append((step, tokens, loss))
