@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from types import TracebackType
-from typing import Self, TypeAlias
+from typing import TypeAlias
 
 import attrs
+import trio
 
 __all__ = ["BatchSender", "Payload", "ReceivedPayload", "ReceiverTransport"]
 
@@ -33,7 +33,7 @@ class ReceivedPayload:
     source: str
 
 
-class BatchSender(abc.ABC):
+class BatchSender(trio.abc.AsyncResource):
     """Sends each step's payloads, one per data-parallel rank. Use as ``async with``."""
 
     @property
@@ -53,19 +53,8 @@ class BatchSender(abc.ABC):
     async def aclose(self) -> None:
         """Release every resource; idempotent."""
 
-    async def __aenter__(self) -> Self:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-
-class ReceiverTransport(abc.ABC):
+class ReceiverTransport(trio.abc.AsyncResource):
     """Receives one rank's payloads, step after step. Use as ``async with``."""
 
     @property
@@ -85,14 +74,3 @@ class ReceiverTransport(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Release every resource; idempotent."""
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
