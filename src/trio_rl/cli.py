@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import socket
 import sys
 import tempfile
 import time
@@ -26,7 +27,7 @@ from .publish import Shipment
 from .rollout import InMemorySource
 from .samples import Prompt, Sample
 from .trainer import BatchReceiver, to_torch
-from .transport import FileBatchReceiver, FileBatchSender
+from .transport import BatchSender, FileBatchReceiver, FileBatchSender, ZmqBatchSender
 
 __all__ = ["main"]
 
@@ -69,6 +70,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-tokens", type=int, default=2048, help="completion cap (default 2048)")
     run.add_argument("--ranks", type=int, default=2, help="trainer data-parallel ranks (default 2)")
+    run.add_argument(
+        "--transport",
+        choices=["files", "zmq"],
+        default="files",
+        help="how batches reach the trainer ranks (default files)",
+    )
+    run.add_argument(
+        "--port", type=int, default=0, help="ZeroMQ data port; READY uses port+1 (0: pick free)"
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument(
         "--out", type=Path, default=None, help="run directory (default: a temporary one)"
@@ -79,14 +89,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _trainer_rank(
-    rank: int, directory: Path, first: int, last: int, on_step: list[tuple[int, int, float]]
+    receiver: BatchReceiver, first: int, on_step: list[tuple[int, int, float]]
 ) -> None:
     """One trainer rank: read each step's micro-batches, tensorize, 'train', report."""
-    tensorize = importlib.util.find_spec("torch") is not None  # torch is an optional extra
-    receiver = FileBatchReceiver(
-        directory, rank, start_step=first, delete=True, max_poll_interval=0.02
-    )
-    async with BatchReceiver(receiver, stop_step=last + 1) as batches:
+    tensorize = "torch" in sys.modules  # imported up front by main(), when installed
+    async with receiver as batches:
         async for step, micro_batches in batches:
             tokens, loss = 0, 0.0
             for mb in micro_batches:
@@ -95,6 +102,21 @@ async def _trainer_rank(
                     t = to_torch(mb)
                     loss += float((t.advantages * t.loss_mask).sum())
             on_step.append((step, tokens, loss))
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are free on loopback right now."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
 
 
 async def _advance_policy(
@@ -143,8 +165,16 @@ async def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    sender: BatchSender
+    if args.transport == "zmq":
+        port = args.port or _free_port_pair()
+        sender = ZmqBatchSender(args.ranks, port=port)
+        where = f"tcp://127.0.0.1:{port}"
+    else:
+        sender = FileBatchSender(out, args.ranks)
+        where = str(out / "batches")
     async with (
-        FileBatchSender(out, args.ranks) as sender,
+        sender,
         open_orchestrator(
             engine,
             source,
@@ -168,12 +198,23 @@ async def _run(args: argparse.Namespace) -> int:
         print(
             f"trio-rl run: {args.steps} steps of {args.batch_groups} groups x {args.group_size} "
             f"samples, {args.submission} submission, {args.distribution} latencies, "
-            f"{args.slots} slots, {args.ranks} trainer ranks, files in {out}"
+            f"{args.slots} slots, {args.ranks} trainer ranks, batches via {where}"
         )
         summary: RunSummary | None = None
         async with trio.open_nursery() as nursery:
             for rank in range(args.ranks):
-                nursery.start_soon(_trainer_rank, rank, out, first, last, trained)
+                if args.transport == "zmq":
+                    receiver = BatchReceiver.zmq(
+                        rank, port=port, start_step=first, stop_step=last + 1
+                    )
+                else:
+                    receiver = BatchReceiver(
+                        FileBatchReceiver(
+                            out, rank, start_step=first, delete=True, max_poll_interval=0.02
+                        ),
+                        stop_step=last + 1,
+                    )
+                nursery.start_soon(_trainer_rank, receiver, first, trained)
             nursery.start_soon(_advance_policy, orch, trained, args.ranks, first, last)
             summary = await orch.run(args.steps)
     assert summary is not None
@@ -205,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command == "run":
+        if importlib.util.find_spec("torch") is not None:
+            # torch is an optional extra; importing it takes seconds, so not inside the loop
+            importlib.import_module("torch")
         if args.out is None:
             with tempfile.TemporaryDirectory(prefix="trio-rl-") as tmp:
                 args.out = Path(tmp)

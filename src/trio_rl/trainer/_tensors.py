@@ -95,6 +95,9 @@ def to_torch(mb: MicroBatch) -> TrainerTensors:
     Raw byte arrays are viewed in place with numpy and converted in one pass (never copied
     byte by byte). Raises :class:`TensorConversionError` when a stream's length differs from
     the token count or raw bytes do not match their dtype and shape. Synchronous CPU work.
+
+    torch is imported on the first call (it is an optional extra); that import takes seconds,
+    so a trio trainer should ``import torch`` before ``trio.run`` rather than inside the loop.
     """
     torch = _torch()
     length = len(mb.input_ids)
