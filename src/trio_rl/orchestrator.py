@@ -142,30 +142,29 @@ class _RunCheckpointer:
         driver = self.orchestrator._driver
         if driver is None:
             return snap
-        in_sink = {g.group_id for g in snap.sink.open_groups}
-        extra: list[OpenGroupState] = []
-        members = 0
+        # Groups the sink holds open (resumed ones) may have gained members in the driver since;
+        # the driver's view is the superset. Members saved here that the sink has not seen count
+        # as dispatched in the checkpoint: on restore the sink holds them, and they must settle
+        # exactly once like any other arrival.
+        open_groups = {g.group_id: g for g in snap.sink.open_groups}
+        added = 0
         for group in driver.open_groups():
-            if group.group_id in in_sink:
-                continue
-            finished = tuple(_copy_finished(s) for s in group.arrived)
-            members += len(finished)
-            extra.append(
-                OpenGroupState(
-                    group_id=group.group_id,
-                    prompt=group.prompt,
-                    group_size=group.group_size,
-                    policy_version_at_start=group.policy_version_at_start,
-                    members=finished,
-                )
+            held = open_groups.get(group.group_id)
+            seen = set() if held is None else {m.index for m in held.members}
+            new = tuple(_copy_finished(s) for s in group.arrived if s.index not in seen)
+            added += len(new)
+            open_groups[group.group_id] = OpenGroupState(
+                group_id=group.group_id,
+                prompt=group.prompt,
+                group_size=group.group_size,
+                policy_version_at_start=group.policy_version_at_start,
+                members=(*(() if held is None else held.members), *new),
             )
-        # The members saved here count as dispatched in the checkpoint: on restore the sink holds
-        # them, and they must settle exactly once like any other arrival.
         counters = attrs.evolve(
-            snap.sink.counters, dispatched=snap.sink.counters.dispatched + members
+            snap.sink.counters, dispatched=snap.sink.counters.dispatched + added
         )
         sink_state = attrs.evolve(
-            snap.sink, open_groups=(*snap.sink.open_groups, *extra), counters=counters
+            snap.sink, open_groups=tuple(open_groups.values()), counters=counters
         )
         return attrs.evolve(snap, sink=sink_state)
 

@@ -111,17 +111,17 @@ async def test_a_run_ships_every_step_to_every_rank_and_accounts_for_every_sampl
 
 
 @pytest.mark.parametrize("crash_after", [0.0, 0.01, 0.05, 0.2])
-async def test_a_crash_and_resume_loses_no_prompt_and_ships_none_twice(
+async def test_crashes_and_resumes_lose_no_prompt_and_ship_none_twice(
     tmp_path: Path, crash_after: float
 ) -> None:
-    n_prompts = 8 * T
+    n_prompts = 10 * T
     rec = _Recorder()
-    source = InMemorySource(_prompts(n_prompts))
 
-    def open_run(src: InMemorySource) -> object:
+    def open_run() -> object:
+        # a fresh source object each time, restored from the checkpoint's cursor
         return open_orchestrator(
             _engine(),
-            src,
+            InMemorySource(_prompts(n_prompts)),
             sender,
             config=_config(),
             checkpoint_dir=tmp_path / "ckpt",
@@ -130,20 +130,22 @@ async def test_a_crash_and_resume_loses_no_prompt_and_ships_none_twice(
         )
 
     async with FileBatchSender(tmp_path, 1) as sender:
-        # run 1: ship two steps, then crash at an arbitrary moment while work is in flight
-        async with open_run(source) as orch:  # type: ignore[attr-defined]
-            await orch.run(2)
-            with trio.move_on_after(crash_after):
+        # two runs that crash at an arbitrary moment while work is in flight, then one to the end
+        for _ in range(2):
+            async with open_run() as orch:  # type: ignore[attr-defined]
+                assert orch.step == len(rec.shipments) + 1
                 await orch.run(1)
-        shipped_before = len(rec.shipments)
-        # run 2: a fresh source object restored from the checkpoint's cursor
-        async with open_run(InMemorySource(_prompts(n_prompts))) as orch:  # type: ignore[attr-defined]
-            assert orch.step == shipped_before + 1
+                with trio.move_on_after(crash_after):
+                    await orch.run(2)
+        async with open_run() as orch:  # type: ignore[attr-defined]
+            assert orch.step == len(rec.shipments) + 1
             summary = await orch.run(100)
             assert summary.exhausted
+            counters = orch.sink.counters
 
     keys = rec.shipped_keys()
     assert sorted(keys) == sorted(p.key for p in _prompts(n_prompts)), "each prompt ships once"
+    assert counters.dispatched == counters.shipped == n_prompts * G
 
 
 async def test_resumed_open_groups_keep_their_id(tmp_path: Path) -> None:
@@ -183,3 +185,31 @@ def test_cli_runs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "resumed at step 3" in second
     assert "step   3:" in second
     assert "step   4:" in second
+
+
+async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(tmp_path: Path) -> None:
+    """With ``max_async_level=0`` batch S ships only once the policy is at version S - 1; the
+    time held is reported as policy wait."""
+    rec = _Recorder()
+    async with (
+        FileBatchSender(tmp_path, 1) as sender,
+        open_orchestrator(
+            _engine(),
+            InMemorySource(_prompts(100)),
+            sender,
+            config=_config(max_async_level=0),
+            group_reward=rec.group_reward,
+            monitor=rec.shipments.append,
+        ) as orch,
+    ):
+        await orch.run(1)  # batch 1 needs version 0: ships at once
+        assert rec.shipments[0].record.policy_wait == 0.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(orch.run, 1)
+            await trio.sleep(0.3)
+            assert len(rec.shipments) == 1, "batch 2 waits for policy version 1"
+            orch.set_policy_version(1)
+        assert [s.record.step for s in rec.shipments] == [1, 2]
+        assert rec.shipments[1].record.policy_wait >= 0.3
+        with pytest.raises(ValueError, match="cannot go back"):
+            orch.set_policy_version(0)

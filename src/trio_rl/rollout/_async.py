@@ -96,13 +96,20 @@ class _Signal:
 
     def __init__(self) -> None:
         self._event = trio.Event()
+        self._waiting = 0
 
     def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
+        # Fired once per finished group: only pay for a fresh event when someone waits.
+        if self._waiting:
+            self._event.set()
+            self._event = trio.Event()
 
     async def wait(self) -> None:
-        await self._event.wait()
+        self._waiting += 1
+        try:
+            await self._event.wait()
+        finally:
+            self._waiting -= 1
 
 
 class AsyncRolloutDriver:

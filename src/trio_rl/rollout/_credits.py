@@ -223,8 +223,10 @@ class CreditLedger:
 
     def sample_done(self, group_id: str) -> None:
         """One sample of a pending group finished; its credit comes back."""
-        left = self.unfinished(group_id)
+        # One dict lookup, no helper call: this runs once per finished sample.
+        left = self._unfinished.get(group_id, 0)
         if left == 0:
+            self.unfinished(group_id)  # raises CreditError if the group is not pending
             raise CreditError(f"group {group_id} returned more credits than it took")
         self._unfinished[group_id] = left - 1
         self.in_flight -= 1
