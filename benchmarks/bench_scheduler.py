@@ -9,7 +9,9 @@ Part B (real CPU time): zero-latency samples (each yields once), G = 8, with 1k 
 samples in flight (B = N / 8 groups), scheduled by trio-rl's sample backfill
 (``CreditScheduler`` + ``run_reporting``) and by the asyncio reference design
 (``_asyncio_reference.py``) in the same process; ``time.process_time`` per finished sample, with
-the cyclic GC on and off.
+the cyclic GC on and off. Each run is timed in full (including the shutdown that cancels the N
+samples still in flight once the target is reached) and up to the target (steady state, no
+shutdown).
 
 Run: ``python benchmarks/bench_scheduler.py`` (``--help`` for bigger or partial runs).
 """
@@ -166,6 +168,14 @@ def part_a(scale: float, slots: int, budget: int, seed: int, loop: str) -> list[
 
 _PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
 
+#: ``(time.process_time(), samples finished by then)`` when the current part-B run reached its
+#: target, before shutdown.
+_reached: list[tuple[float, int]] = []
+
+
+def _mark_target(finished: int) -> None:
+    _reached.append((time.process_time(), finished))
+
 
 async def _zero_latency(sample: Sample) -> None:
     await trio.lowlevel.checkpoint()
@@ -186,6 +196,9 @@ async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -
         finished = 0
         while finished < target:
             finished += sum(g.size for g in await driver.next_batch())
+        # Every group the worker finished, taken or still buffered (the worker runs ahead of
+        # the consumer by up to the buffer's capacity).
+        _mark_target(driver.statistics().completed * G)
     return finished
 
 
@@ -205,6 +218,7 @@ async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> 
             for outcome in await scheduler.wait_for_progress():
                 if outcome.status is GroupStatus.COMPLETED:
                     finished += outcome.group.size
+        _mark_target(finished)
         nursery.cancel_scope.cancel()
     scheduler.close()
     return finished
@@ -230,6 +244,7 @@ async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) 
         generate,
         group_budget=budget,
         target_samples=target,
+        on_target=_mark_target,
     )
 
 
@@ -270,6 +285,7 @@ async def _plain_trio(policy: SubmissionPolicy, concurrent: int, target: int) ->
                     event = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
+        _mark_target(finished)
         nursery.cancel_scope.cancel()
     return finished
 
@@ -278,8 +294,11 @@ def _run_asyncio(granularity: str, concurrent: int, target: int) -> int:
     return asyncio.run(_asyncio_zero_latency(granularity, concurrent, target))
 
 
-def _measure(fn: Callable[[], int], gc_on: bool) -> float:
+def _measure(fn: Callable[[], int], gc_on: bool) -> tuple[float, float]:
+    """CPU us per sample: the whole run per sample delivered, and the run up to the target
+    (no shutdown) per sample finished by then."""
     gc.collect()
+    _reached.clear()
     if gc_on:
         gc.enable()
     else:
@@ -290,7 +309,8 @@ def _measure(fn: Callable[[], int], gc_on: bool) -> float:
         cpu = time.process_time() - t0
     finally:
         gc.enable()
-    return cpu / finished * 1e6
+    ((reached, finished_then),) = _reached
+    return cpu / finished * 1e6, (reached - t0) / finished_then * 1e6
 
 
 def part_b(
@@ -301,9 +321,14 @@ def part_b(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
         f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop"
     )
+    print(
+        "   (whole run incl. the shutdown that cancels the N samples in flight; "
+        "'steady': up to the target, no shutdown)"
+    )
     header = (
         f"{'policy':<8} {'N in flight':>11} | {'trio-rl':>8} {'asyncio':>8} | "
-        f"{'trio-rl nogc':>12} {'asyncio nogc':>12}"
+        f"{'steady':>7} {'steady':>7} | {'trio-rl nogc':>12} {'asyncio nogc':>12} | "
+        f"{'steady':>7} {'steady':>7}"
     )
     print(header)
     print("-" * len(header))
@@ -317,15 +342,17 @@ def part_b(
             row: dict[str, Any] = {"policy": granularity, "n": n}
             for gc_on in (True, False):
                 suffix = "" if gc_on else "_nogc"
-                row["trio" + suffix] = _measure(
+                row["trio" + suffix], row["trio_steady" + suffix] = _measure(
                     functools.partial(trio.run, trio_fn, policy, n, target), gc_on
                 )
-                row["asyncio" + suffix] = _measure(
+                row["asyncio" + suffix], row["asyncio_steady" + suffix] = _measure(
                     functools.partial(_run_asyncio, granularity, n, target), gc_on
                 )
             print(
                 f"{granularity:<8} {n:>11,} | {row['trio']:>8.1f} {row['asyncio']:>8.1f} | "
-                f"{row['trio_nogc']:>12.1f} {row['asyncio_nogc']:>12.1f}"
+                f"{row['trio_steady']:>7.1f} {row['asyncio_steady']:>7.1f} | "
+                f"{row['trio_nogc']:>12.1f} {row['asyncio_nogc']:>12.1f} | "
+                f"{row['trio_steady_nogc']:>7.1f} {row['asyncio_steady_nogc']:>7.1f}"
             )
             rows.append(row)
     return rows

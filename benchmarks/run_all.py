@@ -1,6 +1,6 @@
 """Run every benchmark in turn with its default (CI-sized) arguments; each prints its figures.
 
-    python benchmarks/run_all.py [name ...]     # e.g. scheduler publish
+python benchmarks/run_all.py [name ...]     # e.g. scheduler publish
 """
 
 from __future__ import annotations
