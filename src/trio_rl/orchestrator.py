@@ -30,6 +30,7 @@ from .publish import Monitor, Publisher, ShipRecord, open_publisher, pack_sample
 from .rollout import (
     AsyncRolloutDriver,
     DataSource,
+    DiscardReason,
     FailurePolicy,
     GroupFactory,
     GroupGranularity,
@@ -289,6 +290,19 @@ class Orchestrator:
     def _ingest(self, group: Group) -> None:
         self.sink.add_group(group)
 
+    def _discard(self, group: Group, reason: DiscardReason) -> None:
+        """Book a group the rollout layer gave up on, so every sample settles exactly once."""
+        gid = group.group_id if group.group_id in self.sink.open_group_ids() else None
+        if reason == "aborted":
+            # the sink books aborted members as cancelled and rejects the rest of the group
+            self.sink.add_group(group)
+        elif reason == "failed":
+            # Its samples never became results. A resumed group open in the sink keeps its
+            # restored members and is scored with what it has.
+            self.sink.record_failed(group.size - self.sink.arrived(group.group_id), gid)
+        else:  # pragma: no cover - the orchestrator leaves filtering and staleness to the sink
+            self.sink.record_cancelled(group.size - self.sink.arrived(group.group_id), gid)
+
 
 @asynccontextmanager
 async def open_orchestrator(
@@ -374,8 +388,9 @@ async def open_orchestrator(
             max_groups_in_flight=budget,
             # The sink's staleness filter is the hard guarantee; the driver passes everything.
             max_staleness=None,
-            aborted="drop",
+            aborted="recycle",
             on_failure=config.failure,
+            on_discard=lambda group, reason: orch._discard(group, reason),
             resumed=() if restore is None else restore.resumed,
             policy_version=policy_version,
         ) as driver,

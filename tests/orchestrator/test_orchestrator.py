@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 from trio_rl import cli
-from trio_rl.engines import SamplingParams, SimulatedEngine
+from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
 from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.publish import Shipment
 from trio_rl.rollout import InMemorySource
@@ -213,3 +214,46 @@ async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(tmp_path:
         assert rec.shipments[1].record.policy_wait >= 0.3
         with pytest.raises(ValueError, match="cannot go back"):
             orch.set_policy_version(0)
+
+
+class _AbortingEngine:
+    """A simulated engine whose every 9th request is aborted by the 'server'."""
+
+    def __init__(self, inner: SimulatedEngine) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.calls += 1
+        completion = await self.inner.generate(request)
+        if self.calls % 9 == 0:
+            return attrs.evolve(completion, finish_reason="abort")
+        return completion
+
+
+async def test_failed_and_aborted_groups_are_booked_so_every_sample_settles_once(
+    tmp_path: Path,
+) -> None:
+    engine = _AbortingEngine(
+        SimulatedEngine(
+            distribution="long-cot", slots=16, seed=5, seconds_per_token=1e-7, failure_rate=0.04
+        )
+    )
+    async with (
+        FileBatchSender(tmp_path, 1) as sender,
+        open_orchestrator(
+            engine,
+            InMemorySource(_prompts(200)),
+            sender,
+            config=_config(),
+            sample_reward=_reward,
+        ) as orch,
+    ):
+        await orch.run(5)
+        c, sink = orch.sink.counters, orch.sink
+        stats = orch.driver.statistics()
+    assert c.failed > 0, "some groups failed and were skipped"
+    assert c.cancelled > 0, "aborted samples are booked as cancelled"
+    assert stats.failed > 0
+    assert stats.aborted_recycled > 0
+    assert c.dispatched == c.settled + sink.held

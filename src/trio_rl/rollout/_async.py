@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -32,6 +32,8 @@ from ._sync import DynamicFilter
 
 __all__ = [
     "AsyncDriverStatistics",
+    "DiscardHook",
+    "DiscardReason",
     "AsyncRolloutDriver",
     "FailurePolicy",
     "UnusedPolicy",
@@ -42,6 +44,11 @@ logger = logging.getLogger("trio_rl.rollout")
 
 #: What to do with a stale or aborted group: drop it, or give its prompt back to the source.
 UnusedPolicy = Literal["drop", "recycle"]
+
+#: Why a finished group was not handed to the consumer (see ``on_discard``).
+DiscardReason = Literal["failed", "aborted", "filtered", "stale"]
+#: Told, on the event loop, of every group the driver discards. Must not block or raise.
+DiscardHook = Callable[[Group, DiscardReason], None]
 
 
 @attrs.frozen
@@ -131,6 +138,7 @@ class AsyncRolloutDriver:
         on_failure: FailurePolicy,
         dynamic_filter: DynamicFilter | None,
         policy_version: PolicyVersion,
+        on_discard: DiscardHook | None = None,
     ) -> None:
         self.source = source
         self.factory = factory
@@ -143,6 +151,7 @@ class AsyncRolloutDriver:
         self.aborted = aborted
         self.on_failure = on_failure
         self.dynamic_filter = dynamic_filter
+        self.on_discard = on_discard
         #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
         self.scheduler = CreditScheduler(policy, factory.group_size)
         self._version = policy_version
@@ -267,7 +276,12 @@ class AsyncRolloutDriver:
             self._recycle(group)
         else:
             self._stale_dropped += 1
+        self._discard(group, "stale")
         return False
+
+    def _discard(self, group: Group, reason: DiscardReason) -> None:
+        if self.on_discard is not None:
+            self.on_discard(group, reason)
 
     def _recycle(self, group: Group) -> None:
         self.source.recycle(group.prompt)
@@ -401,10 +415,12 @@ class AsyncRolloutDriver:
                 self._recycle(group)
             else:
                 self._aborted_dropped += 1
+            self._discard(group, "aborted")
             return False
         reason = self.dynamic_filter(group) if self.dynamic_filter else None
         if reason is not None:
             self._filtered[reason] += 1
+            self._discard(group, "filtered")
             return False
         return True
 
@@ -424,6 +440,7 @@ class AsyncRolloutDriver:
         self._retries.pop(group.group_id, None)
         self._failed += 1
         logger.error("rollout group %s failed; skipping it", group.group_id, exc_info=error)
+        self._discard(group, "failed")
 
 
 def _first_real(exc: BaseException) -> BaseException:
@@ -454,6 +471,7 @@ async def open_async_rollout(
     dynamic_filter: DynamicFilter | None = None,
     resumed: Iterable[ResumedGroup] = (),
     policy_version: PolicyVersion = 0,
+    on_discard: DiscardHook | None = None,
 ) -> AsyncIterator[AsyncRolloutDriver]:
     """Run a fully-async rollout worker for the duration of the block.
 
@@ -462,7 +480,9 @@ async def open_async_rollout(
     max_samples_in_flight // G)``, or ``batch_size``. Finished groups are filtered (aborted
     ones dropped or recycled per ``aborted``; ``dynamic_filter`` drops by reason) and put
     into a buffer of ``buffer_capacity`` groups (default ``2 x batch_size``); when it is full,
-    production pauses. ``resumed`` groups start before any new prompt.
+    production pauses. ``resumed`` groups start before any new prompt. ``on_discard`` is told of
+    every finished group that will not reach the consumer (failed and skipped, aborted, filtered,
+    stale), e.g. to book its samples.
 
     Leaving the block cancels every running group and the worker, and waits for them: no
     task outlives it. Groups still buffered are discarded; save state first if needed.
@@ -498,6 +518,7 @@ async def open_async_rollout(
         on_failure=on_failure if on_failure is not None else FailurePolicy(),
         dynamic_filter=dynamic_filter,
         policy_version=policy_version,
+        on_discard=on_discard,
     )
     driver.resume(resumed)
     # The body's exception is re-raised outside the nursery, so callers see it unwrapped.

@@ -297,6 +297,11 @@ class TrainSink:
     def open_group_ids(self) -> list[str]:
         return list(self._open)
 
+    def arrived(self, group_id: str) -> int:
+        """How many members of open group ``group_id`` arrived so far (0 if it is not open)."""
+        g = self._open.get(group_id)
+        return 0 if g is None else len(g.seen)
+
     def queued_samples(self) -> list[TrainingSample]:
         """The queue in arrival order (the objects themselves: do not mutate)."""
         return list(self._queue.values())
