@@ -191,15 +191,18 @@ async def test_aborted_groups_follow_policy(
     puppet.hold(*samples_of(0))
     puppet.finish(*samples_of(0), status=SampleStatus.ABORTED)
     src = source(100)
+    discarded: list[tuple[int, str]] = []
     async with open_async_rollout(
         *parts(puppet, src),
         batch_size=1,
         max_groups_in_flight=1,
         aborted=handling,  # type: ignore[arg-type]
+        on_discard=lambda g, why: discarded.append((g.group_index, why)),
     ) as driver:
         groups = [(await driver.next_batch())[0] for _ in range(3)]
         stats = driver.statistics()
     assert all(g.group_index != 0 and not g.has_aborted for g in groups)
+    assert discarded == [(0, "aborted")], "the consumer's loss is reported, whatever the policy"
     keys = [g.prompt.key for g in groups]
     if handling == "recycle":
         assert stats.aborted_recycled == 1
