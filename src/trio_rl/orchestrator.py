@@ -96,6 +96,9 @@ class OrchestratorConfig:
     seed: int | None = None
     failure: FailurePolicy = attrs.field(factory=FailurePolicy)
     checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
+    #: Deadline in seconds of each sample (generation plus its reward); expiry fails the sample
+    #: and so its group, which then follows ``failure``. None: only the engine's own deadlines.
+    sample_timeout: float | None = None
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
@@ -370,6 +373,7 @@ async def open_orchestrator(
         engine_generate(engine, config.sampling),
         sample_reward=sample_reward,
         group_reward=group_reward,
+        sample_timeout=config.sample_timeout,
     )
     budget = config.max_groups_in_flight or 2 * config.batch_groups
     pack = functools.partial(

@@ -257,3 +257,25 @@ async def test_failed_and_aborted_groups_are_booked_so_every_sample_settles_once
     assert stats.failed > 0
     assert stats.aborted_recycled > 0
     assert c.dispatched == c.settled + sink.held
+
+
+async def test_a_hung_sample_hits_its_deadline_and_its_group_is_booked_failed(
+    tmp_path: Path,
+) -> None:
+    engine = SimulatedEngine(
+        distribution="long-cot", slots=64, seed=9, seconds_per_token=1e-7, hang_rate=0.2
+    )
+    async with (
+        FileBatchSender(tmp_path, 1) as sender,
+        open_orchestrator(
+            engine,
+            InMemorySource(_prompts(300)),
+            sender,
+            config=_config(sample_timeout=0.1),
+            sample_reward=_reward,
+        ) as orch,
+    ):
+        await orch.run(10)
+        c = orch.sink.counters
+        assert c.failed > 0, "hung samples failed at their deadline instead of blocking the run"
+        assert c.dispatched == c.settled + orch.sink.held
