@@ -235,7 +235,10 @@ async def _run(args: argparse.Namespace) -> int:
         f"stale {c.stale} + filtered {c.filtered} + failed {c.failed} + cancelled {c.cancelled}"
         f" + held {c.dispatched - c.settled}"
     )
-    print(f"checkpoints: {out / 'checkpoints'} (run again with --out {out} to resume)")
+    if args.keep:
+        print(f"checkpoints: {out / 'checkpoints'} (run again with --out {out} to resume)")
+    else:
+        print("checkpoints: in a temporary directory, now removed (--out DIR keeps them)")
     return 0
 
 
@@ -249,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if importlib.util.find_spec("torch") is not None:
             # torch is an optional extra; importing it takes seconds, so not inside the loop
             importlib.import_module("torch")
+        args.keep = args.out is not None
         if args.out is None:
             with tempfile.TemporaryDirectory(prefix="trio-rl-") as tmp:
                 args.out = Path(tmp)
