@@ -32,6 +32,7 @@ from .rollout import (
     DataSource,
     DiscardReason,
     FailurePolicy,
+    GenerateFn,
     GroupFactory,
     GroupGranularity,
     GroupRewardFn,
@@ -48,6 +49,7 @@ from .train import (
     CheckpointManager,
     CheckpointSnapshot,
     OpenGroupState,
+    PayloadStore,
     RestoreReport,
     SinkConfig,
     SinkCounters,
@@ -186,8 +188,10 @@ class Orchestrator:
         factory: GroupFactory,
         source: DataSource,
         policy_version: PolicyVersion,
+        payloads: PayloadStore | None = None,
     ) -> None:
         self.config = config
+        self.payloads = payloads
         self.sink = sink
         self.factory = factory
         self.source = source
@@ -223,6 +227,9 @@ class Orchestrator:
             raise ValueError(f"policy version cannot go back from {self._version} to {version}")
         if version == self._version:
             return
+        # The trainer broadcasts v_S after training batch S: batches up to S have been read.
+        for step in range(self._version + 1, version + 1):
+            self.sink.mark_read(step)
         self._version = version
         self.driver.set_policy_version(version)
         for hook in self._on_version:
@@ -262,6 +269,7 @@ class Orchestrator:
                 record = await self.publisher.publish(force=exhausted)
                 if record is not None:
                     records.append(record)
+                    await self._sweep_payloads()
                 continue
             if exhausted:
                 break
@@ -289,6 +297,26 @@ class Orchestrator:
             restored_queued=0 if restore is None else restore.queued,
             exhausted=exhausted,
         )
+
+    def live_payload_versions(self) -> set[PolicyVersion]:
+        """Every version whose payload directory a holder may still read.
+
+        The sink's holders (queued samples, restored ones included; open groups; batches shipped
+        and not yet read), every group the rollout layer holds (its start version bounds the
+        versions its requests wrote under) and the current version (new requests write there).
+        """
+        live = self.sink.live_payload_versions()
+        live.add(self._version)
+        if self._driver is not None:
+            for group in self._driver.open_groups():
+                live.add(group.policy_version_at_start)
+                live.update(v for s in group.arrived for v in s.policy_versions)
+        return live
+
+    async def _sweep_payloads(self) -> None:
+        """Delete payload directories below every live version (in a worker thread)."""
+        if self.payloads is not None:
+            await self.payloads.asweep_orphans(self.live_payload_versions(), self._version)
 
     def _ingest(self, group: Group) -> None:
         self.sink.add_group(group)
@@ -321,6 +349,8 @@ async def open_orchestrator(
     monitor: Monitor | None = None,
     limiter: trio.CapacityLimiter | None = None,
     on_policy_version: Callable[[PolicyVersion], None] | None = None,
+    generate: GenerateFn | None = None,
+    payloads: PayloadStore | None = None,
 ) -> AsyncIterator[Orchestrator]:
     """Open a run: rollout driver, sink and publisher, resumed from the latest checkpoint.
 
@@ -330,6 +360,11 @@ async def open_orchestrator(
     on from where they were. A broken newest checkpoint is skipped with a warning.
 
     ``on_policy_version`` is told every new version (e.g. to update a simulated engine).
+    ``generate`` replaces the default generate function (``engine_generate(engine,
+    config.sampling)``), e.g. one that also writes by-handle payload files. With ``payloads``,
+    the payload store's orphan directories are swept after every shipped batch, keeping every
+    version a holder may still read (see :meth:`Orchestrator.live_payload_versions`); a
+    version's batches count as read once the trainer reports that version.
 
     Leaving the block cancels the rollout worker and every group in flight, and waits for the
     publisher's pending memory release (shielded); no task outlives it.
@@ -346,7 +381,12 @@ async def open_orchestrator(
     manager = (
         None
         if checkpoint_dir is None
-        else CheckpointManager(checkpoint_dir, keep=config.checkpoint_keep, limiter=limiter)
+        else CheckpointManager(
+            checkpoint_dir,
+            keep=config.checkpoint_keep,
+            limiter=limiter,
+            payload_root=None if payloads is None else payloads.root,
+        )
     )
     policy_version: PolicyVersion = 0
     restore: RestoreReport | None = None
@@ -364,13 +404,13 @@ async def open_orchestrator(
                 restore.queued,
                 len(restore.resumed),
             )
-    orch = Orchestrator(config, sink, factory, source, policy_version)
+    orch = Orchestrator(config, sink, factory, source, policy_version, payloads)
     orch.restore = restore
     if on_policy_version is not None:
         orch._on_version.append(on_policy_version)
         on_policy_version(policy_version)
     runner = GroupRunner(
-        engine_generate(engine, config.sampling),
+        generate if generate is not None else engine_generate(engine, config.sampling),
         sample_reward=sample_reward,
         group_reward=group_reward,
         sample_timeout=config.sample_timeout,

@@ -5,15 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import numpy as np
 import pytest
 import trio
 
 from trio_rl import cli
 from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
-from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
+from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from trio_rl.publish import Shipment
-from trio_rl.rollout import InMemorySource
+from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
+from trio_rl.train import PAYLOAD_METADATA_KEY, PayloadStore
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileBatchReceiver, FileBatchSender
 
@@ -279,3 +281,70 @@ async def test_a_hung_sample_hits_its_deadline_and_its_group_is_booked_failed(
         c = orch.sink.counters
         assert c.failed > 0, "hung samples failed at their deadline instead of blocking the run"
         assert c.dispatched == c.settled + orch.sink.held
+
+
+async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
+    tmp_path: Path,
+) -> None:
+    """Samples carry routed-expert rows by handle in ``v<k>`` files; the trainer reads every
+    batch's rows (nothing live is ever swept) and deletes them; the orchestrator sweeps the
+    directories nobody can read any more."""
+    store = PayloadStore(tmp_path / "payloads")
+    # slow enough that generation interleaves with training, so versions advance mid-run
+    engine = SimulatedEngine(distribution="long-cot", slots=16, seed=3, seconds_per_token=2e-5)
+    inner = engine_generate(engine, SamplingParams(max_tokens=64))
+
+    async def generate(sample: Sample) -> None:
+        await inner(sample)
+        rows = np.arange(2 * len(sample.completion_tokens), dtype=np.int32).reshape(-1, 2)
+        version = sample.policy_versions[-1]
+        segments = await trio.to_thread.run_sync(
+            lambda: store.write_request(
+                version, {"routed_experts": rows}, pos=len(sample.prompt_tokens)
+            )
+        )
+        sample.metadata[PAYLOAD_METADATA_KEY] = segments
+
+    read_rows = 0
+    versions_seen: set[int] = set()
+
+    async def trainer(orch: Orchestrator, steps: int) -> None:
+        nonlocal read_rows
+        transport = FileBatchReceiver(tmp_path, 0, start_step=1, max_poll_interval=0.01)
+        async with BatchReceiver(transport, stop_step=steps + 1) as batches:
+            async for step, micro_batches in batches:
+                files: set[str] = set()
+                for mb in micro_batches:
+                    segs = mb.payload or []
+                    files.update(seg.file for seg in segs)
+                    versions_seen.update(int(seg.file.split("/")[0][1:]) for seg in segs)
+                    got = await store.aread_field(segs, "routed_experts", 0, len(mb.input_ids))
+                    assert got is not None
+                    read_rows += sum(seg.rows for seg in segs)
+                await store.adelete_files(files)
+                orch.set_policy_version(step)
+
+    async with (
+        FileBatchSender(tmp_path, 1) as sender,
+        open_orchestrator(
+            engine,
+            InMemorySource(_prompts(200)),
+            sender,
+            config=_config(max_async_level=1),
+            sample_reward=_reward,
+            generate=generate,
+            payloads=store,
+            on_policy_version=engine.set_policy_version,
+        ) as orch,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(trainer, orch, 12)
+        await orch.run(12)
+        live = orch.live_payload_versions()
+    assert read_rows > 0
+    assert len(versions_seen) > 1, "batches came from several policy versions"
+    on_disk = store.versions_on_disk()
+    assert all(v >= min(live) for v in on_disk), "orphan directories below every holder are gone"
+    if min(live) > 0:
+        assert 0 not in on_disk, "v0 was written in step 1 and swept once nobody could read it"
+    assert on_disk, "live versions are kept"
