@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -124,18 +125,25 @@ def to_training_sample(
     advantage 0.0); completion tokens carry the sample's loss mask and logprobs, and the group
     advantage on every trained token. Payload segments are clipped to the sequence.
     """
+    # Runs on the event loop for every arriving sample: C-level list builders (map, repeat)
+    # instead of per-token Python loops wherever the result is the same.
     p = len(sample.prompt_tokens)
+    loss_mask = sample.loss_mask
     token_ids = [*sample.prompt_tokens, *sample.completion_tokens]
-    mask = [False] * p + [bool(m) for m in sample.loss_mask]
+    mask = [False] * p + list(map(bool, loss_mask))
     length = len(token_ids)
     payload = _payload_of(sample)
+    if all(loss_mask):
+        completion_advantages = [advantage] * len(loss_mask)
+    else:
+        completion_advantages = [advantage if m else 0.0 for m in loss_mask]
     return TrainingSample(
         token_ids=token_ids,
         mask=mask,
-        logprobs=[0.0] * p + [float(x) for x in sample.logprobs],
+        logprobs=[0.0] * p + list(map(float, sample.logprobs)),
         temperatures=[temperature] * length,
         env_name=sample.env_name,
-        advantages=[0.0] * p + [advantage if m else 0.0 for m in sample.loss_mask],
+        advantages=[0.0] * p + completion_advantages,
         payload=clip_segments(payload, 0, length) if payload else None,
         policy_version=version,
         group_id=group_id,
@@ -158,6 +166,8 @@ def prune_zero_advantages(sample: TrainingSample) -> bool:
     if adv is None:
         return True
     mask = sample.mask
+    if 0.0 not in itertools.compress(adv, mask):
+        return True  # no trained token has a zero advantage: nothing changes (C-level scan)
     rl = (
         list(sample.rl_weights)
         if sample.rl_weights is not None
