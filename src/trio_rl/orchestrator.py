@@ -285,10 +285,12 @@ class Orchestrator:
                 groups = []
             for group in groups:
                 # Scoring a group builds its training lists on the loop (~35 ms for 8 x 33k
-                # tokens); yield between groups so a batch of them is not one long stall. No
-                # checkpoint can be taken meanwhile: only this task publishes.
+                # tokens): yield between groups so a batch of them is not one long stall. The
+                # yield is shielded: a cancellation landing here would drop the groups not yet
+                # ingested (taken from the driver, not yet in the sink). No checkpoint can be
+                # taken meanwhile: only this task publishes.
                 self._ingest(group)
-                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.cancel_shielded_checkpoint()
             if len(groups) < wanted:
                 exhausted = True
         restore = self.restore
