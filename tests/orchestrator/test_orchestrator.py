@@ -208,12 +208,15 @@ async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(tmp_path:
         await orch.run(1)  # batch 1 needs version 0: ships at once
         assert rec.shipments[0].record.policy_wait == 0.0
         async with trio.open_nursery() as nursery:
+            started = trio.current_time()
             nursery.start_soon(orch.run, 1)
             await trio.sleep(0.3)
             assert len(rec.shipments) == 1, "batch 2 waits for policy version 1"
+            held = trio.current_time() - started
             orch.set_policy_version(1)
         assert [s.record.step for s in rec.shipments] == [1, 2]
-        assert rec.shipments[1].record.policy_wait >= 0.3
+        # the gate closed a little after the run started (it first collected the batch)
+        assert 0.1 <= rec.shipments[1].record.policy_wait <= held
         with pytest.raises(ValueError, match="cannot go back"):
             orch.set_policy_version(0)
 
