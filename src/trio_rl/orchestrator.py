@@ -189,9 +189,12 @@ class Orchestrator:
         source: DataSource,
         policy_version: PolicyVersion,
         payloads: PayloadStore | None = None,
+        limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         self.config = config
         self.payloads = payloads
+        #: The one limiter every worker thread of the run borrows from.
+        self.limiter = limiter if limiter is not None else trio.CapacityLimiter(4)
         self.sink = sink
         self.factory = factory
         self.source = source
@@ -284,13 +287,10 @@ class Orchestrator:
             except SourceExhausted:
                 groups = []
             for group in groups:
-                # Scoring a group builds its training lists on the loop (~35 ms for 8 x 33k
-                # tokens): yield between groups so a batch of them is not one long stall. The
-                # yield is shielded: a cancellation landing here would drop the groups not yet
-                # ingested (taken from the driver, not yet in the sink). No checkpoint can be
-                # taken meanwhile: only this task publishes.
-                self._ingest(group)
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                # The training lists are built in a worker thread, shielded: a group taken from
+                # the driver always reaches the sink. No checkpoint can be taken meanwhile:
+                # only this task publishes.
+                await self.sink.ingest_group(group, limiter=self.limiter)
             if len(groups) < wanted:
                 exhausted = True
         restore = self.restore
@@ -323,9 +323,6 @@ class Orchestrator:
         """Delete payload directories below every live version (in a worker thread)."""
         if self.payloads is not None:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self._version)
-
-    def _ingest(self, group: Group) -> None:
-        self.sink.add_group(group)
 
     def _discard(self, group: Group, reason: DiscardReason) -> None:
         """Book a group the rollout layer gave up on, so every sample settles exactly once."""
@@ -410,7 +407,7 @@ async def open_orchestrator(
                 restore.queued,
                 len(restore.resumed),
             )
-    orch = Orchestrator(config, sink, factory, source, policy_version, payloads)
+    orch = Orchestrator(config, sink, factory, source, policy_version, payloads, limiter)
     orch.restore = restore
     if on_policy_version is not None:
         orch._on_version.append(on_policy_version)

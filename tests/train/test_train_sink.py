@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import trio
@@ -10,7 +11,15 @@ import trio.testing
 from train_helpers import assert_accounted, make_group, make_sample
 
 from trio_rl.samples import Group, Prompt, SampleStatus
-from trio_rl.train import PruneMode, ScoringConfig, SinkConfig, TrainSink, TrainSinkError
+from trio_rl.train import (
+    PruneMode,
+    ScoringConfig,
+    SequenceLists,
+    SinkConfig,
+    TrainSink,
+    TrainSinkError,
+)
+from trio_rl.train import _sink as _sink_module
 
 
 def sink(**kw: object) -> TrainSink:
@@ -302,3 +311,49 @@ async def test_requeue_undoes_an_unshipped_cut() -> None:
     assert s.step == 1
     assert s.window.attempts == window.attempts
     assert_accounted(s)
+
+
+def _queued_view(sink: TrainSink) -> list[tuple[object, ...]]:
+    return [
+        (s.sample_index, s.token_ids, s.mask, s.logprobs, s.advantages, s.rl_weights, s.arrival)
+        for s in sink.queued_samples()
+    ]
+
+
+async def test_ingest_group_builds_lists_in_a_worker_and_queues_what_add_group_would() -> None:
+    groups = [make_group([1.0, 0.0, 0.5, 0.5], completion=50) for _ in range(3)]
+    groups.append(make_group([1.0, 1.0, 1.0, 1.0], completion=50))  # all pruned
+    on_loop, threaded = TrainSink(SinkConfig(batch_size=64)), TrainSink(SinkConfig(batch_size=64))
+    main_thread = threading.get_ident()
+    seen_threads: list[int] = []
+    real = _sink_module.build_sequences
+
+    def spy(group: Group) -> dict[int, SequenceLists]:
+        seen_threads.append(threading.get_ident())
+        return real(group)
+
+    _sink_module.build_sequences = spy  # type: ignore[assignment]
+    try:
+        for g in groups:
+            on_loop.add_group(g)
+            await threaded.ingest_group(g, limiter=trio.CapacityLimiter(1))
+    finally:
+        _sink_module.build_sequences = real
+    assert seen_threads
+    assert main_thread not in seen_threads
+    assert _queued_view(threaded) == _queued_view(on_loop)
+    assert threaded.counters == on_loop.counters
+    assert_accounted(threaded)
+
+
+async def test_a_cancelled_ingest_still_adds_the_group() -> None:
+    sink = TrainSink(SinkConfig(batch_size=64))
+    group = make_group([1.0, 0.0], completion=20)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await sink.ingest_group(group)
+        assert sink.queued == 2, "the group is in although the scope was cancelled"
+        await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught, "the cancellation lands at the caller's next checkpoint"
+    assert sink.queued == 2
+    assert_accounted(sink)

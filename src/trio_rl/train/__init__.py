@@ -21,6 +21,9 @@ from ._payload import shift_segments as shift_segments
 from ._scoring import PAYLOAD_METADATA_KEY as PAYLOAD_METADATA_KEY
 from ._scoring import PruneResult as PruneResult
 from ._scoring import ScoringConfig as ScoringConfig
+from ._scoring import SequenceLists as SequenceLists
+from ._scoring import build_sequence as build_sequence
+from ._scoring import build_sequences as build_sequences
 from ._scoring import grpo_advantages as grpo_advantages
 from ._scoring import prune_detached as prune_detached
 from ._scoring import prune_zero_advantages as prune_zero_advantages

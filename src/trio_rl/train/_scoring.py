@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from ..samples import PolicyVersion, Sample
+from ..samples import Group, PolicyVersion, Sample
 from ..wire import PayloadSegment
 from ._errors import TrainSinkError
 from ._payload import clip_segments
@@ -22,6 +22,9 @@ __all__ = [
     "ScoringConfig",
     "grpo_advantages",
     "prune_detached",
+    "SequenceLists",
+    "build_sequence",
+    "build_sequences",
     "prune_zero_advantages",
     "sample_version",
     "to_training_sample",
@@ -110,6 +113,46 @@ def validate_sample(sample: Sample, where: str) -> None:
     _payload_of(sample)
 
 
+@attrs.frozen
+class SequenceLists:
+    """The long per-token lists of one sample's training sequence (prompt then completion).
+
+    Building them is the costly part of scoring; :func:`build_sequences` does it in a worker
+    thread so that the sink's bookkeeping alone runs on the event loop.
+    """
+
+    token_ids: list[int]
+    mask: list[bool]
+    logprobs: list[float]
+
+
+def build_sequence(sample: Sample) -> SequenceLists:
+    """Token ids, train mask (False on the prompt) and logprobs (0.0 on the prompt)."""
+    # C-level list builders (map, repeat) instead of per-token Python loops.
+    p = len(sample.prompt_tokens)
+    return SequenceLists(
+        token_ids=[*sample.prompt_tokens, *sample.completion_tokens],
+        mask=[False] * p + list(map(bool, sample.loss_mask)),
+        logprobs=[0.0] * p + list(map(float, sample.logprobs)),
+    )
+
+
+def build_sequences(group: Group) -> dict[int, SequenceLists]:
+    """:func:`build_sequence` for every finished sample of ``group``, keyed by sample index.
+
+    Pure (reads the samples, which must not change meanwhile); safe in a worker thread. A sample
+    whose lists cannot be built is left out, so the sink's validation reports it on the loop.
+    """
+    built: dict[int, SequenceLists] = {}
+    for sample in group.samples:
+        if sample.status.is_finished:
+            try:
+                built[sample.index] = build_sequence(sample)
+            except Exception:  # malformed: validated (and reported) by the sink
+                continue
+    return built
+
+
 def to_training_sample(
     sample: Sample,
     advantage: float,
@@ -118,29 +161,28 @@ def to_training_sample(
     group_id: str,
     version: PolicyVersion,
     arrival: int,
+    sequence: SequenceLists | None = None,
 ) -> TrainingSample:
     """One finished sample as a training sample.
 
     Token ids are prompt then completion; the prompt is never trained (mask False, logprob 0.0,
     advantage 0.0); completion tokens carry the sample's loss mask and logprobs, and the group
     advantage on every trained token. Payload segments are clipped to the sequence.
+    ``sequence`` passes lists already built by :func:`build_sequence`.
     """
-    # Runs on the event loop for every arriving sample: C-level list builders (map, repeat)
-    # instead of per-token Python loops wherever the result is the same.
+    seq = build_sequence(sample) if sequence is None else sequence
     p = len(sample.prompt_tokens)
     loss_mask = sample.loss_mask
-    token_ids = [*sample.prompt_tokens, *sample.completion_tokens]
-    mask = [False] * p + list(map(bool, loss_mask))
-    length = len(token_ids)
+    length = len(seq.token_ids)
     payload = _payload_of(sample)
     if all(loss_mask):
         completion_advantages = [advantage] * len(loss_mask)
     else:
         completion_advantages = [advantage if m else 0.0 for m in loss_mask]
     return TrainingSample(
-        token_ids=token_ids,
-        mask=mask,
-        logprobs=[0.0] * p + list(map(float, sample.logprobs)),
+        token_ids=seq.token_ids,
+        mask=seq.mask,
+        logprobs=seq.logprobs,
         temperatures=[temperature] * length,
         env_name=sample.env_name,
         advantages=[0.0] * p + completion_advantages,
@@ -168,6 +210,11 @@ def prune_zero_advantages(sample: TrainingSample) -> bool:
     mask = sample.mask
     if 0.0 not in itertools.compress(adv, mask):
         return True  # no trained token has a zero advantage: nothing changes (C-level scan)
+    if sample.rl_weights is None and not any(itertools.compress(adv, mask)):
+        # Every trained token has advantage exactly 0.0 (a group of equal rewards): all rl
+        # weights become 0.0, which the loop below would reach token by token.
+        sample.rl_weights = [0.0] * len(mask)
+        return _other_losses_train(sample)
     rl = (
         list(sample.rl_weights)
         if sample.rl_weights is not None
@@ -183,6 +230,11 @@ def prune_zero_advantages(sample: TrainingSample) -> bool:
     sample.rl_weights = rl
     if any(m and rl[i] != 0.0 for i, m in enumerate(mask)):
         return True
+    return _other_losses_train(sample)
+
+
+def _other_losses_train(sample: TrainingSample) -> bool:
+    """True if some ce or ref-kl weight is nonzero."""
     if sample.ce_weights is not None and any(w != 0.0 for w in sample.ce_weights):
         return True
     return sample.ref_kl_weights is not None and any(w != 0.0 for w in sample.ref_kl_weights)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import enum
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Literal
 
 import attrs
@@ -22,6 +22,8 @@ from ._scoring import (
     PAYLOAD_METADATA_KEY,
     PruneResult,
     ScoringConfig,
+    SequenceLists,
+    build_sequences,
     grpo_advantages,
     prune_detached,
     prune_zero_advantages,
@@ -386,9 +388,14 @@ class TrainSink:
             else:
                 g.members.append(s)
 
-    def add_group(self, group: Group) -> None:
+    def add_group(
+        self, group: Group, *, sequences: Mapping[int, SequenceLists] | None = None
+    ) -> None:
         """A finished group. If the group is open (e.g. resumed), members it already holds (same
         sample index) are recognised and not counted twice. The group finalizes now.
+
+        ``sequences`` (from :func:`build_sequences`, keyed by sample index) supplies training
+        lists already built off the loop; see :meth:`ingest_group`.
         """
         g = self._open.get(group.group_id)
         held = g.seen if g is not None else set()
@@ -406,7 +413,21 @@ class TrainSink:
             )
             g = self._open[group.group_id]
         self._arrive(g, new)
-        self._finalize(group.group_id)
+        self._finalize(group.group_id, sequences)
+
+    async def ingest_group(
+        self, group: Group, *, limiter: trio.CapacityLimiter | None = None
+    ) -> None:
+        """:meth:`add_group`, with the costly training lists built in a worker thread first.
+
+        The samples must not change while this runs (a finished group the rollout layer has
+        handed over). The thread's work is bounded and shielded from cancellation, so the group
+        is always added: a cancellation lands at the caller's next checkpoint, never between
+        taking a group and adding it.
+        """
+        with trio.CancelScope(shield=True):
+            sequences = await trio.to_thread.run_sync(build_sequences, group, limiter=limiter)
+        self.add_group(group, sequences=sequences)
 
     def _check_new(self, g: _OpenGroup, samples: list[Sample]) -> None:
         held = g.seen
@@ -441,7 +462,9 @@ class TrainSink:
             if g.complete:
                 self._finalize(g.group_id)
 
-    def _finalize(self, group_id: str) -> None:
+    def _finalize(
+        self, group_id: str, sequences: Mapping[int, SequenceLists] | None = None
+    ) -> None:
         """Score a complete group exactly once with exactly its arrived members."""
         g = self._open.pop(group_id)
         w = self._window
@@ -475,6 +498,7 @@ class TrainSink:
                 group_id=group_id,
                 version=sample_version(s, g.start),
                 arrival=self._next_arrival,
+                sequence=None if sequences is None else sequences.get(s.index),
             )
             self._next_arrival += 1
             if self.config.prune is PruneMode.BEFORE_QUEUE and not prune_zero_advantages(ts):
