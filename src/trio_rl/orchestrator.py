@@ -272,7 +272,7 @@ class Orchestrator:
                 record = await self.publisher.publish(force=exhausted)
                 if record is not None:
                     records.append(record)
-                    await self._sweep_payloads()
+                    await self.sweep_payloads()
                 continue
             if exhausted:
                 break
@@ -319,8 +319,12 @@ class Orchestrator:
                 live.update(v for s in group.arrived for v in s.policy_versions)
         return live
 
-    async def _sweep_payloads(self) -> None:
-        """Delete payload directories below every live version (in a worker thread)."""
+    async def sweep_payloads(self) -> None:
+        """Delete payload directories below every live version (in a worker thread).
+
+        Runs after every shipped batch; call it yourself e.g. once the trainer caught up at the
+        end of a run. A no-op without a payload store.
+        """
         if self.payloads is not None:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self._version)
 

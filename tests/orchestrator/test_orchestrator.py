@@ -339,11 +339,13 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
             payloads=store,
             on_policy_version=engine.set_policy_version,
         ) as orch,
-        trio.open_nursery() as nursery,
     ):
-        nursery.start_soon(trainer, orch, 12)
-        await orch.run(12)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trainer, orch, 12)
+            await orch.run(12)
+        # the trainer has read every batch: sweep once more against what is live now
         live = orch.live_payload_versions()
+        await orch.sweep_payloads()
     assert read_rows > 0
     assert len(versions_seen) > 1, "batches came from several policy versions"
     on_disk = store.versions_on_disk()
