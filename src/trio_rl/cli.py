@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import socket
 import sys
 import tempfile
 import time
@@ -27,7 +26,13 @@ from .publish import Shipment
 from .rollout import InMemorySource
 from .samples import Prompt, Sample
 from .trainer import BatchReceiver, to_torch
-from .transport import BatchSender, FileBatchReceiver, FileBatchSender, ZmqBatchSender
+from .transport import (
+    BatchSender,
+    FileBatchReceiver,
+    FileBatchSender,
+    ZmqBatchSender,
+    free_port_pair,
+)
 
 __all__ = ["main"]
 
@@ -104,21 +109,6 @@ async def _trainer_rank(
             on_step.append((step, tokens, loss))
 
 
-def _free_port_pair() -> int:
-    """A port ``p`` such that ``p`` and ``p + 1`` are free on loopback right now."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
-
-
 async def _advance_policy(
     orch: Orchestrator, trained: list[tuple[int, int, float]], ranks: int, first: int, last: int
 ) -> None:
@@ -167,7 +157,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     sender: BatchSender
     if args.transport == "zmq":
-        port = args.port or _free_port_pair()
+        port = args.port or free_port_pair()
         sender = ZmqBatchSender(args.ranks, port=port)
         where = f"tcp://127.0.0.1:{port}"
     else:

@@ -136,16 +136,14 @@ class _RunCheckpointer:
     """Snapshot on the loop: the sink's state plus the rollout layer's open groups."""
 
     manager: CheckpointManager
-    sink: TrainSink
-    factory: GroupFactory
-    source: DataSource
     orchestrator: Orchestrator
 
     def snapshot(self, step: int) -> CheckpointSnapshot:
-        cursor = {"source": self.source.state(), "factory": self.factory.state()}
-        progress = {"policy_version": self.orchestrator.policy_version}
-        snap = self.manager.snapshot(self.sink, step=step, cursor=cursor, progress=progress)
-        driver = self.orchestrator._driver
+        orch = self.orchestrator
+        cursor = {"source": orch.source.state(), "factory": orch.factory.state()}
+        progress = {"policy_version": orch.policy_version}
+        snap = self.manager.snapshot(orch.sink, step=step, cursor=cursor, progress=progress)
+        driver = orch._driver
         if driver is None:
             return snap
         # Groups the sink holds open (resumed ones) may have gained members in the driver since;
@@ -450,9 +448,7 @@ async def open_orchestrator(
             sender,
             pack=pack,
             limiter=limiter,
-            checkpointer=None
-            if manager is None
-            else _RunCheckpointer(manager, sink, factory, source, orch),
+            checkpointer=None if manager is None else _RunCheckpointer(manager, orch),
             monitor=monitor,
         ) as publisher,
     ):

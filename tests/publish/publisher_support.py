@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import socket
 from collections.abc import Callable, Sequence
 
 from trio_rl.publish import pack_samples
@@ -64,20 +63,3 @@ def one_per_sample_packer(
 ) -> Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]:
     """The library's packer with bins so short that each test sample (6 tokens) gets its own."""
     return functools.partial(pack_samples, seq_len=seq_len, num_ranks=world_size)
-
-
-def free_port_pair() -> int:
-    """A port ``p`` such that ``p`` and ``p + 1`` are both free on 127.0.0.1 right now."""
-    for _ in range(200):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port: int = first.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port pair found")

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
-from publisher_support import free_port_pair, make_group, make_sink, one_per_sample_packer
+from publisher_support import make_group, make_sink, one_per_sample_packer
 
 from trio_rl.publish import (
     BatchSource,
@@ -23,7 +23,13 @@ from trio_rl.publish import (
     open_publisher,
 )
 from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
-from trio_rl.transport import FileBatchSender, ZmqBatchReceiver, ZmqBatchSender, batch_path
+from trio_rl.transport import (
+    FileBatchSender,
+    ZmqBatchReceiver,
+    ZmqBatchSender,
+    batch_path,
+    free_port_pair,
+)
 from trio_rl.wire import MicroBatch, decode, encode
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
-from transport_ports import free_port_pair
 
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
@@ -16,6 +15,7 @@ from trio_rl.transport import (
     ZmqBatchReceiver,
     ZmqBatchSender,
     batch_path,
+    free_port_pair,
 )
 from trio_rl.wire import MicroBatch, RoutedExperts, WireFormatError, encode
 

@@ -8,7 +8,6 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 import zmq
-from transport_ports import free_port_pair
 
 from trio_rl.transport import (
     TransportError,
@@ -16,6 +15,7 @@ from trio_rl.transport import (
     ZmqBatchReceiver,
     ZmqBatchSender,
     ZmqSocket,
+    free_port_pair,
     rank_topic,
 )
 

@@ -611,7 +611,6 @@ class TrainSink:
         self._queue = dict(sorted(self._queue.items()))
 
     # the name the publisher's test support used before requeue_batch was public
-    _requeue = requeue_batch
 
     async def take_batch(
         self, *, limiter: trio.CapacityLimiter | None = None, force: bool = False

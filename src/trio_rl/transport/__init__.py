@@ -15,4 +15,5 @@ from ._files import batch_path as batch_path
 from ._zmq import ZmqSocket as ZmqSocket
 from ._zmq_transport import ZmqBatchReceiver as ZmqBatchReceiver
 from ._zmq_transport import ZmqBatchSender as ZmqBatchSender
+from ._zmq_transport import free_port_pair as free_port_pair
 from ._zmq_transport import rank_topic as rank_topic

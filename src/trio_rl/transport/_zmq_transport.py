@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -29,7 +30,7 @@ from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
 from ._errors import TransportError, TransportTimeoutError
 from ._zmq import ZmqSocket
 
-__all__ = ["ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
+__all__ = ["free_port_pair", "ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
 
 
 def rank_topic(rank: int) -> bytes:
@@ -396,3 +397,24 @@ class ZmqBatchReceiver(ReceiverTransport):
                     sock.close(linger=0)
             if self._ctx is not None:
                 await _term(self._ctx)
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` (data and READY) are both free on ``host``.
+
+    Free *now*: another process may take them before they are bound, so use it for tests and
+    demos, not to coordinate a production deployment.
+    """
+    for _ in range(200):
+        with socket.socket() as first:
+            first.bind((host, 0))
+            port: int = first.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind((host, port + 1))
+                except OSError:
+                    continue
+                return port
+    raise TransportError(f"no pair of adjacent free ports found on {host}")
