@@ -10,13 +10,19 @@ checkpointed; run it again with the same ``--out`` and it resumes where it stopp
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import importlib.util
+import json
 import logging
+import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import trio
 
@@ -25,6 +31,7 @@ from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orc
 from .publish import Shipment
 from .rollout import InMemorySource
 from .samples import Prompt, Sample
+from .train import CheckpointError, CheckpointManager
 from .trainer import BatchReceiver, to_torch
 from .transport import (
     BatchSender,
@@ -33,6 +40,7 @@ from .transport import (
     ZmqBatchSender,
     free_port_pair,
 )
+from .wire import MicroBatch, decode
 
 __all__ = ["main"]
 
@@ -50,14 +58,36 @@ def _parity_reward(sample: Sample) -> float:
     return 1.0 if sum(sample.completion_tokens) % 2 == sample.label else 0.0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trio-rl", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="trio-rl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="a simulated rollout run (the embedded default)")
-    run.add_argument("--steps", type=int, default=6, help="batches to ship (default 6)")
-    run.add_argument("--batch-groups", type=int, default=8, help="groups per batch (default 8)")
-    run.add_argument("--group-size", type=int, default=8, help="samples per group (default 8)")
-    run.add_argument("--slots", type=int, default=64, help="engine decode slots (default 64)")
+    pos_int, pos_float = _positive(int), _positive(float)
+    run.add_argument("--steps", type=pos_int, default=6, help="batches to ship (default 6)")
+    run.add_argument("--batch-groups", type=pos_int, default=8, help="groups per batch (default 8)")
+    run.add_argument("--group-size", type=pos_int, default=8, help="samples per group (default 8)")
+    run.add_argument("--slots", type=pos_int, default=64, help="engine decode slots (default 64)")
     run.add_argument(
         "--distribution",
         choices=sorted(DISTRIBUTIONS),
@@ -69,12 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--tokens-per-second",
-        type=float,
+        type=pos_float,
         default=2_000_000.0,
         help="simulated decode speed per slot; high so the demo takes seconds (default 2e6)",
     )
-    run.add_argument("--max-tokens", type=int, default=2048, help="completion cap (default 2048)")
-    run.add_argument("--ranks", type=int, default=2, help="trainer data-parallel ranks (default 2)")
+    run.add_argument(
+        "--max-tokens", type=pos_int, default=2048, help="completion cap (default 2048)"
+    )
+    run.add_argument(
+        "--ranks", type=pos_int, default=2, help="trainer data-parallel ranks (default 2)"
+    )
     run.add_argument(
         "--transport",
         choices=["files", "zmq"],
@@ -88,38 +122,121 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--out", type=Path, default=None, help="run directory (default: a temporary one)"
     )
-    run.add_argument("--fresh", action="store_true", help="ignore checkpoints in --out")
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: move the checkpoints and batches in --out aside (to "
+        "checkpoints.old-<time>/), never deleting them",
+    )
     run.add_argument("-v", "--verbose", action="store_true")
     return parser
 
 
 async def _trainer_rank(
-    receiver: BatchReceiver, first: int, on_step: list[tuple[int, int, float]]
+    receiver: BatchReceiver, first: int, on_step: list[tuple[int, int, int, float]], rank: int
 ) -> None:
-    """One trainer rank: read each step's micro-batches, tensorize, 'train', report."""
-    tensorize = "torch" in sys.modules  # imported up front by main(), when installed
+    """One ZeroMQ trainer rank: read each step's micro-batches, tensorize, 'train', report."""
     async with receiver as batches:
         async for step, micro_batches in batches:
-            tokens, loss = 0, 0.0
-            for mb in micro_batches:
-                tokens += len(mb.input_ids)
-                if tensorize:
-                    t = to_torch(mb)
-                    loss += float((t.advantages * t.loss_mask).sum())
-            on_step.append((step, tokens, loss))
+            on_step.append((step, rank, *_train(micro_batches)))
+
+
+def _train(micro_batches: Sequence[MicroBatch]) -> tuple[int, float]:
+    tensorize = "torch" in sys.modules  # imported up front by main(), when installed
+    tokens, loss = 0, 0.0
+    for mb in micro_batches:
+        tokens += len(mb.input_ids)
+        if tensorize:
+            t = to_torch(mb)
+            loss += float((t.advantages * t.loss_mask).sum())
+    return tokens, loss
+
+
+def _trainer_log(out: Path, rank: int) -> Path:
+    return out / "trainer" / f"rank_{rank}.jsonl"
+
+
+def _trained_through(out: Path, rank: int) -> int | None:
+    """The last step the file trainer rank recorded as trained (its own durable progress)."""
+    try:
+        lines = _trainer_log(out, rank).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    last = None
+    for line in lines:
+        try:
+            last = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            break  # a line torn by a crash: the step after it was not recorded
+    return last
+
+
+def _record(micro_batches: Sequence[MicroBatch], data: bytes) -> dict[str, object]:
+    # What the trainer trained on, for checking exactly-once from its side: the payload's hash
+    # and, per sequence, its prompt tokens and a fingerprint of all its tokens.
+    seqs = []
+    for mb in micro_batches:
+        pos = 0
+        for length in mb.sequence_lengths:
+            ids, mask = mb.input_ids[pos : pos + length], mb.loss_mask[pos : pos + length]
+            pos += length
+            if any(mask):  # padding-only sequences train nothing
+                digest = hashlib.sha1(repr((ids, mask)).encode()).hexdigest()[:16]
+                seqs.append([*ids[:3], digest])
+    return {"sha256": hashlib.sha256(data).hexdigest(), "seqs": seqs}
+
+
+async def _file_trainer_rank(
+    out: Path, rank: int, start: int, stop: int, on_step: list[tuple[int, int, int, float]]
+) -> None:
+    """One file-transport trainer rank, resumable: read step after step, train, append one
+    fsynced line to ``trainer/rank_<R>.jsonl`` and only then delete the batch file. A restart
+    continues after the last recorded step, so a step is trained exactly once even when the
+    process is killed between reading and recording."""
+    log = _trainer_log(out, rank)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    transport = FileBatchReceiver(out, rank, start_step=start, max_poll_interval=0.02)
+    async with transport:
+        for step in range(start, stop):
+            got = await transport.receive()
+            data = bytes(got.data)
+            micro_batches = await trio.to_thread.run_sync(decode, data)
+            tokens, loss = _train(micro_batches)
+            line = json.dumps({"step": step, "rank": rank, **_record(micro_batches, data)})
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_append_and_delete, log, line, Path(got.source))
+            on_step.append((step, rank, tokens, loss))
+
+
+def _append_and_delete(log: Path, line: str, batch: Path) -> None:
+    with open(log, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    batch.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        batch.parent.rmdir()  # other ranks' files may still be there
 
 
 async def _advance_policy(
-    orch: Orchestrator, trained: list[tuple[int, int, float]], ranks: int, first: int, last: int
+    orch: Orchestrator, trained: list[tuple[int, int, int, float]], starts: list[int], last: int
 ) -> None:
-    """The trainer finishing step S publishes policy S, once every rank has read step S."""
-    step = first
-    while step <= last:
-        if sum(1 for s, _, _ in trained if s == step) == ranks:
-            orch.set_policy_version(step)
-            step += 1
-        else:
-            await trio.sleep(0.002)
+    """The trainer finishing step S publishes policy S once every rank has trained step S.
+
+    A resumed trainer rank has trained everything before its start step, so the version
+    ``min(start) - 1`` is reported right away (the orchestrator's ship gate waits for it)."""
+    done = [s - 1 for s in starts]
+    seen = 0
+    while True:
+        for step, rank, _, _ in trained[seen:]:
+            done[rank] = max(done[rank], step)
+        seen = len(trained)
+        version = min(done)
+        if version > orch.policy_version:
+            orch.set_policy_version(version)
+        if version >= last:
+            return
+        await trio.sleep(0.002)
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -139,7 +256,7 @@ async def _run(args: argparse.Namespace) -> int:
         seq_len=max(8192, args.max_tokens + 16),
     )
     source = InMemorySource(_demo_prompts(512), epochs=None)
-    trained: list[tuple[int, int, float]] = []
+    trained: list[tuple[int, int, int, float]] = []
     started = time.perf_counter()
 
     def show(shipment: Shipment) -> None:
@@ -163,6 +280,8 @@ async def _run(args: argparse.Namespace) -> int:
     else:
         sender = FileBatchSender(out, args.ranks)
         where = str(out / "batches")
+    if args.fresh:
+        _set_aside(out)
     async with (
         sender,
         open_orchestrator(
@@ -191,26 +310,33 @@ async def _run(args: argparse.Namespace) -> int:
             f"{args.slots} slots, {args.ranks} trainer ranks, batches via {where}"
         )
         summary: RunSummary | None = None
+        # Trainer ranks start at the first step they have not trained: a pending step (its
+        # delivery not confirmed before a crash) is re-sent first, identical.
+        resent_from = min(orch.pending_steps, default=first)
+        if args.transport == "zmq":
+            starts = [resent_from] * args.ranks  # a ZeroMQ frame has no step: restart with it
+        else:
+            starts = []
+            for rank in range(args.ranks):
+                through = _trained_through(out, rank)
+                starts.append(resent_from if through is None else through + 1)
         async with trio.open_nursery() as nursery:
             for rank in range(args.ranks):
                 if args.transport == "zmq":
                     receiver = BatchReceiver.zmq(
-                        rank, port=port, start_step=first, stop_step=last + 1
+                        rank, port=port, start_step=starts[rank], stop_step=last + 1
                     )
+                    nursery.start_soon(_trainer_rank, receiver, first, trained, rank)
                 else:
-                    receiver = BatchReceiver(
-                        FileBatchReceiver(
-                            out, rank, start_step=first, delete=True, max_poll_interval=0.02
-                        ),
-                        stop_step=last + 1,
+                    nursery.start_soon(
+                        _file_trainer_rank, out, rank, starts[rank], last + 1, trained
                     )
-                nursery.start_soon(_trainer_rank, receiver, first, trained)
-            nursery.start_soon(_advance_policy, orch, trained, args.ranks, first, last)
+            nursery.start_soon(_advance_policy, orch, trained, starts, last)
             summary = await orch.run(args.steps)
     assert summary is not None
     stats = engine.statistics()
     c = summary.counters
-    tokens = sum(t for _, t, _ in trained)
+    tokens = sum(t for _, _, t, _ in trained)
     print(
         f"done in {time.perf_counter() - started:.1f} s: "
         f"steps {summary.first_step}..{summary.last_step}, "
@@ -232,12 +358,59 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_aside(out: Path) -> None:
+    # --fresh: the earlier run's checkpoints, batches and trainer logs are moved, never deleted.
+    manager = CheckpointManager(out / "checkpoints")
+    aside = manager.set_aside()
+    if aside is None and not any((out / d).exists() for d in ("batches", "trainer")):
+        return
+    if aside is None:
+        aside = out / f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir(parents=True, exist_ok=True)
+    for name in ("batches", "trainer"):
+        if (out / name).exists():
+            os.replace(out / name, aside / name)
+    print(f"--fresh: earlier checkpoints and batches moved to {aside}")
+
+
+def _one_failure(exc: BaseException) -> BaseException:
+    """The real failure inside (nested) exception groups: the first that is not a
+    cancellation caused by it."""
+    while isinstance(exc, BaseExceptionGroup):
+        leaves = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        exc = (leaves or list(exc.exceptions))[0]
+    return exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; a failure the user can cause is one line on stderr and exit status 1
+    (usage errors: 2); ``-v`` adds the traceback."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print("trio-rl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        failure = _one_failure(exc)
+        if isinstance(failure, KeyboardInterrupt):
+            print("trio-rl: interrupted", file=sys.stderr)
+            return 130
+        if args.verbose:
+            traceback.print_exception(exc)
+        message = " ".join(str(failure).split()) or type(failure).__name__
+        hint = ""
+        if isinstance(failure, CheckpointError) and "unusable" in message:
+            hint = "; pass --fresh to move them aside and start over"
+        print(f"trio-rl: error: {message}{hint}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.command == "run":
         if importlib.util.find_spec("torch") is not None:
             # torch is an optional extra; importing it takes seconds, so not inside the loop

@@ -202,6 +202,8 @@ class Orchestrator:
         self._publisher: Publisher | None = None
         self.restore: RestoreReport | None = None
         self._on_version: list[Callable[[PolicyVersion], None]] = []
+        #: Seconds the ship gate holds before it logs what it waits for (and between repeats).
+        self.gate_warn_after = 5.0
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -239,14 +241,35 @@ class Orchestrator:
         self._version_changed = trio.Event()
 
     async def _ship_gate(self, step: int) -> None:
-        """Wait until batch ``step`` may ship; the wait is reported as policy-wait time."""
+        """Wait until batch ``step`` may ship; the wait is reported as policy-wait time.
+
+        Only the trainer advances the policy version (`set_policy_version`); after a resume the
+        gate waits for the trainer to report one. A hold longer than ``gate_warn_after`` seconds
+        is logged (WARNING, ``trio_rl.orchestrator``) with the step, the version it needs and
+        the current one, and again every ``gate_warn_after`` seconds, so it is never silent.
+        """
         needed = step - 1 - self.config.max_async_level
         if self._version >= needed:
             return
         started = trio.current_time()
         while self._version < needed:
-            await self._version_changed.wait()
+            with trio.move_on_after(self.gate_warn_after):
+                await self._version_changed.wait()
+                continue
+            logger.warning(
+                "ship gate: step %d waits for policy version >= %d (current %d) for %.0f s; "
+                "only the trainer advances the version (set_policy_version)",
+                step,
+                needed,
+                self._version,
+                trio.current_time() - started,
+            )
         self.publisher.add_policy_wait(trio.current_time() - started)
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps booked as shipped whose delivery is not confirmed (re-sent first by `run`)."""
+        return [] if self._publisher is None else self._publisher.pending_steps
 
     async def run(self, steps: int) -> RunSummary:
         """Collect and ship ``steps`` more batches; return what was shipped.
@@ -254,12 +277,18 @@ class Orchestrator:
         When the data source runs dry, the samples still queued ship as a last, shorter batch
         and the summary says ``exhausted``; nothing taken from the source is left behind.
 
-        On cancellation the batch being published goes back to the sink's queue (or, once sent,
-        is checkpointed before the cancellation lands); groups in flight are cancelled when the
+        Steps pending delivery (see `pending_steps`) are re-sent first, with identical bytes.
+
+        On cancellation the batch being published goes back to the sink's queue, or, once it is
+        booked, its checkpoint and outbox are written (shielded) and it stays pending until a
+        send succeeds (here or in a resumed run); groups in flight are cancelled when the
         orchestrator closes, and are regenerated from the last checkpoint on resume.
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        # A step checkpointed but not confirmed delivered (before a crash or a failed send) goes
+        # out again first, with its identical bytes.
+        await self.publisher.resend_pending()
         first = self.sink.step
         last = first + steps - 1
         records: list[ShipRecord] = []
@@ -395,19 +424,29 @@ async def open_orchestrator(
     )
     policy_version: PolicyVersion = 0
     restore: RestoreReport | None = None
+    pending: tuple[int, list[bytes]] | None = None
+    if manager is not None and not resume:
+        # A fresh start never deletes an earlier run's checkpoints: they are moved aside.
+        aside = await trio.to_thread.run_sync(manager.set_aside, limiter=limiter)
+        if aside is not None:
+            logger.warning("fresh start: earlier checkpoints moved to %s", aside)
     if manager is not None and resume:
-        ckpt = await manager.load_latest()
+        ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
             cursor: Mapping[str, Any] = ckpt.cursor or {}
             source.load_state(cursor.get("source", {}))
             factory.load_state(cursor.get("factory", {}))
             policy_version = int(ckpt.progress.get("policy_version", 0))
             restore = sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+            outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
+            if outbox is not None:
+                pending = (ckpt.step, outbox)
             logger.info(
-                "resumed from step %d: %d queued samples, %d open groups continue",
+                "resumed from step %d: %d queued samples, %d open groups continue%s",
                 ckpt.step,
                 restore.queued,
                 len(restore.resumed),
+                "" if pending is None else f"; step {ckpt.step} is re-sent first",
             )
     orch = Orchestrator(config, sink, factory, source, policy_version, payloads, limiter)
     orch.restore = restore
@@ -453,6 +492,8 @@ async def open_orchestrator(
         ) as publisher,
     ):
         orch._driver, orch._publisher = driver, publisher
+        if pending is not None:
+            publisher.add_pending(*pending)
         try:
             yield orch
         finally:

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import attrs
 import trio
@@ -50,6 +50,7 @@ __all__ = [
     "Checkpointer",
     "Encoder",
     "Monitor",
+    "Outbox",
     "Packer",
     "Publisher",
     "Shipment",
@@ -107,6 +108,21 @@ class Checkpointer(Protocol[SnapshotT]):
         """Serialize and write atomically. In a worker thread."""
 
 
+@runtime_checkable
+class Outbox(Protocol):
+    """Durable storage of a step's payload bytes until its delivery is confirmed.
+
+    A checkpointer that also implements this makes shipping exactly-once as the trainer sees
+    it (see `Publisher.publish`). Both methods block and run in a worker thread.
+    """
+
+    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> object:
+        """Write ``payloads`` of ``step`` atomically and durably (before its checkpoint)."""
+
+    def clear_outbox(self, step: int) -> None:
+        """The delivery of ``step`` is confirmed: delete its payload bytes."""
+
+
 @attrs.frozen
 class SinkCheckpointer:
     """A `Checkpointer` over `trio_rl.train.CheckpointManager`: the sink's state, plus the
@@ -124,6 +140,12 @@ class SinkCheckpointer:
 
     def write(self, snapshot: CheckpointSnapshot) -> Path:
         return self.manager.write(snapshot)
+
+    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> Path:
+        return self.manager.write_outbox(step, payloads)
+
+    def clear_outbox(self, step: int) -> None:
+        self.manager.clear_outbox(step)
 
 
 @attrs.frozen
@@ -184,6 +206,7 @@ class Publisher:
     send_timeout: float
     monitor_timeout: float
     _policy_wait: float = attrs.field(default=0.0, init=False)
+    _pending: dict[int, list[Payload]] = attrs.field(factory=dict, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
@@ -221,19 +244,29 @@ class Publisher:
         cuts what there is, for draining), or when pruning after selection left nothing to train
         (the sink keeps its window for the next batch).
 
-        On cancellation or error before the send completed, the batch goes back to the sink's
-        queue (pruned samples stay booked as pruned) and the step is unchanged; a worker job
-        already running finishes first (workers are never abandoned; encoding stops at its next
-        cancellation check). Once the send completed the batch is shipped: it is booked, the step
-        advances, the checkpoint snapshot is taken and its memory release is scheduled, all
-        before the next checkpoint; the checkpoint write is shielded. A cancellation after the
-        send therefore lands only in the monitor delivery, or after the checkpoint is written.
+        Steps still pending (see `resend_pending`) are re-sent first.
+
+        Without a checkpointer: on cancellation or error before the send completed, the batch
+        goes back to the sink's queue (pruned samples stay booked as pruned) and the step is
+        unchanged; a worker job already running finishes first (workers are never abandoned;
+        encoding stops at its next cancellation check). Once the send completed the batch is
+        booked and the step advances.
+
+        With a checkpointer, a step is *durable before it is visible*: once encoded, the batch is
+        booked (the step advances), the snapshot is taken, and then, shielded, the payload bytes
+        are written to the checkpointer's outbox (when it is an `Outbox`) and the checkpoint of
+        the step is written; only then is the step sent, and on success its outbox is deleted.
+        A send that fails or is cancelled after that does not requeue: the step stays pending,
+        and is re-sent with identical bytes before the next step (or, by a resumed run, from the
+        outbox file). So a trainer never sees a step change once visible. A cancellation before
+        the batch was booked requeues it as above.
         """
         if self._closed:
             raise PublishClosedError("publish() called on a closed publisher")
         async with self._lock:
             if self._closed:
                 raise PublishClosedError("publish() called on a closed publisher")
+            await self._resend_pending()
             if not (self.sink.ready() or (force and self.sink.queued)):
                 return None
             return await self._ship(self.sink.detach_batch(force=force))
@@ -272,13 +305,9 @@ class Publisher:
 
             mark = time.perf_counter()
             payloads = await self._run(_encode_ranks, self._encode, grid)
-            with trio.move_on_after(self.send_timeout) as send_scope:
-                await self.sender.send(step, payloads)
-            if send_scope.cancelled_caught:
-                raise PublishError(
-                    f"step {step}: sending did not finish within {self.send_timeout:g} s"
-                )
-            timings["send"] = time.perf_counter() - mark
+            if self._checkpointer is None:
+                await self._send(step, payloads)
+                timings["send"] = time.perf_counter() - mark
             settled = True
             batch = sink.settle_batch(detached, pruned)
         except BaseException:
@@ -287,11 +316,31 @@ class Publisher:
                 sink.requeue_batch(detached, pruned)
             raise
 
-        # Shipped and booked. Everything up to the release scheduling is sync or shielded.
+        # Booked. Everything up to the send is sync or shielded.
         # the window the sink read and reset (scalars: constant time, fine on the loop)
         all_stats = attempt_stats(batch.window if batch.window is not None else SinkWindow())
         counters = attrs.asdict(sink.counters)
-        snapshot = None if self._checkpointer is None else self._checkpointer.snapshot(step)
+        if self._checkpointer is not None:
+            # Durable before visible: the outbox (this step's exact bytes) and the checkpoint
+            # that covers this step are on disk before any rank can see the step, so a resumed
+            # run re-sends these bytes instead of regenerating the step. Shielded: a cancellation
+            # arriving now must not leave a booked step without its checkpoint.
+            snapshot = self._checkpointer.snapshot(step)
+            encoded = time.perf_counter() - mark
+            mark = time.perf_counter()
+            with trio.CancelScope(shield=True):
+                await self._run(self._make_durable, step, snapshot, payloads)
+            timings["checkpoint"] = time.perf_counter() - mark
+            del snapshot
+            self._pending[step] = list(payloads)
+            mark = time.perf_counter()
+            # A failure or cancellation here does not requeue (the books say shipped): the
+            # step stays pending and is re-sent, identical, before the next step.
+            await self._send(step, payloads)
+            await self._confirm(step)
+            timings["send"] = encoded + time.perf_counter() - mark
+        else:
+            timings["checkpoint"] = 0.0
         monitor_copy = list(samples)
         ranks, per_rank = len(grid), len(grid[0]) if grid else 0
         payload_bytes = sum(len(p) for p in payloads)
@@ -303,14 +352,6 @@ class Publisher:
         timings["release_wait"] = time.perf_counter() - mark
         del samples, payloads, grid, batch
 
-        mark = time.perf_counter()
-        if self._checkpointer is not None:
-            # Shielded: every shipped step gets its checkpoint, even when the publication is
-            # cancelled right now (the thread would run to completion anyway; a cancellation
-            # arriving before it started must not skip it).
-            with trio.CancelScope(shield=True):
-                await self._run(self._checkpointer.write, snapshot)
-        timings["checkpoint"] = time.perf_counter() - mark
         record = ShipRecord(
             step=step,
             all=all_stats,
@@ -324,6 +365,58 @@ class Publisher:
         )
         await self._deliver(Shipment(record=record, samples=monitor_copy))
         return record
+
+    def _make_durable(self, step: int, snapshot: Any, payloads: Sequence[Payload]) -> None:
+        # In a worker: the outbox first, then the checkpoint that books the step as shipped.
+        checkpointer = self._checkpointer
+        assert checkpointer is not None
+        outbox: object = checkpointer
+        if isinstance(outbox, Outbox):
+            outbox.write_outbox(step, payloads)
+        checkpointer.write(snapshot)
+
+    async def _send(self, step: int, payloads: Sequence[Payload]) -> None:
+        with trio.move_on_after(self.send_timeout) as send_scope:
+            await self.sender.send(step, payloads)
+        if send_scope.cancelled_caught:
+            raise PublishError(
+                f"step {step}: sending did not finish within {self.send_timeout:g} s"
+            )
+
+    async def _confirm(self, step: int) -> None:
+        self._pending.pop(step, None)
+        outbox: object = self._checkpointer
+        if isinstance(outbox, Outbox):
+            with trio.CancelScope(shield=True):
+                await self._run(outbox.clear_outbox, step)
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps booked as shipped whose delivery is not confirmed yet (re-sent first)."""
+        return sorted(self._pending)
+
+    def add_pending(self, step: int, payloads: Sequence[Payload]) -> None:
+        """Adopt a step already booked and checkpointed whose delivery was not confirmed (e.g.
+        read back from its outbox on resume): it is re-sent, these exact bytes, before the next
+        batch. Sync; call on the loop."""
+        self._pending[step] = list(payloads)
+
+    async def resend_pending(self) -> list[int]:
+        """Send every pending step again, in order, with its identical bytes; return them.
+
+        `publish` does this first. On error or cancellation the unsent steps stay pending (and
+        their outbox files stay on disk for a resumed run).
+        """
+        async with self._lock:
+            return await self._resend_pending()
+
+    async def _resend_pending(self) -> list[int]:
+        done = []
+        for step in sorted(self._pending):
+            await self._send(step, self._pending[step])
+            await self._confirm(step)
+            done.append(step)
+        return done
 
     async def _schedule_release(self, containers: list[Container]) -> None:
         if self._closed:

@@ -17,13 +17,15 @@ Loading never executes code (no pickle).
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import logging
 import os
 import re
 import struct
+import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -71,6 +73,13 @@ _TRAILER = struct.Struct("<QI8s")
 _NAME = re.compile(r"^step_(\d+)\.ckpt$")
 _TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.tmp$")
 _FLUSH = 8 << 20
+_OUTBOX = re.compile(r"^outbox_step_(\d+)\.bin$")
+_OUTBOX_MAGIC = b"TRIORLOB"
+_OUTBOX_VERSION = 1
+_OUTBOX_END = b"OBOXEND!"
+_OUTBOX_HEADER = struct.Struct("<8sHHQ")
+_OUTBOX_TRAILER = struct.Struct("<I8s")
+_U64 = struct.Struct("<Q")
 
 
 @attrs.frozen
@@ -341,11 +350,19 @@ def _step_of(path: Path) -> int:
 
 
 class CheckpointManager:
-    """One checkpoint per step in ``directory``, keeping the last ``keep``.
+    """One checkpoint per step in ``directory``, keeping the last ``keep`` it wrote itself.
 
     :meth:`snapshot` runs on the loop (an owned copy); :meth:`save` and the loads run the file
     work in a worker thread under ``limiter``. ``payload_root`` lets loads report which payload
     files named by the checkpoint are gone.
+
+    A manager never deletes or overwrites a checkpoint it did not write itself (in this
+    process): keep-``K`` pruning only considers its own files, and foreign files that would be
+    in the way (an unusable newer checkpoint, a file of the step being written) are moved aside
+    into ``<directory>.old-<timestamp>/`` instead. Next to the checkpoints it keeps *outbox*
+    files, ``outbox_step_<N>.bin``: the exact payload bytes of step ``N``, written (durably)
+    before the checkpoint of step ``N`` and deleted once step ``N``'s delivery is confirmed.
+    Pruning never touches an outbox.
     """
 
     def __init__(
@@ -362,9 +379,14 @@ class CheckpointManager:
         self.keep = keep
         self.limiter = limiter
         self.payload_root = Path(payload_root) if payload_root is not None else None
+        self._written: set[Path] = set()
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.ckpt"
+
+    def outbox_path(self, step: int) -> Path:
+        """Where the payload bytes of ``step`` wait until their delivery is confirmed."""
+        return self.directory / f"outbox_step_{step:08d}.bin"
 
     def snapshot(
         self,
@@ -390,16 +412,29 @@ class CheckpointManager:
         """Blocking save: atomic write, then rotation.
 
         Checkpoints of later steps than ``snap.step`` belong to a run that was abandoned by
-        resuming from an older checkpoint, and are deleted (otherwise "latest" would jump back to
-        them); then all but the newest ``keep`` are deleted, and temporary files a crashed writer
-        left behind. One writer per directory at a time.
+        resuming from an older checkpoint: those this manager wrote are deleted, others are moved
+        aside (otherwise "latest" would jump back to them); a foreign file of ``snap.step``
+        itself is moved aside before it is replaced. Then all but the newest ``keep`` of the
+        checkpoints this manager wrote are deleted, and temporary files a crashed writer left
+        behind. One writer per directory at a time.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = write_checkpoint(self.path_for(snap.step), snap)
+        target = self.path_for(snap.step)
         existing = self.list_checkpoints()
-        newer = [p for p in existing if _step_of(p) > snap.step]
-        for old in newer + [p for p in existing if p not in newer][: -self.keep]:
+        foreign = [
+            p
+            for p in existing
+            if p not in self._written and (_step_of(p) > snap.step or p == target)
+        ]
+        if foreign:
+            self._move_aside(foreign, "superseded by a resumed run")
+        path = write_checkpoint(target, snap)
+        self._written.add(path)
+        own = [p for p in self.list_checkpoints() if p in self._written]
+        newer = [p for p in own if _step_of(p) > snap.step]
+        for old in newer + [p for p in own if p not in newer][: -self.keep]:
             old.unlink(missing_ok=True)
+            self._written.discard(old)
         for entry in os.scandir(self.directory):
             if _TMP.match(entry.name):  # left behind by a writer that crashed mid-save
                 Path(entry.path).unlink(missing_ok=True)
@@ -434,19 +469,155 @@ class CheckpointManager:
         )
         return attrs.evolve(ckpt, missing_files=missing)
 
-    def read_latest(self) -> Checkpoint | None:
-        """Blocking: the newest checkpoint that loads; broken ones are skipped with a warning."""
-        for path in reversed(self.list_checkpoints()):
+    def read_latest(self, *, require_usable: bool = False) -> Checkpoint | None:
+        """Blocking: the newest checkpoint that loads; broken ones are skipped with a warning.
+
+        Broken checkpoints newer than the one loaded are moved aside (never deleted), so that
+        saving later steps cannot overwrite them. With ``require_usable``, a directory that
+        holds checkpoints none of which loads raises `CheckpointError` naming the directory
+        (nothing is moved or deleted); without it, that case returns ``None``.
+        """
+        paths = self.list_checkpoints()
+        broken: list[Path] = []
+        reasons: list[str] = []
+        for path in reversed(paths):
             try:
-                return self.read(path)
+                ckpt = self.read(path)
             except CheckpointError as exc:
-                logger.warning("skipping unusable checkpoint: %s", exc)
+                broken.append(path)
+                reasons.append(str(exc))
+                continue
+            for reason in reasons:
+                logger.warning("skipping unusable checkpoint: %s", reason)
+            if broken:
+                self._move_aside(broken, "unusable")
+            return ckpt
+        if paths and require_usable:
+            raise CheckpointError(
+                str(self.directory),
+                f"all {len(paths)} checkpoints are unusable, nothing was changed "
+                f"(newest: {reasons[0]})",
+            )
+        for reason in reasons:
+            logger.warning("skipping unusable checkpoint: %s", reason)
         return None
 
     async def load(self, path: str | os.PathLike[str]) -> Checkpoint:
         """:meth:`read` in a worker thread (cancellation waits for the read)."""
         return await trio.to_thread.run_sync(self.read, path, limiter=self.limiter)
 
-    async def load_latest(self) -> Checkpoint | None:
+    async def load_latest(self, *, require_usable: bool = False) -> Checkpoint | None:
         """:meth:`read_latest` in a worker thread (cancellation waits for the read)."""
-        return await trio.to_thread.run_sync(self.read_latest, limiter=self.limiter)
+        return await trio.to_thread.run_sync(
+            functools.partial(self.read_latest, require_usable=require_usable),
+            limiter=self.limiter,
+        )
+
+    def set_aside(self) -> Path | None:
+        """Blocking: move every checkpoint and outbox file to ``<directory>.old-<timestamp>/``
+        (a fresh start keeps the old run's files); return that directory, or None if there were
+        none."""
+        files = [
+            Path(e.path)
+            for e in (os.scandir(self.directory) if self.directory.is_dir() else ())
+            if _NAME.match(e.name) or _OUTBOX.match(e.name)
+        ]
+        return self._move_aside(files, "fresh start") if files else None
+
+    def _move_aside(self, files: list[Path], why: str) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = self.directory.with_name(f"{self.directory.name}.old-{stamp}")
+        n = 1
+        while aside.exists() and any(
+            (aside / f.name).exists() for f in files
+        ):  # same second: never overwrite an earlier move
+            n += 1
+            aside = self.directory.with_name(f"{self.directory.name}.old-{stamp}-{n}")
+        aside.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            os.replace(f, aside / f.name)
+            self._written.discard(f)
+        _fsync_dir(aside)
+        _fsync_dir(self.directory)
+        logger.warning("moved %d checkpoint file(s) (%s) to %s", len(files), why, aside)
+        return aside
+
+    # -- outbox: the payload bytes of a step whose delivery is not confirmed yet --
+
+    def write_outbox(self, step: int, payloads: Sequence[bytes | bytearray | memoryview]) -> Path:
+        """Blocking: write step ``step``'s payloads (one per rank) atomically and durably."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        target = self.outbox_path(step)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        crc = 0
+        try:
+            with open(tmp, "wb") as f:
+                head = _OUTBOX_HEADER.pack(_OUTBOX_MAGIC, _OUTBOX_VERSION, len(payloads), step)
+                f.write(head)
+                crc = zlib.crc32(head, crc)
+                for payload in payloads:
+                    size = _U64.pack(memoryview(payload).nbytes)
+                    f.write(size)
+                    f.write(payload)
+                    crc = zlib.crc32(payload, zlib.crc32(size, crc))
+                f.write(_OUTBOX_TRAILER.pack(crc, _OUTBOX_END))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.directory)
+        return target
+
+    def read_outbox(self, step: int) -> list[bytes] | None:
+        """Blocking: step ``step``'s pending payloads, or None when it has no outbox file.
+
+        A truncated or corrupt outbox raises `CheckpointError` naming the file and offset.
+        """
+        path = self.outbox_path(step)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        name = str(path)
+        end = len(data) - _OUTBOX_TRAILER.size
+        if end < _OUTBOX_HEADER.size:
+            raise CheckpointError(name, f"outbox truncated ({len(data)} bytes)")
+        crc, tail = _OUTBOX_TRAILER.unpack_from(data, end)
+        if tail != _OUTBOX_END:
+            raise CheckpointError(name, f"outbox truncated: no end marker at byte {end + 4}")
+        if zlib.crc32(memoryview(data)[:end]) != crc:
+            raise CheckpointError(name, "outbox checksum mismatch (corrupt)")
+        magic, version, ranks, got_step = _OUTBOX_HEADER.unpack_from(data, 0)
+        if magic != _OUTBOX_MAGIC or version != _OUTBOX_VERSION or got_step != step:
+            raise CheckpointError(
+                name, f"not an outbox of step {step} (magic {magic!r}, version {version})"
+            )
+        pos, out = _OUTBOX_HEADER.size, []
+        for rank in range(ranks):
+            if pos + _U64.size > end:
+                raise CheckpointError(name, f"outbox rank {rank}: truncated at byte {pos}")
+            (size,) = _U64.unpack_from(data, pos)
+            pos += _U64.size
+            if pos + size > end:
+                raise CheckpointError(name, f"outbox rank {rank}: truncated at byte {pos}")
+            out.append(data[pos : pos + size])
+            pos += size
+        if pos != end:
+            raise CheckpointError(name, f"outbox: {end - pos} stray bytes at byte {pos}")
+        return out
+
+    def clear_outbox(self, step: int) -> None:
+        """Blocking: step ``step``'s delivery is confirmed; forget its payload bytes."""
+        self.outbox_path(step).unlink(missing_ok=True)
+
+    def pending_outboxes(self) -> list[int]:
+        """Steps with an outbox file (a delivery not confirmed), in order."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(
+            int(m.group(1))
+            for e in os.scandir(self.directory)
+            if (m := _OUTBOX.match(e.name)) is not None
+        )
