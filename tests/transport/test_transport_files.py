@@ -53,8 +53,11 @@ async def test_multi_mib_round_trip_for_several_ranks_and_steps(
                 assert isinstance(got.data, memoryview if use_mmap else bytes)
                 assert got.data == payload(step, rank, size + step)
                 assert got.source == str(batch_path(tmp_path, step, rank))
+                assert batch_path(tmp_path, step, rank).exists()  # kept until acknowledged
+                await receiver.ack(step)
                 assert batch_path(tmp_path, step, rank).exists() is not delete
-                del got  # a mapped payload stays valid after the unlink, until released
+                assert got.data == payload(step, rank, size + step)  # a mapping outlives unlink
+                del got
             assert receiver.next_step == steps
 
 
@@ -90,11 +93,13 @@ async def test_delete_removes_files_and_the_emptied_step_directory(tmp_path: Pat
         await sender.send(0, [b"a", b"b"])
     async with FileBatchReceiver(tmp_path, 0, delete=True, timeout=5) as r0:
         assert (await r0.receive()).data == b"a"
+        await r0.ack(0)
     assert not batch_path(tmp_path, 0, 0).exists()
     assert batch_path(tmp_path, 0, 1).exists()  # the other rank's file is untouched
     async with FileBatchReceiver(tmp_path, 1, delete=True, timeout=5) as r1:
         assert (await r1.receive()).data == b"b"
-    assert os.listdir(tmp_path / "batches") == []
+        await r1.ack(0)
+    assert sorted(os.listdir(tmp_path / "batches")) == [".consumed", ".staging"]
 
 
 async def test_partial_files_are_never_visible(tmp_path: Path) -> None:

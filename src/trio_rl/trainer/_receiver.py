@@ -9,6 +9,7 @@ from typing import Self
 import trio
 
 from trio_rl.transport import (
+    EndOfStream,
     FileBatchReceiver,
     ReceivedPayload,
     ReceiverTransport,
@@ -38,7 +39,15 @@ class BatchReceiver:
             async for step, micro_batches in receiver:
                 ...
 
-    The receiver owns its transport: entering opens it, leaving closes it.
+    The receiver owns its transport: entering opens it, leaving closes it. Iteration ends
+    when the sender ends the stream (`trio_rl.transport.BatchSender.end_stream`); `receive`
+    then raises `trio_rl.transport.EndOfStream`.
+
+    Each payload is acknowledged to the transport (`ReceiverTransport.ack`) only once it is
+    decoded, right before it is returned: the filesystem transport deletes a file (with
+    ``delete=True``) only then, so a receive cancelled at any point, followed by closing the
+    receiver, leaves the step on disk for a new receiver opened at `next_step` (or with
+    ``start_step=None``).
 
     Args:
         transport: the rank's receiving transport (`FileBatchReceiver`, `ZmqBatchReceiver`).
@@ -49,8 +58,8 @@ class BatchReceiver:
 
     A payload that is not a valid micro-batch array raises `trio_rl.wire.WireFormatError`
     whose ``source`` names the file (or the ZeroMQ endpoint, rank and step) and whose
-    ``offset`` is the byte offset of the fault; that payload is then dropped and the next
-    receive moves on to the next step.
+    ``offset`` is the byte offset of the fault; that payload is then acknowledged (deleted,
+    with ``delete=True``) and the next receive moves on to the next step.
     """
 
     def __init__(
@@ -74,13 +83,14 @@ class BatchReceiver:
         directory: str | os.PathLike[str],
         rank: int,
         *,
-        start_step: int = 0,
+        start_step: int | None = 0,
         stop_step: int | None = None,
         timeout: float | None = None,
         delete: bool = False,
         use_mmap: bool = False,
     ) -> BatchReceiver:
-        """A receiver over the filesystem transport (see `FileBatchReceiver`)."""
+        """A receiver over the filesystem transport (see `FileBatchReceiver`; ``start_step=None``
+        resumes after the last step this rank acknowledged)."""
         transport = FileBatchReceiver(
             directory,
             rank,
@@ -126,9 +136,12 @@ class BatchReceiver:
 
         Large payloads are decoded in a worker thread, which also drops the last reference to
         the received buffer: freeing tens of MiB takes milliseconds the loop should not spend.
+        Raises `trio_rl.transport.EndOfStream` once the sender ended the stream.
 
         Cancellation: safe. A payload already taken from the transport but not yet decoded is
-        kept and returned by the next call, so nothing is lost.
+        kept and returned by the next call; it is acknowledged to the transport only after
+        decoding (shielded, with no checkpoint before the return), so it is either returned
+        or still held by the transport (on disk) for a new receiver.
         """
         if self._pending is None:
             self._pending = [await self._transport.receive()]
@@ -143,10 +156,15 @@ class BatchReceiver:
                 micro_batches = _decode_and_release(box)
         except trio.Cancelled:
             raise
-        except BaseException:
+        except Exception:
+            # The error is this payload's delivery: forget it, so the next receive moves on.
             self._pending = None
+            with trio.CancelScope(shield=True):
+                await self._transport.ack(step)
             raise
         self._pending = None
+        with trio.CancelScope(shield=True):
+            await self._transport.ack(step)
         return step, micro_batches
 
     def __aiter__(self) -> Self:
@@ -156,7 +174,10 @@ class BatchReceiver:
         if self._stop_step is not None and self.next_step >= self._stop_step:
             await trio.lowlevel.checkpoint()
             raise StopAsyncIteration
-        return await self.receive()
+        try:
+            return await self.receive()
+        except EndOfStream:
+            raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
         """Close the transport. Idempotent."""

@@ -50,6 +50,15 @@ class BatchSender(trio.abc.AsyncResource):
         """
 
     @abc.abstractmethod
+    async def end_stream(self, step: int) -> None:
+        """Tell every rank that the stream ended: no step ``>= step`` will come.
+
+        ``step`` is the step after the last one sent (the step a next `send` would have had).
+        A receiver waiting for ``step`` or later then raises `EndOfStream` (and
+        ``BatchReceiver``'s ``async for`` ends). Later sends raise `RuntimeError`.
+        """
+
+    @abc.abstractmethod
     async def aclose(self) -> None:
         """Release every resource; idempotent."""
 
@@ -69,7 +78,20 @@ class ReceiverTransport(trio.abc.AsyncResource):
 
     @abc.abstractmethod
     async def receive(self) -> ReceivedPayload:
-        """Wait for and return the payload of `next_step`, then advance `next_step` by one."""
+        """Wait for and return the payload of `next_step`, then advance `next_step` by one.
+
+        Raises `EndOfStream` if the sender ended the stream at or before `next_step`.
+        """
+
+    async def ack(self, step: int) -> None:
+        """Acknowledge that the payload of ``step`` (and every earlier one) was consumed.
+
+        A transport that keeps payloads until they are consumed (the filesystem one) may
+        forget them now; a new receiver never returns an acknowledged step again. The default
+        does nothing. Cancellation: like a checkpoint; callers that must not lose an
+        acknowledgement shield it.
+        """
+        await trio.lowlevel.checkpoint()
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -1,8 +1,17 @@
 """The filesystem transport: ``<dir>/batches/step_<S>/rank_<R>.bin``, one file per step and rank.
 
-A file's content is exactly the payload bytes (no header, no length prefix). The sender writes
-each file under a temporary name and renames it into place, so a reader never sees a partial
-file. All file I/O runs in worker threads (``trio.to_thread.run_sync``) behind a
+A file's content is exactly the payload bytes (no header, no length prefix). Next to the step
+directories, ``batches/`` holds:
+
+- ``.staging/``: the sender writes each file here first, then renames it into its step
+  directory, so a reader never sees a partial file and readers that remove emptied step
+  directories cannot pull the directory out from under a write;
+- ``END``: the end-of-stream marker (`FileBatchSender.end_stream`), the ASCII decimal step
+  before which the stream ended; a prime-rl file receiver never looks at it;
+- ``.consumed/rank_<R>``: the last step rank ``R``'s receiver acknowledged (ASCII decimal),
+  where a restarted receiver with ``start_step=None`` resumes.
+
+All file I/O runs in worker threads (``trio.to_thread.run_sync``) behind a
 `trio.CapacityLimiter`.
 """
 
@@ -17,9 +26,15 @@ from pathlib import Path
 import trio
 
 from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
-from ._errors import TransportTimeoutError
+from ._errors import EndOfStream, TransportError, TransportIOError, TransportTimeoutError
 
-__all__ = ["FileBatchReceiver", "FileBatchSender", "batch_path"]
+__all__ = [
+    "FileBatchReceiver",
+    "FileBatchSender",
+    "batch_path",
+    "consumed_marker_path",
+    "end_marker_path",
+]
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
@@ -27,7 +42,19 @@ def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     return Path(directory) / "batches" / f"step_{step}" / f"rank_{rank}.bin"
 
 
+def end_marker_path(directory: str | os.PathLike[str]) -> Path:
+    """The end-of-stream marker under ``directory``: it holds the step the stream ended at."""
+    return Path(directory) / "batches" / "END"
+
+
+def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Where rank ``rank``'s receiver records the last step it acknowledged."""
+    return Path(directory) / "batches" / ".consumed" / f"rank_{rank}"
+
+
 _MMAP_MIN_SIZE = 1 << 20
+#: How often one rename retries after readers removed the emptied step directory under it.
+_RENAME_ATTEMPTS = 1000
 
 
 def _check_non_negative(name: str, value: int) -> None:
@@ -35,8 +62,53 @@ def _check_non_negative(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def _io_error(what: str, path: Path, exc: OSError) -> TransportIOError:
+    return TransportIOError(f"{what} {path}: {exc.strerror or exc}", str(path))
+
+
+def _write_file(path: Path, data: Payload, fsync: bool) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # readers consumed every file and removed the directory: nothing to persist
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_step_marker(path: Path) -> int | None:
+    """The step in a marker file (``END``, ``.consumed/rank_R``), or None if it is absent."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _io_error("cannot read", path, exc) from exc
+    try:
+        step = int(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        step = -1
+    if step < 0:
+        raise TransportError(f"{path}: expected a step number (ASCII decimal), got {raw[:32]!r}")
+    return step
+
+
 class FileBatchSender(BatchSender):
     """Writes each step's payloads as ``<directory>/batches/step_<S>/rank_<R>.bin``.
+
+    Each file is written under ``batches/.staging/`` and then renamed into its step directory
+    (created if needed; again if a reader removed it in between), so readers that delete
+    consumed files and emptied step directories never make a send fail. Any other file
+    error raises `TransportIOError` naming the path.
 
     Args:
         directory: the shared output directory.
@@ -61,6 +133,9 @@ class FileBatchSender(BatchSender):
         self._fsync = fsync
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         self._closed = False
+        self._stale_end_removed = False
+        self._last_step: int | None = None
+        self._ended_at: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -70,45 +145,118 @@ class FileBatchSender(BatchSender):
     def directory(self) -> Path:
         return self._directory
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("this FileBatchSender is closed")
+        if self._ended_at is not None:
+            raise RuntimeError(f"the stream was ended at step {self._ended_at} (end_stream)")
+
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Write every rank's file for ``step`` (in one worker thread), each atomically.
 
-        An existing file for the same step and rank is replaced.
+        An existing file for the same step and rank is replaced. The first send removes an
+        ``END`` marker left by an earlier run in the same directory. Raises `TransportIOError`
+        naming the path if a file cannot be written or renamed into place.
 
         Cancellation: the thread is not abandoned; the files being written are finished (each
         is then either complete or absent) before `trio.Cancelled` propagates.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("this FileBatchSender is closed")
+        self._check_open()
         _check_non_negative("step", step)
         if len(payloads) != self._world_size:
             raise ValueError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
         await trio.to_thread.run_sync(self._write_step, step, payloads, limiter=self._limiter)
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+
+    def _staging(self) -> Path:
+        staging = self._directory / "batches" / ".staging"
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _io_error("cannot create the staging directory", staging, exc) from exc
+        if not self._stale_end_removed:
+            end = end_marker_path(self._directory)
+            try:
+                end.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _io_error("cannot remove the stale end marker", end, exc) from exc
+            self._stale_end_removed = True
+        return staging
 
     def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
+        staging = self._staging()
         step_dir = batch_path(self._directory, step, 0).parent
-        step_dir.mkdir(parents=True, exist_ok=True)
         for rank, payload in enumerate(payloads):
             final = step_dir / f"rank_{rank}.bin"
-            tmp = step_dir / f"rank_{rank}.bin.tmp"
+            tmp = staging / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
             try:
-                with open(tmp, "wb") as f:
-                    f.write(payload)
-                    if self._fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-                os.replace(tmp, final)
+                try:
+                    _write_file(tmp, payload, self._fsync)
+                except OSError as exc:
+                    raise _io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
+                self._rename_into_step_dir(tmp, final)
             except BaseException:
-                tmp.unlink(missing_ok=True)
+                try:
+                    tmp.unlink(missing_ok=True)
+                except OSError:
+                    pass  # the error being raised says more
                 raise
         if self._fsync:
-            fd = os.open(step_dir, os.O_RDONLY)
+            _fsync_dir(step_dir)
+
+    @staticmethod
+    def _rename_into_step_dir(tmp: Path, final: Path) -> None:
+        for _ in range(_RENAME_ATTEMPTS):
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                final.parent.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise _io_error("cannot create the step directory", final.parent, exc) from exc
+            try:
+                os.replace(tmp, final)
+                return
+            except FileNotFoundError as exc:
+                if not tmp.exists():
+                    raise _io_error(f"the staged file vanished before {final}:", tmp, exc) from exc
+                # A reader removed the emptied step directory after our mkdir: make it again.
+            except OSError as exc:
+                raise _io_error(f"cannot rename {tmp} to", final, exc) from exc
+        raise TransportIOError(
+            f"cannot rename {tmp} to {final}: the step directory was removed "
+            f"{_RENAME_ATTEMPTS} times in a row",
+            str(final),
+        )
+
+    async def end_stream(self, step: int) -> None:
+        """Write the end marker ``batches/END`` holding ``step``: no step ``>= step`` will come.
+
+        Receivers waiting for ``step`` or later raise `EndOfStream`. ``step`` must be greater
+        than every step sent. Written like a batch file (staged, fsynced, renamed), after every
+        earlier step's files. Later sends raise `RuntimeError`.
+
+        Cancellation: if `trio.Cancelled` propagates before the writer thread started, no
+        marker was written; once it has started, the marker is completed first.
+        """
+        self._check_open()
+        _check_non_negative("step", step)
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"end_stream({step}): step {self._last_step} was already sent")
+        await trio.to_thread.run_sync(self._write_end, step, limiter=self._limiter)
+        self._ended_at = step
+
+    def _write_end(self, step: int) -> None:
+        staging = self._staging()
+        end = end_marker_path(self._directory)
+        tmp = staging / f"END.{os.getpid()}.tmp"
+        try:
+            _write_file(tmp, str(step).encode("ascii"), self._fsync)
+            os.replace(tmp, end)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise _io_error("cannot write the end marker", end, exc) from exc
+        if self._fsync:
+            _fsync_dir(end.parent)
 
     async def aclose(self) -> None:
         """Nothing to release but the name; later sends raise `trio.ClosedResourceError`."""
@@ -122,13 +270,25 @@ class FileBatchReceiver(ReceiverTransport):
     Waiting for a step's file polls with exponential backoff, from ``poll_interval`` up to
     ``max_poll_interval`` seconds.
 
+    A returned payload stays on disk until it is acknowledged: by `ack`, or implicitly by the
+    next `receive` (`BatchReceiver` acks each payload once decoded, right before handing it
+    out). Acknowledging records the step in ``batches/.consumed/rank_<R>`` and, with
+    ``delete=True``, deletes the file (and its step directory once empty). So a receiver that
+    is cancelled or closed between reading and handing out a payload leaves it on disk for
+    the next receiver.
+
     Args:
         directory: the shared output directory.
         rank: this trainer's data-parallel rank.
-        start_step: the first step to read.
+        start_step: the first step to read. ``None`` resumes where an earlier receiver of this
+            rank stopped: the step after the last acknowledged one (from
+            ``batches/.consumed/rank_<R>``); if nothing was ever acknowledged, the lowest
+            step whose file for this rank is there; else the step of the ``END`` marker;
+            else `TransportError` (nothing to resume from: pass a step). It is resolved when
+            entering ``async with`` (or by the first `receive`).
         timeout: seconds to wait for one step's file before raising `TransportTimeoutError`
             (``None``: wait until cancelled).
-        delete: delete each file after reading it (and its step directory once empty).
+        delete: delete each file once acknowledged (and its step directory once empty).
         use_mmap: map files of at least 1 MiB into memory instead of reading them: no copy,
             and releasing the payload is an unmap that does not hold the GIL (freeing a 64 MiB
             ``bytes`` does, for tens of ms). Only safe if nobody truncates or rewrites a batch
@@ -142,7 +302,7 @@ class FileBatchReceiver(ReceiverTransport):
         directory: str | os.PathLike[str],
         rank: int,
         *,
-        start_step: int = 0,
+        start_step: int | None = 0,
         timeout: float | None = None,
         poll_interval: float = 0.005,
         max_poll_interval: float = 0.5,
@@ -151,7 +311,8 @@ class FileBatchReceiver(ReceiverTransport):
         limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         _check_non_negative("rank", rank)
-        _check_non_negative("start_step", start_step)
+        if start_step is not None:
+            _check_non_negative("start_step", start_step)
         if not 0 < poll_interval <= max_poll_interval:
             raise ValueError("need 0 < poll_interval <= max_poll_interval")
         self._directory = Path(directory)
@@ -164,6 +325,8 @@ class FileBatchReceiver(ReceiverTransport):
         self._use_mmap = use_mmap
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         self._closed = False
+        self._unacked: int | None = None
+        self._ended_at: int | None = None
 
     @property
     def rank(self) -> int:
@@ -171,30 +334,99 @@ class FileBatchReceiver(ReceiverTransport):
 
     @property
     def next_step(self) -> int:
+        """The step the next `receive` returns.
+
+        Raises `RuntimeError` while ``start_step=None`` is unresolved (enter the receiver).
+        """
+        if self._next_step is None:
+            raise RuntimeError(
+                "start_step=None is resolved when entering `async with` or by the first receive"
+            )
         return self._next_step
+
+    @property
+    def end_marker(self) -> Path:
+        return end_marker_path(self._directory)
+
+    @property
+    def consumed_marker(self) -> Path:
+        return consumed_marker_path(self._directory, self._rank)
 
     def path(self, step: int) -> Path:
         """The file this receiver reads for ``step``."""
         return batch_path(self._directory, step, self._rank)
 
+    async def __aenter__(self) -> FileBatchReceiver:
+        await self._resolve()
+        return self
+
+    async def _resolve(self) -> int:
+        if self._next_step is None:
+            self._next_step = await trio.to_thread.run_sync(
+                self._resume_step, limiter=self._limiter
+            )
+        else:
+            await trio.lowlevel.checkpoint()
+        return self._next_step
+
+    def _resume_step(self) -> int:
+        acked = _read_step_marker(self.consumed_marker)
+        if acked is not None:
+            if self._delete:
+                # A crash between recording the ack and deleting the file leaves the file.
+                self._delete_file(acked)
+            return acked + 1
+        batches = self._directory / "batches"
+        try:
+            names = os.listdir(batches)
+        except FileNotFoundError:
+            names = []
+        except OSError as exc:
+            raise _io_error("cannot list", batches, exc) from exc
+        steps = sorted(
+            int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()
+        )
+        for step in steps:
+            if self.path(step).exists():
+                return step
+        end = _read_step_marker(self.end_marker)
+        if end is not None:
+            return end
+        raise TransportError(
+            f"rank {self._rank}: start_step=None, but there is no consumer marker "
+            f"{self.consumed_marker}, no batch file for this rank and no end marker under "
+            f"{batches}: nothing to resume from, pass start_step"
+        )
+
     async def receive(self) -> ReceivedPayload:
-        """Wait for the next step's file and return its bytes.
+        """Wait for the next step's file and return its bytes (the file stays until acked).
 
+        First acknowledges the step it returned last, if not yet acknowledged (shielded).
         Raises `TransportTimeoutError` (naming the file) if it does not appear within
-        ``timeout`` seconds.
+        ``timeout`` seconds, `EndOfStream` if the ``END`` marker says the stream ended at or
+        before this step, `TransportError` if the marker says the step was sent but its file
+        is gone, and `TransportIOError` if the file cannot be read.
 
-        Cancellation: safe at any point. A read in progress completes in its thread, and its
-        result is still returned (trio does not abandon the thread), so a file deleted after
-        reading is never lost.
+        Cancellation: safe at any point. A read in progress completes in its thread and its
+        result is returned; a cancelled receive leaves the file on disk.
         """
         if self._closed:
             raise trio.ClosedResourceError("this FileBatchReceiver is closed")
-        step = self._next_step
+        if self._unacked is not None:
+            with trio.CancelScope(shield=True):
+                await self.ack(self._unacked)
+        step = await self._resolve()
         path = self.path(step)
+        if self._ended_at is not None and step >= self._ended_at:
+            raise self._end_of_stream(step, self._ended_at)
         deadline = trio.current_time() + self._timeout
         interval = self._poll_interval
         while True:
-            data = await trio.to_thread.run_sync(self._read, path, limiter=self._limiter)
+            try:
+                data = await trio.to_thread.run_sync(self._read, path, step, limiter=self._limiter)
+            except EndOfStream as exc:
+                self._ended_at = exc.step
+                raise
             if data is not None:
                 break
             remaining = deadline - trio.current_time()
@@ -206,28 +438,92 @@ class FileBatchReceiver(ReceiverTransport):
             await trio.sleep(min(interval, remaining))
             interval = min(interval * 2, self._max_poll_interval)
         self._next_step = step + 1
+        self._unacked = step
         return ReceivedPayload(step=step, rank=self._rank, data=data, source=str(path))
 
-    def _read(self, path: Path) -> Payload | None:
-        data: Payload
+    def _end_of_stream(self, step: int, end: int) -> EndOfStream:
+        return EndOfStream(
+            f"rank {self._rank}: the stream ended before step {end} ({self.end_marker}); "
+            f"no step {step}",
+            end,
+        )
+
+    def _read(self, path: Path, step: int) -> Payload | None:
+        data = self._try_read(path)
+        if data is not None:
+            return data
+        end = _read_step_marker(self.end_marker)
+        if end is None:
+            return None
+        if step >= end:
+            raise self._end_of_stream(step, end)
+        # The marker is written after every earlier step's files: look once more.
+        data = self._try_read(path)
+        if data is None:
+            raise TransportError(
+                f"rank {self._rank}: no batch file {path}, but {self.end_marker} says every "
+                f"step before {end} was sent: the file was removed by someone else"
+            )
+        return data
+
+    def _try_read(self, path: Path) -> Payload | None:
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if self._use_mmap and size >= _MMAP_MIN_SIZE:
-                    data = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                else:
-                    data = f.read()
+                    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                return f.read()
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise _io_error(f"rank {self._rank}: cannot read", path, exc) from exc
+
+    async def ack(self, step: int) -> None:
+        """Record ``step`` as consumed (``batches/.consumed/rank_<R>``); with ``delete=True``,
+        delete its file and then its step directory if empty.
+
+        Only the step last returned by `receive` can be acknowledged (again: a no-op); raises
+        `ValueError` for a step not returned yet and `TransportIOError` if a file operation
+        fails.
+
+        Cancellation: if `trio.Cancelled` propagates, the step may still be unacknowledged
+        (the next `receive` acknowledges it); a started acknowledgement is completed.
+        """
+        if self._unacked is None or step != self._unacked:
+            if self._next_step is not None and step < self._next_step:
+                await trio.lowlevel.checkpoint()
+                return
+            raise ValueError(f"rank {self._rank}: cannot ack step {step}: not received yet")
+        await trio.to_thread.run_sync(self._ack, step, limiter=self._limiter)
+        self._unacked = None
+
+    def _ack(self, step: int) -> None:
+        marker = self.consumed_marker
+        tmp = marker.with_name(marker.name + ".tmp")
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(str(step).encode("ascii"))
+            os.replace(tmp, marker)
+        except OSError as exc:
+            raise _io_error("cannot record the consumed step in", marker, exc) from exc
+        # Recorded before the deletion, so a crash in between never makes a restart wait for
+        # a deleted file (the leftover file is deleted when resuming).
         if self._delete:
+            self._delete_file(step)
+
+    def _delete_file(self, step: int) -> None:
+        path = self.path(step)
+        try:
             path.unlink(missing_ok=True)
-            try:
-                path.parent.rmdir()
-            except OSError:
-                pass  # other ranks' files are still there
-        return data
+        except OSError as exc:
+            raise _io_error("cannot delete", path, exc) from exc
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # other ranks' files are still there (or another reader removed it)
 
     async def aclose(self) -> None:
-        """Later receives raise `trio.ClosedResourceError`."""
+        """Later receives raise `trio.ClosedResourceError`. A payload returned but not yet
+        acknowledged is not acknowledged: its file stays for the next receiver."""
         self._closed = True
         await trio.lowlevel.checkpoint()

@@ -7,6 +7,9 @@
   subscribes its SUB socket to its topic, connects, and sends its rank as ASCII once over a
   PUSH socket. Before its first send the sender waits (up to ``ready_timeout``) until it has
   heard ``world_size`` distinct ranks.
+- End of stream: `ZmqBatchSender.end_stream(S)` sends ``[b"end_rank|<R>|", b"<S>"]`` to every
+  rank (S in ASCII: no step ``>= S`` will come). prime-rl receivers, subscribed to
+  ``data_rank|<R>|`` only, never see it; trio-rl receivers subscribe to both topics.
 - No step number is on the wire: the receiver numbers messages in arrival order, from
   ``start_step``. Sender and receiver stay in step only if nothing is dropped (see below).
 - A slow or dead receiver never blocks the sender: PUB queues up to ``hwm`` messages per
@@ -20,22 +23,27 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
-from ._errors import TransportError, TransportTimeoutError
+from ._errors import EndOfStream, TransportError, TransportTimeoutError
 from ._zmq import ZmqSocket
 
-__all__ = ["free_port_pair", "ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
+__all__ = ["end_topic", "free_port_pair", "ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
 
 
 def rank_topic(rank: int) -> bytes:
     """The topic frame of rank ``rank``'s data messages."""
     return b"data_rank|" + str(rank).encode() + b"|"
+
+
+def end_topic(rank: int) -> bytes:
+    """The topic frame of rank ``rank``'s end-of-stream message."""
+    return b"end_rank|" + str(rank).encode() + b"|"
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -96,6 +104,7 @@ class ZmqBatchSender(BatchSender):
         self._ready_ranks: set[int] = set()
         self._ignored_ready = 0
         self._last_step: int | None = None
+        self._ended_at: int | None = None
         self._closed = False
 
     @property
@@ -185,7 +194,8 @@ class ZmqBatchSender(BatchSender):
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Publish ``payloads[r]`` to rank ``r``; the first call waits for the READY barrier.
 
-        Steps must be consecutive (the receivers count them). Never blocks on a slow or dead
+        Steps must be consecutive (the receivers count them); after `end_stream` a send raises
+        `RuntimeError`. Never blocks on a slow or dead
         receiver: past its high-water mark PUB drops the message. Payloads are sent without
         copying; do not mutate their buffers afterwards.
 
@@ -193,13 +203,34 @@ class ZmqBatchSender(BatchSender):
         barrier, or cancelled on entry), nothing of this step was sent. Otherwise the step is
         published to every rank, shielded (it never waits), and the call returns normally.
         """
-        pub, _ = self._sockets()
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         if len(payloads) != self._world_size:
             raise ValueError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
+        messages = [[rank_topic(rank), payload] for rank, payload in enumerate(payloads)]
+        await self._publish(step, messages)
+
+    async def end_stream(self, step: int) -> None:
+        """Tell every rank that no step ``>= step`` will come: ``[b"end_rank|<R>|", b"<step>"]``.
+
+        ``step`` must be the step after the last one sent (or any step if none was sent); the
+        first call waits for the READY barrier like `send`. A receiver that counted a different
+        step raises `TransportError` (messages were dropped), otherwise `EndOfStream`. Like
+        data, the message is dropped for a receiver more than its high-water mark behind.
+        Later sends raise `RuntimeError`.
+
+        Cancellation: all or nothing, like `send`.
+        """
+        end = str(step).encode("ascii")
+        await self._publish(step, [[end_topic(rank), end] for rank in range(self._world_size)])
+        self._ended_at = step
+
+    async def _publish(self, step: int, messages: list[list[Payload]]) -> None:
+        pub, _ = self._sockets()
+        if self._ended_at is not None:
+            raise RuntimeError(f"the stream was ended at step {self._ended_at} (end_stream)")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         if self._last_step is not None and step != self._last_step + 1:
             raise ValueError(
                 f"ZeroMQ steps must be consecutive (receivers count them): "
@@ -216,8 +247,8 @@ class ZmqBatchSender(BatchSender):
         # A step goes to every rank or to none: a cancellation between ranks would leave the
         # ranks' step counts out of line for good. Shielding is safe: PUB never waits.
         with trio.CancelScope(shield=True):
-            for rank, payload in enumerate(payloads):
-                await pub.send_multipart([rank_topic(rank), payload], copy=False)
+            for message in messages:
+                await pub.send_multipart(message, copy=False)
         self._last_step = step
 
     async def aclose(self) -> None:
@@ -279,6 +310,8 @@ class ZmqBatchReceiver(ReceiverTransport):
         self._port = port
         self._hwm = hwm
         self._topic = rank_topic(rank)
+        self._end_topic = end_topic(rank)
+        self._ended_at: int | None = None
         self._next_step = start_step
         self._ctx: zmq.Context[Any] | None = None
         self._sub: ZmqSocket | None = None
@@ -312,6 +345,7 @@ class ZmqBatchReceiver(ReceiverTransport):
             self._sub = ZmqSocket(sub)
             sub.setsockopt(zmq.RCVHWM, self._hwm)
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sub.setsockopt(zmq.SUBSCRIBE, self._end_topic)
             self._monitor = ZmqSocket(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             sub.connect(self.data_endpoint)
             push = ctx.socket(zmq.PUSH)
@@ -362,14 +396,24 @@ class ZmqBatchReceiver(ReceiverTransport):
     async def receive(self) -> ReceivedPayload:
         """Wait for this rank's next message; it is numbered `next_step`.
 
-        The payload is a read-only memoryview of the received zmq frame (no copy).
+        The payload is a read-only memoryview of the received zmq frame (no copy). Raises
+        `EndOfStream` at the sender's end message (and on every later call), or
+        `TransportError` if that message names another step than `next_step` (messages were
+        dropped, or the sender and this receiver started at different steps).
 
         Cancellation: safe; a cancelled receive takes no message off the socket.
         """
         sub = self._require_sub()
-        frames = await sub.recv_multipart(copy=False)
         step = self._next_step
         source = f"{self.data_endpoint} rank {self._rank} step {step}"
+        if self._ended_at is not None:
+            await trio.lowlevel.checkpoint()
+            raise EndOfStream(
+                f"{source}: the stream ended before step {self._ended_at}", self._ended_at
+            )
+        frames = await sub.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[0].bytes == self._end_topic:
+            self._check_end(frames[1].bytes, step, source)
         if len(frames) != 2 or frames[0].bytes != self._topic:
             raise TransportError(
                 f"{source}: malformed message: expected [{self._topic!r}, payload], "
@@ -377,6 +421,26 @@ class ZmqBatchReceiver(ReceiverTransport):
             )
         self._next_step = step + 1
         return ReceivedPayload(step=step, rank=self._rank, data=frames[1].buffer, source=source)
+
+    def _check_end(self, raw: bytes, step: int, source: str) -> NoReturn:
+        try:
+            end = int(raw.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            raise TransportError(
+                f"{source}: malformed end-of-stream message {raw[:32]!r}"
+            ) from None
+        self._ended_at = end
+        if end != step:
+            raise TransportError(
+                f"{source}: the sender ended the stream before step {end}, but this receiver "
+                f"counted its next step as {step}: "
+                + (
+                    f"{end - step} message(s) were dropped"
+                    if end > step
+                    else "sender and receiver started at different steps"
+                )
+            )
+        raise EndOfStream(f"{source}: the stream ended before step {end}", end)
 
     async def aclose(self) -> None:
         """Stop the READY task, close the sockets (dropping anything queued) and the context.
