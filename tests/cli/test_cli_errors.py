@@ -1,0 +1,89 @@
+"""The CLI's failure modes: one line on stderr, the right exit status, nothing destroyed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_LAUNCH = (
+    "import importlib.util as u, sys; f = u.find_spec; "
+    "u.find_spec = lambda n, *a: None if n == 'torch' else f(n, *a); "
+    "from trio_rl.cli import main; sys.exit(main())"
+)
+_SMALL = ["--batch-groups", "2", "--group-size", "4"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _LAUNCH, "run", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["--steps", "-1"], 2),
+        (["--group-size", "0"], 2),
+        (["--tokens-per-second", "nan"], 2),
+        (["--ranks", "x"], 2),
+    ],
+)
+def test_bad_knobs_are_one_line_without_traceback(
+    args: list[str], status: int, tmp_path: Path
+) -> None:
+    done = _run("--out", str(tmp_path), *args)
+    assert done.returncode == status
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr and lines[0].startswith("trio-rl")
+    assert args[0] in lines[0]
+
+
+def test_all_unusable_checkpoints_exit_1_untouched_then_fresh_moves_them_aside(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    assert _run("--out", str(out), "--steps", "3", *_SMALL).returncode == 0
+    ckpts = out / "checkpoints"
+    damaged = {}
+    for path in ckpts.glob("step_*.ckpt"):
+        data = path.read_bytes()
+        damaged[path.name] = data[:40] + bytes([data[40] ^ 0xFF]) + data[41:]
+        path.write_bytes(damaged[path.name])
+    assert len(damaged) == 3
+
+    done = _run("--out", str(out), "--steps", "2", *_SMALL)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert str(ckpts) in lines[0] and "--fresh" in lines[0] and "Traceback" not in done.stderr
+    assert {p.name: p.read_bytes() for p in ckpts.glob("step_*.ckpt")} == damaged
+
+    fresh = _run("--out", str(out), "--steps", "2", "--fresh", *_SMALL)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "steps 1..2" in fresh.stdout
+    (aside,) = out.glob("checkpoints.old-*")
+    assert {p.name: p.read_bytes() for p in aside.glob("step_*.ckpt")} == damaged
+    assert sorted(p.name for p in ckpts.glob("step_*.ckpt")) == [
+        "step_00000001.ckpt",
+        "step_00000002.ckpt",
+    ]
+
+
+def test_a_run_never_deletes_checkpoints_it_did_not_write(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert _run("--out", str(out), "--steps", "3", *_SMALL).returncode == 0
+    first = {p.name: p.read_bytes() for p in (out / "checkpoints").glob("step_*.ckpt")}
+    # keep is 3: the resumed run writes steps 4..7 and prunes only its own files
+    done = _run("--out", str(out), "--steps", "4", *_SMALL)
+    assert done.returncode == 0, done.stderr
+    now = {p.name: p.read_bytes() for p in (out / "checkpoints").glob("step_*.ckpt")}
+    assert {k: now.get(k) for k in first} == first
+    assert sorted(k for k in now if k not in first) == [
+        "step_00000005.ckpt",
+        "step_00000006.ckpt",
+        "step_00000007.ckpt",
+    ]
