@@ -38,7 +38,8 @@ def test_bad_knobs_are_one_line_without_traceback(
     assert done.returncode == status
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
-    assert "Traceback" not in done.stderr and lines[0].startswith("trio-rl")
+    assert "Traceback" not in done.stderr
+    assert lines[0].startswith("trio-rl")
     assert args[0] in lines[0]
 
 
@@ -59,7 +60,9 @@ def test_all_unusable_checkpoints_exit_1_untouched_then_fresh_moves_them_aside(
     assert done.returncode == 1
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
-    assert str(ckpts) in lines[0] and "--fresh" in lines[0] and "Traceback" not in done.stderr
+    assert str(ckpts) in lines[0]
+    assert "--fresh" in lines[0]
+    assert "Traceback" not in done.stderr
     assert {p.name: p.read_bytes() for p in ckpts.glob("step_*.ckpt")} == damaged
 
     fresh = _run("--out", str(out), "--steps", "2", "--fresh", *_SMALL)

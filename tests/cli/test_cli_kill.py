@@ -89,4 +89,5 @@ def test_trainer_sees_every_sample_once_across_sigkills(tmp_path: Path) -> None:
     assert max(prompts.values()) <= GROUP_SIZE
     assert sum(fingerprints.values()) == shipped, "delivered != shipped: samples were lost"
     assert not list((out / "checkpoints").glob("outbox_step_*.bin")), "undelivered outbox"
-    assert kills >= scaled(10) and os.path.isdir(out / "checkpoints")
+    assert kills >= scaled(10)
+    assert os.path.isdir(out / "checkpoints")
