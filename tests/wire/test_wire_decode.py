@@ -163,10 +163,12 @@ def test_str_lists_are_checked_item_by_item() -> None:
 def test_extra_elements_must_still_be_well_formed() -> None:
     good = _packed([*FIRST_NINE, *[None] * 11, "extra"])
     assert decode(good)[0].env_names == ["e"]
-    bad = good[:-6] + b"\xa5ab\xffde"  # the extra str is not UTF-8
+    bad = good[:-6] + b"\xa5ab\xc1"  # truncated, and a byte MessagePack never uses
     err = _error(bad)
     assert err.field == "<extra element 20>"
     assert err.offset == len(good) - 6
+    # Only well-formed: like the reference, the skipped str need not be UTF-8.
+    assert decode(good[:-6] + b"\xa5ab\xffde")[0].env_names == ["e"]
 
 
 def test_nesting_limit_matches_msgpack() -> None:
@@ -215,7 +217,8 @@ def test_fuzzed_payloads_decode_or_raise_wire_format_error(data: bytes) -> None:
     if isinstance(result, WireFormatError):
         assert 0 <= result.offset <= len(data)
         assert str(result).startswith("fuzz: malformed micro-batch payload at byte offset ")
-    # The careful pass (which finds offsets) agrees with the fast path on what is valid...
+    # The careful pass (which finds offsets) accepts whatever the fast path accepts (and more:
+    # extra elements that msgpack cannot build)...
     try:
         _Walker(data, None).walk()
         careful = "ok"
@@ -226,13 +229,14 @@ def test_fuzzed_payloads_decode_or_raise_wire_format_error(data: bytes) -> None:
         fast = "ok"
     except Exception:
         fast = "error"
-    # ...and both accept exactly what the reference decoder accepts.
+    assert careful == "ok" or fast == "error"
+    # ...and decode accepts exactly what the reference decoder accepts.
     try:
         REF_DECODER.decode(data)
         reference = "ok"
     except (msgspec.DecodeError, msgspec.ValidationError):
         reference = "error"
-    assert careful == fast == outcome == reference
+    assert careful == outcome == reference
 
 
 @given(

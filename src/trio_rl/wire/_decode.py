@@ -1,14 +1,19 @@
 """Decoding and validation of micro-batch payloads.
 
 The happy path is one ``msgpack.unpackb`` of the whole buffer (C speed) followed by a type check
-of every field against the schema (``set(map(type, values))`` per list, so also C speed). Only
-when either rejects the payload does a second, careful pass walk the bytes in Python to find
-the first malformed value, its byte offset and its field, for the error.
+of every field against the schema (``set(map(type, values))`` per list, so also C speed). When
+that rejects the payload, the careful pass goes micro-batch by micro-batch, still at C speed
+(msgpack's ``Unpacker.skip`` finds where each ends, ``unpackb`` and the type check judge it);
+only a micro-batch rejected there is walked byte by byte in Python, to find the first malformed
+value, its byte offset and its field, or to build it when msgpack could not (below). So finding
+an error costs a few valid decodes of the same size, whatever the payload's shape.
 
-Tolerance is the reference decoder's: a record array shorter than the record (but holding every
-required field) gives the missing trailing fields their defaults, a longer one has its extra
-trailing elements ignored (they must still be well-formed MessagePack), an int is accepted in a
-float list, a float32 in a float field. Everything else raises :class:`WireFormatError`.
+Tolerance is the reference decoder's (msgspec, array-like Structs): a record array shorter than
+the record (but holding every required field) gives the missing trailing fields their defaults;
+a longer one has its extra trailing elements skipped, which checks only that they are
+well-formed MessagePack (not that their str are UTF-8, their map keys hashable or their
+timestamp extensions valid, none of which msgpack can build); an int is accepted in a float
+list, a float32 in a float field. Everything else raises :class:`WireFormatError`.
 """
 
 from __future__ import annotations
@@ -80,20 +85,55 @@ def decode(data: bytes | bytearray | memoryview, *, source: str | None = None) -
     """
     try:
         return _decode_fast(data)
-    except MemoryError:
-        # A corrupt header can claim more items than any real payload; the careful pass
-        # names it without allocating. A genuine out-of-memory is re-raised below.
-        problem: BaseException = MemoryError()
-    except Exception as exc:
-        problem = exc
-    _Walker(data, source).walk()
-    if isinstance(problem, MemoryError):
-        raise problem
-    # The careful pass accepts what the fast path rejected: report it rather than return
-    # something unchecked. (Tests assert the two passes agree.)
-    raise WireFormatError(
-        f"payload rejected ({type(problem).__name__}: {problem})", offset=0, source=source
-    ) from problem
+    except Exception:
+        # Includes MemoryError: a corrupt header can claim more items than any real payload;
+        # the careful pass checks every count against the bytes left before msgpack sees it.
+        pass
+    return _decode_careful(bytes(data), source)
+
+
+_UNPACK_OPTIONS: dict[str, Any] = {"raw": False, "strict_map_key": False, "use_list": True}
+
+
+def _decode_careful(buf: bytes, source: str | None) -> list[MicroBatch]:
+    walker = _Walker(buf, source)
+    n, pos = walker.array(0, "an array of micro-batches", 1)
+    # One copy of the rest into an Unpacker whose limits (which default to its buffer size)
+    # cannot reject anything that fits in the payload.
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(buf), 1), **_UNPACK_OPTIONS)
+    unpacker.feed(buf[pos:])
+    base = pos
+    in_step = True  # the unpacker is positioned at ``pos``
+    out: list[MicroBatch] = []
+    for i in range(n):
+        walker.micro_batch = i
+        end = -1
+        if in_step:
+            try:
+                unpacker.skip()
+                end = base + unpacker.tell()
+            except Exception:
+                in_step = False  # malformed: the walker below says where
+        if end >= 0:
+            try:
+                # Under a one-item array, so msgpack counts nesting depth as in the payload.
+                (top,) = msgpack.unpackb(b"\x91" + buf[pos:end], **_UNPACK_OPTIONS)
+                out.append(_convert(top, MICRO_BATCH))
+                pos = end
+                continue
+            except Exception:
+                pass
+        # Malformed (the walker raises), or valid but beyond msgpack (extras it cannot build).
+        after, mb = walker.build(pos, MICRO_BATCH, "", 2)
+        if end >= 0 and after != end:
+            in_step = False  # the two disagree on where it ends: trust the walker from here
+        pos = after
+        out.append(mb)
+    walker.micro_batch = None
+    walker.path = ""
+    if pos != len(buf):
+        walker.fail(pos, f"{len(buf) - pos} trailing bytes after the array of {n} micro-batches")
+    return out
 
 
 def _describe(b: int) -> str:
@@ -190,29 +230,30 @@ class _Walker:
         return 1 + width, 0, (2 * n if b in (0xDE, 0xDF) else n)
 
     def skip(self, pos: int, depth: int) -> int:
-        """Check the well-formedness of the (any-typed) value at ``pos``; return its end."""
+        """Check the well-formedness of the (any-typed) value at ``pos``; return its end.
+
+        Structure only, as the reference skips extra elements: str bodies, map keys and
+        extension bodies are not looked at.
+        """
         # Iterative, so hostile nesting cannot exhaust Python's stack.
-        stack: list[list[int]] = []  # [children left, children total, is map]
+        stack: list[int] = []  # children left, per open container
         pending = 1
         while True:
             if pending == 0:
                 if not stack:
                     return pos
                 stack.pop()
-                pending = stack[-1][0] if stack else 0
+                pending = stack[-1] if stack else 0
                 continue
-            is_key = bool(stack) and stack[-1][2] == 1 and (stack[-1][1] - stack[-1][0]) % 2 == 0
             if stack:
-                stack[-1][0] -= 1
-                pending = stack[-1][0]
+                stack[-1] -= 1
+                pending = stack[-1]
             else:
                 pending = 0
             header, length, children = self.head(pos)
             b = self.buf[pos]
             container = _describe(b) in ("array", "map")
             if container:
-                if is_key:
-                    self.fail(pos, f"a map key cannot be an {_describe(b)}")
                 if depth + len(stack) > _MAX_DEPTH:
                     self.fail(pos, f"containers nested deeper than {_MAX_DEPTH}")
                 if children > self.end - pos - header:
@@ -222,33 +263,11 @@ class _Walker:
                         f"but only {self.end - pos - header} bytes remain",
                     )
                 pos += header
-                stack.append([children, children, 1 if _describe(b) == "map" else 0])
+                stack.append(children)
                 pending = children
                 continue
             self.need(pos, pos + header + length)
-            body = self.buf[pos + header : pos + header + length]
-            kind = _describe(b)
-            if kind == "str":
-                try:
-                    body.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    self.fail(pos, f"str is not valid UTF-8 ({exc.reason} at byte {exc.start})")
-            elif kind == "ext" and self.buf[pos + header - 1] == 0xFF:
-                self._timestamp(pos, body)
             pos += header + length
-
-    def _timestamp(self, pos: int, body: bytes) -> None:
-        # msgpack decodes ext type -1 as a Timestamp and rejects malformed ones.
-        if len(body) == 8:
-            nanoseconds = int.from_bytes(body[:4], "big") >> 2
-        elif len(body) == 12:
-            nanoseconds = int.from_bytes(body[:4], "big")
-        elif len(body) == 4:
-            return
-        else:
-            self.fail(pos, f"invalid timestamp extension of {len(body)} bytes")
-        if nanoseconds > 999_999_999:
-            self.fail(pos, "invalid timestamp extension (nanoseconds out of range)")
 
     def array(self, pos: int, what: str, depth: int) -> tuple[int, int]:
         """Read an array header that must be there; ``(count, position after header)``."""
@@ -309,7 +328,14 @@ class _Walker:
             got = _SCALAR_OF.get(kind)
             if got is not spec and not (spec is Scalar.FLOAT and got is Scalar.INT):
                 self.fail(pos, f"expected {spec.value}, got {kind}")
-            return self.skip(pos, depth)
+            end = self.skip(pos, depth)
+            if got is Scalar.STR:
+                header = end - pos - self.head(pos)[1]
+                try:
+                    self.buf[pos + header : end].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    self.fail(pos, f"str is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+            return end
         if type(spec) is Optional:
             if self.code(pos) == 0xC0:
                 return pos + 1
@@ -339,6 +365,46 @@ class _Walker:
                 self.path = f"{prefix}<extra element {i}>"
                 pos = self.skip(pos, depth + 1)
         return pos
+
+    def build(self, pos: int, spec: Spec, path: str, depth: int) -> tuple[int, Any]:
+        """Check the value at ``pos`` like :meth:`value`; return its end and the value.
+
+        Records are built field by field (their extra elements skipped); any other field is
+        checked and then handed to msgpack, which can build whatever the check accepts.
+        """
+        self.path = path
+        if type(spec) is Optional and type(spec.inner) is not Scalar:
+            if self.code(pos) == 0xC0:
+                return pos + 1, None
+            return self.build(pos, spec.inner, path, depth)
+        if type(spec) is ListOf and type(spec.item) is Record:
+            n, pos = self.array(pos, "an array", depth)
+            items = []
+            for i in range(n):
+                pos, item = self.build(pos, spec.item, f"{path}[{i}]", depth + 1)
+                items.append(item)
+            return pos, items
+        if type(spec) is Record:
+            start = pos
+            n, pos = self.array(pos, f"a {spec.name} record (an array)", depth)
+            if n < spec.required:
+                self.fail(
+                    start,
+                    f"{spec.name} record has {n} fields; its first {spec.required} are required",
+                )
+            prefix = f"{path}." if path else ""
+            values = []
+            for i in range(n):
+                if i < len(spec.fields):
+                    name, field_spec = spec.fields[i]
+                    pos, value = self.build(pos, field_spec, prefix + name, depth + 1)
+                    values.append(value)
+                else:
+                    self.path = f"{prefix}<extra element {i}>"
+                    pos = self.skip(pos, depth + 1)
+            return pos, spec.build(*values)
+        end = self.value(pos, spec, path, depth)
+        return end, msgpack.unpackb(self.buf[pos:end], **_UNPACK_OPTIONS)
 
     def walk(self) -> None:
         n, pos = self.array(0, "an array of micro-batches", 1)
