@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from conftest import scaled
 
+from conftest import scaled
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileBatchReceiver, FileBatchSender, batch_path
 from trio_rl.wire import MicroBatch, encode
@@ -64,9 +64,7 @@ async def test_a_cancel_while_the_decode_limiter_is_held_leaves_the_step_on_disk
             assert receiver.next_step == 1
         assert batch_path(tmp_path, 1, 0).exists()
         start_step = receiver.next_step if start == "next_step" else None
-        async with BatchReceiver.files(
-            tmp_path, 0, start_step=start_step, delete=True
-        ) as again:
+        async with BatchReceiver.files(tmp_path, 0, start_step=start_step, delete=True) as again:
             assert again.next_step == 1
             assert await again.receive() == (1, sent[1])
             assert await again.receive() == (2, sent[2])

@@ -210,7 +210,9 @@ class FileBatchSender(BatchSender):
     def _rename_into_step_dir(tmp: Path, final: Path) -> None:
         for _ in range(_RENAME_ATTEMPTS):
             try:
-                final.parent.mkdir(exist_ok=True)
+                os.mkdir(final.parent)
+            except FileExistsError:
+                pass  # a file in its place makes the rename fail (NotADirectoryError)
             except OSError as exc:
                 raise _io_error("cannot create the step directory", final.parent, exc) from exc
             try:
