@@ -24,3 +24,4 @@ from ._protocol import GenerateRequest as GenerateRequest
 from ._protocol import SamplingParams as SamplingParams
 from ._simulated import EngineStatistics as EngineStatistics
 from ._simulated import SimulatedEngine as SimulatedEngine
+from ._torch import TorchEngine as TorchEngine

@@ -1,0 +1,169 @@
+"""The reference GRPO trainer: micro-batches from the transport in, AdamW steps out.
+
+Synchronous and thread-safe for one caller at a time: a trio trainer runs :meth:`train_step`
+in a worker thread. Under ``torch.distributed`` (gloo, one process per rank, e.g. torchrun)
+the model is wrapped in ``DistributedDataParallel``; every rank trains on its own micro-batches
+and gradients are all-reduced, so the step equals one rank's step on the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..trainer import TrainerTensors, to_torch
+from ..wire import MicroBatch
+from ._model import sequence_logprobs
+
+__all__ = ["GRPOTrainer", "StepStats", "TrainerConfig", "grpo_token_losses"]
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"TrainerConfig.{attribute.name} must be > 0, got {value}")
+
+
+@attrs.frozen
+class TrainerConfig:
+    """The optimisation of one step.
+
+    Each step runs ``epochs`` AdamW updates over the whole batch (PPO-style reuse); the
+    importance ratio against the inference logprobs is clipped to ``[1 - clip, 1 + clip]``.
+    """
+
+    lr: float = attrs.field(default=2e-3, validator=_positive)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    clip: float = attrs.field(default=0.2, validator=_positive)
+    epochs: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_grad_norm: float | None = 1.0
+
+
+@attrs.frozen
+class StepStats:
+    """What one :meth:`GRPOTrainer.train_step` did (global over ranks for the token count)."""
+
+    step: int
+    loss_tokens: int
+    loss: float
+    ratio_mean: float
+    clipped_fraction: float
+
+
+def _sequences(t: TrainerTensors) -> list[tuple[int, int]]:
+    """(start, length) of every sequence packed into a micro-batch."""
+    out, start = [], 0
+    for length in t.seq_lens.tolist():
+        out.append((start, int(length)))
+        start += int(length)
+    return out
+
+
+def grpo_token_losses(
+    model: nn.Module, t: TrainerTensors, clip: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped GRPO losses of one micro-batch, with ratios and a clipped flag.
+
+    Returns ``(losses, ratios, clipped)`` over the loss-masked tokens only. Sequences are
+    unpacked by ``seq_lens`` and scored at their own temperature; the ratio is
+    ``exp(logprob - inference_logprob)``.
+    """
+    ids = t.input_ids[0]
+    spans = _sequences(t)
+    seqs = [ids[s : s + n] for s, n in spans]
+    temps = t.temperatures[0]
+    by_temp: dict[float, list[int]] = {}
+    for i, (s, _) in enumerate(spans):
+        by_temp.setdefault(float(temps[s]), []).append(i)
+    logps: list[torch.Tensor] = [ids.new_zeros(0, dtype=torch.float32)] * len(seqs)
+    for temp, members in by_temp.items():
+        scored = sequence_logprobs(model, [seqs[i] for i in members], temperature=temp or 1.0)
+        for i, lp in zip(members, scored, strict=True):
+            logps[i] = lp
+    new = torch.cat(logps)
+    mask = t.loss_mask[0]
+    old = t.inference_logprobs[0][mask]
+    adv = t.advantages[0][mask]
+    ratio = torch.exp(new[mask] - old)
+    clipped_ratio = ratio.clamp(1.0 - clip, 1.0 + clip)
+    losses = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    clipped = (ratio * adv) > (clipped_ratio * adv)
+    return losses, ratio.detach(), clipped
+
+
+class GRPOTrainer:
+    """Trains ``model`` on the micro-batches of one rank per step.
+
+    With ``torch.distributed`` initialised, the model is wrapped in DDP: the loss of each rank
+    is its sum of token losses divided by the global number of loss tokens times the world size,
+    so DDP's gradient average is the global token-mean loss's gradient.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainerConfig | None = None) -> None:
+        self.config = config if config is not None else TrainerConfig()
+        self.model = model
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self._wrapped: nn.Module = DistributedDataParallel(model) if self.distributed else model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.config.lr,
+            betas=self.config.betas,
+            weight_decay=self.config.weight_decay,
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _global_tokens(self, tensors: Sequence[TrainerTensors]) -> int:
+        count = torch.tensor([sum(int(t.loss_mask.sum()) for t in tensors)], dtype=torch.int64)
+        if self.distributed:
+            dist.all_reduce(count)
+        return int(count.item())
+
+    def train_step(self, step: int, micro_batches: Sequence[MicroBatch]) -> StepStats:
+        """One optimisation step on this rank's ``micro_batches`` (every rank must call it)."""
+        tensors = [to_torch(mb) for mb in micro_batches]
+        total = self._global_tokens(tensors)
+        self.model.train()
+        loss_sum = ratio_sum = clipped_sum = 0.0
+        for _ in range(self.config.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = ratio_sum = clipped_sum = 0.0
+            for k, t in enumerate(tensors):
+                last = k == len(tensors) - 1
+                sync = self.distributed and not last
+                ctx = self._wrapped.no_sync() if sync else contextlib.nullcontext()  # type: ignore[operator]
+                with ctx:
+                    losses, ratios, clipped = grpo_token_losses(self._wrapped, t, self.config.clip)
+                    loss = losses.sum() * (self.world_size / max(total, 1))
+                    loss.backward()  # type: ignore[no-untyped-call]
+                loss_sum += float(losses.detach().sum())
+                ratio_sum += float(ratios.sum())
+                clipped_sum += float(clipped.sum())
+            if (
+                not tensors and self.distributed
+            ):  # pragma: no cover - the packer gives every rank some
+                raise RuntimeError("a rank got no micro-batch; DDP needs one per rank")
+            if self.config.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            self.optimizer.step()
+        local = torch.tensor([loss_sum, ratio_sum, clipped_sum], dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(local)
+        denom = max(total, 1)
+        loss_v, ratio_v, clipped_v = (float(x) for x in local.tolist())
+        return StepStats(
+            step=step,
+            loss_tokens=total,
+            loss=loss_v / denom,
+            ratio_mean=ratio_v / denom if total else math.nan,
+            clipped_fraction=clipped_v / denom,
+        )

@@ -1,0 +1,59 @@
+"""The weight watcher: a newly published version reaches every engine before it counts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from ..engines import EngineError
+from ..samples import PolicyVersion
+from ._weights import PublishedWeights, latest_weights
+
+__all__ = ["WeightLoader", "watch_weights"]
+
+logger = logging.getLogger("trio_rl.learn")
+
+
+class WeightLoader(Protocol):
+    """An engine that can load published weights (e.g. :class:`~trio_rl.engines.TorchEngine`)."""
+
+    async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None: ...
+
+
+async def watch_weights(
+    root: str | os.PathLike[str],
+    engines: Sequence[WeightLoader],
+    set_policy_version: Callable[[PolicyVersion], None],
+    *,
+    current: PolicyVersion = 0,
+    poll_interval: float = 0.02,
+    on_loaded: Callable[[PublishedWeights], None] | None = None,
+) -> None:
+    """Poll ``root`` for published weights; load each newer version into every engine, then call
+    ``set_policy_version`` (e.g. :meth:`Orchestrator.set_policy_version`).
+
+    Only the newest version is loaded when several appeared between two polls. A version that
+    cannot be loaded (e.g. pruned while being read) is logged and retried at the next poll.
+    Runs until cancelled; cancellation during a load leaves the engines on the weights they had
+    and the policy version where it was.
+    """
+    where = Path(root)
+    while True:
+        latest = await trio.to_thread.run_sync(latest_weights, where)
+        if latest is not None and latest.version > current:
+            try:
+                for engine in engines:
+                    await engine.load_weights(latest.path, latest.version)
+            except EngineError as exc:
+                logger.warning("could not load weights %s: %s", latest.path, exc)
+            else:
+                current = latest.version
+                set_policy_version(current)
+                if on_loaded is not None:
+                    on_loaded(latest)
+        await trio.sleep(poll_interval)

@@ -1,0 +1,362 @@
+"""The learning run: a tiny model that visibly learns under asynchronous RL, in one process.
+
+Engine (:class:`~trio_rl.engines.TorchEngine`) -> orchestrator -> file transport -> GRPO
+trainer (in-process, in worker threads; or DDP ranks under torchrun) -> published weights ->
+weight watcher -> engine. :func:`run_learning` prints the mean reward of every shipped step and
+writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import torch
+import trio
+
+from ..engines import SamplingParams, TorchEngine
+from ..orchestrator import OrchestratorConfig, open_orchestrator
+from ..publish import Shipment
+from ..rollout import InMemorySource
+from ..samples import PolicyVersion
+from ..trainer import BatchReceiver
+from ..transport import FileBatchReceiver, FileBatchSender
+from ._model import CharTransformer, ModelConfig
+from ._task import EOS, TASKS, Tokenizer, make_prompts
+from ._trainer import GRPOTrainer, StepStats, TrainerConfig
+from ._watcher import watch_weights
+from ._weights import publish_weights
+
+__all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
+
+logger = logging.getLogger("trio_rl.learn")
+
+RUN_FILE = "run.json"
+
+
+def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value < n:
+            raise ValueError(f"LearnConfig.{attribute.name} must be >= {n}, got {value}")
+
+    return check
+
+
+@attrs.frozen
+class LearnConfig:
+    """A learning run. ``trainer_mode``: ``"inprocess"`` trains in this process (worker
+    threads); ``"torchrun"`` launches ``torchrun --nproc_per_node=ranks -m
+    trio_rl.learn.trainer_main``; ``"external"`` expects that job to be started separately."""
+
+    out: Path = attrs.field(converter=Path)
+    task: str = attrs.field(default="copy", validator=attrs.validators.in_(TASKS))
+    steps: int = attrs.field(default=200, validator=_at_least(1))
+    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
+    group_size: int = attrs.field(default=16, validator=_at_least(2))
+    seed: int = 0
+    temperature: float = 1.0
+    max_off_policy_steps: int | None = attrs.field(default=2, validator=_at_least(0))
+    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
+    trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
+    d_model: int = 64
+    n_layers: int = 3
+    #: Seconds the in-process trainer waits after each step before publishing (forces staleness).
+    trainer_delay: float = 0.0
+    trainer_mode: Literal["inprocess", "torchrun", "external"] = "inprocess"
+    ranks: int = attrs.field(default=1, validator=_at_least(1))
+    weights_keep: int = attrs.field(default=3, validator=_at_least(1))
+    #: Stop after this many seconds even if ``steps`` were not all shipped.
+    time_limit: float | None = None
+    #: Stop once the mean reward of ``stop_window`` consecutive steps reaches this.
+    stop_at_reward: float | None = None
+    stop_window: int = 5
+    prompts: int = 4096
+    verbose: bool = True
+    plot: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["out"] = str(self.out)
+        return d
+
+
+@attrs.frozen
+class LearnResult:
+    metrics: list[dict[str, Any]]
+    counters: dict[str, int]
+    trainer_steps: list[StepStats]
+    wall_s: float
+    out: Path
+
+
+def build_model(config: LearnConfig) -> tuple[CharTransformer, Tokenizer]:
+    """The initial policy (seeded by ``config.seed``: every process builds the same one)."""
+    task = TASKS[config.task]
+    tokenizer = task.tokenizer
+    torch.manual_seed(config.seed)
+    model = CharTransformer(
+        ModelConfig(
+            tokenizer.vocab_size,
+            d_model=config.d_model,
+            n_layers=config.n_layers,
+            max_len=task.max_prompt + task.max_answer + 1,
+        )
+    )
+    return model, tokenizer
+
+
+def _p95(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+async def _probe_loop_lag(lags: list[float], interval: float = 0.005) -> None:
+    while True:
+        start = trio.current_time()
+        await trio.sleep(interval)
+        lags.append(trio.current_time() - start - interval)
+
+
+def _train_and_publish(
+    trainer: GRPOTrainer, step: int, micro_batches: Any, weights: Path, keep: int
+) -> StepStats:
+    stats = trainer.train_step(step, micro_batches)
+    publish_weights(weights, step, trainer.model.state_dict(), keep=keep, meta={"step": step})
+    return stats
+
+
+async def _train_inprocess(
+    config: LearnConfig, model: torch.nn.Module, stats: list[StepStats]
+) -> None:
+    trainer = GRPOTrainer(model, config.trainer)
+    limiter = trio.CapacityLimiter(1)
+    receiver = BatchReceiver(
+        FileBatchReceiver(
+            config.out, 0, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
+        )
+    )
+    async with receiver:
+        async for step, micro_batches in receiver:
+            if config.trainer_delay:
+                await trio.sleep(config.trainer_delay)
+            stats.append(
+                await trio.to_thread.run_sync(
+                    _train_and_publish,
+                    trainer,
+                    step,
+                    micro_batches,
+                    config.out / "weights",
+                    config.weights_keep,
+                    limiter=limiter,
+                )
+            )
+
+
+async def _run_torchrun(config: LearnConfig) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={config.ranks}",
+        "--master_addr=127.0.0.1",
+        "--master_port=0",
+        "-m",
+        "trio_rl.learn.trainer_main",
+        "--out",
+        str(config.out),
+    ]
+    await trio.run_process(cmd, check=True)
+
+
+def _record(
+    shipment: Shipment, lags: list[float], started: float, last_wall: float, version: int
+) -> dict[str, Any]:
+    r = shipment.record
+    wall = time.perf_counter() - started
+    dt = max(wall - last_wall, 1e-9)
+    return {
+        "step": r.step,
+        "reward_mean": r.all.reward_mean,
+        "reward_count": r.all.reward_count,
+        "samples": r.effective.samples,
+        "tokens": r.effective.tokens,
+        "off_policy_max": r.effective.off_policy.max or 0,
+        "loop_lag_p95_ms": round(_p95(lags) * 1e3, 3),
+        "wall_s": round(wall, 3),
+        "samples_per_s": round(r.all.reward_count / dt, 2),
+        "tokens_per_s": round(r.effective.tokens / dt, 1),
+        "policy_version": version,
+        "stale": int(r.counters.get("stale", 0)),
+        "pruned": int(r.counters.get("pruned", 0)),
+        "policy_wait_s": round(r.policy_wait, 4),
+    }
+
+
+async def run_learning(config: LearnConfig) -> LearnResult:
+    """Run the learning run described by ``config``; return its metrics.
+
+    Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
+    and, with ``config.plot``, ``plot.png`` into ``config.out``. torch should be imported (and
+    ``torch.set_num_threads`` chosen) before ``trio.run``.
+
+    Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
+    ``metrics.jsonl`` holds the steps shipped so far.
+    """
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
+    model, _ = build_model(config)
+    task = TASKS[config.task]
+    engine_model = copy.deepcopy(model).eval()
+    prompts = make_prompts(task, config.prompts, config.seed)
+    source = InMemorySource(prompts, epochs=None)
+    orch_config = OrchestratorConfig(
+        batch_groups=config.batch_groups,
+        group_size=config.group_size,
+        max_off_policy_steps=config.max_off_policy_steps,
+        max_async_level=config.max_async_level,
+        sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=config.temperature),
+        seed=config.seed,
+        seq_len=1024,
+    )
+    metrics: list[dict[str, Any]] = []
+    trainer_steps: list[StepStats] = []
+    lags: list[float] = []
+    started = time.perf_counter()
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    send, receive = trio.open_memory_channel[Shipment](64)
+    version = [0]
+
+    def set_version(v: PolicyVersion) -> None:
+        version[0] = v
+        orch.set_policy_version(v)
+
+    drained = trio.Event()
+
+    async def consume(receive: trio.MemoryReceiveChannel[Shipment]) -> None:
+        last_wall = 0.0
+        async with receive:
+            async for shipment in receive:
+                rec = _record(shipment, lags, started, last_wall, version[0])
+                lags.clear()
+                last_wall = rec["wall_s"]
+                metrics.append(rec)
+                line = json.dumps(rec) + "\n"
+                await trio.to_thread.run_sync(_append, metrics_path, line)
+                if config.verbose:
+                    reward = rec["reward_mean"]
+                    print(
+                        f"step {rec['step']:>4}  reward "
+                        f"{'-' if reward is None else f'{reward:.3f}'}"
+                        f"  policy v{rec['policy_version']:<4} off-policy max "
+                        f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
+                        f"{rec['samples_per_s']:>6.1f} samples/s  "
+                        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  {rec['wall_s']:.1f} s",
+                        flush=True,
+                    )
+        drained.set()
+
+    sender = FileBatchSender(out, config.ranks, fsync=False)
+    async with (
+        sender,
+        TorchEngine.open(
+            engine_model,
+            eos_token_id=EOS,
+            max_len=engine_model.cfg.max_len,
+            limiter=trio.CapacityLimiter(1),
+            seed=config.seed,
+        ) as engine,
+        open_orchestrator(
+            engine,
+            source,
+            sender,
+            config=orch_config,
+            sample_reward=task.reward(),
+            monitor=send,
+        ) as orch,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(consume, receive)
+        nursery.start_soon(_probe_loop_lag, lags)
+        nursery.start_soon(
+            lambda: watch_weights(out / "weights", [engine], set_version, poll_interval=0.005)
+        )
+        if config.trainer_mode == "inprocess":
+            if config.ranks != 1:
+                raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
+            nursery.start_soon(_train_inprocess, config, model, trainer_steps)
+        elif config.trainer_mode == "torchrun":
+            nursery.start_soon(_run_torchrun, config)
+        if config.verbose:
+            print(
+                f"learning run: task {config.task!r} ({task.description}), "
+                f"{sum(p.numel() for p in model.parameters())} parameters, "
+                f"{config.batch_groups} groups x {config.group_size} samples per step, "
+                f"trainer {config.trainer_mode} x{config.ranks}, run directory {out}",
+                flush=True,
+            )
+        deadline = None if config.time_limit is None else started + config.time_limit
+        rewards: list[float] = []
+        for _ in range(config.steps):
+            summary = await orch.run(1)
+            rewards.extend(r.all.reward_mean or 0.0 for r in summary.records)
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            window = rewards[-config.stop_window :]
+            if (
+                config.stop_at_reward is not None
+                and len(window) == config.stop_window
+                and min(window) >= config.stop_at_reward
+            ):
+                break
+        counters = attrs.asdict(orch.sink.counters)
+        send.close()
+        # let the consumer drain what was shipped, then stop the helpers
+        with trio.move_on_after(5):
+            await drained.wait()
+        nursery.cancel_scope.cancel()
+    wall = time.perf_counter() - started
+    if config.plot and metrics:
+        await trio.to_thread.run_sync(write_plot, metrics, out / "plot.png", config.task)
+    if config.verbose:
+        print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
+    return LearnResult(metrics, counters, trainer_steps, wall, out)
+
+
+def _append(path: Path, line: str) -> None:
+    with path.open("a") as f:
+        f.write(line)
+
+
+def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Reward (left axis) and samples per second (right axis) against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, [m["reward_mean"] or 0.0 for m in metrics], color="tab:blue", label="reward")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward", color="tab:blue")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.plot(steps, [m["samples_per_s"] for m in metrics], color="tab:orange", alpha=0.6)
+    ax2.set_ylabel("samples / s", color="tab:orange")
+    wall = metrics[-1]["wall_s"]
+    ax.set_title(f"trio-rl learning run {title} ({wall:.0f} s wall)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""The DDP trainer job: ``torchrun --nproc_per_node=N -m trio_rl.learn.trainer_main --out DIR``.
+
+Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file transport),
+trains with :class:`GRPOTrainer` under DistributedDataParallel (gloo), and rank 0 publishes the
+weights of every step under ``DIR/weights``. The run's shape (model, seed, trainer settings)
+is read from ``DIR/run.json``, written by the orchestrator process (:func:`run_learning`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import trio
+
+from ..trainer import BatchReceiver
+from ..transport import FileBatchReceiver
+from ._trainer import GRPOTrainer, TrainerConfig
+from ._weights import publish_weights
+from .run import RUN_FILE, LearnConfig, build_model
+
+__all__ = ["main", "load_run_config"]
+
+
+def load_run_config(out: Path, timeout: float = 60.0) -> LearnConfig:
+    """The :class:`LearnConfig` the orchestrator wrote to ``out/run.json`` (waits for it)."""
+    path = out / RUN_FILE
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+    raw = json.loads(path.read_text())
+    raw["trainer"] = TrainerConfig(**{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])})
+    return LearnConfig(**raw)
+
+
+async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: int | None) -> None:
+    receiver = BatchReceiver(
+        FileBatchReceiver(
+            config.out, rank, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
+        ),
+        stop_step=None if steps is None else steps + 1,
+    )
+    limiter = trio.CapacityLimiter(1)
+    async with receiver:
+        async for step, micro_batches in receiver:
+            stats = await trio.to_thread.run_sync(
+                trainer.train_step, step, micro_batches, limiter=limiter
+            )
+            if rank == 0:
+                publish = functools.partial(
+                    publish_weights,
+                    config.out / "weights",
+                    step,
+                    trainer.model.state_dict(),
+                    keep=config.weights_keep,
+                    meta={"step": step, "world_size": trainer.world_size},
+                )
+                await trio.to_thread.run_sync(publish, limiter=limiter)
+                print(
+                    f"trainer step {step}: {stats.loss_tokens} loss tokens, loss "
+                    f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
+                    flush=True,
+                )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trio_rl.learn.trainer_main", description=__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="the run directory")
+    parser.add_argument("--steps", type=int, default=None, help="stop after this step")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        config = load_run_config(args.out)
+        if dist.get_world_size() != config.ranks:
+            raise SystemExit(
+                f"torchrun started {dist.get_world_size()} ranks but {args.out / RUN_FILE} "
+                f"says ranks={config.ranks}"
+            )
+        model, _ = build_model(config)
+        trainer = GRPOTrainer(model, config.trainer)
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        trio.run(_serve, config, trainer, rank, args.steps)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
