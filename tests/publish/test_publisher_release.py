@@ -280,6 +280,7 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     jobs = 0
     shipped_steps: list[int] = []
     checkpoints: list[int] = []
+    pending: list[int] = []
 
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
@@ -321,11 +322,14 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
                     sink, sender, pack=pack, encode=enc, release=release, checkpointer=Checkpoints()
                 ) as pub,
             ):
-                while True:
-                    record = await pub.publish(force=True)
-                    if record is None:
-                        break
-                    shipped_steps.append(record.step)
+                try:
+                    while True:
+                        record = await pub.publish(force=True)
+                        if record is None:
+                            break
+                        shipped_steps.append(record.step)
+                finally:
+                    pending.extend(pub.pending_steps)
 
     trio.run(main)
     shipped = sink.step - 1
@@ -336,6 +340,8 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     assert sum(releases) == sink.counters.shipped
     assert sink.counters.shipped + sink.queued == total
     assert sink.held == sink.queued  # nothing stuck in a cut
+    # a step booked (and checkpointed) whose send was cancelled stays pending, to be re-sent
+    assert set(pending) <= {shipped}
     for step in range(1, shipped + 1):
-        assert batch_path(tmp_path, step, 0).exists()
+        assert batch_path(tmp_path, step, 0).exists() != (step in pending)
     assert not batch_path(tmp_path, shipped + 1, 0).exists()

@@ -335,12 +335,62 @@ class Publisher:
             self._pending[step] = list(payloads)
             mark = time.perf_counter()
             # A failure or cancellation here does not requeue (the books say shipped): the
-            # step stays pending and is re-sent, identical, before the next step.
-            await self._send(step, payloads)
-            await self._confirm(step)
+            # step stays pending and is re-sent, identical, before the next step. The monitor
+            # follows the books, so it sees the step either way (shielded when the send failed).
+            try:
+                await self._send(step, payloads)
+                await self._confirm(step)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self._finish(
+                        step,
+                        started,
+                        timings,
+                        samples,
+                        detached,
+                        payloads,
+                        grid,
+                        pruned,
+                        all_stats,
+                        effective,
+                        counters,
+                        policy_wait,
+                    )
+                raise
             timings["send"] = encoded + time.perf_counter() - mark
         else:
             timings["checkpoint"] = 0.0
+        return await self._finish(
+            step,
+            started,
+            timings,
+            samples,
+            detached,
+            payloads,
+            grid,
+            pruned,
+            all_stats,
+            effective,
+            counters,
+            policy_wait,
+        )
+
+    async def _finish(
+        self,
+        step: int,
+        started: float,
+        timings: dict[str, float],
+        samples: list[TrainingSample],
+        detached: DetachedBatch,
+        payloads: list[Payload],
+        grid: list[list[MicroBatch]],
+        pruned: PruneResult | None,
+        all_stats: Any,
+        effective: Any,
+        counters: dict[str, Any],
+        policy_wait: float,
+    ) -> ShipRecord:
+        # A booked step: schedule its memory release, then tell the monitor.
         monitor_copy = list(samples)
         ranks, per_rank = len(grid), len(grid[0]) if grid else 0
         payload_bytes = sum(len(p) for p in payloads)
@@ -350,8 +400,6 @@ class Publisher:
             containers += [pruned.kept, pruned.pruned]
         await self._schedule_release(containers)
         timings["release_wait"] = time.perf_counter() - mark
-        del samples, payloads, grid, batch
-
         record = ShipRecord(
             step=step,
             all=all_stats,
