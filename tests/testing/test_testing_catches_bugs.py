@@ -226,3 +226,42 @@ def test_catches_a_deadlock() -> None:
     assert error.invariant == 6
     assert "deadlock" in error.detail
     _shrunk(error, most_steps=6)
+
+
+class SecondFailureBookedTwiceRunner(LeakyRunner):
+    """Books a group's second failure twice (the bug): only when two samples fail in the same
+    tick, before the first failure's cancellation reaches the second."""
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        failures: list[tuple[int | None, Exception]] = []
+
+        async def one(sample: Sample, scope: trio.CancelScope) -> None:
+            try:
+                await self.generate(sample)
+            except Exception as exc:
+                failures.append((sample.index, exc))
+                if len(failures) > 1 and on_sample_done is not None:
+                    on_sample_done(sample)  # BUG: the finally below books it again
+                scope.cancel()
+            finally:
+                if on_sample_done is not None:
+                    on_sample_done(sample)
+
+        async with trio.open_nursery() as nursery:
+            for sample in group.samples:
+                if sample.status is SampleStatus.PENDING:
+                    nursery.start_soon(one, sample, nursery.cancel_scope)
+        if failures:
+            raise GroupFailed(group, failures)
+        return group
+
+
+def test_catches_a_second_simultaneous_failure_booked_twice() -> None:
+    subject = RolloutSubject(runner=SecondFailureBookedTwiceRunner)
+    error = _hunt(credit_loop_property(subject, settings_=HUNT))
+    assert error.invariant == 1
+    assert "returned 2 credits" in error.detail
+    assert "fail together" in str(error)
+    _shrunk(error, most_steps=6)

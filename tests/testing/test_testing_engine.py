@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import trio
 import trio.testing
 
 from trio_rl.engines import Completion, Engine, GenerateRequest
+from trio_rl.rollout import GroupFailed, GroupRunner, engine_generate
+from trio_rl.samples import Group, Prompt, Sample
 from trio_rl.testing import Fate, ScriptedEngine, ScriptedFailure
 
 
@@ -84,3 +88,57 @@ def test_fate_validates() -> None:
         Fate("explode")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         Fate("stop", after=-1.0)
+
+
+def _group(size: int) -> Group:
+    samples = [Sample(index=i, group_index=0, prompt_tokens=(i,)) for i in range(size)]
+    return Group(group_id="g", prompt=Prompt(key="g", tokens=(0,)), samples=samples)
+
+
+async def _run_and_settle(settle: Callable[[ScriptedEngine], None]) -> GroupFailed:
+    engine = ScriptedEngine(lambda _r: Fate("stop"))
+    runner = GroupRunner(engine_generate(engine))
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            result: list[GroupFailed] = []
+
+            async def run() -> None:
+                try:
+                    await runner.run(_group(4))
+                except GroupFailed as exc:
+                    result.append(exc)
+
+            nursery.start_soon(run)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(engine.held) == 4
+            settle(engine)
+    (failed,) = result
+    assert [c.outcome for c in engine.calls].count("cancelled") == 4 - len(failed.failures)
+    return failed
+
+
+async def test_fail_together_fails_several_calls_in_one_tick() -> None:
+    # Three calls waiting on one event raise together: the group sees three failures, as with
+    # a real engine; settling them one by one lets the first failure cancel the others.
+    def together(engine: ScriptedEngine) -> None:
+        engine.fail_together(sorted(engine.held, key=lambda c: c.number)[:3])
+
+    def one_by_one(engine: ScriptedEngine) -> None:
+        for call in sorted(engine.held, key=lambda c: c.number)[:3]:
+            engine.settle(call, "raise")
+
+    failed = await _run_and_settle(together)
+    assert len(failed.failures) == 3
+    assert all(isinstance(exc, ScriptedFailure) for _, exc in failed.failures)
+    assert len((await _run_and_settle(one_by_one)).failures) == 1
+
+
+async def test_fail_together_refuses_a_call_not_held() -> None:
+    engine = ScriptedEngine(lambda _r: Fate("stop"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.generate, GenerateRequest((1,)))
+        await trio.testing.wait_all_tasks_blocked()
+        (call,) = engine.held
+        engine.settle(call)
+        with pytest.raises(ValueError, match="not waiting"):
+            engine.fail_together([call])

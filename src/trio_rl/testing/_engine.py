@@ -14,7 +14,7 @@ running and that every started sample settled exactly once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -74,6 +74,8 @@ class Call:
     outcome: Outcome | None = None
     _release: trio.Event = attrs.field(factory=trio.Event, alias="_release")
     _forced: Fate | None = attrs.field(default=None, alias="_forced")
+    #: Released by :meth:`ScriptedEngine.fail_together`: raise on waking, with no checkpoint.
+    _at_once: bool = attrs.field(default=False, alias="_at_once")
 
     @property
     def running(self) -> bool:
@@ -122,7 +124,8 @@ class ScriptedEngine:
             final = fate
             if call._forced is not None:
                 final = call._forced
-                await trio.sleep(final.after or 0.0)
+                if not call._at_once:
+                    await trio.sleep(final.after or 0.0)
             if final.kind == "hang":
                 await trio.sleep_forever()
             if final.kind == "raise":
@@ -152,6 +155,24 @@ class ScriptedEngine:
         if kind is not None or after:
             call._forced = Fate(kind or call.fate.kind, after=after, tokens=call.fate.tokens)
         call._release.set()
+
+    def fail_together(self, calls: Sequence[Call]) -> None:
+        """Make the held ``calls`` all raise :class:`ScriptedFailure` in the same tick.
+
+        They are released together and each raises as soon as it wakes, with no checkpoint in
+        between, so a cancellation that the first failure triggers (a group runner cancelling
+        the siblings) cannot reach the others first: like a real engine failing several
+        samples that wait on one event. Raises ``ValueError`` if one is not held.
+        """
+        for call in calls:
+            if not call.running or call._release.is_set():
+                raise ValueError(f"call {call.number} is not waiting to be settled")
+        for call in calls:
+            call._forced = Fate("raise", after=0.0, tokens=call.fate.tokens)
+            call._at_once = True
+            # Setting each event in this one synchronous stretch wakes all of them in the same
+            # scheduler batch, exactly as one shared event would.
+            call._release.set()
 
     @property
     def running(self) -> list[Call]:

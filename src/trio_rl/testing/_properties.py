@@ -46,7 +46,7 @@ __all__ = [
     "sync_driver_property",
 ]
 
-_ENGINE_STEPS = ["settle", "settle", "settle all", "advance"]
+_ENGINE_STEPS = ["settle", "settle", "settle all", "fail together", "advance"]
 #: Every phase but "explain", which re-runs failing examples under a tracer (slow, and the
 #: schedule in the error already explains).
 _PHASES = tuple(p for p in Phase if p is not Phase.explain)

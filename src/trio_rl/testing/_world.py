@@ -2,7 +2,8 @@
 
 One Hypothesis example is one ``trio.run`` under a manual ``MockClock``. The harness alternates
 *steps* (Hypothesis draws one adversary move: settle a held engine call with some fate, settle
-them all at once, or let virtual time pass) with *checks* made once every task is blocked.
+them all at once, make several raise in the same tick, or let virtual time pass) with *checks*
+made once every task is blocked.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class World:
         return self.draw(strategy, "schedule")
 
     async def engine_step(self, step: Step) -> None:
-        """Apply one engine move: ``settle``, ``settle all`` or ``advance``."""
+        """Apply one engine move: ``settle``, ``settle all``, ``fail together`` or ``advance``."""
         held = sorted(self.engine.held, key=lambda c: c.number)
         if step.action == "settle" and held:
             call = held[step.pick % len(held)]
@@ -98,6 +99,14 @@ class World:
             )
             for call in held:
                 self.engine.settle(call, step.kind if call is chosen else "stop", after=step.after)
+        elif step.action == "fail together" and held and "raise" in self.subject.kinds:
+            # Several calls raise in one tick (1 + value of them, from the picked one on): the
+            # runner sees more than one failure before any cancellation lands.
+            start = step.pick % len(held)
+            failing = (held + held)[start : start + min(len(held), 1 + step.value)]
+            names = ", ".join(self._name(c) for c in failing)
+            self.log(f"fail together {len(failing)} held in one tick: {names}")
+            self.engine.fail_together(failing)
         elif step.action == "advance":
             dt = ADVANCE_SECONDS[(step.value - 1) % len(ADVANCE_SECONDS)]
             self.log(f"advance {dt:g}s")
