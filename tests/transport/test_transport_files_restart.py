@@ -105,7 +105,7 @@ async def test_resume_with_nothing_to_resume_from_says_so(tmp_path: Path) -> Non
 
 async def test_an_unacknowledged_step_cannot_be_skipped(tmp_path: Path) -> None:
     await send_steps(tmp_path, range(2))
-    async with FileBatchReceiver(tmp_path, 0, delete=True) as rx:
+    async with FileBatchReceiver(tmp_path, 0, delete=True, timeout=5) as rx:
         with pytest.raises(ValueError, match="cannot ack step 0: not received yet"):
             await rx.ack(0)
         assert await receive_data(rx) == (0, b"0:0")
@@ -258,7 +258,7 @@ async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path
         with pytest.raises(RuntimeError, match="ended at step 4"):
             await sender.send(4, [b"", b""])
     # A resumed receiver of a finished stream ends at once.
-    async with FileBatchReceiver(tmp_path, 0, start_step=None) as rx:
+    async with FileBatchReceiver(tmp_path, 0, start_step=None, timeout=5) as rx:
         assert rx.next_step == 4
         with pytest.raises(EndOfStream):
             await rx.receive()
