@@ -21,9 +21,13 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": {"wire", "transport"},
     "testing": {"samples", "engines", "rollout"},
     "orchestrator": {"samples", "wire", "engines", "rollout", "train", "publish", "transport"},
-    "cli": {
+    "learn": {
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
         "orchestrator",
+    },
+    "cli": {
+        *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
+        *("orchestrator", "learn"),
     },
 }
 

@@ -1,0 +1,186 @@
+"""TorchEngine: real logprobs, batching, cancellation between decode steps, weight loading."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from trio_rl.engines import EngineClosedError, EngineError, GenerateRequest, SamplingParams
+from trio_rl.engines import TorchEngine
+from trio_rl.learn import TASKS, CharTransformer, ModelConfig, publish_weights, sequence_logprobs
+
+torch.set_num_threads(1)
+TASK = TASKS["copy"]
+EOS = 1
+
+
+def _model(seed: int = 0, max_len: int = 48) -> CharTransformer:
+    torch.manual_seed(seed)
+    model = CharTransformer(ModelConfig(TASK.tokenizer.vocab_size, max_len=max_len))
+    # a non-uniform head, so logprobs differ from token to token
+    torch.nn.init.normal_(model.head.weight, std=0.5)
+    return model.eval()
+
+
+def _request(prompt: str, seed: int, max_tokens: int = 7, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(
+        prompt_tokens=TASK.tokenizer.encode(prompt),
+        params=SamplingParams(max_tokens=max_tokens, seed=seed, **kw),
+        request_id=f"r{seed}",
+    )
+
+
+async def _generate_group(engine: TorchEngine, prompt: str, n: int, **kw: Any) -> list[Any]:
+    out: list[Any] = [None] * n
+
+    async def one(i: int) -> None:
+        out[i] = await engine.generate(_request(prompt, seed=100 + i, **kw))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_reported_logprobs_equal_the_trainers_recomputed_ones(temperature: float) -> None:
+    model = _model()
+    with trio.fail_after(30):
+        async with TorchEngine.open(model, eos_token_id=EOS, max_len=48) as engine:
+            completions = await _generate_group(engine, "abcab=", 8, temperature=temperature)
+    # the 8 samples of one prompt were decoded together, in one batch
+    assert engine.statistics().batches == 1
+    prompt = list(TASK.tokenizer.encode("abcab="))
+    seqs = [torch.tensor(prompt + c.tokens) for c in completions]
+    recomputed = sequence_logprobs(model, seqs, temperature=temperature)
+    assert len({tuple(c.tokens) for c in completions}) > 1  # really sampled
+    for c, lp in zip(completions, recomputed, strict=True):
+        assert c.policy_version == 0
+        assert c.finish_reason == ("stop" if c.tokens[-1] == EOS else "length")
+        assert len(c.logprobs) == len(c.tokens) > 0
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp[len(prompt) :], atol=1e-4, rtol=0)
+
+
+async def test_same_seed_same_completion_whatever_the_batch() -> None:
+    model = _model()
+    with trio.fail_after(30):
+        async with TorchEngine.open(model, eos_token_id=EOS, max_len=48) as engine:
+            alone = await engine.generate(_request("abc=", seed=7))
+            group = await _generate_group(engine, "abc=", 4)
+            again = await engine.generate(_request("abc=", seed=7))
+    assert alone.tokens == again.tokens
+    assert len(group) == 4
+
+
+class _SlowModel(torch.nn.Module):
+    """Never ends a completion (eos is masked) and takes 20 ms per decode step."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(0.02)
+        logits: torch.Tensor = self.inner(ids).clone()
+        logits[..., EOS] = float("-inf")
+        return logits
+
+
+async def test_cancelling_a_request_stops_its_batch_between_decode_steps() -> None:
+    slow = _SlowModel(_model(max_len=64))
+    with trio.fail_after(30):
+        async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
+            with trio.move_on_after(0.15) as scope:
+                await engine.generate(_request("ab=", seed=1, max_tokens=50))
+            assert scope.cancelled_caught
+            while engine.statistics().running_batches:
+                await trio.sleep(0.01)
+            stats = engine.statistics()
+            # 50 steps would take a second; it stopped a few steps after the cancellation
+            assert stats.abandoned == 1
+            assert 1 <= stats.decode_steps <= 20, stats
+            assert slow.calls == stats.decode_steps
+            assert stats.completions == 0
+            # the engine still serves other requests afterwards
+            done = await engine.generate(_request("ab=", seed=2, max_tokens=3))
+            assert len(done.tokens) == 3 and done.finish_reason == "length"
+
+
+async def test_one_cancelled_row_leaves_the_rest_of_its_batch_running() -> None:
+    slow = _SlowModel(_model(max_len=64))
+    results: dict[int, Any] = {}
+    with trio.fail_after(30):
+        async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
+            async with trio.open_nursery() as nursery:
+
+                async def one(i: int, cancel_after: float | None) -> None:
+                    with trio.move_on_after(cancel_after if cancel_after else 1e9):
+                        results[i] = await engine.generate(_request("ab=", i, max_tokens=10))
+
+                nursery.start_soon(one, 0, 0.06)
+                nursery.start_soon(one, 1, None)
+                nursery.start_soon(one, 2, None)
+    assert sorted(results) == [1, 2]
+    assert all(len(results[i].tokens) == 10 for i in (1, 2))
+    assert engine.statistics().batches == 1
+
+
+async def test_closing_the_engine_stops_generation_and_fails_pending_requests() -> None:
+    slow = _SlowModel(_model(max_len=64))
+    errors: list[BaseException] = []
+
+    async def caller(engine: TorchEngine) -> None:
+        try:
+            await engine.generate(_request("ab=", seed=1, max_tokens=50))
+        except EngineClosedError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as outer:
+            async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
+                outer.start_soon(caller, engine)
+                await trio.sleep(0.1)
+            started = time.perf_counter()
+    assert len(errors) == 1
+    assert slow.calls < 20
+    assert time.perf_counter() - started < 0.5
+    with pytest.raises(EngineClosedError):
+        await engine.generate(_request("ab=", seed=1))
+
+
+async def test_load_weights_swaps_the_model_and_bumps_the_version(tmp_path: Path) -> None:
+    old, new = _model(seed=0), _model(seed=1)
+    published = publish_weights(tmp_path / "weights", 3, new.state_dict(), keep=2)
+    with trio.fail_after(30):
+        async with TorchEngine.open(old, eos_token_id=EOS, max_len=48) as engine:
+            before = await engine.generate(_request("abc=", seed=5))
+            await engine.load_weights(published.path, 3)
+            after = await engine.generate(_request("abc=", seed=5))
+            assert engine.policy_version == 3
+            assert engine.statistics().weight_loads == 1
+            with pytest.raises(EngineError, match="nowhere"):
+                await engine.load_weights(tmp_path / "nowhere", 4)
+            with pytest.raises(ValueError, match="cannot go back"):
+                await engine.load_weights(published.path, 2)
+            assert engine.policy_version == 3
+    assert before.policy_version == 0 and after.policy_version == 3
+    for name, tensor in new.state_dict().items():
+        torch.testing.assert_close(engine.model.state_dict()[name], tensor, atol=0, rtol=0)
+    # the original model object was not mutated
+    assert not torch.equal(old.head.weight, new.head.weight)
+    prompt = list(TASK.tokenizer.encode("abc="))
+    lp = sequence_logprobs(new, [torch.tensor(prompt + after.tokens)])[0]
+    torch.testing.assert_close(torch.tensor(after.logprobs), lp[len(prompt) :], atol=1e-4, rtol=0)
+
+
+async def test_a_prompt_too_long_for_the_model_is_refused() -> None:
+    async with TorchEngine.open(_model(max_len=10), eos_token_id=EOS, max_len=10) as engine:
+        with pytest.raises(EngineError, match="max_len 10"):
+            await engine.generate(_request("abcde=", seed=1, max_tokens=7))
