@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -55,7 +55,7 @@ from .train import (
     SinkCounters,
     TrainSink,
 )
-from .transport import BatchSender
+from .transport import BatchSender, Payload
 
 __all__ = [
     "Orchestrator",
@@ -174,6 +174,13 @@ class _RunCheckpointer:
 
     def write(self, snapshot: CheckpointSnapshot) -> Path:
         return self.manager.write(snapshot)
+
+    # The publisher's `Outbox`: a step's bytes are durable before it is visible.
+    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> Path:
+        return self.manager.write_outbox(step, payloads)
+
+    def clear_outbox(self, step: int) -> None:
+        self.manager.clear_outbox(step)
 
 
 class Orchestrator:
