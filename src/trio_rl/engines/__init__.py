@@ -9,6 +9,7 @@ from ._distributions import LogNormalTokens as LogNormalTokens
 from ._distributions import ParetoSeconds as ParetoSeconds
 from ._distributions import get_distribution as get_distribution
 from ._errors import EngineClosedError as EngineClosedError
+from ._errors import EngineConfigError as EngineConfigError
 from ._errors import EngineError as EngineError
 from ._errors import EngineRequestError as EngineRequestError
 from ._errors import EngineResponseError as EngineResponseError

@@ -14,11 +14,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 
+from ._errors import EngineConfigError
 from ._protocol import FinishReason
+from ._validate import positive_finite as _positive
+from ._validate import positive_int as _positive_int
+from ._validate import probability as _probability
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -30,18 +34,6 @@ __all__ = [
     "ParetoSeconds",
     "get_distribution",
 ]
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} must be > 0, got {value!r}")
-
-
-def _probability(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be in [0, 1], got {value!r}"
-        )
 
 
 @attrs.frozen
@@ -59,16 +51,16 @@ class Draw:
 
     def __attrs_post_init__(self) -> None:
         if (self.tokens is None) == (self.seconds is None):
-            raise ValueError(
+            raise EngineConfigError(
                 f"Draw needs exactly one of tokens and seconds, got tokens={self.tokens!r}, "
                 f"seconds={self.seconds!r}"
             )
         if self.tokens is not None and self.tokens < 0:
-            raise ValueError(f"Draw.tokens must be >= 0, got {self.tokens!r}")
+            raise EngineConfigError(f"Draw.tokens must be >= 0, got {self.tokens!r}")
         if self.seconds is not None and not (self.seconds >= 0 and math.isfinite(self.seconds)):
-            raise ValueError(f"Draw.seconds must be finite and >= 0, got {self.seconds!r}")
+            raise EngineConfigError(f"Draw.seconds must be finite and >= 0, got {self.seconds!r}")
         if self.finish_reason not in ("stop", "length", "abort"):
-            raise ValueError(
+            raise EngineConfigError(
                 f"Draw.finish_reason must be stop, length or abort, got {self.finish_reason!r}"
             )
 
@@ -93,7 +85,7 @@ class LogNormalTokens:
 
     median: float = attrs.field(default=4000.0, validator=_positive)
     sigma: float = attrs.field(default=1.1, validator=_positive)
-    cap: int = attrs.field(default=32768, validator=_positive)
+    cap: int = attrs.field(default=32768, validator=_positive_int)
     name: str = "long-cot"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
@@ -114,7 +106,7 @@ class CorrelatedTokens:
     prompt_median: float = attrs.field(default=2000.0, validator=_positive)
     prompt_sigma: float = attrs.field(default=0.7, validator=_positive)
     sample_sigma: float = attrs.field(default=0.6, validator=_positive)
-    cap: int = attrs.field(default=32768, validator=_positive)
+    cap: int = attrs.field(default=32768, validator=_positive_int)
     name: str = "correlated"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
@@ -181,4 +173,4 @@ def get_distribution(name: str) -> LatencyDistribution:
         return DISTRIBUTIONS[name]
     except KeyError:
         known = ", ".join(sorted(DISTRIBUTIONS))
-        raise ValueError(f"unknown latency distribution {name!r}; known: {known}") from None
+        raise EngineConfigError(f"unknown latency distribution {name!r}; known: {known}") from None

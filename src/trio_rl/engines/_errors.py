@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "EngineClosedError",
+    "EngineConfigError",
     "EngineError",
     "EngineRequestError",
     "EngineResponseError",
@@ -20,6 +21,14 @@ __all__ = [
 
 class EngineError(Exception):
     """Base class of every error an engine raises for one request."""
+
+
+class EngineConfigError(EngineError, ValueError):
+    """A bad setting, refused when the object is built (not a request failure).
+
+    The message names the class, the field and the bad value, e.g.
+    ``SamplingParams.max_tokens must be an int >= 1, got 0``. It is a ``ValueError`` too.
+    """
 
 
 class EngineClosedError(EngineError):

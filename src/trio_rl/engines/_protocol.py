@@ -7,6 +7,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from ..samples import PolicyVersion
+from ._validate import non_negative_finite, open_unit, optional_int, positive_int
 
 __all__ = ["Completion", "Engine", "FinishReason", "GenerateRequest", "SamplingParams"]
 
@@ -17,11 +18,15 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @attrs.frozen
 class SamplingParams:
-    max_tokens: int = 1024
-    temperature: float = 1.0
-    top_p: float = 1.0
+    """How to sample one completion. Bad values (``max_tokens < 1``, a negative or infinite
+    ``temperature``, ``top_p`` outside (0, 1]) raise
+    :class:`~trio_rl.engines.EngineConfigError` here, not at the first request."""
+
+    max_tokens: int = attrs.field(default=1024, validator=positive_int)
+    temperature: float = attrs.field(default=1.0, validator=non_negative_finite)
+    top_p: float = attrs.field(default=1.0, validator=open_unit)
     #: Deterministic per-sample seed (the group runner sets ``seed + index in group``).
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, validator=optional_int)
 
 
 @attrs.frozen
@@ -32,6 +37,10 @@ class GenerateRequest:
     routing_key: str | None = None
     #: Unique per attempt; used for engine-side abort.
     request_id: str = ""
+    #: The run-wide index of the sample this request generates (``engine_generate`` sets it).
+    #: Real engines ignore it; :class:`~trio_rl.engines.SimulatedEngine` keys its random draws
+    #: on it, so what a sample gets does not depend on the order requests arrive in.
+    sample_index: int | None = None
 
 
 @attrs.frozen

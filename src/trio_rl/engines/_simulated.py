@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections import Counter
 
@@ -14,27 +13,13 @@ from ..samples import PolicyVersion
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
 from ._errors import SimulatedEngineFailure
 from ._protocol import Completion, FinishReason, GenerateRequest
+from ._validate import an_int, positive_finite, positive_int, probability
 
 __all__ = ["EngineStatistics", "SimulatedEngine"]
 
 
 def _to_distribution(value: str | LatencyDistribution) -> LatencyDistribution:
     return get_distribution(value) if isinstance(value, str) else value
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"SimulatedEngine.{attribute.name} must be an int >= 1, got {value!r}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (value >= 0 and math.isfinite(value)):
-        raise ValueError(f"SimulatedEngine.{attribute.name} must be finite and >= 0, got {value!r}")
-
-
-def _rate(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"SimulatedEngine.{attribute.name} must be in [0, 1], got {value!r}")
 
 
 def _seed_of(*parts: object) -> int:
@@ -83,14 +68,26 @@ class SimulatedEngine:
     ``trio.testing.MockClock(autojump_threshold=0)`` it runs in virtual time, so a simulated hour
     takes milliseconds.
 
-    **Determinism.** Each request draws from its own ``random.Random``, seeded from the engine
-    ``seed``, the prompt tokens, the request's identity (``params.seed`` if set, else
-    ``request_id``) and how many times that identity was requested before (so a retry draws
-    afresh). Results therefore do not depend on the order in which tasks happen to run. A request
-    with neither a seed nor a request id falls back to a global arrival counter, which does
-    depend on scheduling order. The ``correlated`` distribution's per-prompt factor is seeded from
-    the engine seed and the prompt tokens only. (The engine keeps one small counter per distinct
-    request identity, so memory grows with the number of distinct requests.)
+    **Determinism.** Each request draws its length (or wall time), hang, failure and token ids
+    from its own ``random.Random``, seeded from the engine ``seed``, the prompt tokens, the
+    request's identity and how many times that identity was requested before (so a retry draws
+    afresh). The identity is ``request.sample_index`` (with ``params.seed``) when set, as
+    :func:`~trio_rl.rollout.engine_generate` does; else ``params.seed``; else ``request_id``.
+    What a sample gets therefore never depends on the order in which tasks run or requests
+    arrive. A request with none of the three falls back to a global arrival counter, which does.
+    The ``correlated`` distribution's per-prompt factor is seeded from the engine seed and the
+    prompt tokens only. (The engine keeps one small counter per distinct request identity, so
+    memory grows with the number of distinct requests.)
+
+    *When* each request finishes is a different matter: in real time it depends on the clock
+    (how fast the host runs the tasks), so which groups finish first, and therefore which
+    groups make a batch and how many requests a run makes before it stops, varies between runs
+    even with a fixed seed. Under ``trio.testing.MockClock(autojump_threshold=0)`` time is
+    virtual and a seeded run is exactly reproducible.
+
+    **Time scale.** ``time_scale`` multiplies every duration, token-based or wall-time, so the
+    hour-long ``swe`` and ``heavy-tail`` episodes can run in a demo (``seconds_per_token`` only
+    scales the token-based distributions, and sets how many tokens a wall-time episode reports).
 
     **Faults.** With probability ``hang_rate`` a request holds its slot until cancelled; with
     probability ``failure_rate`` it raises :class:`SimulatedEngineFailure` part-way through its
@@ -109,12 +106,16 @@ class SimulatedEngine:
     distribution: LatencyDistribution = attrs.field(
         default=LogNormalTokens(), converter=_to_distribution
     )
-    slots: int = attrs.field(default=256, validator=_positive_int)
-    seed: int = 0
+    slots: int = attrs.field(default=256, validator=positive_int)
+    seed: int = attrs.field(default=0, validator=an_int)
     #: Per-sequence decode time; the default is 30 tokens/s.
-    seconds_per_token: float = attrs.field(default=1.0 / 30.0, validator=_non_negative)
-    failure_rate: float = attrs.field(default=0.0, validator=_rate)
-    hang_rate: float = attrs.field(default=0.0, validator=_rate)
+    seconds_per_token: float = attrs.field(default=1.0 / 30.0, validator=positive_finite)
+    failure_rate: float = attrs.field(default=0.0, validator=probability)
+    hang_rate: float = attrs.field(default=0.0, validator=probability)
+    #: Multiplies every simulated duration, token-based or wall-time (``swe``, ``heavy-tail``,
+    #: the ``heavy-tail`` kill time): ``1e-4`` runs a 1500 s episode in 0.15 s of (real or
+    #: virtual) time. Token counts do not change.
+    time_scale: float = attrs.field(default=1.0, validator=positive_finite)
 
     _semaphore: trio.Semaphore = attrs.field(init=False)
     _version: PolicyVersion = attrs.field(init=False, default=0)
@@ -185,7 +186,9 @@ class SimulatedEngine:
     def _rngs(self, request: GenerateRequest) -> tuple[random.Random, random.Random]:
         prompt_seed = _seed_of(self.seed, "prompt", request.prompt_tokens)
         identity: object
-        if request.params.seed is not None:
+        if request.sample_index is not None:
+            identity = ("sample", request.sample_index, request.params.seed)
+        elif request.params.seed is not None:
             identity = ("seed", request.params.seed)
         elif request.request_id:
             identity = ("id", request.request_id)
@@ -217,15 +220,13 @@ class SimulatedEngine:
         finish: FinishReason = draw.finish_reason
         if draw.tokens is not None:
             n_tokens = min(draw.tokens, max_tokens)
-            duration = n_tokens * self.seconds_per_token
+            duration = n_tokens * self.seconds_per_token * self.time_scale
             if draw.tokens >= max_tokens and finish == "stop":
                 finish = "length"
         else:
             assert draw.seconds is not None
-            duration = draw.seconds
-            spt = self.seconds_per_token
-            natural = round(duration / spt) if spt > 0 else max_tokens
-            n_tokens = max(1, min(max_tokens, natural))
+            n_tokens = max(1, min(max_tokens, round(draw.seconds / self.seconds_per_token)))
+            duration = draw.seconds * self.time_scale
 
         self._in_flight += 1
         self._started += 1

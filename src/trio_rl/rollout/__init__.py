@@ -23,7 +23,9 @@ from ._credits import SubmissionPolicy as SubmissionPolicy
 from ._errors import CreditError as CreditError
 from ._errors import DataSourceError as DataSourceError
 from ._errors import DriverFailed as DriverFailed
+from ._errors import FailureBudgetExceeded as FailureBudgetExceeded
 from ._errors import GroupFailed as GroupFailed
+from ._errors import RolloutConfigError as RolloutConfigError
 from ._errors import RolloutError as RolloutError
 from ._errors import SourceExhausted as SourceExhausted
 from ._factory import GroupFactory as GroupFactory

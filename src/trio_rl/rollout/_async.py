@@ -24,11 +24,25 @@ from ._credits import (
     SampleBackfill,
     SubmissionPolicy,
 )
-from ._errors import DriverFailed, GroupFailed, RolloutError, SourceExhausted
+from ._errors import (
+    DriverFailed,
+    FailureBudgetExceeded,
+    GroupFailed,
+    RolloutConfigError,
+    RolloutError,
+    SourceExhausted,
+)
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples, run_reporting
 from ._sources import DataSource
 from ._sync import DynamicFilter
+from ._validate import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    non_negative_int,
+    optional_positive_int,
+)
 
 __all__ = [
     "AsyncDriverStatistics",
@@ -59,15 +73,21 @@ class FailurePolicy:
     (keeping indices, seeds and routing keys) and run the same group again, up to
     ``max_retries`` times, then skip it. ``"fail"``: stop the driver; the consumer's next
     :meth:`~AsyncRolloutDriver.next_batch` raises :class:`DriverFailed`.
+
+    ``max_consecutive_failures`` bounds a run that only fails (an engine refusing every
+    request): when that many group attempts in a row fail (retries count; any group that
+    finishes resets the count), the driver stops and the consumer's next call raises
+    :class:`DriverFailed` whose cause is :class:`FailureBudgetExceeded`, itself caused by the
+    last :class:`GroupFailed`. ``None`` removes the bound.
     """
 
-    action: Literal["skip", "retry", "fail"] = "skip"
-    max_retries: int = attrs.field(default=1)
+    action: Literal["skip", "retry", "fail"] = attrs.field(default="skip")
+    max_retries: int = attrs.field(default=1, validator=non_negative_int)
+    max_consecutive_failures: int | None = attrs.field(default=100, validator=optional_positive_int)
 
-    @max_retries.validator
-    def _check(self, attribute: attrs.Attribute[int], value: int) -> None:
-        if value < 0:
-            raise ValueError(f"max_retries must be >= 0, got {value}")
+    @action.validator
+    def _check_action(self, attribute: attrs.Attribute[str], value: str) -> None:
+        check_choice("FailurePolicy", attribute.name, value, ("skip", "retry", "fail"))
 
 
 @attrs.frozen
@@ -164,6 +184,7 @@ class AsyncRolloutDriver:
         self._closed = False
         self._failure: BaseException | None = None
         self._retries: dict[str, int] = {}
+        self._consecutive_failures = 0
         self._running: dict[str, Group] = {}
         self._submitted = self._completed = self._consumed = self._failed = self._retried = 0
         self._aborted_dropped = self._aborted_recycled = 0
@@ -226,8 +247,7 @@ class AsyncRolloutDriver:
         On cancellation, groups already taken by this call go back to the front of the buffer.
         """
         size = self.batch_size if batch_size is None else batch_size
-        if size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {size}")
+        check_int("AsyncRolloutDriver.next_batch", "batch_size", size, minimum=1)
         batch: list[Group] = []
         try:
             while len(batch) < size:
@@ -365,7 +385,7 @@ class AsyncRolloutDriver:
             # Reap until nothing is queued: reaping may wait on backpressure, and events that
             # arrive meanwhile must be applied before the next decision.
             while True:
-                outcomes.extend(scheduler.poll())
+                outcomes.extend(_in_index_order(scheduler.poll()))
                 if not outcomes:
                     break
                 await self._reap(outcomes.popleft())
@@ -387,7 +407,7 @@ class AsyncRolloutDriver:
             if dry != self._dry:
                 self._dry = dry
                 self._changed.fire()
-            outcomes.extend(await scheduler.wait_for_progress())
+            outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
 
     async def _reap(self, outcome: GroupOutcome) -> None:
         group = outcome.group
@@ -408,6 +428,7 @@ class AsyncRolloutDriver:
             assert outcome.error is not None
             self._handle_failure(group, outcome.error)
             return False
+        self._consecutive_failures = 0
         self._completed += 1
         if group.has_aborted:
             if self.aborted == "recycle":
@@ -428,6 +449,13 @@ class AsyncRolloutDriver:
         action = self.on_failure.action
         if action == "fail":
             raise error
+        self._consecutive_failures += 1
+        budget = self.on_failure.max_consecutive_failures
+        if budget is not None and self._consecutive_failures >= budget:
+            raise FailureBudgetExceeded(
+                f"{self._consecutive_failures} group attempts in a row failed "
+                f"(FailurePolicy.max_consecutive_failures={budget}); last: {error}"
+            ) from error
         tries = self._retries.get(group.group_id, 0)
         if action == "retry" and tries < self.on_failure.max_retries:
             self._retries[group.group_id] = tries + 1
@@ -441,6 +469,14 @@ class AsyncRolloutDriver:
         self._failed += 1
         logger.error("rollout group %s failed; skipping it", group.group_id, exc_info=error)
         self._discard(group, "failed")
+
+
+def _in_index_order(outcomes: list[GroupOutcome]) -> list[GroupOutcome]:
+    # Groups that finish at the same (virtual) instant report in whatever order trio ran their
+    # tasks, which trio deliberately varies; reaping them by first sample index keeps the
+    # buffer, and so every batch, independent of that order.
+    outcomes.sort(key=lambda o: o.group.first_index)
+    return outcomes
 
 
 def _first_real(exc: BaseException) -> BaseException:
@@ -487,23 +523,26 @@ async def open_async_rollout(
     Leaving the block cancels every running group and the worker, and waits for them: no
     task outlives it. Groups still buffered are discarded; save state first if needed.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    where = "open_async_rollout"
+    check_int(where, "batch_size", batch_size, minimum=1)
+    check_optional_int(where, "max_groups_in_flight", max_groups_in_flight, minimum=1)
+    check_optional_int(where, "max_samples_in_flight", max_samples_in_flight, minimum=1)
+    check_optional_int(where, "buffer_capacity", buffer_capacity, minimum=1)
+    check_optional_int(where, "max_staleness", max_staleness, minimum=0)
+    check_int(where, "policy_version", policy_version, minimum=0)
+    check_choice(where, "stale", stale, ("drop", "recycle"))
+    check_choice(where, "aborted", aborted, ("drop", "recycle"))
     if max_groups_in_flight is None:
         if max_samples_in_flight is not None:
             if max_samples_in_flight < factory.group_size:
-                raise ValueError(
-                    f"max_samples_in_flight ({max_samples_in_flight}) is below the group size "
-                    f"({factory.group_size})"
+                raise RolloutConfigError(
+                    f"open_async_rollout.max_samples_in_flight ({max_samples_in_flight}) is "
+                    f"below the group size ({factory.group_size})"
                 )
             max_groups_in_flight = max(1, max_samples_in_flight // factory.group_size)
         else:
             max_groups_in_flight = batch_size
-    if max_groups_in_flight < 1:
-        raise ValueError(f"max_groups_in_flight must be >= 1, got {max_groups_in_flight}")
     capacity = 2 * batch_size if buffer_capacity is None else buffer_capacity
-    if capacity < 1:
-        raise ValueError(f"buffer_capacity must be >= 1, got {capacity}")
     driver = AsyncRolloutDriver(
         source,
         factory,

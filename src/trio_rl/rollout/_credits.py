@@ -34,6 +34,7 @@ import trio
 
 from ..samples import Group
 from ._errors import CreditError, GroupFailed
+from ._validate import check_int
 
 __all__ = [
     "CreditEvent",
@@ -296,8 +297,7 @@ class CreditScheduler:
     """
 
     def __init__(self, policy: SubmissionPolicy, group_size: int) -> None:
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        check_int("CreditScheduler", "group_size", group_size, minimum=1)
         self.policy = policy
         self.group_size = group_size
         self.ledger = CreditLedger()

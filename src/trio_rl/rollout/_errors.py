@@ -12,7 +12,9 @@ __all__ = [
     "CreditError",
     "DataSourceError",
     "DriverFailed",
+    "FailureBudgetExceeded",
     "GroupFailed",
+    "RolloutConfigError",
     "RolloutError",
     "SourceExhausted",
 ]
@@ -20,6 +22,19 @@ __all__ = [
 
 class RolloutError(Exception):
     """Base class of every error raised by :mod:`trio_rl.rollout`."""
+
+
+class RolloutConfigError(RolloutError, ValueError):
+    """A bad setting, refused when the object is built (names the class, field and value)."""
+
+
+class FailureBudgetExceeded(RolloutError):
+    """Too many groups failed (see ``FailurePolicy.max_consecutive_failures`` and
+    ``SyncRolloutDriver.max_failures``); ``__cause__`` is the last :class:`GroupFailed`.
+
+    A group that fails the same way every time (an engine refusing every request) would
+    otherwise be retried, or replaced by a new prompt, without bound.
+    """
 
 
 class CreditError(RolloutError):

@@ -10,13 +10,9 @@ import attrs
 
 from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus, new_group_id
 from ._errors import DataSourceError
+from ._validate import non_negative_int, optional_int, positive_int
 
 __all__ = ["GroupFactory"]
-
-
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
 @attrs.define(slots=True)
@@ -30,11 +26,11 @@ class GroupFactory:
     kept across retries for cache affinity. The counters are saved by :meth:`state`.
     """
 
-    group_size: int = attrs.field(validator=_positive)
-    seed: int | None = None
+    group_size: int = attrs.field(validator=positive_int)
+    seed: int | None = attrs.field(default=None, validator=optional_int)
     routing_keys: bool = False
-    next_sample_index: int = 0
-    next_group_index: int = 0
+    next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
+    next_group_index: int = attrs.field(default=0, validator=non_negative_int)
 
     def _sample(self, prompt: Prompt, group_index: int, position: int) -> Sample:
         sample = Sample(

@@ -20,6 +20,7 @@ from ..engines import Engine, GenerateRequest, SamplingParams
 from ..samples import Group, Sample, SampleStatus
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailed
+from ._validate import check_timeout, timeout
 
 __all__ = [
     "GenerateFn",
@@ -65,6 +66,7 @@ def engine_generate(
     by ``GroupRunner.sample_timeout``; set one of them in production. On cancellation
     the engine call is abandoned and the sample is left untouched.
     """
+    check_timeout("engine_generate", "timeout", timeout)
     base = params if params is not None else SamplingParams()
 
     async def generate(sample: Sample) -> None:
@@ -74,6 +76,7 @@ def engine_generate(
             params=sample_params,
             routing_key=sample.routing_key,
             request_id=f"{sample.index}-{uuid.uuid4().hex[:12]}",
+            sample_index=sample.index,
         )
         if timeout is None:
             completion = await engine.generate(request)
@@ -185,7 +188,7 @@ class GroupRunner:
     sample_reward: SampleRewardFn | None = None
     group_reward: GroupRewardFn | None = None
     #: Deadline in seconds for each sample task (None: no deadline of its own).
-    sample_timeout: float | None = None
+    sample_timeout: float | None = attrs.field(default=None, validator=timeout)
 
     async def run(
         self, group: Group, on_sample_done: Callable[[Sample], None] | None = None

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..samples import Prompt
-from ._errors import DataSourceError, SourceExhausted
+from ._errors import DataSourceError, RolloutConfigError, SourceExhausted
+from ._validate import check_optional_int
 
 __all__ = [
     "DataSource",
@@ -117,10 +118,11 @@ class InMemorySource:
 
     def __init__(self, prompts: Iterable[Prompt], *, epochs: int | None = 1) -> None:
         self._prompts: tuple[Prompt, ...] = tuple(prompts)
-        if epochs is not None and epochs < 1:
-            raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        check_optional_int(type(self).__name__, "epochs", epochs, minimum=1)
         if epochs is None and not self._prompts:
-            raise ValueError("an endless source needs at least one prompt")
+            raise RolloutConfigError(
+                f"{type(self).__name__}: an endless source (epochs=None) needs at least one prompt"
+            )
         self._epochs = epochs
         self._epoch = 0
         self._position = 0

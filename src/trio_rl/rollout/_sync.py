@@ -11,10 +11,11 @@ import trio
 
 from ..samples import Group, PolicyVersion, ResumedGroup
 from ._credits import CreditScheduler, GroupGranularity, GroupStatus, SubmissionPolicy
-from ._errors import RolloutError, SourceExhausted
+from ._errors import FailureBudgetExceeded, RolloutError, SourceExhausted
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples, run_reporting
 from ._sources import DataSource
+from ._validate import check_int, check_optional_int
 
 __all__ = [
     "DynamicFilter",
@@ -77,8 +78,9 @@ class SyncRolloutDriver:
     ``groups_per_admission`` groups (the reference's over-sampling batch size O; 1 keeps the
     budget tight, larger values over-sample to absorb filter drops). Finished groups go through
     the ``dynamic_filter``; a failed group is logged, counted and replaced by a new prompt
-    (``max_failures`` per call bounds this, so an engine that always fails cannot eat the whole
-    source). Resumed groups (:meth:`resume`) are started before any new prompt.
+    (``max_failures`` per call, default 100, bounds this, so an engine that always fails cannot
+    eat the whole source: one more failure raises :class:`FailureBudgetExceeded`; ``None``
+    removes the bound). Resumed groups (:meth:`resume`) are started before any new prompt.
     """
 
     def __init__(
@@ -91,10 +93,10 @@ class SyncRolloutDriver:
         groups_per_admission: int = 1,
         dynamic_filter: DynamicFilter | None = None,
         partial_rollouts: bool = False,
-        max_failures: int | None = None,
+        max_failures: int | None = 100,
     ) -> None:
-        if groups_per_admission < 1:
-            raise ValueError(f"groups_per_admission must be >= 1, got {groups_per_admission}")
+        check_int("SyncRolloutDriver", "groups_per_admission", groups_per_admission, minimum=1)
+        check_optional_int("SyncRolloutDriver", "max_failures", max_failures, minimum=0)
         self.source = source
         self.factory = factory
         self.runner = runner
@@ -139,8 +141,7 @@ class SyncRolloutDriver:
         propagates unwrapped. On cancellation every group started by this call is cancelled
         and settled before ``trio.Cancelled`` propagates; nothing keeps running.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_int("SyncRolloutDriver.generate", "batch_size", batch_size, minimum=1)
         if self.scheduler is not None:
             raise RolloutError("generate() is already running on this driver (one call at a time)")
         scheduler = CreditScheduler(self.policy, self.factory.group_size)
@@ -175,9 +176,10 @@ class SyncRolloutDriver:
                                     exc_info=outcome.error,
                                 )
                                 if self.max_failures is not None and failed > self.max_failures:
-                                    fatal = RolloutError(
+                                    fatal = FailureBudgetExceeded(
                                         f"{failed} groups failed in one batch "
-                                        f"(max_failures={self.max_failures})"
+                                        f"(SyncRolloutDriver.max_failures="
+                                        f"{self.max_failures}); last: {outcome.error}"
                                     )
                                     fatal.__cause__ = outcome.error
                                     break
