@@ -1,0 +1,442 @@
+"""A vLLM server as an engine: the admin endpoints, weight reloads and ``n`` samples per request.
+
+Nothing here imports vLLM: the server is another process, reached over HTTP. The admin
+endpoints need the server started with ``VLLM_SERVER_DEV_MODE=1``:
+
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` reads
+  every ``*.safetensors`` file of ``DIR`` (Hugging Face parameter names) into the running model;
+- ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights;
+- ``GET /health`` answers 200 once the server takes requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from ..samples import PolicyVersion
+from ._errors import (
+    EngineClosedError,
+    EngineConfigError,
+    EngineError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineTransportError,
+)
+from ._openai import parse_completion_response
+from ._protocol import Completion, GenerateRequest
+
+__all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
+
+
+def _url(value: str) -> str:
+    return value.rstrip("/")
+
+
+def _http_url(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not value.startswith(("http://", "https://")):
+        raise EngineConfigError(
+            f"{type(instance).__name__}.{attribute.name}: {value!r} is not an http(s):// URL"
+        )
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not (value > 0 and not math.isnan(value)):
+        raise EngineConfigError(
+            f"{type(instance).__name__}.{attribute.name} must be > 0, got {value!r}"
+        )
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value >= 0:
+        raise EngineConfigError(
+            f"{type(instance).__name__}.{attribute.name} must be >= 0, got {value!r}"
+        )
+
+
+@attrs.define(slots=True, eq=False)
+class VLLMAdmin:
+    """The admin endpoints of one vLLM server (started with ``VLLM_SERVER_DEV_MODE=1``).
+
+    Use it as ``async with VLLMAdmin(url) as admin:`` (it owns one ``httpx.AsyncClient``); a
+    call outside that block raises :class:`EngineClosedError`. Every call runs under
+    ``trio.fail_after(timeout)``: expiry raises :class:`EngineTimeoutError`, an unreachable
+    server :class:`EngineTransportError`, a 4xx :class:`EngineRequestError`, a 5xx
+    :class:`EngineTransportError`; each message names the URL.
+    """
+
+    base_url: str = attrs.field(converter=_url, validator=_http_url)
+    timeout: float = attrs.field(default=60.0, validator=_positive)
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+    _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
+
+    async def __aenter__(self) -> VLLMAdmin:
+        if self._client is not None:
+            raise RuntimeError("VLLMAdmin is already open")
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None), headers=dict(self.headers))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        client = self._client
+        if client is None:
+            raise EngineClosedError("VLLMAdmin used outside its 'async with' block")
+        url = self.base_url + path
+        try:
+            with trio.fail_after(self.timeout):
+                if body is None:
+                    response = await client.request(method, url)
+                else:
+                    response = await client.request(method, url, json=body)
+        except trio.TooSlowError:
+            raise EngineTimeoutError(f"{method} {url} did not answer within {self.timeout}s") from None
+        except httpx.TransportError as exc:
+            raise EngineTransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code >= 500:
+            raise EngineTransportError(
+                f"{method} {url}: HTTP {response.status_code}: {response.text[:500]}"
+            )
+        if response.status_code >= 400:
+            raise EngineRequestError(
+                f"{method} {url} refused with HTTP {response.status_code}: {response.text[:500]}",
+                status_code=response.status_code,
+                body=response.text[:2000],
+            )
+        return response
+
+    async def healthy(self) -> bool:
+        """True if ``GET /health`` answers 200 now; False if the server is not reachable yet.
+
+        Cancellation: the request is abandoned.
+        """
+        try:
+            await self._call("GET", "/health")
+        except (EngineTransportError, EngineRequestError):
+            return False
+        return True
+
+    async def wait_healthy(self, timeout: float, *, poll_interval: float = 0.25) -> None:
+        """Poll ``/health`` until it answers 200; :class:`EngineTimeoutError` after ``timeout``
+        seconds. Cancellation: polling stops."""
+        try:
+            with trio.fail_after(timeout):
+                while not await self.healthy():
+                    await trio.sleep(poll_interval)
+        except trio.TooSlowError:
+            raise EngineTimeoutError(
+                f"{self.base_url}/health did not answer 200 within {timeout}s"
+            ) from None
+
+    async def collective_rpc(self, method: str, kwargs: Mapping[str, Any]) -> object:
+        """``POST /collective_rpc {"method": method, "kwargs": kwargs}``; the ``results`` list of
+        the answer (one entry per worker), or None for an empty 200.
+
+        Cancellation: the HTTP request is dropped; the server may still run the call.
+        """
+        response = await self._call(
+            "POST", "/collective_rpc", {"method": method, "kwargs": dict(kwargs)}
+        )
+        if not response.content:
+            return None
+        try:
+            data = json.loads(response.content)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EngineResponseError(
+                f"{self.base_url}/collective_rpc ({method}): body is not JSON ({exc})"
+            ) from None
+        if not isinstance(data, dict) or "results" not in data:
+            raise EngineResponseError(
+                f"{self.base_url}/collective_rpc ({method}): field 'results' is missing"
+            )
+        return data["results"]
+
+    async def reload_weights(self, path: str | os.PathLike[str]) -> None:
+        """Have the server read the safetensors files of directory ``path`` into its model.
+
+        ``path`` must be readable by the server process (the same filesystem). Cancellation:
+        the HTTP request is dropped; the server may still finish the reload.
+        """
+        await self.collective_rpc("reload_weights", {"weights_path": os.fspath(path)})
+
+    async def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``: no later request reuses KV computed by old weights.
+
+        Cancellation: the HTTP request is dropped."""
+        await self._call("POST", "/reset_prefix_cache")
+
+
+@attrs.define(slots=True, eq=False)
+class _Row:
+    request: GenerateRequest
+    done: trio.Event = attrs.field(factory=trio.Event)
+    abandoned: bool = False
+    completion: Completion | None = None
+    error: BaseException | None = None
+
+
+@attrs.define(slots=True, eq=False)
+class _Batch:
+    key: tuple[Any, ...]
+    rows: list[_Row] = attrs.field(factory=list)
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+
+def _seed_runs(rows: list[_Row]) -> list[list[_Row]]:
+    """Rows split into runs of consecutive seeds (vLLM gives sample ``i`` of a request with
+    ``seed`` s and ``n`` k the seed ``s + i``), so a sample's tokens depend on its own seed only.
+    Unseeded rows form one run."""
+    unseeded = [r for r in rows if r.request.params.seed is None]
+    seeded = sorted(
+        (r for r in rows if r.request.params.seed is not None),
+        key=lambda r: r.request.params.seed or 0,
+    )
+    runs: list[list[_Row]] = [unseeded] if unseeded else []
+    for r in seeded:
+        last = runs[-1] if runs and runs[-1] is not unseeded else None
+        if last and (last[-1].request.params.seed or 0) + 1 == r.request.params.seed:
+            last.append(r)
+        else:
+            runs.append([r])
+    return runs
+
+
+@attrs.define(slots=True, eq=False)
+class VLLMEngine:
+    """An :class:`~trio_rl.engines.Engine` over one vLLM server that sends the samples of a
+    group as one ``/v1/completions`` request with ``n``; open it with :func:`open_vllm_engine`.
+
+    Concurrent requests for the same prompt and sampling settings that arrive within
+    ``gather_window`` seconds become one HTTP request per run of consecutive seeds (``seed`` of
+    the first, ``n`` the run's length; vLLM seeds choice ``i`` with ``seed + i``). Each request
+    runs under ``trio.fail_after(timeout)`` (:class:`EngineTimeoutError`); transport errors and
+    5xx answers are retried ``max_attempts`` times in all, then :class:`EngineTransportError`;
+    a 4xx raises :class:`EngineRequestError`, a bad body :class:`EngineResponseError`.
+
+    **Policy version.** A completion reports the version current when its HTTP request was
+    sent. :meth:`load_weights` reloads the server (``VLLMAdmin.reload_weights``), resets its
+    prefix cache and only then makes ``version`` current, so a request sent after it returns
+    runs entirely on the new weights; one in flight during a reload is reported as the older
+    version (never fresher than it is).
+
+    **Cancellation.** A cancelled caller's sample is dropped; when every sample of an HTTP
+    request is dropped the request is closed, which makes vLLM abort it.
+    """
+
+    base_url: str = attrs.field(converter=_url, validator=_http_url)
+    model: str = "default"
+    timeout: float = attrs.field(default=600.0, validator=_positive)
+    admin_timeout: float = attrs.field(default=60.0, validator=_positive)
+    gather_window: float = attrs.field(default=0.002, validator=_non_negative)
+    max_n: int = attrs.field(default=64, validator=_positive)
+    max_attempts: int = attrs.field(default=3, validator=_positive)
+    backoff: float = attrs.field(default=0.25, validator=_non_negative)
+    #: Merged into every request body.
+    extra_body: Mapping[str, Any] = attrs.field(factory=dict)
+    _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
+    _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _gathering: dict[tuple[Any, ...], _Batch] = attrs.field(init=False, factory=dict)
+    _version: PolicyVersion = attrs.field(init=False, default=0)
+    _counts: dict[str, int] = attrs.field(
+        init=False,
+        factory=lambda: {"requests": 0, "http_requests": 0, "tokens": 0, "weight_loads": 0},
+    )
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self._version
+
+    def set_policy_version(self, version: PolicyVersion) -> None:
+        """Make ``version`` current without a reload (e.g. the server started on it)."""
+        if version < self._version:
+            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        self._version = version
+
+    @property
+    def admin(self) -> VLLMAdmin:
+        if self._admin is None:
+            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+        return self._admin
+
+    def statistics(self) -> dict[str, int]:
+        """Counters since opening: samples requested, HTTP requests, tokens, weight loads."""
+        return dict(self._counts)
+
+    async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None:
+        """Reload the server from the safetensors directory ``path`` as policy ``version``.
+
+        Raises the admin client's :class:`EngineError` (naming the URL) if the server refuses
+        or fails, and ``ValueError`` if ``version`` goes back. Cancellation: the version stays
+        where it was (the server may have read the new weights already).
+        """
+        if version < self._version:
+            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        await self.admin.reload_weights(path)
+        await self.admin.reset_prefix_cache()
+        self._version = version
+        self._counts["weight_loads"] += 1
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """One completion; see the class docstring for batching, errors and cancellation."""
+        if self._nursery is None:
+            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+        if not request.prompt_tokens:
+            raise EngineError(f"request {request.request_id!r}: empty prompt")
+        self._counts["requests"] += 1
+        p = request.params
+        key = (request.prompt_tokens, p.max_tokens, p.temperature, p.top_p)
+        batch = self._gathering.get(key)
+        if batch is None or len(batch.rows) >= self.max_n:
+            batch = _Batch(key)
+            self._gathering[key] = batch
+            self._nursery.start_soon(self._run_batch, batch)
+        row = _Row(request)
+        batch.rows.append(row)
+        try:
+            await row.done.wait()
+        except BaseException:
+            row.abandoned = True
+            if all(r.abandoned for r in batch.rows):
+                batch.scope.cancel()
+            raise
+        if row.error is not None:
+            raise row.error
+        assert row.completion is not None
+        return row.completion
+
+    async def _run_batch(self, batch: _Batch) -> None:
+        try:
+            with batch.scope:
+                await trio.sleep(self.gather_window)
+                if self._gathering.get(batch.key) is batch:
+                    del self._gathering[batch.key]
+                async with trio.open_nursery() as nursery:
+                    for run in _seed_runs([r for r in batch.rows if not r.abandoned]):
+                        nursery.start_soon(self._run_request, run)
+        finally:
+            if self._gathering.get(batch.key) is batch:
+                del self._gathering[batch.key]
+            for r in batch.rows:
+                if not r.done.is_set():
+                    if r.error is None and r.completion is None:
+                        r.error = EngineClosedError("VLLMEngine closed before the request ran")
+                    r.done.set()
+
+    async def _run_request(self, rows: list[_Row]) -> None:
+        first = rows[0].request
+        p = first.params
+        rid = first.request_id or uuid.uuid4().hex
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(first.prompt_tokens),
+            "n": len(rows),
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "stream": False,
+            **({"seed": p.seed} if p.seed is not None else {}),
+            **self.extra_body,
+        }
+        version = self._version
+        url = self.base_url + "/v1/completions"
+        where = f"{url} (request {rid!r}, n={len(rows)})"
+        try:
+            data = await self._post(url, rid, body, where)
+            choices = data.get("choices") if isinstance(data, dict) else None
+            if not isinstance(choices, list) or len(choices) != len(rows):
+                got = len(choices) if isinstance(choices, list) else choices
+                raise EngineResponseError(f"{where}: expected {len(rows)} choices, got {got!r}")
+            ordered: list[Any] = [None] * len(rows)
+            for i, choice in enumerate(choices):
+                index = choice.get("index", i) if isinstance(choice, dict) else i
+                if not isinstance(index, int) or not 0 <= index < len(rows) or ordered[index]:
+                    raise EngineResponseError(
+                        f"{where}: field 'choices[{i}].index' = {index!r} is out of range "
+                        "or repeated"
+                    )
+                ordered[index] = choice
+            for i, (r, choice) in enumerate(zip(rows, ordered, strict=True)):
+                tokens, logprobs, finish = parse_completion_response(
+                    {"choices": [choice]}, where=f"{where} choice {i}"
+                )
+                r.completion = Completion(tokens, logprobs, finish, version)
+                self._counts["tokens"] += len(tokens)
+        except EngineError as exc:
+            for r in rows:
+                r.error = exc
+        for r in rows:
+            r.done.set()
+
+    async def _post(self, url: str, rid: str, body: dict[str, Any], where: str) -> Any:
+        client = self._client
+        if client is None:
+            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+        failures: list[str] = []
+        try:
+            with trio.fail_after(self.timeout):
+                for attempt in range(self.max_attempts):
+                    if attempt:
+                        await trio.sleep(self.backoff * 2 ** (attempt - 1))
+                    self._counts["http_requests"] += 1
+                    try:
+                        response = await client.post(url, json=body, headers={"X-Request-Id": rid})
+                    except httpx.TransportError as exc:
+                        failures.append(f"{type(exc).__name__}: {exc}")
+                        continue
+                    if response.status_code >= 500:
+                        failures.append(f"HTTP {response.status_code}")
+                        continue
+                    if response.status_code >= 400:
+                        raise EngineRequestError(
+                            f"{where} refused with HTTP {response.status_code}: "
+                            f"{response.text[:500]}",
+                            status_code=response.status_code,
+                            body=response.text[:2000],
+                        )
+                    try:
+                        return json.loads(response.content)
+                    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                        raise EngineResponseError(f"{where}: body is not valid JSON ({exc})") from None
+        except trio.TooSlowError:
+            raise EngineTimeoutError(f"{where} did not finish within {self.timeout}s") from None
+        raise EngineTransportError(
+            f"{where} failed after {self.max_attempts} attempts: " + "; ".join(failures)
+        )
+
+
+@asynccontextmanager
+async def open_vllm_engine(base_url: str, **kwargs: Any) -> AsyncIterator[VLLMEngine]:
+    """Open a :class:`VLLMEngine` on the server at ``base_url`` (keyword arguments as in its
+    constructor). Leaving the block cancels every outstanding request (vLLM aborts them on
+    disconnect); their callers get :class:`EngineClosedError`."""
+    engine = VLLMEngine(base_url, **kwargs)
+    async with (
+        httpx.AsyncClient(
+            timeout=httpx.Timeout(None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        ) as client,
+        VLLMAdmin(engine.base_url, timeout=engine.admin_timeout) as admin,
+        trio.open_nursery() as nursery,
+    ):
+        engine._client, engine._admin, engine._nursery = client, admin, nursery
+        try:
+            yield engine
+        finally:
+            engine._nursery = engine._client = engine._admin = None
+            nursery.cancel_scope.cancel()
