@@ -10,8 +10,13 @@ import pytest
 import torch
 import trio
 
-from trio_rl.engines import EngineClosedError, EngineError, GenerateRequest, SamplingParams
-from trio_rl.engines import TorchEngine
+from trio_rl.engines import (
+    EngineClosedError,
+    EngineError,
+    GenerateRequest,
+    SamplingParams,
+    TorchEngine,
+)
 from trio_rl.learn import TASKS, CharTransformer, ModelConfig, publish_weights, sequence_logprobs
 
 torch.set_num_threads(1)
@@ -100,7 +105,7 @@ async def test_cancelling_a_request_stops_its_batch_between_decode_steps() -> No
             with trio.move_on_after(0.15) as scope:
                 await engine.generate(_request("ab=", seed=1, max_tokens=50))
             assert scope.cancelled_caught
-            while engine.statistics().running_batches:
+            while engine.statistics().running_batches:  # noqa: ASYNC110 - polling a counter
                 await trio.sleep(0.01)
             stats = engine.statistics()
             # 50 steps would take a second; it stopped a few steps after the cancellation
@@ -110,23 +115,26 @@ async def test_cancelling_a_request_stops_its_batch_between_decode_steps() -> No
             assert stats.completions == 0
             # the engine still serves other requests afterwards
             done = await engine.generate(_request("ab=", seed=2, max_tokens=3))
-            assert len(done.tokens) == 3 and done.finish_reason == "length"
+            assert len(done.tokens) == 3
+            assert done.finish_reason == "length"
 
 
 async def test_one_cancelled_row_leaves_the_rest_of_its_batch_running() -> None:
     slow = _SlowModel(_model(max_len=64))
     results: dict[int, Any] = {}
+
+    async def one(engine: TorchEngine, i: int, cancel_after: float | None) -> None:
+        with trio.move_on_after(cancel_after if cancel_after else 1e9):
+            results[i] = await engine.generate(_request("ab=", i, max_tokens=10))
+
     with trio.fail_after(30):
-        async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
-            async with trio.open_nursery() as nursery:
-
-                async def one(i: int, cancel_after: float | None) -> None:
-                    with trio.move_on_after(cancel_after if cancel_after else 1e9):
-                        results[i] = await engine.generate(_request("ab=", i, max_tokens=10))
-
-                nursery.start_soon(one, 0, 0.06)
-                nursery.start_soon(one, 1, None)
-                nursery.start_soon(one, 2, None)
+        async with (
+            TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(one, engine, 0, 0.06)
+            nursery.start_soon(one, engine, 1, None)
+            nursery.start_soon(one, engine, 2, None)
     assert sorted(results) == [1, 2]
     assert all(len(results[i].tokens) == 10 for i in (1, 2))
     assert engine.statistics().batches == 1
@@ -143,10 +151,12 @@ async def test_closing_the_engine_stops_generation_and_fails_pending_requests() 
             errors.append(exc)
 
     with trio.fail_after(30):
-        async with trio.open_nursery() as outer:
-            async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
-                outer.start_soon(caller, engine)
-                await trio.sleep(0.1)
+        async with (
+            trio.open_nursery() as outer,
+            TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine,
+        ):
+            outer.start_soon(caller, engine)
+            await trio.sleep(0.1)
             started = time.perf_counter()
     assert len(errors) == 1
     assert slow.calls < 20
@@ -170,7 +180,8 @@ async def test_load_weights_swaps_the_model_and_bumps_the_version(tmp_path: Path
             with pytest.raises(ValueError, match="cannot go back"):
                 await engine.load_weights(published.path, 2)
             assert engine.policy_version == 3
-    assert before.policy_version == 0 and after.policy_version == 3
+    assert before.policy_version == 0
+    assert after.policy_version == 3
     for name, tensor in new.state_dict().items():
         torch.testing.assert_close(engine.model.state_dict()[name], tensor, atol=0, rtol=0)
     # the original model object was not mutated

@@ -57,13 +57,15 @@ class LearnConfig:
     trio_rl.learn.trainer_main``; ``"external"`` expects that job to be started separately."""
 
     out: Path = attrs.field(converter=Path)
-    task: str = attrs.field(default="copy", validator=attrs.validators.in_(TASKS))
+    task: str = attrs.field(default="repeat", validator=attrs.validators.in_(TASKS))
     steps: int = attrs.field(default=200, validator=_at_least(1))
     batch_groups: int = attrs.field(default=8, validator=_at_least(1))
     group_size: int = attrs.field(default=16, validator=_at_least(2))
     seed: int = 0
     temperature: float = 1.0
-    max_off_policy_steps: int | None = attrs.field(default=2, validator=_at_least(0))
+    max_off_policy_steps: int | None = attrs.field(default=1, validator=_at_least(0))
+    #: Rollout concurrency in groups (default ``batch_groups``).
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     d_model: int = 64
@@ -225,6 +227,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
         group_size=config.group_size,
         max_off_policy_steps=config.max_off_policy_steps,
         max_async_level=config.max_async_level,
+        max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
         sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=config.temperature),
         seed=config.seed,
         seq_len=1024,
