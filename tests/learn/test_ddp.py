@@ -11,8 +11,14 @@ from pathlib import Path
 
 import torch
 
-from trio_rl.learn import TASKS, CharTransformer, GRPOTrainer, ModelConfig, TrainerConfig
-from trio_rl.learn import sequence_logprobs
+from trio_rl.learn import (
+    TASKS,
+    CharTransformer,
+    GRPOTrainer,
+    ModelConfig,
+    TrainerConfig,
+    sequence_logprobs,
+)
 from trio_rl.publish import pack_samples
 from trio_rl.train import TrainingSample
 from trio_rl.transport import free_port_pair
