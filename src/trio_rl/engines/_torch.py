@@ -60,25 +60,25 @@ class _Batch:
     rows: list[_Row] = attrs.field(factory=list)
 
 
-def _sample_token(
+def _sample(
     torch: Any, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
-) -> tuple[int, float]:
-    """Draw one token id from ``logits`` [V]; return it with its logprob under the sampler."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits`` [B, V]; return the ids and their logprobs under the
+    sampling distribution (temperature, then top-p). Temperature 0 is greedy and reports the
+    untempered logprob."""
     if temperature == 0.0:
         logp = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits))
-        return token, float(logp[token])
+        tokens = torch.argmax(logits, dim=-1)
+        return tokens, logp.gather(1, tokens[:, None])[:, 0]
     logp = torch.log_softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
-        probs = logp.exp()
-        sorted_p, order = torch.sort(probs, descending=True)
+        sorted_p, order = torch.sort(logp.exp(), dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
-        masked = logp.clone()
-        masked[order[drop]] = float("-inf")
-        logp = torch.log_softmax(masked, dim=-1)
-    token = int(torch.multinomial(logp.exp(), 1, generator=gen))
-    return token, float(logp[token])
+        drop_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    tokens = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
 class TorchEngine:
@@ -88,8 +88,9 @@ class TorchEngine:
     Concurrent requests for the same prompt and sampling settings (the ``n`` samples of a
     group) that arrive within ``gather_window`` seconds are generated together as one batch;
     each batch decodes in a worker thread (``trio.to_thread.run_sync`` under ``limiter``),
-    without a KV cache (the models here are tiny). Each row samples from its own generator
-    seeded with ``params.seed``, so a sample's tokens depend only on its seed and the weights.
+    without a KV cache (the models here are tiny). A batch samples from one generator seeded by
+    its rows' ``params.seed`` values, so a group decoded together gets the same tokens on every
+    run with the same weights.
 
     Cancelling a request marks its row abandoned: the decode thread drops it before the next
     decode step and stops when no row is left. Closing the engine stops every batch between two
@@ -254,12 +255,14 @@ class TorchEngine:
         first = rows[0].request
         params = first.params
         n = len(rows)
-        gens = []
-        for r in rows:
-            seed = r.request.params.seed
-            gens.append(
-                torch.Generator().manual_seed(self._rng.getrandbits(63) if seed is None else seed)
-            )
+        seeds = [r.request.params.seed for r in rows]
+        # One generator per batch, seeded by its rows' seeds: a group decoded together (as the
+        # group runner submits it) samples the same tokens on every run.
+        gen = torch.Generator()
+        if any(seed is None for seed in seeds):
+            gen.manual_seed(self._rng.getrandbits(63))
+        else:
+            gen.manual_seed(hash(tuple(seeds)) & (2**63 - 1))
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
@@ -268,8 +271,8 @@ class TorchEngine:
         with torch.no_grad():
             for _ in range(params.max_tokens):
                 trio.from_thread.check_cancelled()
-                keep = [j for j, i in enumerate(active) if not rows[i].abandoned]
-                if len(keep) < len(active):
+                if any(rows[i].abandoned for i in active):
+                    keep = [j for j, i in enumerate(active) if not rows[i].abandoned]
                     for i in active:
                         if rows[i].abandoned:
                             finish[i] = "abort"
@@ -279,22 +282,21 @@ class TorchEngine:
                     break
                 logits = model(x)[:, -1].float()
                 self._counts["decode_steps"] += 1
-                step_tokens = []
-                for j, i in enumerate(active):
-                    tok, lp = _sample_token(
-                        torch, logits[j], params.temperature, params.top_p, gens[i]
-                    )
+                step_tokens, step_logprobs = _sample(
+                    torch, logits, params.temperature, params.top_p, gen
+                )
+                for i, tok, lp in zip(
+                    active, step_tokens.tolist(), step_logprobs.tolist(), strict=True
+                ):
                     tokens[i].append(tok)
                     logprobs[i].append(lp)
-                    step_tokens.append(tok)
-                x = torch.cat([x, torch.tensor(step_tokens, dtype=torch.int64)[:, None]], dim=1)
-                still = [j for j, t in enumerate(step_tokens) if t != self._eos]
-                for j, t in enumerate(step_tokens):
-                    if t == self._eos:
-                        finish[active[j]] = "stop"
-                if len(still) < len(active):
-                    active = [active[j] for j in still]
-                    x = x[still]
+                    if tok == self._eos:
+                        finish[i] = "stop"
+                x = torch.cat([x, step_tokens[:, None]], dim=1)
+                running = (step_tokens != self._eos).nonzero()[:, 0]
+                if len(running) < len(active):
+                    active = [active[j] for j in running.tolist()]
+                    x = x[running]
         out: list[Completion | None] = []
         for i in range(n):
             if rows[i].abandoned:
