@@ -22,6 +22,7 @@ FACADES = [
     "trio_rl.trainer",
     "trio_rl.testing",
     "trio_rl.orchestrator",
+    "trio_rl.learn",  # imports torch (the optional extra); nothing else imports it
 ]
 
 

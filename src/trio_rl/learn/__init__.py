@@ -8,6 +8,7 @@ CLI. ``python -m trio_rl.learn`` runs :func:`main`; the CLI's default ``trio-rl 
 from __future__ import annotations
 
 import argparse
+import logging
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +40,15 @@ from .run import write_plot as write_plot
 
 
 def parser() -> argparse.ArgumentParser:
-    """The learning run's command-line options (shared with ``trio-rl run``)."""
+    """The parser of ``python -m trio_rl.learn``."""
     p = argparse.ArgumentParser(prog="python -m trio_rl.learn", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the learning run's options to ``p`` (e.g. the CLI's ``run`` subcommand); turn the
+    parsed namespace into a :class:`LearnConfig` with :func:`config_from_args`."""
     d = LearnConfig(out=Path("."))
     p.add_argument("--out", type=Path, default=None, help="run directory (default: a fresh one)")
     p.add_argument("--task", choices=sorted(TASKS), default=d.task)
@@ -65,10 +73,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-plot", action="store_true")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> LearnConfig:
+    """The :class:`LearnConfig` of options added by :func:`add_arguments` (``--out`` unset: a
+    fresh temporary directory)."""
     out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="trio-rl-learn-"))
     return LearnConfig(
         out=out,
@@ -92,6 +101,9 @@ def config_from_args(args: argparse.Namespace) -> LearnConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the learning run, return 0."""
     args = parser().parse_args(argv)
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    # the per-step line already shows the stale counter; the sink's warning would repeat it
+    logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     trio.run(run_learning, config_from_args(args))
     return 0
