@@ -158,8 +158,43 @@ def _describe(b: int) -> str:
     }.get(b, "ext")
 
 
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 _SCALAR_OF = {"int": Scalar.INT, "bool": Scalar.BOOL, "float": Scalar.FLOAT, "str": Scalar.STR}
 _SCALAR_OF["bin"] = Scalar.BIN
+
+
+# Containers with fewer children are walked in Python (cheap); larger ones are skipped by
+# msgpack, reading through ``_Reader`` in chunks of ``_PROBE_READ`` bytes.
+_PROBE_MIN = 16
+_PROBE_READ = 16 * 1024
+
+
+class _Reader:
+    """A file-like view of ``buf`` from ``pos`` to ``end``, after the bytes ``head``: lets a
+    msgpack ``Unpacker`` start anywhere and copy only what it reads."""
+
+    __slots__ = ("buf", "chunk", "end", "head", "pos")
+
+    def __init__(self, buf: bytes, pos: int, end: int, head: bytes) -> None:
+        self.buf, self.pos, self.end, self.head = buf, pos, end, head
+        self.chunk = 256  # doubling: a probe of a few values copies little more than them
+
+    def read(self, n: int) -> bytes:
+        if self.head:
+            out, self.head = self.head, b""
+            return out
+        size = min(n, self.chunk)
+        self.chunk *= 2
+        out = self.buf[self.pos : min(self.end, self.pos + size)]
+        self.pos += len(out)
+        return out
 
 
 class _Walker:
@@ -171,6 +206,7 @@ class _Walker:
         self.source = source
         self.micro_batch: int | None = None
         self.path = ""
+        self.probed = 0  # bytes msgpack has read for :meth:`_probe`
 
     def fail(self, pos: int, reason: str) -> NoReturn:
         raise WireFormatError(
@@ -233,8 +269,83 @@ class _Walker:
         """Check the well-formedness of the (any-typed) value at ``pos``; return its end.
 
         Structure only, as the reference skips extra elements: str bodies, map keys and
-        extension bodies are not looked at.
+        extension bodies are not looked at. A large container is skipped by msgpack (C speed);
+        only if msgpack rejects it is the bad part found, by bisecting over its children with
+        msgpack, before walking bytes in Python.
         """
+        header, _, children = self.head(pos)
+        if children < _PROBE_MIN:
+            return self._skip_slow(pos, depth)
+        end = self._probe(pos, depth, None)
+        if end is not None:
+            return end
+        # Each level bisected costs about the bytes up to the error; nested levels would cost
+        # that again each, so past a budget linear in the size the Python walk takes over.
+        budget = self.probed + 8 * (self.end - pos) + 16 * _PROBE_READ
+        at, level = pos, depth
+        while True:
+            header, _, children = self.head(at)
+            if children < _PROBE_MIN or self.probed > budget:
+                break
+            b = self.buf[at]
+            if level > _MAX_DEPTH:
+                self.fail(at, f"containers nested deeper than {_MAX_DEPTH}")
+            if children > self.end - at - header:
+                self.fail(
+                    at,
+                    f"data truncated: {_describe(b)} of {children} values "
+                    f"but only {self.end - at - header} bytes remain",
+                )
+            bad = self._first_bad_child(at + header, level, children)
+            if bad is None:
+                break
+            at, level = bad, level + 1
+        self._skip_slow(at, level)  # raises: msgpack rejected the value there
+        # msgpack and this walk disagree (they should not): this walk decides.
+        return self._skip_slow(pos, depth)
+
+    def _probe(self, pos: int, level: int, count: int | None) -> int | None:
+        """Where msgpack ends the value at ``pos`` (nesting level ``level``) or, with
+        ``count``, the ``count`` values from ``pos`` on (children of a container at
+        ``level``); None if it rejects them. Costs the bytes it reads, at C speed."""
+        head = b"\x91" * (level - 1)
+        if count is not None:
+            head += b"\xdd" + count.to_bytes(4, "big")
+        reader = _Reader(self.buf, pos, self.end, head)
+        unpacker = msgpack.Unpacker(
+            reader, read_size=_PROBE_READ, max_buffer_size=self.end + len(head) + _PROBE_READ
+        )
+        try:
+            unpacker.skip()
+        except Exception:
+            return None
+        finally:
+            self.probed += reader.pos - pos
+        return pos + unpacker.tell() - len(head)
+
+    def _first_bad_child(self, first: int, level: int, children: int) -> int | None:
+        """The start of the first of ``children`` values from ``first`` that msgpack
+        rejects (gallop, then bisect: O(log n) probes); None if it rejects none."""
+        good, good_end, step = 0, first, 1
+        while True:  # gallop: windows of 1, 2, 4, ... children after the good ones
+            window = min(step, children - good)
+            if window == 0:
+                return None
+            end = self._probe(good_end, level, window)
+            if end is None:
+                break
+            good, good_end, step = good + window, end, step * 2
+        while window > 1:  # the bad child is among ``window`` children from ``good_end``
+            half = window // 2
+            end = self._probe(good_end, level, half)
+            if end is None:
+                window = half
+            else:
+                good, good_end, window = good + half, end, window - half
+        return good_end
+
+    def _skip_slow(self, pos: int, depth: int) -> int:
+        """:meth:`skip` in Python, value by value."""
         # Iterative, so hostile nesting cannot exhaust Python's stack.
         stack: list[int] = []  # children left, per open container
         pending = 1
@@ -310,8 +421,11 @@ class _Walker:
                 step = 5
             elif bools and (b == 0xC2 or b == 0xC3):
                 step = 1
-            elif strs and 0xA0 <= b <= 0xBF and buf[pos + 1 : pos + 1 + (b & 0x1F)].isascii():
+            elif strs and 0xA0 <= b <= 0xBF:
                 step = 1 + (b & 0x1F)
+                body = buf[pos + 1 : pos + step]
+                if not body.isascii() and not _utf8(body):
+                    break
             else:
                 break
             if pos + step > end:
