@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,33 @@ async def test_a_prompt_too_long_for_the_model_is_refused() -> None:
     async with TorchEngine.open(_model(max_len=10), eos_token_id=EOS, max_len=10) as engine:
         with pytest.raises(EngineError, match="max_len 10"):
             await engine.generate(_request("abcde=", seed=1, max_tokens=7))
+
+
+class _FixedModel(torch.nn.Module):
+    """Every position predicts token 2 with p=0.6, token 3 with p=0.3, the rest share 0.1."""
+
+    def __init__(self, vocab: int = 8) -> None:
+        super().__init__()
+        probs = torch.full((vocab,), 0.1 / (vocab - 2))
+        probs[2], probs[3] = 0.6, 0.3
+        self.logits = probs.log()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(ids.shape[0], ids.shape[1], -1).clone()
+
+
+@pytest.mark.parametrize(
+    ("top_p", "expected"),
+    [(0.5, {2: 0.0}), (0.8, {2: math.log(0.6 / 0.9), 3: math.log(0.3 / 0.9)})],
+)
+async def test_top_p_samples_from_the_nucleus_and_reports_its_logprobs(
+    top_p: float, expected: dict[int, float]
+) -> None:
+    with trio.fail_after(30):
+        async with TorchEngine.open(_FixedModel(), eos_token_id=-1) as engine:
+            done = await _generate_group(engine, "ab=", 8, max_tokens=20, top_p=top_p)
+    seen = {t for c in done for t in c.tokens}
+    assert seen == set(expected)
+    for c in done:
+        for token, lp in zip(c.tokens, c.logprobs, strict=True):
+            assert lp == pytest.approx(expected[token], abs=1e-5)
