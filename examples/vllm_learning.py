@@ -194,7 +194,9 @@ class CheckedLoader:
             for a, b in zip(c.logprobs, mine, strict=True)
         )
         tokens = sum(len(c.tokens) for c in completions)
-        self.gaps.append({"version": version, "max_gap": gap, "tokens": tokens, "reload_ms": reload_ms})
+        self.gaps.append(
+            {"version": version, "max_gap": gap, "tokens": tokens, "reload_ms": reload_ms}
+        )
         print(
             f"  reload v{version}: {reload_ms:.0f} ms; max |server - trainer| logprob gap "
             f"{gap:.2e} over {tokens} tokens" + ("" if gap <= GAP_LIMIT else "  <-- TOO LARGE"),
@@ -202,9 +204,33 @@ class CheckedLoader:
         )
 
 
+async def throughput(engine: VLLMEngine, task: Task, groups: int, n: int) -> dict[str, Any]:
+    """Generate ``groups`` groups of ``n`` samples at once; tokens per second."""
+    prompts = make_prompts(task, groups, 99)
+    tokens = [0]
+    before = engine.statistics()["http_requests"]
+
+    async def one(request: GenerateRequest) -> None:
+        completion = await engine.generate(request)
+        tokens[0] += len(completion.tokens)  # not `+= len(await ...)`: that reads first
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for g, p in enumerate(prompts):
+            for i in range(n):
+                params = SamplingParams(max_tokens=task.max_answer + 1, seed=1000 * g + i)
+                nursery.start_soon(one, GenerateRequest(p.tokens, params))
+    wall = time.perf_counter() - started
+    return {
+        "samples": groups * n,
+        "http_requests": engine.statistics()["http_requests"] - before,
+        "tokens": tokens[0],
+        "tok_per_s": round(tokens[0] / wall, 1),
+    }
+
+
 async def main(args: argparse.Namespace) -> int:
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out
     task = TASKS[args.task]
     model_dir = out / "model"
     llama = build_llama(task, model_dir, args.seed, args.hidden, args.layers)
@@ -217,6 +243,7 @@ async def main(args: argparse.Namespace) -> int:
         group_size=args.group_size,
         max_off_policy_steps=args.max_off_policy_steps,
         max_async_level=1,
+        max_groups_in_flight=args.batch_groups,
         sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=1.0),
         seed=args.seed,
         seq_len=1024,
@@ -226,7 +253,7 @@ async def main(args: argparse.Namespace) -> int:
     steps: list[StepStats] = []
     version = [0]
     send, receive = trio.open_memory_channel[Shipment](64)
-    started = time.perf_counter()
+    started = time.perf_counter()  # reset once the server is up
 
     async def consume() -> None:
         last = started
@@ -270,6 +297,7 @@ async def main(args: argparse.Namespace) -> int:
 
     async with trio.open_nursery() as outer:
         await outer.start(run_server, model_dir, port, out / "vllm-server.log")
+        started = time.perf_counter()
         async with (
             FileBatchSender(out, 1, fsync=False) as sender,
             open_vllm_engine(url, model="tiny", timeout=120) as engine,
@@ -294,22 +322,31 @@ async def main(args: argparse.Namespace) -> int:
                     break
             send.close()
             with trio.move_on_after(10):
-                while len(metrics) < orch.sink.step - 1:
+                # the monitor channel may lag the last shipment by a few task switches
+                while len(metrics) < orch.sink.step - 1:  # noqa: ASYNC110
                     await trio.sleep(0.01)
             stats = engine.statistics()
             nursery.cancel_scope.cancel()
+        # generation alone, the trainer idle: n per group, then one HTTP request per sample
+        bench = {}
+        for label, max_n in (("n_per_group", 64), ("one_request_per_sample", 1)):
+            async with open_vllm_engine(url, model="tiny", timeout=300, max_n=max_n) as engine:
+                bench[label] = await throughput(engine, task, args.bench_groups, args.group_size)
+            print(f"throughput, {label}: {bench[label]}", flush=True)
         outer.cancel_scope.cancel()
     wall = time.perf_counter() - started
     gaps = loader.gaps
+    last5 = [m["reward_mean"] or 0.0 for m in metrics[-5:]]
     summary = {
         "task": task.name,
         "wall_s": round(wall, 1),
         "steps": len(metrics),
         "reward_first": metrics[0]["reward_mean"] if metrics else None,
-        "reward_last5": sum((m["reward_mean"] or 0.0) for m in metrics[-5:]) / max(1, len(metrics[-5:])),
+        "reward_last5": sum(last5) / max(1, len(last5)),
         "max_gap": max((g["max_gap"] for g in gaps), default=None),
         "reloads": len(gaps),
         "engine": stats,
+        "throughput": bench,
     }
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (out / "gaps.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gaps))
@@ -326,17 +363,22 @@ async def main(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="vllm-run")
-    p.add_argument("--task", default="copy", choices=sorted(TASKS))
+    p.add_argument("--task", default="repeat", choices=sorted(TASKS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds of training at most")
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--max-off-policy-steps", type=int, default=2)
+    p.add_argument("--max-off-policy-steps", type=int, default=1)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--bench-groups", type=int, default=16, help="groups in the throughput probe")
+    args = p.parse_args(argv)
+    # the server reads published weights by path: make it absolute
+    args.out = Path(args.out).resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class StandIn:
         self.override: dict[str, tuple[int, bytes]] = {}
         self.delay = 0.0
         self.reverse_choices = False
+        #: this many coming requests get their connection closed without an answer
+        self.drop_next = 0
         self.lock = threading.Lock()
 
     def completions(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +79,12 @@ def stand_in() -> Iterator[tuple[StandIn, str]]:
             body = json.loads(raw) if raw else None
             with state.lock:
                 state.requests.append((method, self.path, body))
+                drop = state.drop_next > 0
+                state.drop_next -= drop
+            if drop:
+                # what a uvicorn keep-alive timeout looks like to a client reusing the connection
+                self.close_connection = True
+                return
             if state.delay:
                 time.sleep(state.delay)
             status, payload = 200, b""
@@ -136,7 +144,7 @@ async def test_collective_rpc_returns_results_and_rejects_bad_json(
         async with VLLMAdmin(url) as admin:
             assert await admin.collective_rpc("reload_weights", {}) == [None, "ok"]
             state.override["/collective_rpc"] = (200, b"{not json")
-            with pytest.raises(EngineResponseError, match="collective_rpc.*not JSON"):
+            with pytest.raises(EngineResponseError, match=r"collective_rpc.*not JSON"):
                 await admin.collective_rpc("reload_weights", {})
 
 
@@ -145,7 +153,9 @@ async def test_admin_errors_name_the_url(stand_in: tuple[StandIn, str]) -> None:
     with trio.fail_after(10):
         async with VLLMAdmin(url) as admin:
             state.override["/collective_rpc"] = (404, b'{"detail": "Not Found"}')
-            with pytest.raises(EngineRequestError, match="collective_rpc refused with HTTP 404") as e:
+            with pytest.raises(
+                EngineRequestError, match="collective_rpc refused with HTTP 404"
+            ) as e:
                 await admin.reload_weights("/nowhere")
             assert e.value.status_code == 404
             state.override["/reset_prefix_cache"] = (500, b"boom")
@@ -157,13 +167,27 @@ async def test_admin_errors_name_the_url(stand_in: tuple[StandIn, str]) -> None:
                 await admin.wait_healthy(0.3, poll_interval=0.05)
 
 
+async def test_a_dropped_connection_is_retried_once(stand_in: tuple[StandIn, str]) -> None:
+    state, url = stand_in
+    with trio.fail_after(10):
+        async with VLLMAdmin(url) as admin:
+            state.drop_next = 1
+            await admin.reload_weights("/w/step_1")
+            assert [p for _, p, _ in state.requests] == ["/collective_rpc"] * 2
+            state.drop_next = 2
+            with pytest.raises(EngineTransportError, match="RemoteProtocolError"):
+                await admin.reset_prefix_cache()
+
+
 async def test_admin_call_times_out_at_its_deadline(stand_in: tuple[StandIn, str]) -> None:
     state, url = stand_in
     state.delay = 2.0
     with trio.fail_after(10):
         async with VLLMAdmin(url, timeout=0.2) as admin:
             start = trio.current_time()
-            with pytest.raises(EngineTimeoutError, match=r"/collective_rpc did not answer within 0.2s"):
+            with pytest.raises(
+                EngineTimeoutError, match=r"/collective_rpc did not answer within 0.2s"
+            ):
                 await admin.reload_weights("/w")
             assert trio.current_time() - start < 1.5
 
@@ -174,9 +198,9 @@ async def test_admin_unreachable_and_closed() -> None:
         with pytest.raises(EngineClosedError):
             await admin.reset_prefix_cache()
         async with admin:
-            with pytest.raises(EngineTransportError, match="127.0.0.1:9/collective_rpc"):
+            with pytest.raises(EngineTransportError, match=r"127\.0\.0\.1:9/collective_rpc"):
                 await admin.reload_weights("/w")
-    with pytest.raises(EngineConfigError, match="VLLMAdmin.base_url"):
+    with pytest.raises(EngineConfigError, match=r"VLLMAdmin\.base_url"):
         VLLMAdmin("localhost:8000")
 
 
@@ -278,5 +302,5 @@ async def test_cancelling_every_sample_closes_the_http_request(
             nursery = engine._nursery
             assert nursery is not None
             with trio.fail_after(1):
-                while nursery.child_tasks:
+                while nursery.child_tasks:  # noqa: ASYNC110 - no event marks a task's end
                     await trio.sleep(0.01)

@@ -98,14 +98,11 @@ class VLLMAdmin:
         url = self.base_url + path
         try:
             with trio.fail_after(self.timeout):
-                if body is None:
-                    response = await client.request(method, url)
-                else:
-                    response = await client.request(method, url, json=body)
+                response = await self._send(client, method, url, body)
         except trio.TooSlowError:
-            raise EngineTimeoutError(f"{method} {url} did not answer within {self.timeout}s") from None
-        except httpx.TransportError as exc:
-            raise EngineTransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+            raise EngineTimeoutError(
+                f"{method} {url} did not answer within {self.timeout}s"
+            ) from None
         if response.status_code >= 500:
             raise EngineTransportError(
                 f"{method} {url}: HTTP {response.status_code}: {response.text[:500]}"
@@ -118,6 +115,23 @@ class VLLMAdmin:
             )
         return response
 
+    @staticmethod
+    async def _send(client: httpx.AsyncClient, method: str, url: str, body: Any) -> httpx.Response:
+        # One retry on a transport error: uvicorn closes idle keep-alive connections (5 s), and
+        # a request racing that close fails without reaching vLLM. Every admin call is
+        # idempotent (a reload of the same directory twice loads the same weights).
+        for attempt in (1, 2):
+            try:
+                if body is None:
+                    return await client.request(method, url)
+                return await client.request(method, url, json=body)
+            except httpx.TransportError as exc:
+                if attempt == 2:
+                    raise EngineTransportError(
+                        f"{method} {url}: {type(exc).__name__}: {exc}"
+                    ) from exc
+        raise AssertionError("unreachable")
+
     async def healthy(self) -> bool:
         """True if ``GET /health`` answers 200 now; False if the server is not reachable yet.
 
@@ -129,16 +143,17 @@ class VLLMAdmin:
             return False
         return True
 
-    async def wait_healthy(self, timeout: float, *, poll_interval: float = 0.25) -> None:
-        """Poll ``/health`` until it answers 200; :class:`EngineTimeoutError` after ``timeout``
+    async def wait_healthy(self, within: float, *, poll_interval: float = 0.25) -> None:
+        """Poll ``/health`` until it answers 200; :class:`EngineTimeoutError` after ``within``
         seconds. Cancellation: polling stops."""
         try:
-            with trio.fail_after(timeout):
-                while not await self.healthy():
+            with trio.fail_after(within):
+                # the server offers no push notification of readiness: polling it is
+                while not await self.healthy():  # noqa: ASYNC110
                     await trio.sleep(poll_interval)
         except trio.TooSlowError:
             raise EngineTimeoutError(
-                f"{self.base_url}/health did not answer 200 within {timeout}s"
+                f"{self.base_url}/health did not answer 200 within {within}s"
             ) from None
 
     async def collective_rpc(self, method: str, kwargs: Mapping[str, Any]) -> object:
@@ -412,7 +427,9 @@ class VLLMEngine:
                     try:
                         return json.loads(response.content)
                     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                        raise EngineResponseError(f"{where}: body is not valid JSON ({exc})") from None
+                        raise EngineResponseError(
+                            f"{where}: body is not valid JSON ({exc})"
+                        ) from None
         except trio.TooSlowError:
             raise EngineTimeoutError(f"{where} did not finish within {self.timeout}s") from None
         raise EngineTransportError(
