@@ -74,3 +74,15 @@ async def test_forced_staleness_drops_stale_samples_and_still_learns(tmp_path: P
     # nothing older than the staleness limit was trained on
     assert all(m["off_policy_max"] == 0 for m in result.metrics)
     assert _gain(_rewards(result.metrics)) >= 0.2, _rewards(result.metrics)
+
+
+async def test_a_deterministic_policy_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:
+    # Greedy decoding: the 16 samples of a group are identical, so every group has equal
+    # rewards, zero advantage, and is pruned; no batch can ever fill.
+    config = LearnConfig(out=tmp_path, steps=5, temperature=0.0, verbose=False, plot=False)
+    with trio.fail_after(120):
+        result = await run_learning(config)
+    assert result.stopped == "converged"
+    assert result.metrics == []
+    assert result.counters["shipped"] == 0
+    assert result.counters["pruned"] >= 8 * 128

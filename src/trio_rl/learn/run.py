@@ -23,12 +23,12 @@ import torch
 import trio
 
 from ..engines import SamplingParams, TorchEngine
-from ..orchestrator import OrchestratorConfig, open_orchestrator
+from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource
 from ..samples import PolicyVersion
 from ..trainer import BatchReceiver
-from ..transport import FileBatchReceiver, FileBatchSender
+from ..transport import FileBatchReceiver, FileBatchSender, free_port_pair
 from ._model import CharTransformer, ModelConfig
 from ._task import EOS, TASKS, Tokenizer, make_prompts
 from ._trainer import GRPOTrainer, StepStats, TrainerConfig
@@ -80,6 +80,9 @@ class LearnConfig:
     #: Stop once the mean reward of ``stop_window`` consecutive steps reaches this.
     stop_at_reward: float | None = None
     stop_window: int = 5
+    #: End the run once this many batches' worth of samples in a row were pruned (equal rewards
+    #: in every group) without a step shipping: GRPO has no signal left, nothing would ship.
+    converged_after: int = attrs.field(default=8, validator=_at_least(1))
     prompts: int = 4096
     verbose: bool = True
     plot: bool = True
@@ -97,6 +100,9 @@ class LearnResult:
     trainer_steps: list[StepStats]
     wall_s: float
     out: Path
+    #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``) or
+    #: ``converged`` (every group pruned for ``converged_after`` batches: no signal left).
+    stopped: str = "steps"
 
 
 def build_model(config: LearnConfig) -> tuple[CharTransformer, Tokenizer]:
@@ -171,13 +177,24 @@ async def _run_torchrun(config: LearnConfig) -> None:
         "torch.distributed.run",
         f"--nproc_per_node={config.ranks}",
         "--master_addr=127.0.0.1",
-        "--master_port=0",
+        f"--master_port={free_port_pair()}",
         "-m",
         "trio_rl.learn.trainer_main",
         "--out",
         str(config.out),
     ]
     await trio.run_process(cmd, check=True)
+
+
+async def _watch_convergence(
+    orch: Orchestrator, config: LearnConfig, scope: trio.CancelScope
+) -> None:
+    """Cancel ``scope`` when ``converged_after`` batches' worth of samples were pruned."""
+    start = orch.sink.counters.pruned
+    limit = config.converged_after * config.batch_groups * config.group_size
+    while orch.sink.counters.pruned - start < limit:  # noqa: ASYNC110 - the sink has no event
+        await trio.sleep(0.05)
+    scope.cancel()
 
 
 def _record(
@@ -311,10 +328,31 @@ async def run_learning(config: LearnConfig) -> LearnResult:
             )
         deadline = None if config.time_limit is None else started + config.time_limit
         rewards: list[float] = []
+        stopped = "steps"
         for _ in range(config.steps):
-            summary = await orch.run(1)
+            summary = None
+            async with trio.open_nursery() as step_nursery:
+
+                async def one_step() -> None:
+                    nonlocal summary
+                    summary = await orch.run(1)
+                    step_nursery.cancel_scope.cancel()
+
+                step_nursery.start_soon(one_step)
+                step_nursery.start_soon(_watch_convergence, orch, config, step_nursery.cancel_scope)
+            if summary is None:
+                stopped = "converged"
+                if config.verbose:
+                    print(
+                        f"stopping: the last {config.converged_after} batches' worth of groups "
+                        "all had equal rewards (zero advantage, pruned): the policy is "
+                        "deterministic on every prompt and GRPO has no signal left",
+                        flush=True,
+                    )
+                break
             rewards.extend(r.all.reward_mean or 0.0 for r in summary.records)
             if deadline is not None and time.perf_counter() >= deadline:
+                stopped = "time_limit"
                 break
             window = rewards[-config.stop_window :]
             if (
@@ -322,6 +360,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                 and len(window) == config.stop_window
                 and min(window) >= config.stop_at_reward
             ):
+                stopped = "reward"
                 break
         counters = attrs.asdict(orch.sink.counters)
         send.close()
@@ -334,7 +373,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
         await trio.to_thread.run_sync(write_plot, metrics, out / "plot.png", config.task)
     if config.verbose:
         print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
-    return LearnResult(metrics, counters, trainer_steps, wall, out)
+    return LearnResult(metrics, counters, trainer_steps, wall, out, stopped)
 
 
 def _append(path: Path, line: str) -> None:
