@@ -304,3 +304,17 @@ async def test_cancelling_every_sample_closes_the_http_request(
             with trio.fail_after(1):
                 while nursery.child_tasks:  # noqa: ASYNC110 - no event marks a task's end
                     await trio.sleep(0.01)
+
+
+async def test_a_request_after_its_batch_was_abandoned_starts_a_new_one(
+    stand_in: tuple[StandIn, str],
+) -> None:
+    _, url = stand_in
+    with trio.fail_after(10):
+        async with open_vllm_engine(url, gather_window=0.2) as engine:
+            (first, second) = _group((5,), [1, 2])
+            with trio.move_on_after(0.05):
+                await engine.generate(first)
+            # same prompt and settings while the abandoned batch would still be gathering
+            completion = await engine.generate(second)
+    assert completion.tokens == [2, EOS]

@@ -326,6 +326,9 @@ class VLLMEngine:
         except BaseException:
             row.abandoned = True
             if all(r.abandoned for r in batch.rows):
+                # a later request for the same prompt must not join a cancelled batch
+                if self._gathering.get(batch.key) is batch:
+                    del self._gathering[batch.key]
                 batch.scope.cancel()
             raise
         if row.error is not None:
