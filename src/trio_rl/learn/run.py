@@ -40,6 +40,8 @@ __all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_p
 logger = logging.getLogger("trio_rl.learn")
 
 RUN_FILE = "run.json"
+#: Written at the end of a run with the last shipped step: the torchrun trainer job stops there.
+STOP_FILE = "STOP"
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -170,7 +172,7 @@ async def _train_inprocess(
             )
 
 
-async def _run_torchrun(config: LearnConfig) -> None:
+async def _run_torchrun(config: LearnConfig, done: trio.Event) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -183,7 +185,10 @@ async def _run_torchrun(config: LearnConfig) -> None:
         "--out",
         str(config.out),
     ]
-    await trio.run_process(cmd, check=True)
+    try:
+        await trio.run_process(cmd, check=True)
+    finally:
+        done.set()
 
 
 async def _watch_convergence(
@@ -233,7 +238,9 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     """
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
+    (out / STOP_FILE).unlink(missing_ok=True)
     (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
+    trainer_done = trio.Event()
     model, _ = build_model(config)
     task = TASKS[config.task]
     engine_model = copy.deepcopy(model).eval()
@@ -317,7 +324,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                 raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
             nursery.start_soon(_train_inprocess, config, model, trainer_steps)
         elif config.trainer_mode == "torchrun":
-            nursery.start_soon(_run_torchrun, config)
+            nursery.start_soon(_run_torchrun, config, trainer_done)
         if config.verbose:
             print(
                 f"learning run: task {config.task!r} ({task.description}), "
@@ -363,6 +370,11 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                 stopped = "reward"
                 break
         counters = attrs.asdict(orch.sink.counters)
+        # an external trainer job trains up to the last shipped step, then exits by itself
+        (out / STOP_FILE).write_text(str(orch.sink.step - 1))
+        if config.trainer_mode == "torchrun":
+            with trio.move_on_after(60):
+                await trainer_done.wait()
         send.close()
         # let the consumer drain what was shipped, then stop the helpers
         with trio.move_on_after(5):

@@ -2,8 +2,10 @@
 
 Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file transport),
 trains with :class:`GRPOTrainer` under DistributedDataParallel (gloo), and rank 0 publishes the
-weights of every step under ``DIR/weights``. The run's shape (model, seed, trainer settings)
-is read from ``DIR/run.json``, written by the orchestrator process (:func:`run_learning`).
+weights of every step under ``DIR/weights``. The job ends after the step the orchestrator
+writes into ``DIR/STOP`` at the end of its run (or after ``--steps``). The run's shape (model,
+seed, trainer settings) is read from ``DIR/run.json``, written by the orchestrator process
+(:func:`run_learning`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..trainer import BatchReceiver
 from ..transport import FileBatchReceiver
 from ._trainer import GRPOTrainer, TrainerConfig
 from ._weights import publish_weights
-from .run import RUN_FILE, LearnConfig, build_model
+from .run import RUN_FILE, STOP_FILE, LearnConfig, build_model
 
 __all__ = ["main", "load_run_config"]
 
@@ -50,26 +52,56 @@ async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: in
         stop_step=None if steps is None else steps + 1,
     )
     limiter = trio.CapacityLimiter(1)
-    async with receiver:
-        async for step, micro_batches in receiver:
-            stats = await trio.to_thread.run_sync(
-                trainer.train_step, step, micro_batches, limiter=limiter
-            )
-            if rank == 0:
-                publish = functools.partial(
-                    publish_weights,
-                    config.out / "weights",
-                    step,
-                    trainer.model.state_dict(),
-                    keep=config.weights_keep,
-                    meta={"step": step, "world_size": trainer.world_size},
+    trained = [0]
+
+    async def train() -> None:
+        async with receiver:
+            async for step, micro_batches in receiver:
+                stats = await trio.to_thread.run_sync(
+                    trainer.train_step, step, micro_batches, limiter=limiter
                 )
-                await trio.to_thread.run_sync(publish, limiter=limiter)
-                print(
-                    f"trainer step {step}: {stats.loss_tokens} loss tokens, loss "
-                    f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
-                    flush=True,
-                )
+                trained[0] = step
+                if rank == 0:
+                    publish = functools.partial(
+                        publish_weights,
+                        config.out / "weights",
+                        step,
+                        trainer.model.state_dict(),
+                        keep=config.weights_keep,
+                        meta={"step": step, "world_size": trainer.world_size},
+                    )
+                    await trio.to_thread.run_sync(publish, limiter=limiter)
+                    print(
+                        f"trainer step {step}: {stats.loss_tokens} loss tokens, loss "
+                        f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
+                        flush=True,
+                    )
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(train)
+        # Every rank stops after the same step (a rank leaving early would hang the others in
+        # an all-reduce): the one the orchestrator names in the stop file, once trained.
+        last = await _wait_for_stop(config.out / STOP_FILE)
+        while trained[0] < last:  # noqa: ASYNC110 - the training thread has no event
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
+async def _wait_for_stop(path: Path) -> int:
+    while True:
+        text = await trio.to_thread.run_sync(_read_stop, path)
+        if text is not None:
+            return int(text)
+        await trio.sleep(0.1)
+
+
+def _read_stop(path: Path) -> str | None:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
