@@ -207,25 +207,26 @@ class CheckedLoader:
 async def throughput(engine: VLLMEngine, task: Task, groups: int, n: int) -> dict[str, Any]:
     """Generate ``groups`` groups of ``n`` samples at once; tokens per second."""
     prompts = make_prompts(task, groups, 99)
-    tokens = [0]
+    samples: dict[tuple[int, int], list[int]] = {}
     before = engine.statistics()["http_requests"]
 
-    async def one(request: GenerateRequest) -> None:
-        completion = await engine.generate(request)
-        tokens[0] += len(completion.tokens)  # not `+= len(await ...)`: that reads first
+    async def one(key: tuple[int, int], request: GenerateRequest) -> None:
+        samples[key] = (await engine.generate(request)).tokens
 
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for g, p in enumerate(prompts):
             for i in range(n):
                 params = SamplingParams(max_tokens=task.max_answer + 1, seed=1000 * g + i)
-                nursery.start_soon(one, GenerateRequest(p.tokens, params))
+                nursery.start_soon(one, (g, i), GenerateRequest(p.tokens, params))
     wall = time.perf_counter() - started
+    tokens = sum(len(t) for t in samples.values())
     return {
         "samples": groups * n,
         "http_requests": engine.statistics()["http_requests"] - before,
-        "tokens": tokens[0],
-        "tok_per_s": round(tokens[0] / wall, 1),
+        "tokens": tokens,
+        "tok_per_s": round(tokens / wall, 1),
+        "tokens_by_sample": [samples[k] for k in sorted(samples)],
     }
 
 
@@ -244,6 +245,7 @@ async def main(args: argparse.Namespace) -> int:
         max_off_policy_steps=args.max_off_policy_steps,
         max_async_level=1,
         max_groups_in_flight=args.batch_groups,
+        submission=args.submission,
         sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=1.0),
         seed=args.seed,
         seq_len=1024,
@@ -332,7 +334,13 @@ async def main(args: argparse.Namespace) -> int:
         for label, max_n in (("n_per_group", 64), ("one_request_per_sample", 1)):
             async with open_vllm_engine(url, model="tiny", timeout=300, max_n=max_n) as engine:
                 bench[label] = await throughput(engine, task, args.bench_groups, args.group_size)
-            print(f"throughput, {label}: {bench[label]}", flush=True)
+        # seeds make the two ways give every sample the same tokens
+        same = bench["n_per_group"].pop("tokens_by_sample") == bench["one_request_per_sample"].pop(
+            "tokens_by_sample"
+        )
+        for label, figures in bench.items():
+            print(f"throughput, {label}: {figures}", flush=True)
+        print(f"identical samples both ways: {same}", flush=True)
         outer.cancel_scope.cancel()
     wall = time.perf_counter() - started
     gaps = loader.gaps
@@ -347,6 +355,7 @@ async def main(args: argparse.Namespace) -> int:
         "reloads": len(gaps),
         "engine": stats,
         "throughput": bench,
+        "identical_samples_both_ways": same,
     }
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (out / "gaps.jsonl").write_text("".join(json.dumps(g) + "\n" for g in gaps))
@@ -373,6 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--submission",
+        default="sample",
+        choices=["sample", "group"],
+        help="sample backfill, or whole groups at once (then one n=group_size request each)",
+    )
     p.add_argument("--bench-groups", type=int, default=16, help="groups in the throughput probe")
     args = p.parse_args(argv)
     # the server reads published weights by path: make it absolute
