@@ -76,7 +76,7 @@ def stand_in() -> Iterator[tuple[StandIn, str]]:
         def _answer(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            body = json.loads(raw) if raw else None
+            body: Any = json.loads(raw) if raw else None
             with state.lock:
                 state.requests.append((method, self.path, body))
                 drop = state.drop_next > 0
