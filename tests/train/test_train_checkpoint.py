@@ -79,7 +79,8 @@ async def test_roundtrip_preserves_everything(tmp_path: Path) -> None:
     rich.mm_token_type_ids = [0] * n
     rich.rl_weights = [1.0] * n
     rich.ce_weights = [0.0] * n
-    rich.sampling_mask = SamplingMask(b"\x00" * 4, b"\x01\x00\x00\x00")
+    # one allowed id at the first position, none at the others (one int32 count per token)
+    rich.sampling_mask = SamplingMask(b"\x00" * 4, b"\x01\x00\x00\x00" + bytes(4 * (n - 1)))
     rich.trace_id, rich.branch_index = "trace-1", 2
     rich.payload = [PayloadSegment("routed_experts", "v1/x.bin", 8, 0, n, "<i4", [2, 3])]
     mgr = CheckpointManager(tmp_path, limiter=trio.CapacityLimiter(1))
@@ -269,13 +270,19 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
     mgr = CheckpointManager(tmp_path)
     from trio_rl.train import CheckpointSnapshot
 
-    await mgr.save(
-        CheckpointSnapshot(step=0, progress={}, cursor=None, sink=_open_state(members, 4))
-    )
-    ck = await mgr.load_latest()
-    assert ck is not None
+    state = _open_state(members, 4)
+    path = await mgr.save(CheckpointSnapshot(step=0, progress={}, cursor=None, sink=state))
+    if extra:
+        # a checkpoint never holds an over-full open group: the reader names the damage ...
+        with pytest.raises(CheckpointError, match=r"sink\.open_groups\[0\]\.members: 5 members"):
+            read_checkpoint(path)
+    else:
+        ck = await mgr.load_latest()
+        assert ck is not None
+        state = ck.sink
+    # ... while the sink itself still scores such a group once, with exactly its members
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
-    report = sink.load_state_dict(ck.sink)
+    report = sink.load_state_dict(state)
     # no resumed request at all for the full group, hence no zero-rollout request
     assert report.resumed == []
     assert report.completed_groups == ["full"]

@@ -6,6 +6,7 @@ import struct
 import zlib
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 from hypothesis import given
@@ -17,6 +18,8 @@ from trio_rl.train import (
     CheckpointError,
     CheckpointManager,
     SinkConfig,
+    SinkCounters,
+    SinkWindow,
     TrainSink,
     decode_checkpoint,
     encode_checkpoint,
@@ -97,7 +100,12 @@ def _decode_or_error(data: bytes) -> str:
 def test_malformed_record_names_field_and_offset() -> None:
     meta = {
         "step": 3,
-        "sink": {"step": 4, "next_arrival": 1, "counters": {}, "window": {}},
+        "sink": {
+            "step": 4,
+            "next_arrival": 1,
+            "counters": attrs.asdict(SinkCounters(dispatched=1)),
+            "window": attrs.asdict(SinkWindow()),
+        },
         "n_queued": 1,
         "n_open": 0,
     }
@@ -106,7 +114,7 @@ def test_malformed_record_names_field_and_offset() -> None:
     with pytest.raises(CheckpointError) as info:
         decode_checkpoint(_file([meta, record]), "bad.ckpt")
     msg = str(info.value)
-    assert msg.startswith("checkpoint bad.ckpt: queued[0].token_ids: expected a packed array")
+    assert msg.startswith("checkpoint bad.ckpt: sink.queued[0].token_ids: expected a packed array")
     assert f"byte offset {offset}" in msg
 
 

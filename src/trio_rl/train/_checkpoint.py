@@ -33,10 +33,9 @@ import attrs
 import msgpack
 import trio
 
+from ._checkpoint_schema import check_state, decode_meta, decode_open_group
 from ._codec import (
     CodecError,
-    decode_prompt,
-    decode_sample,
     decode_training_sample,
     encode_prompt,
     encode_sample,
@@ -44,10 +43,7 @@ from ._codec import (
 )
 from ._errors import CheckpointError
 from ._sink import (
-    OpenGroupState,
-    SinkCounters,
     SinkState,
-    SinkWindow,
     TrainSink,
     payload_files_of_state,
 )
@@ -216,12 +212,6 @@ def write_checkpoint(path: str | os.PathLike[str], snap: CheckpointSnapshot) -> 
     return target
 
 
-def _decode_meta(obj: Any, path: str) -> dict[str, Any]:
-    if not isinstance(obj, dict) or not {"step", "sink", "n_queued", "n_open"} <= obj.keys():
-        raise CheckpointError(path, "malformed header record at byte offset 16")
-    return obj
-
-
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Verify and decode a checkpoint file (blocking; run it in a worker thread).
 
@@ -277,70 +267,66 @@ def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> Checkpoint:
 
 
 def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int) -> Checkpoint:
+    """Decode and fully validate the records; any fault is a :class:`CheckpointError` naming
+    the file, the field path and the byte offset of the record holding it.
+    """
     name = str(p)
 
-    def nxt(what: str) -> Any:
+    def nxt(what: str) -> tuple[Any, int]:
         offset = _HEADER.size + unpacker.tell()
         try:
-            return next(unpacker)
+            return next(unpacker), offset
         except StopIteration:
-            raise CheckpointError(name, f"{what} missing at byte offset {offset}") from None
-        except Exception as exc:
-            raise CheckpointError(name, f"{what} undecodable at byte offset {offset}") from exc
+            raise CheckpointError(name, f"{what}: missing at byte offset {offset}") from None
+        except Exception as exc:  # msgpack's unpacker raises a zoo of types on bad bytes
+            raise CheckpointError(
+                name, f"{what}: undecodable MessagePack at byte offset {offset} ({exc})"
+            ) from exc
 
-    meta = _decode_meta(nxt("header record"), name)
+    def bad(exc: CodecError, offset: int) -> CheckpointError:
+        return CheckpointError(name, f"{exc.field}: {exc.reason} (record at byte offset {offset})")
+
+    obj, off = nxt("meta")
     try:
-        s = meta["sink"]
-        queued = []
-        for i in range(int(meta["n_queued"])):
-            off = _HEADER.size + unpacker.tell()
-            try:
-                queued.append(decode_training_sample(nxt(f"queued[{i}]"), f"queued[{i}]"))
-            except (CodecError, TypeError, ValueError, IndexError) as exc:
-                raise CheckpointError(name, f"{exc} (record at byte offset {off})") from exc
-        groups = []
-        for i in range(int(meta["n_open"])):
-            off = _HEADER.size + unpacker.tell()
-            what = f"open_groups[{i}]"
-            rec = nxt(what)
-            try:
-                gid, prompt, size, start, members = rec
-                groups.append(
-                    OpenGroupState(
-                        group_id=gid,
-                        prompt=decode_prompt(prompt, f"{what}.prompt"),
-                        group_size=int(size),
-                        policy_version_at_start=int(start),
-                        members=tuple(
-                            decode_sample(m, f"{what}.members[{j}]") for j, m in enumerate(members)
-                        ),
-                    )
-                )
-            except (CodecError, TypeError, ValueError, IndexError) as exc:
-                raise CheckpointError(name, f"{exc} (record at byte offset {off})") from exc
-        state = SinkState(
-            step=int(s["step"]),
-            next_arrival=int(s["next_arrival"]),
-            counters=SinkCounters(**s["counters"]),
-            window=SinkWindow(**s["window"]),
-            queued=tuple(queued),
-            open_groups=tuple(groups),
-        )
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(name, f"malformed sink state: {exc!r}") from exc
+        meta = decode_meta(obj, body_len - unpacker.tell())
+    except CodecError as exc:
+        raise bad(exc, off) from exc
+    queued = []
+    for i in range(meta.n_queued):
+        what = f"sink.queued[{i}]"
+        obj, off = nxt(what)
+        try:
+            queued.append(decode_training_sample(obj, what))
+        except CodecError as exc:
+            raise bad(exc, off) from exc
+    groups = []
+    for i in range(meta.n_open):
+        what = f"sink.open_groups[{i}]"
+        obj, off = nxt(what)
+        try:
+            groups.append(decode_open_group(obj, what))
+        except CodecError as exc:
+            raise bad(exc, off) from exc
     if unpacker.tell() != body_len:
         raise CheckpointError(
             name,
-            f"trailing data after the last record at byte offset {_HEADER.size + unpacker.tell()}",
+            f"n_open: {meta.n_queued} queued and {meta.n_open} open-group records declared, but "
+            f"more data follows at byte offset {_HEADER.size + unpacker.tell()}",
         )
+    state = SinkState(
+        step=meta.sink_step,
+        next_arrival=meta.next_arrival,
+        counters=meta.counters,
+        window=meta.window,
+        queued=tuple(queued),
+        open_groups=tuple(groups),
+    )
+    try:
+        check_state(state)
+    except CodecError as exc:
+        raise CheckpointError(name, f"{exc.field}: {exc.reason}") from exc
     return Checkpoint(
-        path=p,
-        step=int(meta["step"]),
-        progress=meta.get("progress") or {},
-        cursor=meta.get("cursor"),
-        sink=state,
+        path=p, step=meta.step, progress=meta.progress, cursor=meta.cursor, sink=state
     )
 
 

@@ -8,6 +8,7 @@ values only; nothing from the file is ever executed.
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from array import array
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ..samples import Prompt, Sample, SampleStatus
 from ..wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
@@ -36,7 +38,16 @@ _CONST_FMT = struct.Struct("<dQ")
 
 
 class CodecError(ValueError):
-    """A record does not have the expected shape; the caller adds the file and offset."""
+    """A record does not have the expected shape or range.
+
+    ``field`` is the path of the offending value (``sink.queued[2].logprobs``); the checkpoint
+    reader adds the file and the byte offset of the record.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
 
 
 def _raw(a: array[Any]) -> bytes:
@@ -77,58 +88,8 @@ def enc_bools(values: Sequence[bool]) -> msgpack.ExtType:
     return msgpack.ExtType(_BOOL, data)
 
 
-def _ext(obj: object, what: str) -> msgpack.ExtType:
-    if not isinstance(obj, msgpack.ExtType):
-        raise CodecError(f"{what}: expected a packed array, got {type(obj).__name__}")
-    return obj
-
-
-def dec_ints(obj: object, what: str) -> list[int]:
-    e = _ext(obj, what)
-    if e.code == _I32:
-        return _from_raw("i", e.data).tolist()
-    if e.code == _I64:
-        return _from_raw("q", e.data).tolist()
-    raise CodecError(f"{what}: expected an int array, got ext type {e.code}")
-
-
-def dec_floats(obj: object, what: str) -> list[float]:
-    e = _ext(obj, what)
-    if e.code == _F64:
-        return _from_raw("d", e.data).tolist()
-    if e.code == _CONST:
-        value, n = _CONST_FMT.unpack(e.data)
-        return [value] * n
-    raise CodecError(f"{what}: expected a float array, got ext type {e.code}")
-
-
-def dec_bools(obj: object, what: str) -> list[bool]:
-    e = _ext(obj, what)
-    if e.code != _BOOL:
-        raise CodecError(f"{what}: expected a bool array, got ext type {e.code}")
-    return [b != 0 for b in e.data]
-
-
-def _opt(fn: Any, obj: Any, what: str) -> Any:
-    return None if obj is None else fn(obj, what)
-
-
 def enc_segment(s: PayloadSegment) -> list[Any]:
     return [s.field, s.file, s.offset, s.pos, s.rows, s.dtype, list(s.shape)]
-
-
-def dec_segment(obj: Any, what: str) -> PayloadSegment:
-    if not isinstance(obj, list) or len(obj) != 7:
-        raise CodecError(f"{what}: a payload segment must be a 7-element array")
-    field, file, offset, pos, rows, dtype, shape = obj
-    return PayloadSegment(field, file, int(offset), int(pos), int(rows), dtype, list(shape))
-
-
-def _check(obj: Any, n: int, what: str) -> list[Any]:
-    if not isinstance(obj, list) or len(obj) != n:
-        got = len(obj) if isinstance(obj, list) else type(obj).__name__
-        raise CodecError(f"{what}: expected an array of {n} fields, got {got}")
-    return obj
 
 
 def encode_training_sample(s: TrainingSample) -> list[Any]:
@@ -159,47 +120,8 @@ def encode_training_sample(s: TrainingSample) -> list[Any]:
     ]
 
 
-def decode_training_sample(obj: Any, what: str) -> TrainingSample:
-    f = _check(obj, 21, what)
-    mm = f[7]
-    re_ = f[8]
-    sm = f[13]
-    return TrainingSample(
-        token_ids=dec_ints(f[0], f"{what}.token_ids"),
-        mask=dec_bools(f[1], f"{what}.mask"),
-        logprobs=dec_floats(f[2], f"{what}.logprobs"),
-        temperatures=dec_floats(f[3], f"{what}.temperatures"),
-        env_name=f[4],
-        advantages=_opt(dec_floats, f[5], f"{what}.advantages"),
-        ref_logprobs=_opt(dec_floats, f[6], f"{what}.ref_logprobs"),
-        mm_refs=None if mm is None else MMRefs([MMImageRef(u, o, n) for u, o, n in mm]),
-        routed_experts=None if re_ is None else RoutedExperts(re_[0], list(re_[1]), re_[2]),
-        mm_token_type_ids=_opt(dec_ints, f[9], f"{what}.mm_token_type_ids"),
-        rl_weights=_opt(dec_floats, f[10], f"{what}.rl_weights"),
-        ce_weights=_opt(dec_floats, f[11], f"{what}.ce_weights"),
-        ref_kl_weights=_opt(dec_floats, f[12], f"{what}.ref_kl_weights"),
-        sampling_mask=None if sm is None else SamplingMask(sm[0], sm[1]),
-        trace_id=f[14],
-        branch_index=f[15],
-        payload=None
-        if f[16] is None
-        else [dec_segment(p, f"{what}.payload[{i}]") for i, p in enumerate(f[16])],
-        policy_version=int(f[17]),
-        group_id=f[18],
-        sample_index=int(f[19]),
-        arrival=int(f[20]),
-    )
-
-
 def encode_prompt(p: Prompt) -> list[Any]:
     return [p.key, enc_ints(p.tokens), p.label, p.env_name, dict(p.metadata)]
-
-
-def decode_prompt(obj: Any, what: str) -> Prompt:
-    f = _check(obj, 5, what)
-    return Prompt(
-        key=f[0], tokens=dec_ints(f[1], f"{what}.tokens"), label=f[2], env_name=f[3], metadata=f[4]
-    )
 
 
 def encode_sample(s: Sample) -> list[Any]:
@@ -227,30 +149,335 @@ def encode_sample(s: Sample) -> list[Any]:
     ]
 
 
-def decode_sample(obj: Any, what: str) -> Sample:
-    f = _check(obj, 15, what)
-    meta = dict(f[13])
-    if f[14] is not None:
-        meta[PAYLOAD_METADATA_KEY] = [
-            dec_segment(p, f"{what}.payload[{i}]") for i, p in enumerate(f[14])
-        ]
+# -- decoding: every value is checked for type, range and length before it is used ---------------
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# a dimension of a per-token side array; far above any real one, far below an overflow
+_MAX_DIM = 2**31
+_NUMERIC = "biuf"
+
+
+def _kind(obj: object) -> str:
+    if obj is None:
+        return "nil"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, int):
+        return "an integer"
+    if isinstance(obj, float):
+        return "a float"
+    if isinstance(obj, str):
+        return "a string"
+    if isinstance(obj, bytes):
+        return "bytes"
+    if isinstance(obj, list):
+        return "an array"
+    if isinstance(obj, dict):
+        return "a map"
+    if isinstance(obj, msgpack.ExtType):
+        return f"a packed array of ext type {obj.code}"
+    return type(obj).__name__
+
+
+def want_int(obj: object, what: str, lo: int = 0, hi: int = _INT64_MAX) -> int:
+    """An integer in ``[lo, hi]`` (booleans are not integers here)."""
+    if type(obj) is not int:
+        raise CodecError(what, f"expected an integer, got {_kind(obj)}")
+    if not lo <= obj <= hi:
+        raise CodecError(what, f"{obj} is out of range [{lo}, {hi}]")
+    return obj
+
+
+def want_opt_int(obj: object, what: str, lo: int = _INT64_MIN, hi: int = _INT64_MAX) -> int | None:
+    return None if obj is None else want_int(obj, what, lo, hi)
+
+
+def want_number(obj: object, what: str) -> float:
+    """A finite int or float."""
+    if type(obj) not in (int, float):
+        raise CodecError(what, f"expected a number, got {_kind(obj)}")
+    value = float(obj)  # type: ignore[arg-type]
+    if not math.isfinite(value):
+        raise CodecError(what, f"{value!r} is not finite")
+    return value
+
+
+def want_str(obj: object, what: str) -> str:
+    if not isinstance(obj, str):
+        raise CodecError(what, f"expected a string, got {_kind(obj)}")
+    return obj
+
+
+def want_opt_str(obj: object, what: str) -> str | None:
+    return None if obj is None else want_str(obj, what)
+
+
+def want_bytes(obj: object, what: str) -> bytes:
+    if not isinstance(obj, bytes):
+        raise CodecError(what, f"expected bytes, got {_kind(obj)}")
+    return obj
+
+
+def want_map(obj: object, what: str) -> dict[Any, Any]:
+    if not isinstance(obj, dict):
+        raise CodecError(what, f"expected a map, got {_kind(obj)}")
+    return obj
+
+
+def want_list(obj: object, what: str, n: int | None = None) -> list[Any]:
+    if not isinstance(obj, list):
+        raise CodecError(what, f"expected an array, got {_kind(obj)}")
+    if n is not None and len(obj) != n:
+        raise CodecError(what, f"expected an array of {n} fields, got {len(obj)}")
+    return obj
+
+
+def _ext(obj: object, what: str, codes: tuple[int, ...], kind: str) -> msgpack.ExtType:
+    if not isinstance(obj, msgpack.ExtType):
+        raise CodecError(what, f"expected a packed array, got {_kind(obj)}")
+    if obj.code not in codes:
+        raise CodecError(what, f"expected {kind} array, got ext type {obj.code}")
+    return obj
+
+
+def _count(what: str, got: int, n: int | None) -> None:
+    if n is not None and got != n:
+        raise CodecError(what, f"has {got} entries, expected {n}")
+
+
+def _sized(what: str, data: bytes, size: int, n: int | None) -> int:
+    if len(data) % size:
+        raise CodecError(what, f"{len(data)} bytes are not a whole number of {size}-byte items")
+    _count(what, len(data) // size, n)
+    return len(data) // size
+
+
+def dec_ints(obj: object, what: str, n: int | None = None) -> list[int]:
+    """An int array; ``n`` is the required length, if known."""
+    e = _ext(obj, what, (_I32, _I64), "an int")
+    code = "i" if e.code == _I32 else "q"
+    _sized(what, e.data, 4 if e.code == _I32 else 8, n)
+    return _from_raw(code, e.data).tolist()
+
+
+def dec_floats(obj: object, what: str, n: int) -> list[float]:
+    """A float array of exactly ``n`` elements (a constant list is checked before it is built)."""
+    e = _ext(obj, what, (_F64, _CONST), "a float")
+    if e.code == _F64:
+        _sized(what, e.data, 8, n)
+        return _from_raw("d", e.data).tolist()
+    if len(e.data) != _CONST_FMT.size:
+        raise CodecError(what, f"a constant list takes {_CONST_FMT.size} bytes, got {len(e.data)}")
+    value, count = _CONST_FMT.unpack(e.data)
+    _count(what, count, n)
+    return [value] * count
+
+
+def dec_bools(obj: object, what: str, n: int) -> list[bool]:
+    e = _ext(obj, what, (_BOOL,), "a bool")
+    _count(what, len(e.data), n)
+    return [b != 0 for b in e.data]
+
+
+def _opt_floats(obj: object, what: str, n: int) -> list[float] | None:
+    return None if obj is None else dec_floats(obj, what, n)
+
+
+def numeric_dtype(obj: object, what: str, kinds: str = _NUMERIC) -> np.dtype[Any]:
+    """A plain numeric numpy dtype named by a string (no structured, object or datetime ones)."""
+    name = want_str(obj, what)
     try:
-        status = SampleStatus(f[7])
+        dtype = np.dtype(name)
+    except Exception:  # numpy raises TypeError, ValueError or SyntaxError for a bad name
+        raise CodecError(what, f"unknown dtype {name!r}") from None
+    if dtype.kind not in kinds or dtype.fields is not None or dtype.subdtype is not None:
+        raise CodecError(what, f"dtype {name!r} is not a plain numeric dtype")
+    return dtype
+
+
+def _shape(obj: object, what: str, min_dims: int = 0) -> list[int]:
+    dims = want_list(obj, what)
+    if len(dims) < min_dims or len(dims) > 32:
+        raise CodecError(what, f"expected {min_dims} to 32 dimensions, got {len(dims)}")
+    return [want_int(d, f"{what}[{i}]", 0, _MAX_DIM) for i, d in enumerate(dims)]
+
+
+def _payload_file(obj: object, what: str) -> str:
+    # relative to the payload root: the trainer reads and deletes it
+    file = want_str(obj, what)
+    parts = file.replace("\\", "/").split("/")
+    if not file or "\x00" in file or file.startswith(("/", "\\")) or ".." in parts:
+        raise CodecError(what, f"{file!r} is not a path inside the payload root")
+    return file
+
+
+def dec_segment(obj: Any, what: str, length: int | None = None) -> PayloadSegment:
+    """A payload segment; with ``length``, its rows must lie inside a sequence that long."""
+    field, file, offset, pos, rows, dtype, shape = want_list(obj, what, 7)
+    itemsize = numeric_dtype(dtype, f"{what}.dtype", _NUMERIC + "c").itemsize
+    dims = _shape(shape, f"{what}.shape")
+    seg = PayloadSegment(
+        want_str(field, f"{what}.field"),
+        _payload_file(file, f"{what}.file"),
+        want_int(offset, f"{what}.offset"),
+        want_int(pos, f"{what}.pos"),
+        want_int(rows, f"{what}.rows"),
+        dtype,
+        dims,
+    )
+    if seg.offset + seg.rows * itemsize * math.prod(dims) > _INT64_MAX:
+        raise CodecError(f"{what}.rows", "the rows end beyond any possible file offset")
+    if length is not None and seg.pos + seg.rows > length:
+        raise CodecError(
+            f"{what}.rows",
+            f"rows {seg.pos}..{seg.pos + seg.rows} run past the sequence of {length} tokens",
+        )
+    return seg
+
+
+def _segments(obj: object, what: str, length: int | None) -> list[PayloadSegment] | None:
+    if obj is None:
+        return None
+    return [dec_segment(p, f"{what}[{i}]", length) for i, p in enumerate(want_list(obj, what))]
+
+
+def _mm_refs(obj: object, what: str) -> MMRefs | None:
+    if obj is None:
+        return None
+    images = []
+    for i, ref in enumerate(want_list(obj, what)):
+        w = f"{what}[{i}]"
+        url, offset, length = want_list(ref, w, 3)
+        images.append(
+            MMImageRef(
+                want_str(url, f"{w}.url"),
+                want_int(offset, f"{w}.offset"),
+                want_int(length, f"{w}.length"),
+            )
+        )
+    return MMRefs(images)
+
+
+def _routed(obj: object, what: str, n: int) -> RoutedExperts | None:
+    if obj is None:
+        return None
+    data, shape, dtype = want_list(obj, what, 3)
+    data = want_bytes(data, f"{what}.data")
+    dims = _shape(shape, f"{what}.shape", 1)
+    if dims[0] != n:
+        raise CodecError(f"{what}.shape", f"has {dims[0]} rows for {n} tokens")
+    itemsize = numeric_dtype(dtype, f"{what}.dtype").itemsize
+    if len(data) != math.prod(dims) * itemsize:
+        raise CodecError(f"{what}.data", f"{len(data)} bytes do not hold shape {dims} of {dtype}")
+    return RoutedExperts(data, dims, dtype)
+
+
+def _sampling_mask(obj: object, what: str, n: int) -> SamplingMask | None:
+    if obj is None:
+        return None
+    ids, counts = want_list(obj, what, 2)
+    ids = want_bytes(ids, f"{what}.ids")
+    counts = want_bytes(counts, f"{what}.counts")
+    if len(counts) != 4 * n:
+        raise CodecError(f"{what}.counts", f"{len(counts)} bytes for {n} int32 counts")
+    per_token = _from_raw("i", counts)
+    if n and min(per_token) < 0:
+        raise CodecError(f"{what}.counts", "a count is negative")
+    if len(ids) != 4 * sum(per_token):
+        raise CodecError(f"{what}.ids", f"{len(ids)} bytes for {sum(per_token)} int32 ids")
+    return SamplingMask(ids, counts)
+
+
+def decode_training_sample(obj: Any, what: str) -> TrainingSample:
+    """A queued training sample; every per-token list has the length of ``token_ids``."""
+    f = want_list(obj, what, 21)
+    token_ids = dec_ints(f[0], f"{what}.token_ids")
+    n = len(token_ids)
+    if not n:
+        raise CodecError(f"{what}.token_ids", "a training sample has at least one token")
+    ts = TrainingSample(
+        token_ids=token_ids,
+        mask=dec_bools(f[1], f"{what}.mask", n),
+        logprobs=dec_floats(f[2], f"{what}.logprobs", n),
+        temperatures=dec_floats(f[3], f"{what}.temperatures", n),
+        env_name=want_str(f[4], f"{what}.env_name"),
+        advantages=_opt_floats(f[5], f"{what}.advantages", n),
+        ref_logprobs=_opt_floats(f[6], f"{what}.ref_logprobs", n),
+        mm_refs=_mm_refs(f[7], f"{what}.mm_refs"),
+        routed_experts=_routed(f[8], f"{what}.routed_experts", n),
+        mm_token_type_ids=None if f[9] is None else dec_ints(f[9], f"{what}.mm_token_type_ids", n),
+        rl_weights=_opt_floats(f[10], f"{what}.rl_weights", n),
+        ce_weights=_opt_floats(f[11], f"{what}.ce_weights", n),
+        ref_kl_weights=_opt_floats(f[12], f"{what}.ref_kl_weights", n),
+        sampling_mask=_sampling_mask(f[13], f"{what}.sampling_mask", n),
+        trace_id=want_opt_str(f[14], f"{what}.trace_id"),
+        branch_index=want_opt_int(f[15], f"{what}.branch_index"),
+        payload=_segments(f[16], f"{what}.payload", n),
+        policy_version=want_int(f[17], f"{what}.policy_version"),
+        group_id=want_str(f[18], f"{what}.group_id"),
+        sample_index=want_int(f[19], f"{what}.sample_index", -1),
+        arrival=want_int(f[20], f"{what}.arrival"),
+    )
+    if ts.advantages is None:
+        rl = ts.rl_weights
+        if any(m and (rl is None or rl[i] != 0.0) for i, m in enumerate(ts.mask)):
+            raise CodecError(f"{what}.advantages", "missing, but some tokens train")
+    return ts
+
+
+def decode_prompt(obj: Any, what: str) -> Prompt:
+    f = want_list(obj, what, 5)
+    return Prompt(
+        key=want_str(f[0], f"{what}.key"),
+        tokens=dec_ints(f[1], f"{what}.tokens"),
+        label=f[2],
+        env_name=want_str(f[3], f"{what}.env_name"),
+        metadata=want_map(f[4], f"{what}.metadata"),
+    )
+
+
+def policy_versions(obj: object, what: str) -> list[int]:
+    """Versions of a sample's engine calls: non-negative and, as versions only grow, in order."""
+    versions = [want_int(v, f"{what}[{i}]") for i, v in enumerate(want_list(obj, what))]
+    for i in range(1, len(versions)):
+        if versions[i] < versions[i - 1]:
+            raise CodecError(
+                f"{what}[{i}]", f"version {versions[i]} after {versions[i - 1]} (out of order)"
+            )
+    return versions
+
+
+def decode_sample(obj: Any, what: str) -> Sample:
+    f = want_list(obj, what, 15)
+    completion = dec_ints(f[3], f"{what}.completion_tokens")
+    n = len(completion)
+    meta = dict(want_map(f[13], f"{what}.metadata"))
+    payload = _segments(f[14], f"{what}.payload", None)
+    if meta.get(PAYLOAD_METADATA_KEY) is not None:
+        # the writer moves a payload list out of the metadata; anything left there is invalid
+        raise CodecError(
+            f"{what}.metadata", f"{PAYLOAD_METADATA_KEY!r} must be stored as the payload field"
+        )
+    if payload is not None:
+        meta[PAYLOAD_METADATA_KEY] = payload
+    status = want_str(f[7], f"{what}.status")
+    try:
+        status_ = SampleStatus(status)
     except ValueError:
-        raise CodecError(f"{what}.status: unknown status {f[7]!r}") from None
+        raise CodecError(f"{what}.status", f"unknown status {status!r}") from None
     return Sample(
-        index=int(f[0]),
-        group_index=int(f[1]),
+        index=want_int(f[0], f"{what}.index"),
+        group_index=want_int(f[1], f"{what}.group_index"),
         prompt_tokens=dec_ints(f[2], f"{what}.prompt_tokens"),
-        completion_tokens=dec_ints(f[3], f"{what}.completion_tokens"),
-        logprobs=dec_floats(f[4], f"{what}.logprobs"),
-        loss_mask=dec_bools(f[5], f"{what}.loss_mask"),
-        reward=f[6],
-        status=status,
-        policy_versions=[int(v) for v in f[8]],
-        routing_key=f[9],
-        seed=f[10],
+        completion_tokens=completion,
+        logprobs=dec_floats(f[4], f"{what}.logprobs", n),
+        loss_mask=dec_bools(f[5], f"{what}.loss_mask", n),
+        reward=None if f[6] is None else want_number(f[6], f"{what}.reward"),
+        status=status_,
+        policy_versions=policy_versions(f[8], f"{what}.policy_versions"),
+        routing_key=want_opt_str(f[9], f"{what}.routing_key"),
+        seed=want_opt_int(f[10], f"{what}.seed"),
         label=f[11],
-        env_name=f[12],
+        env_name=want_str(f[12], f"{what}.env_name"),
         metadata=meta,
     )

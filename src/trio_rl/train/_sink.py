@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import itertools
 import logging
+import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Literal
 
@@ -400,6 +402,14 @@ class TrainSink:
         g = self._open.get(group.group_id)
         held = g.seen if g is not None else set()
         new = [s for s in group.samples if s.index not in held]
+        if g is not None and held:
+            # A resumed group's group reward ran over the whole group, restored members
+            # included: the rollout layer's reward is the one to score with.
+            rewards = {s.index: s.reward for s in group.samples if s.index in held}
+            for m in g.members:
+                reward = rewards.get(m.index)
+                if reward is not None:
+                    m.reward = reward
         where = f"group {group.group_id}"
         if len({s.index for s in new}) != len(new):
             raise TrainSinkError(f"{where}: duplicate sample indices")
@@ -685,7 +695,13 @@ class TrainSink:
         ``missing_files`` are dropped and logged). Open groups keep their id, prompt and fresh
         members; members dropped (stale or missing files) are regenerated like any missing one.
         An open group whose fresh members already fill it is scored now and dispatches nothing.
+
+        A state that breaks the sink's invariants (see :func:`state_problem`) raises
+        :class:`TrainSinkError` naming the field, and the sink is left unchanged.
         """
+        problem = state_problem(state)
+        if problem is not None:
+            raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
         self._step = state.step
         self._next_arrival = state.next_arrival
         self._counters = state.counters
@@ -719,7 +735,12 @@ class TrainSink:
             g.members = fresh
             g.seen = {m.index for m in fresh}
             self._open[og.group_id] = g
-            if g.complete:
+            # A full group is scored now only when every member has its reward; otherwise its
+            # group reward had not run at the checkpoint, and it goes back to the rollout layer,
+            # which dispatches nothing for it and only runs the reward.
+            if g.complete and (
+                len(fresh) < og.group_size or all(m.reward is not None for m in fresh)
+            ):
                 completed.append(og.group_id)
                 self._finalize(og.group_id)
             else:
@@ -754,6 +775,72 @@ class TrainSink:
             dropped_members_missing=m_missing,
             dropped_members_stale=m_stale,
         )
+
+
+def state_problem(state: SinkState) -> tuple[str, str] | None:
+    """The first broken invariant of a snapshot as ``(field path, reason)``, or None.
+
+    Checked: counters and window are non-negative and the window is part of the counters; every
+    dispatched sample is settled or held (queued, or a member of an open group); queued arrivals
+    strictly increase (they key the queue); open group ids are distinct, each group holds finished
+    members with distinct indices, finite rewards and versions in order. A group holding more
+    members than ``group_size`` is allowed here (it is scored once, with all of them); the
+    checkpoint reader refuses one.
+    """
+    c, w = state.counters, state.window
+    if state.step < 1:
+        return "step", f"{state.step} is not a step (steps start at 1)"
+    if state.next_arrival < 0:
+        return "next_arrival", f"{state.next_arrival} is negative"
+    for name in _COUNTER_NAMES:
+        if getattr(c, name) < 0:
+            return f"counters.{name}", f"{getattr(c, name)} is negative"
+    for name in _WINDOW_COUNTS:
+        if getattr(w, name) < 0:
+            return f"window.{name}", f"{getattr(w, name)} is negative"
+        if name in _COUNTER_NAMES and getattr(w, name) > getattr(c, name):
+            return f"window.{name}", f"{getattr(w, name)} exceeds counters.{name}"
+    if not math.isfinite(w.reward_sum):
+        return "window.reward_sum", f"{w.reward_sum!r} is not finite"
+    previous = -1
+    for i, ts in enumerate(state.queued):
+        if ts.arrival <= previous:
+            return f"queued[{i}].arrival", f"{ts.arrival} after {previous} (not in arrival order)"
+        previous = ts.arrival
+    ids: set[str] = set()
+    held = len(state.queued)
+    for i, og in enumerate(state.open_groups):
+        where = f"open_groups[{i}]"
+        if og.group_id in ids:
+            return f"{where}.group_id", f"duplicate open group {og.group_id!r}"
+        ids.add(og.group_id)
+        if og.group_size < 1:
+            return f"{where}.group_size", f"{og.group_size} is not a group size"
+        if og.policy_version_at_start < 0:
+            return f"{where}.policy_version_at_start", "negative version"
+        seen: set[int] = set()
+        for j, m in enumerate(og.members):
+            if m.index in seen:
+                return f"{where}.members[{j}].index", f"duplicate sample index {m.index}"
+            seen.add(m.index)
+            if not m.status.is_finished:
+                return f"{where}.members[{j}].status", f"{m.status.value} member (not finished)"
+            if m.reward is not None and not math.isfinite(m.reward):
+                return f"{where}.members[{j}].reward", f"{m.reward!r} is not finite"
+            versions = m.policy_versions
+            if any(v < 0 for v in versions) or any(b < a for a, b in itertools.pairwise(versions)):
+                return f"{where}.members[{j}].policy_versions", f"{versions} out of order"
+        held += len(og.members)
+    if c.dispatched != c.settled + held:
+        return (
+            "counters.dispatched",
+            f"{c.dispatched} dispatched, but {c.settled} settled and {held} held",
+        )
+    return None
+
+
+_COUNTER_NAMES = tuple(f.name for f in attrs.fields(SinkCounters))
+_WINDOW_COUNTS = tuple(f.name for f in attrs.fields(SinkWindow) if f.name != "reward_sum")
 
 
 def payload_files_of_state(state: SinkState) -> set[str]:

@@ -1,0 +1,121 @@
+"""Validation of a decoded checkpoint: every field's type and range, and the cross-field rules.
+
+Whatever passes can be restored into a :class:`TrainSink` and resumed; anything else raises
+:class:`CodecError` naming the field path (``sink.open_groups[3].members[1].logprobs``), which
+the reader turns into a :class:`CheckpointError` naming the file too. Counts are bounded by the
+bytes left in the file before anything is allocated for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ._codec import (
+    CodecError,
+    decode_prompt,
+    decode_sample,
+    want_int,
+    want_list,
+    want_map,
+    want_number,
+    want_str,
+)
+from ._sink import OpenGroupState, SinkCounters, SinkState, SinkWindow, state_problem
+
+__all__ = ["Meta", "check_state", "decode_meta", "decode_open_group"]
+
+_COUNTERS = tuple(f.name for f in attrs.fields(SinkCounters))
+_WINDOW = tuple(f.name for f in attrs.fields(SinkWindow))
+
+
+@attrs.frozen
+class Meta:
+    """The header record, validated."""
+
+    step: int
+    progress: dict[Any, Any]
+    cursor: Any
+    sink_step: int
+    next_arrival: int
+    counters: SinkCounters
+    window: SinkWindow
+    n_queued: int
+    n_open: int
+
+
+def _fields(obj: object, what: str, names: tuple[str, ...]) -> dict[Any, Any]:
+    m = want_map(obj, what)
+    for name in names:
+        if name not in m:
+            raise CodecError(f"{what}.{name}", "missing")
+    unknown = sorted(str(k) for k in m if k not in names)
+    if unknown:
+        raise CodecError(what, f"unknown fields {unknown}")
+    return m
+
+
+def _counters(obj: object) -> SinkCounters:
+    m = _fields(obj, "sink.counters", _COUNTERS)
+    return SinkCounters(**{k: want_int(m[k], f"sink.counters.{k}") for k in _COUNTERS})
+
+
+def _window(obj: object) -> SinkWindow:
+    m = _fields(obj, "sink.window", _WINDOW)
+    values: dict[str, Any] = {
+        k: want_int(m[k], f"sink.window.{k}") for k in _WINDOW if k != "reward_sum"
+    }
+    values["reward_sum"] = want_number(m["reward_sum"], "sink.window.reward_sum")
+    return SinkWindow(**values)
+
+
+def decode_meta(obj: object, left: int) -> Meta:
+    """The header record; ``left`` is how many body bytes follow it (each record takes one)."""
+    m = want_map(obj, "meta")
+    for name in ("step", "sink", "n_queued", "n_open"):
+        if name not in m:
+            raise CodecError(name, "missing from the header record")
+    progress = m.get("progress")
+    sink = want_map(m["sink"], "sink")
+    for name in ("step", "next_arrival", "counters", "window"):
+        if name not in sink:
+            raise CodecError(f"sink.{name}", "missing")
+    n_queued = want_int(m["n_queued"], "n_queued", 0, left)
+    return Meta(
+        step=want_int(m["step"], "step"),
+        progress={} if progress is None else want_map(progress, "progress"),
+        cursor=m.get("cursor"),
+        sink_step=want_int(sink["step"], "sink.step", 1),
+        next_arrival=want_int(sink["next_arrival"], "sink.next_arrival"),
+        counters=_counters(sink["counters"]),
+        window=_window(sink["window"]),
+        n_queued=n_queued,
+        n_open=want_int(m["n_open"], "n_open", 0, left - n_queued),
+    )
+
+
+def decode_open_group(obj: object, what: str) -> OpenGroupState:
+    """``[group_id, prompt, group_size, start version, [members]]``."""
+    gid, prompt, size, start, members = want_list(obj, what, 5)
+    group_size = want_int(size, f"{what}.group_size", 1)
+    members = want_list(members, f"{what}.members")
+    if len(members) > group_size:
+        # an open group is saved before it fills: more members than its size is damage
+        raise CodecError(
+            f"{what}.members", f"{len(members)} members exceed group_size {group_size}"
+        )
+    return OpenGroupState(
+        group_id=want_str(gid, f"{what}.group_id"),
+        prompt=decode_prompt(prompt, f"{what}.prompt"),
+        group_size=group_size,
+        policy_version_at_start=want_int(start, f"{what}.policy_version_at_start"),
+        members=tuple(decode_sample(m, f"{what}.members[{j}]") for j, m in enumerate(members)),
+    )
+
+
+def check_state(state: SinkState) -> None:
+    """The sink's cross-field invariants (:func:`state_problem`), as a :class:`CodecError`."""
+    problem = state_problem(state)
+    if problem is not None:
+        raise CodecError(f"sink.{problem[0]}", problem[1])
