@@ -407,8 +407,16 @@ def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> No
     ax.set_ylabel("mean reward", color="tab:blue")
     ax.set_ylim(0, 1)
     ax2 = ax.twinx()
-    ax2.plot(steps, [m["samples_per_s"] for m in metrics], color="tab:orange", alpha=0.6)
-    ax2.set_ylabel("samples / s", color="tab:orange")
+    # throughput over a sliding window of 10 steps (one step's figure is spiky: a step can
+    # ship from a backlog in milliseconds)
+    rate = []
+    for i in range(len(metrics)):
+        first = max(0, i - 9)
+        before = metrics[first - 1]["wall_s"] if first else 0.0
+        elapsed = max(metrics[i]["wall_s"] - before, 1e-9)
+        rate.append(sum(m["reward_count"] for m in metrics[first : i + 1]) / elapsed)
+    ax2.plot(steps, rate, color="tab:orange", alpha=0.8)
+    ax2.set_ylabel("samples scored / s (10-step window)", color="tab:orange")
     wall = metrics[-1]["wall_s"]
     ax.set_title(f"trio-rl learning run {title} ({wall:.0f} s wall)")
     fig.tight_layout()
