@@ -15,10 +15,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import attrs
 import msgpack
 import pytest
 import trio
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from train_helpers import assert_accounted, make_group, make_sample
 
@@ -33,6 +34,7 @@ from trio_rl.train import (
     PruneMode,
     SinkConfig,
     TrainSink,
+    TrainSinkError,
     decode_checkpoint,
     encode_checkpoint,
 )
@@ -344,6 +346,7 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
             records = [meta, *records[1:]]
     ck, error = _decode(_file(records))
     if error is not None:
+        event("rejected")
         assert error.path == _NAME
         assert _FIELD.match(str(error)), str(error)
         if n_mut == 1 and first[0] != 0 and not isinstance(_get(records, first), (list, dict)):
@@ -353,6 +356,7 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
             assert where in str(error) or "sink.counters" in str(error), str(error)
         return
     assert ck is not None
+    event("loaded and resumed")
     config = data.draw(st.sampled_from(_CONFIGS), label="config")
     _resume_and_continue(ck, config)
 
@@ -438,3 +442,19 @@ def test_member_sample_type_survives_roundtrip() -> None:
     member = ck.sink.open_groups[0].members[0]
     assert isinstance(member, Sample)
     assert member.metadata[PAYLOAD_METADATA_KEY][0].file == "v1/y.bin"
+
+
+def test_load_state_dict_refuses_a_broken_state_and_changes_nothing() -> None:
+    state = _rich_sink().state_dict()
+    broken = attrs.evolve(
+        state, counters=attrs.evolve(state.counters, dispatched=state.counters.dispatched + 1)
+    )
+    sink = TrainSink(SinkConfig(batch_size=2))
+    sink.add_group(make_group([1.0, 0.0]))
+    before = (sink.step, sink.counters, sink.queued, sink.open_group_ids())
+    with pytest.raises(TrainSinkError, match=r"restore: counters\.dispatched: "):
+        sink.load_state_dict(broken)
+    assert (sink.step, sink.counters, sink.queued, sink.open_group_ids()) == before
+    twice = attrs.evolve(state, open_groups=(*state.open_groups, state.open_groups[0]))
+    with pytest.raises(TrainSinkError, match=r"open_groups\[2\]\.group_id: duplicate"):
+        sink.load_state_dict(twice)
