@@ -93,3 +93,19 @@ async def test_the_watcher_loads_every_engine_before_the_version_counts(tmp_path
     assert reported[-1] == (3, [3, 3])
     for name, value in trained.state_dict().items():
         assert torch.equal(second.model.state_dict()[name], value)
+
+
+async def test_a_previous_runs_weights_and_batches_are_cleared(tmp_path: Path) -> None:
+    from trio_rl.learn import LearnConfig, run_learning
+
+    # leftovers of an earlier run: a far newer version the watcher would otherwise load
+    publish_weights(tmp_path / "weights", 500, _model(3).state_dict())
+    (tmp_path / "batches" / "step_1").mkdir(parents=True)
+    (tmp_path / "batches" / "step_1" / "rank_0.bin").write_bytes(b"not a batch")
+    config = LearnConfig(out=tmp_path, steps=2, verbose=False, plot=False)
+    with trio.fail_after(300):
+        result = await run_learning(config)
+    assert [m["step"] for m in result.metrics] == [1, 2]
+    assert all(m["policy_version"] < 3 for m in result.metrics)
+    latest = latest_weights(tmp_path / "weights")
+    assert latest is None or latest.version <= 2

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -230,15 +231,17 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     """Run the learning run described by ``config``; return its metrics.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
-    and, with ``config.plot``, ``plot.png`` into ``config.out``. torch should be imported (and
-    ``torch.set_num_threads`` chosen) before ``trio.run``.
+    and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
+    and ``batches/`` there are removed first (the learning run does not resume). torch should be
+    imported (and ``torch.set_num_threads`` chosen) before ``trio.run``.
 
     Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
     ``metrics.jsonl`` holds the steps shipped so far.
     """
     out = config.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / STOP_FILE).unlink(missing_ok=True)
+    # The learning run does not resume: a previous run's weights would be taken for new
+    # versions, its batch files for this run's steps.
+    await trio.to_thread.run_sync(_clear_run_directory, out)
     (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
     trainer_done = trio.Event()
     model, _ = build_model(config)
@@ -386,6 +389,13 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     if config.verbose:
         print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
     return LearnResult(metrics, counters, trainer_steps, wall, out, stopped)
+
+
+def _clear_run_directory(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("weights", "batches"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / STOP_FILE).unlink(missing_ok=True)
 
 
 def _append(path: Path, line: str) -> None:
