@@ -424,7 +424,9 @@ def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> No
         first = max(0, i - 9)
         before = metrics[first - 1]["wall_s"] if first else 0.0
         elapsed = max(metrics[i]["wall_s"] - before, 1e-9)
-        rate.append(sum(m["reward_count"] for m in metrics[first : i + 1]) / elapsed)
+        # samples scored (shipped or pruned); records without the count use what was shipped
+        scored = sum(m.get("reward_count", m["samples"]) for m in metrics[first : i + 1])
+        rate.append(scored / elapsed)
     ax2.plot(steps, rate, color="tab:orange", alpha=0.8)
     ax2.set_ylabel("samples scored / s (10-step window)", color="tab:orange")
     wall = metrics[-1]["wall_s"]
