@@ -48,7 +48,9 @@ class TrainerConfig:
 
 @attrs.frozen
 class StepStats:
-    """What one :meth:`GRPOTrainer.train_step` did (global over ranks for the token count)."""
+    """What one :meth:`GRPOTrainer.train_step` did, over every rank. ``loss``, ``ratio_mean``
+    (importance ratio against the inference logprobs) and ``clipped_fraction`` are those of the
+    step's first update, before the policy moved."""
 
     step: int
     loss_tokens: int
@@ -133,10 +135,12 @@ class GRPOTrainer:
         tensors = [to_torch(mb) for mb in micro_batches]
         total = self._global_tokens(tensors)
         self.model.train()
+        if self.distributed and not tensors:  # pragma: no cover - the packer gives every rank some
+            raise RuntimeError("a rank got no micro-batch; DDP needs one per rank")
+        # the figures of the first update: the policy as it was against the inference logprobs
         loss_sum = ratio_sum = clipped_sum = 0.0
-        for _ in range(self.config.epochs):
+        for epoch in range(self.config.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = ratio_sum = clipped_sum = 0.0
             for k, t in enumerate(tensors):
                 last = k == len(tensors) - 1
                 sync = self.distributed and not last
@@ -145,13 +149,10 @@ class GRPOTrainer:
                     losses, ratios, clipped = grpo_token_losses(self._wrapped, t, self.config.clip)
                     loss = losses.sum() * (self.world_size / max(total, 1))
                     loss.backward()  # type: ignore[no-untyped-call]
-                loss_sum += float(losses.detach().sum())
-                ratio_sum += float(ratios.sum())
-                clipped_sum += float(clipped.sum())
-            if (
-                not tensors and self.distributed
-            ):  # pragma: no cover - the packer gives every rank some
-                raise RuntimeError("a rank got no micro-batch; DDP needs one per rank")
+                if epoch == 0:
+                    loss_sum += float(losses.detach().sum())
+                    ratio_sum += float(ratios.sum())
+                    clipped_sum += float(clipped.sum())
             if self.config.max_grad_norm is not None:
                 nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
             self.optimizer.step()
