@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -266,6 +267,7 @@ async def main(args: argparse.Namespace) -> int:
                 "step": r.step,
                 "reward_mean": r.all.reward_mean,
                 "samples": r.all.reward_count,
+                "reward_count": r.all.reward_count,
                 "tokens": r.effective.tokens,
                 "off_policy_max": r.effective.off_policy.max or 0,
                 "policy_version": version[0],
@@ -393,6 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the server reads published weights by path: make it absolute
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    # no resume: a previous run's weights would pass for new versions, its batches for steps
+    for name in ("weights", "batches", "model"):
+        shutil.rmtree(args.out / name, ignore_errors=True)
     return args
 
 
