@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import attrs
 import trio
 
 from .engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
@@ -54,8 +56,13 @@ def _demo_prompts(n: int) -> list[Prompt]:
 
 
 def _parity_reward(sample: Sample) -> float:
-    """A verifiable toy reward: 1.0 when the completion's token parity matches the label."""
-    return 1.0 if sum(sample.completion_tokens) % 2 == sample.label else 0.0
+    """A verifiable toy reward: 1.0 when the completion's first token has the label's parity.
+
+    (Not the parity of the whole completion: the simulated engine's completions are runs of
+    consecutive ids, so samples capped at the same length would all get one reward, and a group
+    with one reward has nothing to train on.)"""
+    first = sample.completion_tokens[0] if sample.completion_tokens else 0
+    return 1.0 if first % 2 == sample.label else 0.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -101,7 +108,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tokens-per-second",
         type=pos_float,
         default=2_000_000.0,
-        help="simulated decode speed per slot; high so the demo takes seconds (default 2e6)",
+        help="simulated decode speed per slot; high so the demo takes seconds (default 2e6). "
+        "Simulated time runs tokens-per-second/30 times faster than real time, for every "
+        "distribution (swe and heavy-tail episodes included)",
     )
     run.add_argument(
         "--max-tokens", type=pos_int, default=2048, help="completion cap (default 2048)"
@@ -239,13 +248,49 @@ async def _advance_policy(
         await trio.sleep(0.002)
 
 
+@attrs.define
+class _Stop:
+    """What the first SIGINT or SIGTERM cancels (the whole job until the run is open, then
+    only the run, which is then checkpointed), and what was received."""
+
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    signals: list[int] = attrs.field(factory=list)
+    reported: bool = False
+
+    @property
+    def status(self) -> int:
+        return 128 + self.signals[0]
+
+    def report(self, what: str) -> None:
+        name = signal.Signals(self.signals[0]).name
+        print(f"trio-rl: stopped by {name} {what}", file=sys.stderr, flush=True)
+        self.reported = True
+
+
 async def _run(args: argparse.Namespace) -> int:
+    stop = _Stop()
+    code = 0
+    async with trio.open_nursery() as watcher:
+        await watcher.start(_stop_on_signals, stop)
+        with stop.scope:
+            code = await _run_job(args, stop)
+        watcher.cancel_scope.cancel()
+    if stop.signals and not stop.reported:
+        stop.report("before the run started: nothing to save")
+    return stop.status if stop.signals else code
+
+
+async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
     out: Path = args.out
     engine = SimulatedEngine(
         distribution=args.distribution,
         slots=args.slots,
         seed=args.seed,
-        seconds_per_token=1.0 / args.tokens_per_second,
+        # Decoding at 30 tokens/s per slot, sped up so that --tokens-per-second holds; the same
+        # factor shrinks the wall-time distributions (swe, heavy-tail), whose episodes are
+        # minutes long in real time.
+        seconds_per_token=1.0 / 30.0,
+        time_scale=30.0 / args.tokens_per_second,
     )
     config = OrchestratorConfig(
         batch_groups=args.batch_groups,
@@ -320,19 +365,33 @@ async def _run(args: argparse.Namespace) -> int:
             for rank in range(args.ranks):
                 through = _trained_through(out, rank)
                 starts.append(resent_from if through is None else through + 1)
-        async with trio.open_nursery() as nursery:
-            for rank in range(args.ranks):
-                if args.transport == "zmq":
-                    receiver = BatchReceiver.zmq(
-                        rank, port=port, start_step=starts[rank], stop_step=last + 1
-                    )
-                    nursery.start_soon(_trainer_rank, receiver, first, trained, rank)
-                else:
-                    nursery.start_soon(
-                        _file_trainer_rank, out, rank, starts[rank], last + 1, trained
-                    )
-            nursery.start_soon(_advance_policy, orch, trained, starts, last)
-            summary = await orch.run(args.steps)
+        with trio.CancelScope() as work:
+            stop.scope = work  # from now on a signal stops the run, then checkpoints
+            if stop.signals:
+                work.cancel()
+            async with trio.open_nursery() as nursery:
+                for rank in range(args.ranks):
+                    if args.transport == "zmq":
+                        receiver = BatchReceiver.zmq(
+                            rank, port=port, start_step=starts[rank], stop_step=last + 1
+                        )
+                        nursery.start_soon(_trainer_rank, receiver, first, trained, rank)
+                    else:
+                        nursery.start_soon(
+                            _file_trainer_rank, out, rank, starts[rank], last + 1, trained
+                        )
+                nursery.start_soon(_advance_policy, orch, trained, starts, last)
+                summary = await orch.run(args.steps)
+        if stop.signals:
+            # Stopped mid-step: save what was collected since the last shipped step.
+            path = await orch.save_checkpoint()
+            held = f"{orch.sink.queued} queued samples, {orch.held_groups} open groups"
+            if args.keep:
+                saved = f"saved {path} ({held}); resume with: trio-rl run --out {out}"
+            else:
+                saved = f"nothing kept ({held} were in a temporary directory; use --out DIR)"
+            stop.report(f"after step {orch.step - 1}: {saved}")
+            return stop.status
     assert summary is not None
     stats = engine.statistics()
     c = summary.counters
@@ -356,6 +415,27 @@ async def _run(args: argparse.Namespace) -> int:
     else:
         print("checkpoints: in a temporary directory, now removed (--out DIR keeps them)")
     return 0
+
+
+async def _stop_on_signals(
+    stop: _Stop, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The first SIGINT or SIGTERM cancels ``stop.scope`` (the run then checkpoints what it
+    holds); a second one exits at once, leaving the last checkpoint as it is."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        task_status.started()
+        async for signum in received:
+            name = signal.Signals(signum).name
+            if stop.signals:
+                print(f"trio-rl: {name} again: exiting now", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            stop.signals.append(signum)
+            print(
+                f"trio-rl: {name}: stopping after saving a checkpoint ({name} again exits now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            stop.scope.cancel()
 
 
 def _set_aside(out: Path) -> None:

@@ -338,6 +338,20 @@ class Orchestrator:
             exhausted=exhausted,
         )
 
+    async def save_checkpoint(self) -> Path | None:
+        """Checkpoint the run as it is now (see `Publisher.save_checkpoint`): for a graceful stop
+        after `run` was cancelled mid-step, so that the groups finished since the last shipped
+        step are not generated again. Returns the checkpoint's path (None without a checkpoint
+        directory). Shielded: it completes even when cancelled.
+        """
+        path = await self.publisher.save_checkpoint()
+        return path if isinstance(path, Path) else None
+
+    @property
+    def held_groups(self) -> int:
+        """Groups the rollout layer holds (running, queued for a retry or resume, buffered)."""
+        return 0 if self._driver is None else len(self._driver.open_groups())
+
     def live_payload_versions(self) -> set[PolicyVersion]:
         """Every version whose payload directory a holder may still read.
 

@@ -1,0 +1,93 @@
+"""A graceful stop: the first SIGINT or SIGTERM during a long first step checkpoints the work
+collected so far, says so in one line and exits 130 / 143; the resumed run continues those
+groups instead of starting over, and the trainer sees every sample once."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_cli_kill import _LAUNCH  # the demo without importing torch
+
+RANKS = 2
+
+
+def _cmd(out: Path, steps: int) -> list[str]:
+    # swe episodes of ~2 s each (time scale 30/20000): the first step takes several seconds
+    return [
+        sys.executable, "-c", _LAUNCH, "run", "--out", str(out), "--steps", str(steps),
+        "--batch-groups", "4", "--group-size", "4", "--ranks", str(RANKS),
+        "--distribution", "swe", "--tokens-per-second", "20000", "--max-tokens", "256",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_first_signal_checkpoints_the_step_in_progress(tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert banner.startswith("trio-rl run:"), banner
+        time.sleep(2.0)  # groups finish, none shipped yet
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    name = signal.Signals(signum).name
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"trio-rl: stopped by {name} after step (\d+): saved \S+step_0*(\d+)\.ckpt "
+        r"\((\d+) queued samples, (\d+) open groups\); resume with: trio-rl run --out \S+",
+        last,
+    ), last
+    stopped_after = int(re.search(r"after step (\d+)", last).group(1))  # type: ignore[union-attr]
+    assert (out / "checkpoints" / f"step_{stopped_after:08d}.ckpt").is_file()
+
+    resumed = subprocess.run(_cmd(out, 2), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    m = re.search(
+        r"resumed at step 1: (\d+) queued samples ship first, (\d+) open groups", resumed.stdout
+    )
+    assert m is not None, resumed.stdout
+    assert int(m.group(1)) + int(m.group(2)) > 0, "the work of the interrupted step was lost"
+    shipped = int(re.search(r"shipped (\d+) \+ pruned", resumed.stdout).group(1))  # type: ignore[union-attr]
+    fingerprints: Counter[str] = Counter()
+    for rank in range(RANKS):
+        records = [
+            json.loads(line)
+            for line in (out / "trainer" / f"rank_{rank}.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == list(range(1, stopped_after + 3))
+        fingerprints.update(d for r in records for *_, d in r["seqs"])
+    assert max(fingerprints.values()) == 1
+    assert sum(fingerprints.values()) == shipped
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(out, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("trio-rl run:")
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] in (
+        "trio-rl: SIGTERM again: exiting now",
+        # the first stop may complete before the second signal is read
+        *[line for line in stderr.splitlines() if line.startswith("trio-rl: stopped by SIGTERM")],
+    )
