@@ -73,10 +73,12 @@ from .trainer import BatchReceiver as BatchReceiver
 from .trainer import TrainerTensors as TrainerTensors
 from .trainer import to_torch as to_torch
 from .transport import BatchSender as BatchSender
+from .transport import EndOfStream as EndOfStream
 from .transport import FileBatchReceiver as FileBatchReceiver
 from .transport import FileBatchSender as FileBatchSender
 from .transport import ReceiverTransport as ReceiverTransport
 from .transport import TransportError as TransportError
+from .transport import TransportIOError as TransportIOError
 from .transport import ZmqBatchReceiver as ZmqBatchReceiver
 from .transport import ZmqBatchSender as ZmqBatchSender
 from .wire import MicroBatch as MicroBatch

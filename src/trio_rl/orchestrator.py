@@ -209,6 +209,7 @@ class Orchestrator:
         self._publisher: Publisher | None = None
         self.restore: RestoreReport | None = None
         self._on_version: list[Callable[[PolicyVersion], None]] = []
+        self._ended = False
         #: Seconds the ship gate holds before it logs what it waits for (and between repeats).
         self.gate_warn_after = 5.0
 
@@ -282,7 +283,9 @@ class Orchestrator:
         """Collect and ship ``steps`` more batches; return what was shipped.
 
         When the data source runs dry, the samples still queued ship as a last, shorter batch
-        and the summary says ``exhausted``; nothing taken from the source is left behind.
+        and the summary says ``exhausted``; nothing taken from the source is left behind, and
+        the sender's ``end_stream`` tells every trainer rank that no later step will come (their
+        ``BatchReceiver`` iteration ends instead of waiting forever).
 
         Steps pending delivery (see `pending_steps`) are re-sent first, with identical bytes.
 
@@ -327,6 +330,12 @@ class Orchestrator:
                 await self.sink.ingest_group(group, limiter=self.limiter)
             if len(groups) < wanted:
                 exhausted = True
+        if exhausted and not self._ended:
+            # Tell the trainer ranks the stream ended (a marker prime-rl receivers ignore), once
+            # every shipped step is out.
+            await self.publisher.resend_pending()
+            await self.publisher.sender.end_stream(self.sink.step)
+            self._ended = True
         restore = self.restore
         return RunSummary(
             first_step=first,

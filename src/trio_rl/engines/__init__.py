@@ -26,3 +26,6 @@ from ._protocol import SamplingParams as SamplingParams
 from ._simulated import EngineStatistics as EngineStatistics
 from ._simulated import SimulatedEngine as SimulatedEngine
 from ._torch import TorchEngine as TorchEngine
+from ._vllm import VLLMAdmin as VLLMAdmin
+from ._vllm import VLLMEngine as VLLMEngine
+from ._vllm import open_vllm_engine as open_vllm_engine
