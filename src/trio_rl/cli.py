@@ -1,6 +1,11 @@
 """The ``trio-rl`` command.
 
-``trio-rl run`` is the main job on its embedded default: a simulated engine with straggler
+``trio-rl run`` is the main job: the learning run of `trio_rl.learn` (a tiny character model
+learns a verifiable task under asynchronous RL, served in-process and trained in-process or
+under torchrun), printing the mean reward per step and writing ``metrics.jsonl`` and
+``plot.png`` into its run directory.
+
+``trio-rl simulate`` is the same pipeline on a simulated engine with straggler
 latencies, a built-in prompt set and a verifiable reward, the full rollout -> sink -> publisher
 -> file transport path, and an in-process trainer rank that reads every batch back, turns it
 into torch tensors when torch is installed, and advances the policy version. Every step is
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -86,10 +92,35 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="trio-rl", description=__doc__.splitlines()[0])
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trio-rl")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        return "unknown"
+
+
+def _parser(learn: bool = False) -> argparse.ArgumentParser:
+    """The command's parser; ``learn``: give ``run`` its options (importing torch)."""
+    parser = _Parser(
+        prog="trio-rl",
+        description="Rollout orchestration for asynchronous RL on language models, on trio.",
+    )
+    parser.add_argument("--version", action="version", version=f"trio-rl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    run = sub.add_parser("run", help="a simulated rollout run (the embedded default)")
+    learning = sub.add_parser(
+        "run",
+        help="the learning run (the main job): a tiny model learns a verifiable task under "
+        "asynchronous RL, in-process (needs torch); run --help lists its options",
+    )
+    learning.add_argument("-v", "--verbose", action="store_true")
+    if learn:
+        from . import learn as _learn  # imports torch: only when the learning run is asked for
+
+        _learn.add_arguments(learning)
+    run = sub.add_parser(
+        "simulate",
+        help="a simulated rollout run: throughput, backfill and fault injection without a model",
+    )
     pos_int, pos_float = _positive(int), _positive(float)
     run.add_argument("--steps", type=pos_int, default=6, help="batches to ship (default 6)")
     run.add_argument("--batch-groups", type=pos_int, default=8, help="groups per batch (default 8)")
@@ -465,7 +496,16 @@ def _one_failure(exc: BaseException) -> BaseException:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; a failure the user can cause is one line on stderr and exit status 1
     (usage errors: 2); ``-v`` adds the traceback."""
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    learn = bool(argv) and argv[0] == "run"
+    if learn and importlib.util.find_spec("torch") is None:
+        print(
+            "trio-rl: error: the learning run needs torch (pip install 'trio-rl[learn]'; on a "
+            "CPU machine install torch==2.13.0 first); `trio-rl simulate` runs without it",
+            file=sys.stderr,
+        )
+        return 1
+    args = _parser(learn=learn).parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -492,6 +532,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     if args.command == "run":
+        import torch  # seconds to import: before the event loop starts, never inside it
+
+        from . import learn
+
+        # the per-step line already shows the stale counter; the sink's warning would repeat it
+        logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
+        torch.set_num_threads(args.threads)
+        config = learn.config_from_args(args)
+        trio.run(learn.run_learning, config)
+        return 0
+    if args.command == "simulate":
         if importlib.util.find_spec("torch") is not None:
             # torch is an optional extra; importing it takes seconds, so not inside the loop
             importlib.import_module("torch")

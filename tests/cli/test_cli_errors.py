@@ -18,7 +18,10 @@ _SMALL = ["--batch-groups", "2", "--group-size", "4"]
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", _LAUNCH, "run", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _LAUNCH, "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

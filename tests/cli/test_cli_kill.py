@@ -34,7 +34,7 @@ RANKS = 2
 
 def _cmd(out: Path, steps: int, seed: int = 0) -> list[str]:
     return [
-        sys.executable, "-c", _LAUNCH, "run", "--out", str(out), "--steps", str(steps),
+        sys.executable, "-c", _LAUNCH, "simulate", "--out", str(out), "--steps", str(steps),
         "--batch-groups", "2", "--group-size", str(GROUP_SIZE), "--ranks", str(RANKS),
         "--seed", str(seed), "--tokens-per-second", "400000",
     ]  # fmt: skip

@@ -22,7 +22,7 @@ RANKS = 2
 def _cmd(out: Path, steps: int) -> list[str]:
     # swe episodes of ~2 s each (time scale 30/20000): the first step takes several seconds
     return [
-        sys.executable, "-c", _LAUNCH, "run", "--out", str(out), "--steps", str(steps),
+        sys.executable, "-c", _LAUNCH, "simulate", "--out", str(out), "--steps", str(steps),
         "--batch-groups", "4", "--group-size", "4", "--ranks", str(RANKS),
         "--distribution", "swe", "--tokens-per-second", "20000", "--max-tokens", "256",
     ]  # fmt: skip

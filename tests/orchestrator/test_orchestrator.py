@@ -177,7 +177,7 @@ async def test_resumed_open_groups_keep_their_id(tmp_path: Path) -> None:
 
 
 def test_cli_runs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["run", "--steps", "2", "--out", str(tmp_path), "--batch-groups", "2"]
+    args = ["simulate", "--steps", "2", "--out", str(tmp_path), "--batch-groups", "2"]
     assert cli.main(args) == 0
     first = capsys.readouterr().out
     assert "step   1:" in first

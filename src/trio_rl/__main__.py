@@ -1,0 +1,7 @@
+"""``python -m trio_rl``: the ``trio-rl`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
