@@ -34,7 +34,7 @@ import trio
 from trio_rl.publish import Packer, cohort_stats, open_publisher, pack_samples, release_containers
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
 from trio_rl.train import SinkConfig, TrainSink
-from trio_rl.transport import FileBatchSender
+from trio_rl.transport import FileSender
 from trio_rl.wire import encode
 
 HEARTBEAT = 0.005
@@ -98,7 +98,7 @@ def publish_inline(sink: TrainSink, directory: Path, ranks: int, seq_len: int) -
     grid = _packer(ranks, seq_len)(samples)
     cohort_stats(samples, detached.step)
     payloads = [encode(rank) for rank in grid]
-    sender = FileBatchSender(directory, world_size=ranks, fsync=False)
+    sender = FileSender(directory, world_size=ranks, fsync=False)
     sender._write_step(detached.step, payloads)  # the sender's own blocking writer
     sink.settle_batch(detached)
     release_containers([samples, detached.samples, payloads, *grid, grid])
@@ -118,7 +118,7 @@ async def measure(variant: str, args: argparse.Namespace, root: Path) -> dict[st
         else:
             limiter = trio.CapacityLimiter(4)
             async with (
-                FileBatchSender(
+                FileSender(
                     directory, world_size=args.ranks, fsync=False, limiter=limiter
                 ) as sender,
                 open_publisher(

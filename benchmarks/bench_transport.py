@@ -4,10 +4,10 @@ Side by side in one run, the same payloads (default sixteen 64 MiB payloads, one
 
 - ``zmq blocking threads``: plain pyzmq, PUB in a sender thread, SUB in a receiver thread,
   the same frames as the transport (``[topic, payload]``, ``copy=False``);
-- ``zmq trio``: `ZmqBatchSender` -> `ZmqBatchReceiver` in one trio loop (``trio_rl``'s
+- ``zmq trio``: `ZmqSender` -> `ZmqReceiver` in one trio loop (``trio_rl``'s
   NOBLOCK + fd-wait integration, no thread per message), with a 5 ms heartbeat measuring
   event-loop lag during the transfer;
-- ``files trio``: `FileBatchSender` -> `FileBatchReceiver` (delete after read), file I/O in
+- ``files trio``: `FileSender` -> `FileReceiver` (delete after read), file I/O in
   worker threads, with the same heartbeat; reading into ``bytes`` and with ``use_mmap``.
 
 The receiving side drops each payload in a worker thread, as `BatchReceiver` does after
@@ -38,11 +38,11 @@ import trio
 import zmq
 
 from trio_rl.transport import (
-    FileBatchReceiver,
-    FileBatchSender,
-    ReceiverTransport,
-    ZmqBatchReceiver,
-    ZmqBatchSender,
+    FileReceiver,
+    FileSender,
+    Receiver,
+    ZmqReceiver,
+    ZmqSender,
     rank_topic,
 )
 
@@ -117,7 +117,7 @@ def bench_blocking_threads(payloads: list[bytes], n: int, hwm: int, window: int)
     def send() -> None:
         for k in range(n):
             credits.acquire()
-            pub.getsockopt(zmq.EVENTS)  # as the transport does: see ZmqBatchSender.send
+            pub.getsockopt(zmq.EVENTS)  # as the transport does: see ZmqSender.send
             pub.send_multipart([topic, payloads[k % len(payloads)]], copy=False)
 
     def recv() -> None:
@@ -142,7 +142,7 @@ def bench_blocking_threads(payloads: list[bytes], n: int, hwm: int, window: int)
 
 async def windowed_transfer(
     send: Callable[[int], object],
-    rx: ReceiverTransport,
+    rx: Receiver,
     payloads: list[bytes],
     n: int,
     window: int,
@@ -179,8 +179,8 @@ async def bench_trio_zmq(
     port = free_port_pair()
     beat = Heartbeat()
     async with (
-        ZmqBatchSender(1, port=port, hwm=hwm, ready_timeout=30) as tx,
-        ZmqBatchReceiver(0, port=port, hwm=hwm) as rx,
+        ZmqSender(1, port=port, hwm=hwm, ready_timeout=30) as tx,
+        ZmqReceiver(0, port=port, hwm=hwm) as rx,
         trio.open_nursery() as nursery,
     ):
         await tx.wait_ready()
@@ -200,8 +200,8 @@ async def bench_trio_files(
     beat = Heartbeat()
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         async with (
-            FileBatchSender(tmp, 1, fsync=fsync) as tx,
-            FileBatchReceiver(
+            FileSender(tmp, 1, fsync=fsync) as tx,
+            FileReceiver(
                 tmp, 0, delete=True, poll_interval=0.001, timeout=60, use_mmap=use_mmap
             ) as rx,
             trio.open_nursery() as nursery,
@@ -248,12 +248,12 @@ def main() -> None:
         t = bench_blocking_threads(payloads, n, args.hwm, args.window)
         rows.setdefault("zmq blocking threads (pyzmq)", []).append((total_gb / t, "n/a"))
         t, beat = trio.run(bench_trio_zmq, payloads, n, args.hwm, args.window)
-        rows.setdefault("zmq trio (ZmqBatchSender/Receiver)", []).append(
+        rows.setdefault("zmq trio (ZmqSender/Receiver)", []).append(
             (total_gb / t, beat.summary())
         )
         for use_mmap in (False, True):
             t, beat = trio.run(bench_trio_files, payloads, n, args.window, args.fsync, use_mmap)
-            name = "files trio (FileBatchSender/Receiver" + (", use_mmap)" if use_mmap else ")")
+            name = "files trio (FileSender/Receiver" + (", use_mmap)" if use_mmap else ")")
             rows.setdefault(name, []).append((total_gb / t, beat.summary()))
     print(f"{'transport':46} {'GB/s (each run)':24} loop lag p50 / p95 / max ms (each run)")
     for name, results in rows.items():

@@ -45,7 +45,7 @@ from trio_rl.publish import Shipment
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import PolicyVersion
 from trio_rl.trainer import BatchReceiver
-from trio_rl.transport import FileBatchReceiver, FileBatchSender
+from trio_rl.transport import FileReceiver, FileSender
 
 GAP_LIMIT = 1e-4
 
@@ -288,7 +288,7 @@ async def main(args: argparse.Namespace) -> int:
 
     async def train() -> None:
         weights = out / "weights"
-        receiver = BatchReceiver(FileBatchReceiver(out, 0, start_step=1, delete=True))
+        receiver = BatchReceiver(FileReceiver(out, 0, start_step=1, delete=True))
         async with receiver:
             async for step, micro_batches in receiver:
 
@@ -303,7 +303,7 @@ async def main(args: argparse.Namespace) -> int:
         await outer.start(run_server, model_dir, port, out / "vllm-server.log")
         started = time.perf_counter()
         async with (
-            FileBatchSender(out, 1, fsync=False) as sender,
+            FileSender(out, 1, fsync=False) as sender,
             open_vllm_engine(url, model="tiny", timeout=120) as engine,
             open_orchestrator(
                 engine, source, sender, config=config, sample_reward=task.reward(), monitor=send

@@ -42,10 +42,10 @@ from .samples import Prompt, Sample
 from .train import CheckpointError, CheckpointManager
 from .trainer import BatchReceiver, to_torch
 from .transport import (
-    BatchSender,
-    FileBatchReceiver,
-    FileBatchSender,
-    ZmqBatchSender,
+    FileReceiver,
+    FileSender,
+    Sender,
+    ZmqSender,
     free_port_pair,
 )
 from .wire import MicroBatch, decode
@@ -235,7 +235,7 @@ async def _file_trainer_rank(
     process is killed between reading and recording."""
     log = _trainer_log(out, rank)
     log.parent.mkdir(parents=True, exist_ok=True)
-    transport = FileBatchReceiver(out, rank, start_step=start, max_poll_interval=0.02)
+    transport = FileReceiver(out, rank, start_step=start, max_poll_interval=0.02)
     async with transport:
         for step in range(start, stop):
             got = await transport.receive()
@@ -348,13 +348,13 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
             flush=True,
         )
 
-    sender: BatchSender
+    sender: Sender
     if args.transport == "zmq":
         port = args.port or free_port_pair()
-        sender = ZmqBatchSender(args.ranks, port=port)
+        sender = ZmqSender(args.ranks, port=port)
         where = f"tcp://127.0.0.1:{port}"
     else:
-        sender = FileBatchSender(out, args.ranks)
+        sender = FileSender(out, args.ranks)
         where = str(out / "batches")
     if args.fresh:
         _set_aside(out)

@@ -5,7 +5,7 @@ This is the only module that knows every layer. It owns, in one nursery hierarch
 * a fully-async rollout driver (its worker keeps the engine saturated with groups);
 * the train sink, fed with finished groups;
 * a publisher that finalizes every batch in worker threads and ships it through a
-  :class:`~trio_rl.transport.BatchSender`, writing one checkpoint per shipped step.
+  :class:`~trio_rl.transport.Sender`, writing one checkpoint per shipped step.
 
 A checkpoint holds, besides the sink's queue, every group the rollout layer has open (running,
 buffered or resumed but not started) with its finished members, so a resume continues those
@@ -55,7 +55,7 @@ from .train import (
     SinkCounters,
     TrainSink,
 )
-from .transport import BatchSender, Payload
+from .transport import Payload, Sender
 
 __all__ = [
     "Orchestrator",
@@ -403,7 +403,7 @@ class Orchestrator:
 async def open_orchestrator(
     engine: Engine,
     source: DataSource,
-    sender: BatchSender,
+    sender: Sender,
     *,
     config: OrchestratorConfig | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,

@@ -11,14 +11,14 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt, Sample
 from trio_rl.trainer import BatchReceiver
-from trio_rl.transport import FileBatchReceiver, FileBatchSender, ZmqBatchSender, free_port_pair
+from trio_rl.transport import FileReceiver, FileSender, ZmqSender, free_port_pair
 
 
 def _reward(sample: Sample) -> float:
     return float(sample.index % 4)
 
 
-async def _run(sender: FileBatchSender | ZmqBatchSender, receivers: list[BatchReceiver]) -> None:
+async def _run(sender: FileSender | ZmqSender, receivers: list[BatchReceiver]) -> None:
     got: dict[int, list[int]] = {r: [] for r in range(len(receivers))}
 
     async def rank(r: int, receiver: BatchReceiver) -> None:
@@ -46,13 +46,13 @@ async def _run(sender: FileBatchSender | ZmqBatchSender, receivers: list[BatchRe
 
 async def test_file_receivers_stop_at_the_end_of_the_stream(tmp_path: Path) -> None:
     receivers = [
-        BatchReceiver(FileBatchReceiver(tmp_path, r, start_step=1, max_poll_interval=0.01))
+        BatchReceiver(FileReceiver(tmp_path, r, start_step=1, max_poll_interval=0.01))
         for r in range(2)
     ]
-    await _run(FileBatchSender(tmp_path, 2, fsync=False), receivers)
+    await _run(FileSender(tmp_path, 2, fsync=False), receivers)
 
 
 async def test_zmq_receivers_stop_at_the_end_of_the_stream() -> None:
     port = free_port_pair()
     receivers = [BatchReceiver.zmq(r, port=port, start_step=1) for r in range(2)]
-    await _run(ZmqBatchSender(2, port=port), receivers)
+    await _run(ZmqSender(2, port=port), receivers)

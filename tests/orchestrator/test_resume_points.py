@@ -16,7 +16,7 @@ from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestr
 from trio_rl.publish import Shipment
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt, Sample
-from trio_rl.transport import FileBatchReceiver, FileBatchSender, Payload
+from trio_rl.transport import FileReceiver, FileSender, Payload
 
 RANKS = 2
 STEPS = 5
@@ -27,7 +27,7 @@ class _Kill(Exception):
     pass
 
 
-class _Sender(FileBatchSender):
+class _Sender(FileSender):
     """A real file sender that 'dies' before or after the write of one step."""
 
     point: str | None = None
@@ -53,7 +53,7 @@ async def _trainer(
     if min(starts) - 1 > orch.policy_version:
         orch.set_policy_version(min(starts) - 1)
     receivers = [
-        FileBatchReceiver(out, r, start_step=starts[r], max_poll_interval=0.01)
+        FileReceiver(out, r, start_step=starts[r], max_poll_interval=0.01)
         for r in range(RANKS)
     ]
     for step in range(min(starts), STEPS + 1):

@@ -24,9 +24,9 @@ from trio_rl.publish import (
 )
 from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
 from trio_rl.transport import (
-    FileBatchSender,
-    ZmqBatchReceiver,
-    ZmqBatchSender,
+    FileSender,
+    ZmqReceiver,
+    ZmqSender,
     batch_path,
     free_port_pair,
 )
@@ -42,7 +42,7 @@ async def test_ships_a_batch_to_every_rank_and_advances_the_step(tmp_path: Path)
     sink = make_sink(batch_size=4, groups=3)  # 6 queued
     shipments: list[Shipment] = []
     async with (
-        FileBatchSender(tmp_path, world_size=2, fsync=False) as sender,
+        FileSender(tmp_path, world_size=2, fsync=False) as sender,
         open_publisher(
             sink, sender, pack=one_per_sample_packer(2), monitor=shipments.append
         ) as pub,
@@ -95,7 +95,7 @@ async def test_the_payload_is_the_wire_encoding_of_the_packed_grid(tmp_path: Pat
         return grid
 
     async with (
-        FileBatchSender(tmp_path, world_size=3, fsync=False) as sender,
+        FileSender(tmp_path, world_size=3, fsync=False) as sender,
         open_publisher(sink, sender, pack=pack) as pub,
     ):
         await pub.publish()
@@ -117,14 +117,14 @@ async def test_ships_over_zeromq_to_trainer_ranks() -> None:
     received: dict[int, list[tuple[int, list[MicroBatch]]]] = {0: [], 1: []}
     with trio.fail_after(30):
         async with (
-            ZmqBatchSender(2, port=port, ready_timeout=20) as sender,
-            ZmqBatchReceiver(0, port=port, start_step=1) as rank0,
-            ZmqBatchReceiver(1, port=port, start_step=1) as rank1,
+            ZmqSender(2, port=port, ready_timeout=20) as sender,
+            ZmqReceiver(0, port=port, start_step=1) as rank0,
+            ZmqReceiver(1, port=port, start_step=1) as rank1,
             open_publisher(sink, sender, pack=pack) as pub,
             trio.open_nursery() as nursery,
         ):
 
-            async def receive(rx: ZmqBatchReceiver) -> None:
+            async def receive(rx: ZmqReceiver) -> None:
                 for _ in range(2):
                     item = await rx.receive()
                     received[rx.rank].append((item.step, decode(item.data)))
@@ -169,7 +169,7 @@ async def test_cpu_work_runs_in_worker_threads_on_the_shared_limiter(tmp_path: P
             probe("checkpoint")
 
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False, limiter=limiter) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False, limiter=limiter) as sender,
         open_publisher(
             sink,
             sender,
@@ -197,7 +197,7 @@ async def test_pruning_after_selection_runs_in_a_worker_and_ships_only_survivors
     sink.add_group(make_group("flat", [1.0, 1.0]))  # zero advantages: pruned after selection
     sink.add_group(make_group("live", [1.0, 0.0]))
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub,
     ):
         record = await pub.publish()
@@ -213,7 +213,7 @@ async def test_an_all_pruned_cut_ships_nothing_and_keeps_step_and_window(tmp_pat
     sink = make_sink(batch_size=2, prune=PruneMode.AFTER_SELECTION)
     sink.add_group(make_group("flat", [0.5, 0.5]))
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub,
     ):
         assert await pub.publish() is None
@@ -233,7 +233,7 @@ async def test_checkpoint_snapshot_is_taken_after_the_step_advanced(tmp_path: Pa
     manager = CheckpointManager(tmp_path / "ckpt", keep=2)
     cursor = {"position": 7}
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(
             sink,
             sender,
@@ -274,7 +274,7 @@ async def test_policy_wait_completed_during_the_metrics_is_reported_with_that_ba
     send, receive = trio.open_memory_channel[Shipment](0)
     records: list[ShipRecord] = []
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1), monitor=send) as pub,
         trio.open_nursery() as nursery,
     ):
@@ -304,7 +304,7 @@ async def test_policy_wait_completed_during_the_metrics_is_reported_with_that_ba
 def test_negative_policy_wait_is_rejected() -> None:
     async def main() -> None:
         async with (
-            FileBatchSender(".", world_size=1) as sender,
+            FileSender(".", world_size=1) as sender,
             open_publisher(make_sink(2), sender, pack=one_per_sample_packer(1)) as pub,
         ):
             with pytest.raises(ValueError, match="policy wait"):
@@ -320,7 +320,7 @@ async def test_a_packer_with_the_wrong_rank_count_fails_and_the_batch_goes_back(
 ) -> None:
     sink = make_sink(batch_size=2, groups=1)
     async with (
-        FileBatchSender(tmp_path, world_size=2, fsync=False) as sender,
+        FileSender(tmp_path, world_size=2, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(3)) as pub,
     ):
         with pytest.raises(PublishError, match=r"step 1: the packer returned 3 rank lists"):
@@ -333,7 +333,7 @@ async def test_a_packer_with_the_wrong_rank_count_fails_and_the_batch_goes_back(
 
 async def test_a_send_failure_puts_the_batch_back(tmp_path: Path) -> None:
     sink = make_sink(batch_size=2, groups=1)
-    sender = FileBatchSender(tmp_path, world_size=1, fsync=False)
+    sender = FileSender(tmp_path, world_size=1, fsync=False)
     await sender.aclose()  # sends now raise ClosedResourceError
     async with open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub:
         with pytest.raises(trio.ClosedResourceError):
@@ -345,7 +345,7 @@ async def test_a_send_failure_puts_the_batch_back(tmp_path: Path) -> None:
 
 async def test_a_closed_publisher_refuses_to_publish(tmp_path: Path) -> None:
     sink = make_sink(batch_size=2, groups=1)
-    async with FileBatchSender(tmp_path, world_size=1, fsync=False) as sender:
+    async with FileSender(tmp_path, world_size=1, fsync=False) as sender:
         async with open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub:
             pass
         assert pub.closed
@@ -360,7 +360,7 @@ async def test_a_monitor_channel_that_does_not_receive_times_out(tmp_path: Path)
     sink = make_sink(batch_size=2, groups=1)
     send, receive = trio.open_memory_channel[Shipment](0)
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(
             sink, sender, pack=one_per_sample_packer(1), monitor=send, monitor_timeout=0.05
         ) as pub,

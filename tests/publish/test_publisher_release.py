@@ -25,7 +25,7 @@ from trio_rl.publish import (
 )
 from trio_rl.publish._release import _MALLOC_TRIM
 from trio_rl.train import TrainingSample
-from trio_rl.transport import FileBatchSender, batch_path
+from trio_rl.transport import FileSender, batch_path
 from trio_rl.wire import MicroBatch
 
 
@@ -80,7 +80,7 @@ async def test_each_shipped_batch_is_released_once_and_a_monitor_keeps_its_list(
     releases = Releases()
     shipments: list[Shipment] = []
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(
             sink, sender, pack=one_per_sample_packer(1), release=releases, monitor=shipments.append
         ) as pub,
@@ -101,7 +101,7 @@ async def test_the_next_ship_waits_for_the_pending_release(tmp_path: Path) -> No
     sink = make_sink(batch_size=2, groups=2)
     releases = Releases(gated=True)
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1), release=releases) as pub,
         trio.open_nursery() as nursery,
     ):
@@ -155,7 +155,7 @@ async def test_cancelling_during_finalize_puts_the_batch_back_and_releases_nothi
 
     with trio.CancelScope() as outer:
         async with (
-            FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+            FileSender(tmp_path, world_size=1, fsync=False) as sender,
             open_publisher(sink, sender, pack=pack, encode=enc, release=releases) as pub,
             trio.open_nursery() as nursery,
         ):
@@ -195,7 +195,7 @@ async def test_cancelling_the_owner_during_a_release_neither_orphans_nor_repeats
 
             nursery.start_soon(cancel_then_let_release_finish)
             async with (
-                FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+                FileSender(tmp_path, world_size=1, fsync=False) as sender,
                 open_publisher(
                     sink, sender, pack=one_per_sample_packer(1), release=releases
                 ) as pub,
@@ -214,7 +214,7 @@ async def test_a_release_past_its_deadline_fails_the_next_ship(tmp_path: Path) -
     sink = make_sink(batch_size=2, groups=2)
     releases = Releases(gated=True)
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(
             sink, sender, pack=one_per_sample_packer(1), release=releases, release_timeout=0.05
         ) as pub,
@@ -241,7 +241,7 @@ async def test_a_failing_release_is_logged_and_does_not_stop_the_next(
 
     sink = make_sink(batch_size=2, groups=2)
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1), release=release) as pub,
     ):
         await pub.publish()
@@ -317,7 +317,7 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
 
         with scope:
             async with (
-                FileBatchSender(tmp_path, world_size=world_size, fsync=False) as sender,
+                FileSender(tmp_path, world_size=world_size, fsync=False) as sender,
                 open_publisher(
                     sink, sender, pack=pack, encode=enc, release=release, checkpointer=Checkpoints()
                 ) as pub,

@@ -10,7 +10,7 @@ import trio
 
 from conftest import scaled
 from trio_rl.trainer import BatchReceiver
-from trio_rl.transport import FileBatchReceiver, FileBatchSender, batch_path
+from trio_rl.transport import FileReceiver, FileSender, batch_path
 from trio_rl.wire import MicroBatch, encode
 
 BIG = 256 * 1024  # the default thread threshold: decoded in a worker thread
@@ -34,7 +34,7 @@ def micro_batches(step: int, tokens: int) -> list[MicroBatch]:
 
 async def write_steps(directory: Path, steps: int, tokens: int) -> list[list[MicroBatch]]:
     sent = [micro_batches(s, tokens) for s in range(steps)]
-    async with FileBatchSender(directory, world_size=1, fsync=False) as sender:
+    async with FileSender(directory, world_size=1, fsync=False) as sender:
         for s in range(steps):
             await sender.send(s, [encode(sent[s])])
     return sent
@@ -53,7 +53,7 @@ async def test_a_cancel_while_the_decode_limiter_is_held_leaves_the_step_on_disk
     limiter = trio.CapacityLimiter(1)
     with trio.fail_after(20):
         async with BatchReceiver(
-            FileBatchReceiver(tmp_path, 0, delete=True), limiter=limiter
+            FileReceiver(tmp_path, 0, delete=True), limiter=limiter
         ) as receiver:
             assert await receiver.receive() == (0, sent[0])
             async with limiter, trio.open_nursery() as nursery:

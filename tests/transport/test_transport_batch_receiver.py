@@ -10,10 +10,10 @@ import trio
 
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
-    FileBatchReceiver,
-    FileBatchSender,
-    ZmqBatchReceiver,
-    ZmqBatchSender,
+    FileReceiver,
+    FileSender,
+    ZmqReceiver,
+    ZmqSender,
     batch_path,
     free_port_pair,
 )
@@ -47,7 +47,7 @@ def grid(step: int, world: int, per_rank: int = 2, **kw: int) -> list[list[Micro
 async def test_files_round_trip_with_async_for(tmp_path: Path) -> None:
     world, steps = 2, 3
     sent = {s: grid(s, world) for s in range(steps)}
-    async with FileBatchSender(tmp_path, world_size=world) as sender:
+    async with FileSender(tmp_path, world_size=world) as sender:
         for s in range(steps):
             await sender.send(s, [encode(mbs) for mbs in sent[s]])
     for rank in range(world):
@@ -64,7 +64,7 @@ async def test_zmq_round_trip_of_multi_mib_payloads() -> None:
     sent = {s: grid(s, world, per_rank=1, tokens=4096, experts=96) for s in range(steps)}
     assert len(encode(sent[0][0])) > 3 << 20
     results: dict[int, list[tuple[int, list[MicroBatch]]]] = {}
-    async with ZmqBatchSender(world, port=port, hwm=4, ready_timeout=10) as sender:
+    async with ZmqSender(world, port=port, hwm=4, ready_timeout=10) as sender:
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
 
@@ -89,7 +89,7 @@ async def test_zmq_round_trip_of_multi_mib_payloads() -> None:
 async def test_a_corrupt_file_names_the_file_and_offset_then_the_next_step_follows(
     tmp_path: Path,
 ) -> None:
-    async with FileBatchSender(tmp_path, world_size=1) as sender:
+    async with FileSender(tmp_path, world_size=1) as sender:
         for s in range(3):
             await sender.send(s, [encode(grid(s, 1)[0])])
     bad = batch_path(tmp_path, 1, 0)
@@ -123,7 +123,7 @@ async def test_a_corrupt_zmq_frame_names_the_rank_and_step_and_offset() -> None:
     payload = bytearray(encode(grid(1, 1)[0]))
     payload[4] = 0xC1  # the first micro-batch's first field: a never-used msgpack byte
     async with (
-        ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
+        ZmqSender(1, port=port, ready_timeout=10) as sender,
         BatchReceiver.zmq(0, port=port) as receiver,
     ):
         await sender.send(0, [encode(grid(0, 1)[0])])
@@ -143,11 +143,11 @@ async def test_cancelled_receives_lose_no_step(tmp_path: Path) -> None:
     still arrives exactly once, in order, even though each file is deleted once read."""
     steps = 25
     sent = [grid(s, 1, per_rank=3, tokens=2048)[0] for s in range(steps)]
-    transport = FileBatchReceiver(tmp_path, 0, delete=True, poll_interval=0.0005)
+    transport = FileReceiver(tmp_path, 0, delete=True, poll_interval=0.0005)
     got: list[int] = []
     cancelled = 0
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
         BatchReceiver(transport, thread_threshold=1024) as receiver,
         trio.open_nursery() as nursery,
     ):
@@ -172,8 +172,8 @@ async def test_cancelled_receives_lose_no_step(tmp_path: Path) -> None:
 async def test_receiver_with_zmq_transport_object_and_start_step() -> None:
     port = free_port_pair()
     async with (
-        ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
-        BatchReceiver(ZmqBatchReceiver(0, port=port, start_step=10), stop_step=12) as receiver,
+        ZmqSender(1, port=port, ready_timeout=10) as sender,
+        BatchReceiver(ZmqReceiver(0, port=port, start_step=10), stop_step=12) as receiver,
     ):
         assert receiver.rank == 0
         assert receiver.next_step == 10

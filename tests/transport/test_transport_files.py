@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from trio_rl.transport import (
-    FileBatchReceiver,
-    FileBatchSender,
+    FileReceiver,
+    FileSender,
     TransportTimeoutError,
     batch_path,
 )
@@ -25,7 +25,7 @@ def payload(step: int, rank: int, size: int) -> bytes:
 
 
 async def test_layout_and_content_are_exactly_the_payload_bytes(tmp_path: Path) -> None:
-    async with FileBatchSender(tmp_path, world_size=3) as sender:
+    async with FileSender(tmp_path, world_size=3) as sender:
         await sender.send(4, [payload(4, r, 1000 + r) for r in range(3)])
         await sender.send(5, [b"", bytearray(b"x"), memoryview(b"yz")])
     step_dir = tmp_path / "batches" / "step_4"
@@ -40,11 +40,11 @@ async def test_multi_mib_round_trip_for_several_ranks_and_steps(
     tmp_path: Path, use_mmap: bool, delete: bool
 ) -> None:
     world, steps, size = 3, 3, 3 << 20
-    async with FileBatchSender(tmp_path, world_size=world, fsync=False) as sender:
+    async with FileSender(tmp_path, world_size=world, fsync=False) as sender:
         for step in range(steps):
             await sender.send(step, [payload(step, r, size + step) for r in range(world)])
     for rank in range(world):
-        async with FileBatchReceiver(
+        async with FileReceiver(
             tmp_path, rank, timeout=5, use_mmap=use_mmap, delete=delete
         ) as receiver:
             for step in range(steps):
@@ -63,8 +63,8 @@ async def test_multi_mib_round_trip_for_several_ranks_and_steps(
 
 async def test_receiver_waits_for_a_file_written_later(tmp_path: Path) -> None:
     async with (
-        FileBatchSender(tmp_path, world_size=1) as sender,
-        FileBatchReceiver(tmp_path, 0, start_step=7, timeout=10) as receiver,
+        FileSender(tmp_path, world_size=1) as sender,
+        FileReceiver(tmp_path, 0, start_step=7, timeout=10) as receiver,
     ):
         got = []
         async with trio.open_nursery() as nursery:
@@ -80,7 +80,7 @@ async def test_receiver_waits_for_a_file_written_later(tmp_path: Path) -> None:
 
 
 async def test_missing_file_times_out_naming_the_file(tmp_path: Path) -> None:
-    async with FileBatchReceiver(tmp_path, 2, start_step=3, timeout=0.1) as receiver:
+    async with FileReceiver(tmp_path, 2, start_step=3, timeout=0.1) as receiver:
         with pytest.raises(TransportTimeoutError) as info:
             await receiver.receive()
     assert str(batch_path(tmp_path, 3, 2)) in str(info.value)
@@ -89,14 +89,14 @@ async def test_missing_file_times_out_naming_the_file(tmp_path: Path) -> None:
 
 
 async def test_delete_removes_files_and_the_emptied_step_directory(tmp_path: Path) -> None:
-    async with FileBatchSender(tmp_path, world_size=2) as sender:
+    async with FileSender(tmp_path, world_size=2) as sender:
         await sender.send(0, [b"a", b"b"])
-    async with FileBatchReceiver(tmp_path, 0, delete=True, timeout=5) as r0:
+    async with FileReceiver(tmp_path, 0, delete=True, timeout=5) as r0:
         assert (await r0.receive()).data == b"a"
         await r0.ack(0)
     assert not batch_path(tmp_path, 0, 0).exists()
     assert batch_path(tmp_path, 0, 1).exists()  # the other rank's file is untouched
-    async with FileBatchReceiver(tmp_path, 1, delete=True, timeout=5) as r1:
+    async with FileReceiver(tmp_path, 1, delete=True, timeout=5) as r1:
         assert (await r1.receive()).data == b"b"
         await r1.ack(0)
     assert sorted(os.listdir(tmp_path / "batches")) == [".consumed", ".staging"]
@@ -121,7 +121,7 @@ async def test_partial_files_are_never_visible(tmp_path: Path) -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        async with FileBatchSender(tmp_path, world_size=1, fsync=False) as sender:
+        async with FileSender(tmp_path, world_size=1, fsync=False) as sender:
             for step in range(steps):
                 await sender.send(step, [payload(step, 0, size)])
                 await trio.sleep(0.001)
@@ -137,8 +137,8 @@ async def test_partial_files_are_never_visible(tmp_path: Path) -> None:
 async def test_cancelled_receives_lose_nothing(tmp_path: Path) -> None:
     steps = 40
     async with (
-        FileBatchSender(tmp_path, world_size=1, fsync=False) as sender,
-        FileBatchReceiver(tmp_path, 0, delete=True, poll_interval=0.0005) as receiver,
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
+        FileReceiver(tmp_path, 0, delete=True, poll_interval=0.0005) as receiver,
     ):
         got: list[bytes] = []
         cancelled = 0
@@ -160,7 +160,7 @@ async def test_cancelled_receives_lose_nothing(tmp_path: Path) -> None:
 
 
 async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
-    async with FileBatchSender(tmp_path, world_size=2) as sender:
+    async with FileSender(tmp_path, world_size=2) as sender:
         with pytest.raises(ValueError, match="got 1 payloads for world_size 2"):
             await sender.send(0, [b"only one"])
         with pytest.raises(ValueError, match="step must be >= 0"):
@@ -168,6 +168,6 @@ async def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(trio.ClosedResourceError):
         await sender.send(0, [b"a", b"b"])
     with pytest.raises(ValueError, match="world_size"):
-        FileBatchSender(tmp_path, world_size=0)
+        FileSender(tmp_path, world_size=0)
     with pytest.raises(ValueError, match="rank"):
-        FileBatchReceiver(tmp_path, -1)
+        FileReceiver(tmp_path, -1)

@@ -15,8 +15,8 @@ from conftest import scaled
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
     EndOfStream,
-    FileBatchReceiver,
-    FileBatchSender,
+    FileReceiver,
+    FileSender,
     TransportError,
     TransportIOError,
     batch_path,
@@ -26,12 +26,12 @@ from trio_rl.transport import (
 
 
 async def send_steps(directory: Path, steps: range, world: int = 1) -> None:
-    async with FileBatchSender(directory, world_size=world, fsync=False) as sender:
+    async with FileSender(directory, world_size=world, fsync=False) as sender:
         for s in steps:
             await sender.send(s, [f"{s}:{r}".encode() for r in range(world)])
 
 
-async def receive_data(receiver: FileBatchReceiver) -> tuple[int, bytes]:
+async def receive_data(receiver: FileReceiver) -> tuple[int, bytes]:
     got = await receiver.receive()
     return got.step, bytes(got.data)
 
@@ -44,7 +44,7 @@ async def test_resume_starts_at_the_lowest_file_then_after_the_last_acknowledged
 ) -> None:
     await send_steps(tmp_path, range(3, 7))
     with trio.fail_after(10):
-        async with FileBatchReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
+        async with FileReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
             assert rx.next_step == 3  # nothing acknowledged yet: the lowest file
             assert await receive_data(rx) == (3, b"3:0")
             assert await receive_data(rx) == (4, b"4:0")  # acknowledges 3
@@ -52,11 +52,11 @@ async def test_resume_starts_at_the_lowest_file_then_after_the_last_acknowledged
         assert consumed_marker_path(tmp_path, 0).read_text() == "3"
         assert not batch_path(tmp_path, 3, 0).exists()
         assert batch_path(tmp_path, 4, 0).exists()
-        async with FileBatchReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
+        async with FileReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
             assert rx.next_step == 4
             assert await receive_data(rx) == (4, b"4:0")
             await rx.ack(4)
-        async with FileBatchReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
+        async with FileReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
             assert await receive_data(rx) == (5, b"5:0")
 
 
@@ -72,8 +72,8 @@ async def test_resume_without_delete_uses_the_consumer_marker(tmp_path: Path) ->
             assert await receive_data(rx) == (2, b"2:0")
 
 
-def resuming_receiver(directory: Path) -> FileBatchReceiver:
-    return FileBatchReceiver(directory, 0, start_step=None, delete=False)
+def resuming_receiver(directory: Path) -> FileReceiver:
+    return FileReceiver(directory, 0, start_step=None, delete=False)
 
 
 async def test_resume_after_a_crash_between_marker_and_delete_skips_the_consumed_file(
@@ -84,7 +84,7 @@ async def test_resume_after_a_crash_between_marker_and_delete_skips_the_consumed
     marker.parent.mkdir(parents=True)
     marker.write_text("1")  # acknowledged 1, crashed before deleting its file
     with trio.fail_after(10):
-        async with FileBatchReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
+        async with FileReceiver(tmp_path, 0, start_step=None, delete=True) as rx:
             assert rx.next_step == 2
             assert not batch_path(tmp_path, 1, 0).exists()  # the leftover is removed
             assert await receive_data(rx) == (2, b"2:0")
@@ -92,20 +92,20 @@ async def test_resume_after_a_crash_between_marker_and_delete_skips_the_consumed
 
 async def test_resume_with_nothing_to_resume_from_says_so(tmp_path: Path) -> None:
     with pytest.raises(TransportError, match="nothing to resume from, pass start_step"):
-        async with FileBatchReceiver(tmp_path, 0, start_step=None):
+        async with FileReceiver(tmp_path, 0, start_step=None):
             pass
     marker = consumed_marker_path(tmp_path, 0)
     marker.parent.mkdir(parents=True)
     marker.write_bytes(b"seven")
     with pytest.raises(TransportError, match="expected a step number") as info:
-        async with FileBatchReceiver(tmp_path, 0, start_step=None):
+        async with FileReceiver(tmp_path, 0, start_step=None):
             pass
     assert str(marker) in str(info.value)
 
 
 async def test_an_unacknowledged_step_cannot_be_skipped(tmp_path: Path) -> None:
     await send_steps(tmp_path, range(2))
-    async with FileBatchReceiver(tmp_path, 0, delete=True, timeout=5) as rx:
+    async with FileReceiver(tmp_path, 0, delete=True, timeout=5) as rx:
         with pytest.raises(ValueError, match="cannot ack step 0: not received yet"):
             await rx.ack(0)
         assert await receive_data(rx) == (0, b"0:0")
@@ -180,7 +180,7 @@ async def test_a_racing_reader_process_that_deletes_never_breaks_the_sender(
     (tmp_path / "batches").mkdir()
 
     async def write() -> None:
-        async with FileBatchSender(tmp_path, world_size=world, fsync=False) as sender:
+        async with FileSender(tmp_path, world_size=world, fsync=False) as sender:
             for s in range(steps):
                 await sender.send(s, [f"{s}:{r}".encode() * 50 for r in range(world)])
             await sender.end_stream(steps)
@@ -204,7 +204,7 @@ async def test_file_errors_name_the_path(tmp_path: Path) -> None:
     blocker = tmp_path / "batches" / "step_3"
     blocker.parent.mkdir(parents=True)
     blocker.write_bytes(b"a file where the step directory belongs")
-    async with FileBatchSender(tmp_path, world_size=1) as sender:
+    async with FileSender(tmp_path, world_size=1) as sender:
         await sender.send(2, [b"fine"])
         with pytest.raises(TransportIOError) as info:
             await sender.send(3, [b"nowhere to go"])
@@ -215,13 +215,13 @@ async def test_file_errors_name_the_path(tmp_path: Path) -> None:
     other = tmp_path / "other"
     (other / "batches").mkdir(parents=True)
     (other / "batches" / ".staging").write_bytes(b"not a directory")
-    async with FileBatchSender(other, world_size=1) as sender:
+    async with FileSender(other, world_size=1) as sender:
         with pytest.raises(TransportIOError, match="staging"):
             await sender.send(0, [b"x"])
 
     unreadable = batch_path(tmp_path, 0, 0)
     unreadable.mkdir(parents=True)  # a directory where the file belongs
-    async with FileBatchReceiver(tmp_path, 0, timeout=5) as rx:
+    async with FileReceiver(tmp_path, 0, timeout=5) as rx:
         with pytest.raises(TransportIOError) as info:
             await rx.receive()
     assert info.value.path == str(unreadable)
@@ -233,7 +233,7 @@ async def test_file_errors_name_the_path(tmp_path: Path) -> None:
 async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path) -> None:
     from trio_rl.wire import encode
 
-    async with FileBatchSender(tmp_path, world_size=2, fsync=False) as sender:
+    async with FileSender(tmp_path, world_size=2, fsync=False) as sender:
         for s in range(3):
             await sender.send(s, [encode([]), encode([])])
         with trio.fail_after(20):
@@ -258,12 +258,12 @@ async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path
         with pytest.raises(RuntimeError, match="ended at step 4"):
             await sender.send(4, [b"", b""])
     # A resumed receiver of a finished stream ends at once.
-    async with FileBatchReceiver(tmp_path, 0, start_step=None, timeout=5) as rx:
+    async with FileReceiver(tmp_path, 0, start_step=None, timeout=5) as rx:
         assert rx.next_step == 4
         with pytest.raises(EndOfStream):
             await rx.receive()
     # A new run in the same directory removes the stale marker with its first send.
-    async with FileBatchSender(tmp_path, world_size=2, fsync=False) as sender:
+    async with FileSender(tmp_path, world_size=2, fsync=False) as sender:
         await sender.send(5, [b"", b""])
         assert not end_marker_path(tmp_path).exists()
         with pytest.raises(ValueError, match="step 5 was already sent"):
@@ -273,13 +273,13 @@ async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path
 async def test_end_marker_with_a_missing_earlier_file_is_an_error_not_a_hang(
     tmp_path: Path,
 ) -> None:
-    async with FileBatchSender(tmp_path, world_size=1, fsync=False) as sender:
+    async with FileSender(tmp_path, world_size=1, fsync=False) as sender:
         await sender.send(0, [b"a"])
         await sender.send(1, [b"b"])
         await sender.end_stream(2)
     batch_path(tmp_path, 1, 0).unlink()
     with trio.fail_after(10):
-        async with FileBatchReceiver(tmp_path, 0) as rx:
+        async with FileReceiver(tmp_path, 0) as rx:
             assert await receive_data(rx) == (0, b"a")
             with pytest.raises(TransportError, match="removed by someone else"):
                 await rx.receive()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import scaled
 from trio_rl.trainer import BatchReceiver
-from trio_rl.transport import FileBatchReceiver, FileBatchSender, batch_path
+from trio_rl.transport import FileReceiver, FileSender, batch_path
 from trio_rl.wire import MicroBatch, WireFormatError, encode
 
 steps_of_payloads = st.integers(1, 4).flatmap(
@@ -28,11 +28,11 @@ async def test_every_payload_arrives_byte_for_byte_at_its_rank_and_step(
 ) -> None:
     world = len(grid[0])
     with tempfile.TemporaryDirectory() as tmp:
-        async with FileBatchSender(tmp, world_size=world, fsync=False) as sender:
+        async with FileSender(tmp, world_size=world, fsync=False) as sender:
             for i, payloads in enumerate(grid):
                 await sender.send(start + i, payloads)
         for rank in range(world):
-            async with FileBatchReceiver(tmp, rank, start_step=start, timeout=5) as rx:
+            async with FileReceiver(tmp, rank, start_step=start, timeout=5) as rx:
                 got = [await rx.receive() for _ in grid]
             assert [(g.step, g.rank, g.data) for g in got] == [
                 (start + i, rank, payloads[rank]) for i, payloads in enumerate(grid)

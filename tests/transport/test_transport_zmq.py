@@ -12,8 +12,8 @@ import zmq
 from trio_rl.transport import (
     TransportError,
     TransportTimeoutError,
-    ZmqBatchReceiver,
-    ZmqBatchSender,
+    ZmqReceiver,
+    ZmqSender,
     ZmqSocket,
     free_port_pair,
     rank_topic,
@@ -35,17 +35,17 @@ async def test_several_ranks_receive_their_own_multi_mib_payloads_in_order() -> 
     port, world, steps, size = free_port_pair(), 3, 4, 2 << 20
     async with AsyncExitStack() as stack:
         sender = await stack.enter_async_context(
-            ZmqBatchSender(world, port=port, hwm=8, ready_timeout=10)
+            ZmqSender(world, port=port, hwm=8, ready_timeout=10)
         )
         receivers = [
-            await stack.enter_async_context(ZmqBatchReceiver(r, port=port, hwm=8))
+            await stack.enter_async_context(ZmqReceiver(r, port=port, hwm=8))
             for r in range(world)
         ]
         got: dict[int, list[tuple[int, bytes]]] = {r: [] for r in range(world)}
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
 
-                async def receive(rx: ZmqBatchReceiver) -> None:
+                async def receive(rx: ZmqReceiver) -> None:
                     for _ in range(steps):
                         item = await rx.receive()
                         assert item.rank == rx.rank
@@ -69,7 +69,7 @@ async def test_rank_topics_do_not_prefix_match() -> None:
 
 async def test_sender_waits_for_late_receivers_at_the_barrier() -> None:
     port = free_port_pair()
-    async with ZmqBatchSender(2, port=port, ready_timeout=10) as sender:
+    async with ZmqSender(2, port=port, ready_timeout=10) as sender:
         sent = trio.Event()
         async with trio.open_nursery() as nursery:
 
@@ -80,12 +80,12 @@ async def test_sender_waits_for_late_receivers_at_the_barrier() -> None:
             nursery.start_soon(send)
             await trio.sleep(0.2)
             assert not sent.is_set()  # nobody is there yet
-            async with ZmqBatchReceiver(1, port=port) as r1:
+            async with ZmqReceiver(1, port=port) as r1:
                 with trio.move_on_after(0.2):
                     await r1.receive()  # announces; no data before the barrier
                 assert not sent.is_set()
                 assert sender.ready_ranks == {1}
-                async with ZmqBatchReceiver(0, port=port) as r0:
+                async with ZmqReceiver(0, port=port) as r0:
                     with trio.fail_after(10):
                         got0 = await r0.receive()
                         await sent.wait()
@@ -96,7 +96,7 @@ async def test_sender_waits_for_late_receivers_at_the_barrier() -> None:
 
 async def test_receivers_that_start_before_the_sender_connect_when_it_binds() -> None:
     port = free_port_pair()
-    async with ZmqBatchReceiver(0, port=port, start_step=5) as rx:
+    async with ZmqReceiver(0, port=port, start_step=5) as rx:
         got = []
         async with trio.open_nursery() as nursery:
 
@@ -107,7 +107,7 @@ async def test_receivers_that_start_before_the_sender_connect_when_it_binds() ->
             done = trio.Event()
             nursery.start_soon(receive)
             await trio.sleep(0.3)  # zmq keeps retrying the connection meanwhile
-            async with ZmqBatchSender(1, port=port, ready_timeout=10) as sender:
+            async with ZmqSender(1, port=port, ready_timeout=10) as sender:
                 with trio.fail_after(10):
                     await sender.send(5, [b"five"])
                     await done.wait()
@@ -116,7 +116,7 @@ async def test_receivers_that_start_before_the_sender_connect_when_it_binds() ->
 
 async def test_barrier_timeout_names_the_missing_ranks_and_ignores_junk() -> None:
     port = free_port_pair()
-    async with ZmqBatchSender(3, port=port, ready_timeout=0.5) as sender:
+    async with ZmqSender(3, port=port, ready_timeout=0.5) as sender:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         junk = ctx.socket(zmq.PUSH)
         try:
@@ -137,11 +137,11 @@ async def test_a_dead_receiver_never_blocks_the_sender() -> None:
     """Rank 1 dies after the barrier; the sender keeps publishing, rank 0 gets everything."""
     port, steps, size = free_port_pair(), 30, 1 << 20
     async with (
-        ZmqBatchSender(2, port=port, hwm=4, ready_timeout=10) as sender,
-        ZmqBatchReceiver(0, port=port, hwm=4) as r0,
+        ZmqSender(2, port=port, hwm=4, ready_timeout=10) as sender,
+        ZmqReceiver(0, port=port, hwm=4) as r0,
     ):
         await r0.announce()
-        async with ZmqBatchReceiver(1, port=port, hwm=4) as r1:
+        async with ZmqReceiver(1, port=port, hwm=4) as r1:
             await r1.announce()
             with trio.fail_after(10):
                 await sender.send(0, [payload(0, 0, size), payload(0, 1, size)])
@@ -176,8 +176,8 @@ async def test_a_slow_receiver_loses_the_newest_messages_past_its_high_water_mar
     count) no longer matches the sender's from the first gap on."""
     port, steps, size = free_port_pair(), 60, 1 << 20
     async with (
-        ZmqBatchSender(1, port=port, hwm=2, ready_timeout=10) as sender,
-        ZmqBatchReceiver(0, port=port, hwm=2) as rx,
+        ZmqSender(1, port=port, hwm=2, ready_timeout=10) as sender,
+        ZmqReceiver(0, port=port, hwm=2) as rx,
     ):
         await rx.announce()
         with trio.fail_after(20):  # hang detector: 60 MiB into a receiver that never reads
@@ -204,8 +204,8 @@ async def test_cancelled_receives_lose_no_message() -> None:
     n = 600
     port = free_port_pair()
     async with (
-        ZmqBatchSender(1, port=port, hwm=10, ready_timeout=10) as sender,
-        ZmqBatchReceiver(0, port=port, hwm=10) as rx,
+        ZmqSender(1, port=port, hwm=10, ready_timeout=10) as sender,
+        ZmqReceiver(0, port=port, hwm=10) as rx,
     ):
         await rx.announce()
         got: list[int] = []
@@ -216,7 +216,7 @@ async def test_cancelled_receives_lose_no_message() -> None:
             async def send_all() -> None:
                 for step in range(n):
                     # At most 3 unread, back to back: well below the HWM of 10, so nothing
-                    # may be dropped (plain pyzmq drops some here; see ZmqBatchSender.send).
+                    # may be dropped (plain pyzmq drops some here; see ZmqSender.send).
                     while step - len(got) >= 3:
                         await progress[0].wait()
                     await sender.send(step, [step.to_bytes(4, "big")])
@@ -240,8 +240,8 @@ async def test_cancelled_receives_lose_no_message() -> None:
 async def test_steps_must_be_consecutive_and_payload_counts_match() -> None:
     port = free_port_pair()
     async with (
-        ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
-        ZmqBatchReceiver(0, port=port) as rx,
+        ZmqSender(1, port=port, ready_timeout=10) as sender,
+        ZmqReceiver(0, port=port) as rx,
     ):
         await rx.announce()
         with pytest.raises(ValueError, match="got 2 payloads for world_size 1"):
@@ -263,7 +263,7 @@ async def test_a_frame_that_is_not_topic_and_payload_is_a_transport_error() -> N
     try:
         pub.bind(f"tcp://127.0.0.1:{port}")
         pull.socket.bind(f"tcp://127.0.0.1:{port + 1}")
-        async with ZmqBatchReceiver(0, port=port, start_step=2) as rx:
+        async with ZmqReceiver(0, port=port, start_step=2) as rx:
             with trio.fail_after(5):
                 assert await pull.recv_multipart() == [b"0"]
             pub.send_multipart([rank_topic(0), b"a", b"b"])
@@ -281,8 +281,8 @@ async def test_close_releases_sockets_and_context_and_is_idempotent() -> None:
     port = free_port_pair()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sender = ZmqBatchSender(1, port=port, ready_timeout=10)
-        rx = ZmqBatchReceiver(0, port=port)
+        sender = ZmqSender(1, port=port, ready_timeout=10)
+        rx = ZmqReceiver(0, port=port)
         async with sender, rx:
             await sender.send(0, [b"x"])
             with trio.fail_after(5):
@@ -303,16 +303,16 @@ async def test_close_releases_sockets_and_context_and_is_idempotent() -> None:
         with pytest.raises(trio.ClosedResourceError):
             await rx.receive()
         # the port is free again: a new sender can bind it
-        async with ZmqBatchSender(1, port=port):
+        async with ZmqSender(1, port=port):
             pass
 
 
 async def test_closing_wakes_a_receive_parked_in_another_task() -> None:
     port = free_port_pair()
     woken = []
-    async with ZmqBatchSender(1, port=port, ready_timeout=10) as sender:
+    async with ZmqSender(1, port=port, ready_timeout=10) as sender:
         with trio.fail_after(5):
-            async with trio.open_nursery() as nursery, ZmqBatchReceiver(0, port=port) as rx:
+            async with trio.open_nursery() as nursery, ZmqReceiver(0, port=port) as rx:
 
                 async def parked() -> None:
                     with pytest.raises(trio.ClosedResourceError):
@@ -328,18 +328,18 @@ async def test_closing_wakes_a_receive_parked_in_another_task() -> None:
 
 async def test_binding_a_port_in_use_is_a_transport_error() -> None:
     port = free_port_pair()
-    async with ZmqBatchSender(1, port=port):
+    async with ZmqSender(1, port=port):
         with pytest.raises(TransportError, match=f"cannot bind tcp://127.0.0.1:{port}"):
-            async with ZmqBatchSender(1, port=port):
+            async with ZmqSender(1, port=port):
                 pass
 
 
 async def test_a_cancelled_send_publishes_the_step_to_every_rank_or_none() -> None:
     port, world = free_port_pair(), 3
     async with AsyncExitStack() as stack:
-        sender = await stack.enter_async_context(ZmqBatchSender(world, port=port, ready_timeout=10))
+        sender = await stack.enter_async_context(ZmqSender(world, port=port, ready_timeout=10))
         receivers = [
-            await stack.enter_async_context(ZmqBatchReceiver(r, port=port)) for r in range(world)
+            await stack.enter_async_context(ZmqReceiver(r, port=port)) for r in range(world)
         ]
         await sender.wait_ready()
         with trio.CancelScope() as scope:

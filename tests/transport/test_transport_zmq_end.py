@@ -12,8 +12,8 @@ from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
     EndOfStream,
     TransportError,
-    ZmqBatchReceiver,
-    ZmqBatchSender,
+    ZmqReceiver,
+    ZmqSender,
     ZmqSocket,
     end_topic,
     free_port_pair,
@@ -43,7 +43,7 @@ async def test_end_stream_ends_every_ranks_iteration_and_later_receives_raise() 
     seen: dict[int, list[int]] = {}
     with trio.fail_after(30):
         async with (
-            ZmqBatchSender(world, port=port, ready_timeout=10) as sender,
+            ZmqSender(world, port=port, ready_timeout=10) as sender,
             trio.open_nursery() as nursery,
         ):
 
@@ -72,8 +72,8 @@ async def test_a_stream_that_ends_before_its_first_step() -> None:
     port = free_port_pair()
     with trio.fail_after(30):
         async with (
-            ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
-            ZmqBatchReceiver(0, port=port, start_step=5) as receiver,
+            ZmqSender(1, port=port, ready_timeout=10) as sender,
+            ZmqReceiver(0, port=port, start_step=5) as receiver,
         ):
             await sender.end_stream(5)  # waits for READY like a first send
             with pytest.raises(EndOfStream):
@@ -91,8 +91,8 @@ async def test_a_prime_rl_style_subscriber_never_sees_the_end_message() -> None:
         raw.socket.connect(f"tcp://127.0.0.1:{port}")
         with trio.fail_after(30):
             async with (
-                ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
-                ZmqBatchReceiver(0, port=port) as ours,
+                ZmqSender(1, port=port, ready_timeout=10) as sender,
+                ZmqReceiver(0, port=port) as ours,
             ):
                 await ours.announce()
                 await trio.sleep(0.2)  # the raw subscription reaches the sender
@@ -115,8 +115,8 @@ async def test_an_end_at_another_step_than_counted_is_reported() -> None:
     port = free_port_pair()
     with trio.fail_after(30):
         async with (
-            ZmqBatchSender(1, port=port, ready_timeout=10) as sender,
-            ZmqBatchReceiver(0, port=port, start_step=0) as receiver,
+            ZmqSender(1, port=port, ready_timeout=10) as sender,
+            ZmqReceiver(0, port=port, start_step=0) as receiver,
         ):
             await sender.send(7, [b"seven"])  # the receiver numbers it 0
             await sender.end_stream(8)

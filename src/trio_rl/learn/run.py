@@ -29,7 +29,7 @@ from ..publish import Shipment
 from ..rollout import InMemorySource
 from ..samples import PolicyVersion
 from ..trainer import BatchReceiver
-from ..transport import FileBatchReceiver, FileBatchSender, free_port_pair
+from ..transport import FileReceiver, FileSender, free_port_pair
 from ._model import CharTransformer, ModelConfig
 from ._task import EOS, TASKS, Tokenizer, make_prompts
 from ._trainer import GRPOTrainer, StepStats, TrainerConfig
@@ -152,7 +152,7 @@ async def _train_inprocess(
     trainer = GRPOTrainer(model, config.trainer)
     limiter = trio.CapacityLimiter(1)
     receiver = BatchReceiver(
-        FileBatchReceiver(
+        FileReceiver(
             config.out, 0, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
         )
     )
@@ -297,7 +297,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                     )
         drained.set()
 
-    sender = FileBatchSender(out, config.ranks, fsync=False)
+    sender = FileSender(out, config.ranks, fsync=False)
     async with (
         sender,
         TorchEngine.open(

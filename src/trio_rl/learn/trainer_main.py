@@ -23,7 +23,7 @@ import torch.distributed as dist
 import trio
 
 from ..trainer import BatchReceiver
-from ..transport import FileBatchReceiver
+from ..transport import FileReceiver
 from ._trainer import GRPOTrainer, TrainerConfig
 from ._weights import publish_weights
 from .run import RUN_FILE, STOP_FILE, LearnConfig, build_model
@@ -46,7 +46,7 @@ def load_run_config(out: Path, timeout: float = 60.0) -> LearnConfig:
 
 async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: int | None) -> None:
     receiver = BatchReceiver(
-        FileBatchReceiver(
+        FileReceiver(
             config.out, rank, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
         ),
         stop_step=None if steps is None else steps + 1,

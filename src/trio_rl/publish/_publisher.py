@@ -8,7 +8,7 @@ What runs where (SPEC 4.1):
   checkpoint snapshot;
 - in worker threads, through one shared `trio.CapacityLimiter`: pruning after selection,
   packing, the metrics over the shipped cohort, MessagePack encoding, the file writes (pass
-  ``publisher.limiter`` to the `FileBatchSender`), the checkpoint write and the deferred
+  ``publisher.limiter`` to the `FileSender`), the checkpoint write and the deferred
   memory release.
 
 Nothing the loop still mutates is handed to a worker: the batch is detached first.
@@ -39,7 +39,7 @@ from ..train import (
     TrainSink,
     prune_detached,
 )
-from ..transport import BatchSender, Payload
+from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
 from ._errors import MonitorTimeoutError, PublishClosedError, PublishError
 from ._metrics import ShipRecord, ShipTimings, attempt_stats, cohort_stats
@@ -196,7 +196,7 @@ class Publisher:
 
     _nursery: trio.Nursery
     sink: BatchSource
-    sender: BatchSender
+    sender: Sender
     _pack: Packer
     _encode: Encoder
     limiter: trio.CapacityLimiter
@@ -526,7 +526,7 @@ class Publisher:
 @asynccontextmanager
 async def open_publisher(
     sink: BatchSource,
-    sender: BatchSender,
+    sender: Sender,
     *,
     pack: Packer,
     encode: Encoder = encode,

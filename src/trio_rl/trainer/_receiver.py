@@ -10,10 +10,10 @@ import trio
 
 from trio_rl.transport import (
     EndOfStream,
-    FileBatchReceiver,
+    FileReceiver,
     ReceivedPayload,
-    ReceiverTransport,
-    ZmqBatchReceiver,
+    Receiver,
+    ZmqReceiver,
 )
 from trio_rl.wire import MicroBatch, decode
 
@@ -40,17 +40,17 @@ class BatchReceiver:
                 ...
 
     The receiver owns its transport: entering opens it, leaving closes it. Iteration ends
-    when the sender ends the stream (`trio_rl.transport.BatchSender.end_stream`); `receive`
+    when the sender ends the stream (`trio_rl.transport.Sender.end_stream`); `receive`
     then raises `trio_rl.transport.EndOfStream`.
 
-    Each payload is acknowledged to the transport (`ReceiverTransport.ack`) only once it is
+    Each payload is acknowledged to the transport (`Receiver.ack`) only once it is
     decoded, right before it is returned: the filesystem transport deletes a file (with
     ``delete=True``) only then, so a receive cancelled at any point, followed by closing the
     receiver, leaves the step on disk for a new receiver opened at `next_step` (or with
     ``start_step=None``).
 
     Args:
-        transport: the rank's receiving transport (`FileBatchReceiver`, `ZmqBatchReceiver`).
+        transport: the rank's receiving transport (`FileReceiver`, `ZmqReceiver`).
         stop_step: iteration ends before this step (``None``: iterate until cancelled).
         thread_threshold: payloads of at least this many bytes are decoded in a worker thread
             so the event loop keeps running; smaller ones inline.
@@ -64,7 +64,7 @@ class BatchReceiver:
 
     def __init__(
         self,
-        transport: ReceiverTransport,
+        transport: Receiver,
         *,
         stop_step: int | None = None,
         thread_threshold: int = DEFAULT_THREAD_THRESHOLD,
@@ -89,9 +89,9 @@ class BatchReceiver:
         delete: bool = False,
         use_mmap: bool = False,
     ) -> BatchReceiver:
-        """A receiver over the filesystem transport (see `FileBatchReceiver`; ``start_step=None``
+        """A receiver over the filesystem transport (see `FileReceiver`; ``start_step=None``
         resumes after the last step this rank acknowledged)."""
-        transport = FileBatchReceiver(
+        transport = FileReceiver(
             directory,
             rank,
             start_step=start_step,
@@ -112,12 +112,12 @@ class BatchReceiver:
         start_step: int = 0,
         stop_step: int | None = None,
     ) -> BatchReceiver:
-        """A receiver over the ZeroMQ transport (see `ZmqBatchReceiver`)."""
-        transport = ZmqBatchReceiver(rank, host=host, port=port, hwm=hwm, start_step=start_step)
+        """A receiver over the ZeroMQ transport (see `ZmqReceiver`)."""
+        transport = ZmqReceiver(rank, host=host, port=port, hwm=hwm, start_step=start_step)
         return cls(transport, stop_step=stop_step)
 
     @property
-    def transport(self) -> ReceiverTransport:
+    def transport(self) -> Receiver:
         return self._transport
 
     @property

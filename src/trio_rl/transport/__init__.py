@@ -1,24 +1,31 @@
-"""Batch transports: filesystem and ZeroMQ senders/receivers, and the trio glue for pyzmq.
+"""Batch transports: a `Sender` and a `Receiver` per transport (files, ZeroMQ, memory).
 
-A transport moves one opaque payload per (step, rank); decoding is the trainer's business.
+A transport moves one opaque payload per (step, rank); decoding is the trainer's business
+(`trio_rl.trainer.BatchReceiver` wraps a `Receiver`).
+
+- `FileSender` / `FileReceiver`: ``<dir>/batches/step_<S>/rank_<R>.bin``, one file each.
+- `ZmqSender` / `ZmqReceiver`: ZeroMQ PUB/SUB with a READY barrier.
+- `MemorySender` / `MemoryReceiver`: trio memory channels, for tests and single-process runs.
 """
 
-from ._base import BatchSender as BatchSender
 from ._base import Payload as Payload
 from ._base import ReceivedPayload as ReceivedPayload
-from ._base import ReceiverTransport as ReceiverTransport
+from ._base import Receiver as Receiver
+from ._base import Sender as Sender
 from ._errors import EndOfStream as EndOfStream
 from ._errors import TransportError as TransportError
 from ._errors import TransportIOError as TransportIOError
 from ._errors import TransportTimeoutError as TransportTimeoutError
-from ._files import FileBatchReceiver as FileBatchReceiver
-from ._files import FileBatchSender as FileBatchSender
+from ._files import FileReceiver as FileReceiver
+from ._files import FileSender as FileSender
 from ._files import batch_path as batch_path
 from ._files import consumed_marker_path as consumed_marker_path
 from ._files import end_marker_path as end_marker_path
+from ._memory import MemoryReceiver as MemoryReceiver
+from ._memory import MemorySender as MemorySender
 from ._zmq import ZmqSocket as ZmqSocket
-from ._zmq_transport import ZmqBatchReceiver as ZmqBatchReceiver
-from ._zmq_transport import ZmqBatchSender as ZmqBatchSender
+from ._zmq_transport import ZmqReceiver as ZmqReceiver
+from ._zmq_transport import ZmqSender as ZmqSender
 from ._zmq_transport import end_topic as end_topic
 from ._zmq_transport import free_port_pair as free_port_pair
 from ._zmq_transport import rank_topic as rank_topic

@@ -1,7 +1,7 @@
 """The sender and receiver interfaces every batch transport implements.
 
 A transport moves opaque payload bytes, one per (step, rank); it knows nothing of their format
-(decoding belongs to the trainer's ``BatchReceiver``).
+(decoding belongs to the trainer's `trio_rl.trainer.BatchReceiver`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TypeAlias
 import attrs
 import trio
 
-__all__ = ["BatchSender", "Payload", "ReceivedPayload", "ReceiverTransport"]
+__all__ = ["Payload", "ReceivedPayload", "Receiver", "Sender"]
 
 #: What a sender accepts and a receiver returns: any contiguous bytes-like buffer.
 Payload: TypeAlias = bytes | bytearray | memoryview
@@ -33,8 +33,11 @@ class ReceivedPayload:
     source: str
 
 
-class BatchSender(trio.abc.AsyncResource):
-    """Sends each step's payloads, one per data-parallel rank. Use as ``async with``."""
+class Sender(trio.abc.AsyncResource):
+    """Sends each step's payloads, one per data-parallel rank. Use as ``async with``.
+
+    Implementations: `FileSender`, `ZmqSender`, `MemorySender`.
+    """
 
     @property
     @abc.abstractmethod
@@ -47,6 +50,17 @@ class BatchSender(trio.abc.AsyncResource):
 
         Raises `ValueError` if ``len(payloads) != world_size``. Payload buffers must not be
         mutated while the send is in progress (zero-copy transports may still read them).
+
+        Delivery: when `send` returns, the step is delivered: handed to the transport for every
+        rank (written and renamed into place, published, or queued), and a receiver of any rank
+        can get it without the sender doing anything more. The publisher books a step as
+        shipped on that guarantee.
+
+        Cancellation: all or nothing. A send that raises `trio.Cancelled` delivered the step
+        to no rank; a send that returns delivered it to every rank, even if a cancellation
+        arrived meanwhile (the `trio.Cancelled` then comes at the caller's next checkpoint).
+        After any other error the step may have reached some ranks: send it again (a repeated
+        step replaces the earlier one, or is skipped by receivers already past it).
         """
 
     @abc.abstractmethod
@@ -56,15 +70,26 @@ class BatchSender(trio.abc.AsyncResource):
         ``step`` is the step after the last one sent (the step a next `send` would have had).
         A receiver waiting for ``step`` or later then raises `EndOfStream` (and
         ``BatchReceiver``'s ``async for`` ends). Later sends raise `RuntimeError`.
+
+        Cancellation: if `trio.Cancelled` is raised, the stream is not known to have ended:
+        call `end_stream` again (receivers may already have seen the end).
         """
 
     @abc.abstractmethod
     async def aclose(self) -> None:
-        """Release every resource; idempotent."""
+        """Release every resource; idempotent. Later sends raise `trio.ClosedResourceError`.
+
+        Cancellation: closing always completes (what it must wait for is shielded).
+        """
 
 
-class ReceiverTransport(trio.abc.AsyncResource):
-    """Receives one rank's payloads, step after step. Use as ``async with``."""
+class Receiver(trio.abc.AsyncResource):
+    """Receives one rank's payloads, step after step. Use as ``async with``.
+
+    Implementations: `FileReceiver`, `ZmqReceiver`, `MemoryReceiver`. Not to be confused with
+    the trainer's `trio_rl.trainer.BatchReceiver`, which wraps one of these and decodes what it
+    receives.
+    """
 
     @property
     @abc.abstractmethod
@@ -81,6 +106,11 @@ class ReceiverTransport(trio.abc.AsyncResource):
         """Wait for and return the payload of `next_step`, then advance `next_step` by one.
 
         Raises `EndOfStream` if the sender ended the stream at or before `next_step`.
+
+        Cancellation: a receive that raises `trio.Cancelled` has not advanced `next_step` and
+        has consumed nothing: the payload it was waiting for (or reading) is returned by the
+        next `receive`, of this receiver or, for transports that keep payloads until they are
+        acknowledged, of a new receiver of the same rank.
         """
 
     async def ack(self, step: int) -> None:
@@ -88,11 +118,16 @@ class ReceiverTransport(trio.abc.AsyncResource):
 
         A transport that keeps payloads until they are consumed (the filesystem one) may
         forget them now; a new receiver never returns an acknowledged step again. The default
-        does nothing. Cancellation: like a checkpoint; callers that must not lose an
-        acknowledgement shield it.
+        does nothing.
+
+        Cancellation: like a checkpoint: if `trio.Cancelled` is raised, the step may still be
+        unacknowledged; callers that must not lose an acknowledgement shield it.
         """
         await trio.lowlevel.checkpoint()
 
     @abc.abstractmethod
     async def aclose(self) -> None:
-        """Release every resource; idempotent."""
+        """Release every resource; idempotent. Later receives raise `trio.ClosedResourceError`.
+
+        Cancellation: closing always completes (what it must wait for is shielded).
+        """

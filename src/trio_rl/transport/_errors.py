@@ -22,7 +22,7 @@ class TransportIOError(TransportError):
 
 
 class EndOfStream(TransportError):
-    """The sender ended the stream: no step ``>= step`` will come (see `BatchSender.end_stream`).
+    """The sender ended the stream: no step ``>= step`` will come (see `Sender.end_stream`).
 
     Raised by a receive asked for a step at or past the end (again on every later receive).
     """

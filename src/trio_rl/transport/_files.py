@@ -6,13 +6,16 @@ directories, ``batches/`` holds:
 - ``.staging/``: the sender writes each file here first, then renames it into its step
   directory, so a reader never sees a partial file and readers that remove emptied step
   directories cannot pull the directory out from under a write;
-- ``END``: the end-of-stream marker (`FileBatchSender.end_stream`), the ASCII decimal step
+- ``END``: the end-of-stream marker (`FileSender.end_stream`), the ASCII decimal step
   before which the stream ended; a prime-rl file receiver never looks at it;
 - ``.consumed/rank_<R>``: the last step rank ``R``'s receiver acknowledged (ASCII decimal),
   where a restarted receiver with ``start_step=None`` resumes.
 
 All file I/O runs in worker threads (``trio.to_thread.run_sync``) behind a
-`trio.CapacityLimiter`.
+`trio.CapacityLimiter`. The threads are never abandoned: a cancellation that arrives while a
+thread runs does not interrupt it; the call returns its result as if not cancelled, and
+`trio.Cancelled` arrives at the caller's next checkpoint. Only a cancellation that arrives
+before the thread started (waiting for the limiter) makes the call raise, having done nothing.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from pathlib import Path
 
 import trio
 
-from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
+from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStream, TransportError, TransportIOError, TransportTimeoutError
 
 __all__ = [
-    "FileBatchReceiver",
-    "FileBatchSender",
+    "FileReceiver",
+    "FileSender",
     "batch_path",
     "consumed_marker_path",
     "end_marker_path",
@@ -102,7 +105,7 @@ def _read_step_marker(path: Path) -> int | None:
     return step
 
 
-class FileBatchSender(BatchSender):
+class FileSender(Sender):
     """Writes each step's payloads as ``<directory>/batches/step_<S>/rank_<R>.bin``.
 
     Each file is written under ``batches/.staging/`` and then renamed into its step directory
@@ -147,7 +150,7 @@ class FileBatchSender(BatchSender):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise trio.ClosedResourceError("this FileBatchSender is closed")
+            raise trio.ClosedResourceError("this FileSender is closed")
         if self._ended_at is not None:
             raise RuntimeError(f"the stream was ended at step {self._ended_at} (end_stream)")
 
@@ -158,8 +161,11 @@ class FileBatchSender(BatchSender):
         ``END`` marker left by an earlier run in the same directory. Raises `TransportIOError`
         naming the path if a file cannot be written or renamed into place.
 
-        Cancellation: the thread is not abandoned; the files being written are finished (each
-        is then either complete or absent) before `trio.Cancelled` propagates.
+        Cancellation: all or nothing. If `trio.Cancelled` is raised (before the writer thread
+        started), no file of this step was written. Once the thread has started, every rank's
+        file is written and the call returns normally; the cancellation arrives at the caller's
+        next checkpoint. (A file error, unlike a cancellation, can leave the ranks before the
+        failing one written.)
         """
         self._check_open()
         _check_non_negative("step", step)
@@ -237,8 +243,9 @@ class FileBatchSender(BatchSender):
         than every step sent. Written like a batch file (staged, fsynced, renamed), after every
         earlier step's files. Later sends raise `RuntimeError`.
 
-        Cancellation: if `trio.Cancelled` propagates before the writer thread started, no
-        marker was written; once it has started, the marker is completed first.
+        Cancellation: if `trio.Cancelled` is raised (before the writer thread started), no
+        marker was written; once the thread has started, the marker is written and the call
+        returns normally, the cancellation arriving at the caller's next checkpoint.
         """
         self._check_open()
         _check_non_negative("step", step)
@@ -261,12 +268,15 @@ class FileBatchSender(BatchSender):
             _fsync_dir(end.parent)
 
     async def aclose(self) -> None:
-        """Nothing to release but the name; later sends raise `trio.ClosedResourceError`."""
+        """Nothing to release but the name; later sends raise `trio.ClosedResourceError`.
+
+        Cancellation: the sender is closed even if `trio.Cancelled` is raised.
+        """
         self._closed = True
         await trio.lowlevel.checkpoint()
 
 
-class FileBatchReceiver(ReceiverTransport):
+class FileReceiver(Receiver):
     """Reads rank ``rank``'s payloads, step after step, from ``<directory>/batches``.
 
     Waiting for a step's file polls with exponential backoff, from ``poll_interval`` up to
@@ -358,7 +368,7 @@ class FileBatchReceiver(ReceiverTransport):
         """The file this receiver reads for ``step``."""
         return batch_path(self._directory, step, self._rank)
 
-    async def __aenter__(self) -> FileBatchReceiver:
+    async def __aenter__(self) -> FileReceiver:
         await self._resolve()
         return self
 
@@ -409,11 +419,13 @@ class FileBatchReceiver(ReceiverTransport):
         before this step, `TransportError` if the marker says the step was sent but its file
         is gone, and `TransportIOError` if the file cannot be read.
 
-        Cancellation: safe at any point. A read in progress completes in its thread and its
-        result is returned; a cancelled receive leaves the file on disk.
+        Cancellation: safe at any point. A read in progress completes in its thread and this
+        call returns its payload normally (the cancellation arrives at the caller's next
+        checkpoint); a receive that raises `trio.Cancelled` has not advanced `next_step` and
+        leaves the file on disk for the next receive.
         """
         if self._closed:
-            raise trio.ClosedResourceError("this FileBatchReceiver is closed")
+            raise trio.ClosedResourceError("this FileReceiver is closed")
         if self._unacked is not None:
             with trio.CancelScope(shield=True):
                 await self.ack(self._unacked)
@@ -488,8 +500,10 @@ class FileBatchReceiver(ReceiverTransport):
         `ValueError` for a step not returned yet and `TransportIOError` if a file operation
         fails.
 
-        Cancellation: if `trio.Cancelled` propagates, the step may still be unacknowledged
-        (the next `receive` acknowledges it); a started acknowledgement is completed.
+        Cancellation: if `trio.Cancelled` is raised (before the thread started), the step is
+        not acknowledged (the next `receive` acknowledges it); once the thread has started, the
+        acknowledgement completes and the call returns normally, the cancellation arriving at
+        the caller's next checkpoint.
         """
         if self._unacked is None or step != self._unacked:
             if self._next_step is not None and step < self._next_step:
@@ -526,6 +540,9 @@ class FileBatchReceiver(ReceiverTransport):
 
     async def aclose(self) -> None:
         """Later receives raise `trio.ClosedResourceError`. A payload returned but not yet
-        acknowledged is not acknowledged: its file stays for the next receiver."""
+        acknowledged is not acknowledged: its file stays for the next receiver.
+
+        Cancellation: the receiver is closed even if `trio.Cancelled` is raised.
+        """
         self._closed = True
         await trio.lowlevel.checkpoint()

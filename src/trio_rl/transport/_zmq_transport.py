@@ -7,7 +7,7 @@
   subscribes its SUB socket to its topic, connects, and sends its rank as ASCII once over a
   PUSH socket. Before its first send the sender waits (up to ``ready_timeout``) until it has
   heard ``world_size`` distinct ranks.
-- End of stream: `ZmqBatchSender.end_stream(S)` sends ``[b"end_rank|<R>|", b"<S>"]`` to every
+- End of stream: `ZmqSender.end_stream(S)` sends ``[b"end_rank|<R>|", b"<S>"]`` to every
   rank (S in ASCII: no step ``>= S`` will come). prime-rl receivers, subscribed to
   ``data_rank|<R>|`` only, never see it; trio-rl receivers subscribe to both topics.
 - No step number is on the wire: the receiver numbers messages in arrival order, from
@@ -29,11 +29,11 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ._base import BatchSender, Payload, ReceivedPayload, ReceiverTransport
+from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStream, TransportError, TransportTimeoutError
 from ._zmq import ZmqSocket
 
-__all__ = ["end_topic", "free_port_pair", "ZmqBatchReceiver", "ZmqBatchSender", "rank_topic"]
+__all__ = ["end_topic", "free_port_pair", "ZmqReceiver", "ZmqSender", "rank_topic"]
 
 
 def rank_topic(rank: int) -> bytes:
@@ -62,7 +62,7 @@ async def _term(ctx: zmq.Context[Any]) -> None:
         await trio.to_thread.run_sync(ctx.term)
 
 
-class ZmqBatchSender(BatchSender):
+class ZmqSender(Sender):
     """Publishes each step's payloads to the trainer ranks over ZeroMQ.
 
     Sockets are bound when entering ``async with``.
@@ -124,10 +124,10 @@ class ZmqBatchSender(BatchSender):
         """The ranks heard from so far in the READY barrier."""
         return frozenset(self._ready_ranks)
 
-    async def __aenter__(self) -> ZmqBatchSender:
+    async def __aenter__(self) -> ZmqSender:
         await trio.lowlevel.checkpoint()
         if self._closed or self._ctx is not None:
-            raise RuntimeError("a ZmqBatchSender can be entered only once")
+            raise RuntimeError("a ZmqSender can be entered only once")
         ctx: zmq.Context[Any] = zmq.Context()
         self._ctx = ctx
         try:
@@ -149,9 +149,9 @@ class ZmqBatchSender(BatchSender):
 
     def _sockets(self) -> tuple[ZmqSocket, ZmqSocket]:
         if self._closed:
-            raise trio.ClosedResourceError("this ZmqBatchSender is closed")
+            raise trio.ClosedResourceError("this ZmqSender is closed")
         if self._pub is None or self._ready_sock is None:
-            raise RuntimeError("use ZmqBatchSender as `async with ZmqBatchSender(...) as s`")
+            raise RuntimeError("use ZmqSender as `async with ZmqSender(...) as s`")
         return self._pub, self._ready_sock
 
     @property
@@ -254,8 +254,10 @@ class ZmqBatchSender(BatchSender):
     async def aclose(self) -> None:
         """Close both sockets and the context.
 
-        Queued messages get up to ``linger`` seconds to be delivered; that wait runs in a
-        thread and is shielded from cancellation (it is bounded by ``linger``).
+        Queued messages get up to ``linger`` seconds to be delivered.
+
+        Cancellation: that wait runs in a thread and is shielded (it is bounded by
+        ``linger``), so closing always completes.
         """
         if self._closed:
             await trio.lowlevel.checkpoint()
@@ -271,8 +273,8 @@ class ZmqBatchSender(BatchSender):
             await trio.lowlevel.checkpoint()
 
 
-class ZmqBatchReceiver(ReceiverTransport):
-    """Receives one rank's payloads from a `ZmqBatchSender`.
+class ZmqReceiver(Receiver):
+    """Receives one rank's payloads from a `ZmqSender`.
 
     Entering ``async with`` subscribes and connects the SUB socket (the sender may come up
     later; zmq keeps reconnecting) and starts a background task, owned by the ``async with``,
@@ -334,10 +336,10 @@ class ZmqBatchReceiver(ReceiverTransport):
     def data_endpoint(self) -> str:
         return _endpoint(self._host, self._port)
 
-    async def __aenter__(self) -> ZmqBatchReceiver:
+    async def __aenter__(self) -> ZmqReceiver:
         await trio.lowlevel.checkpoint()
         if self._closed or self._ctx is not None:
-            raise RuntimeError("a ZmqBatchReceiver can be entered only once")
+            raise RuntimeError("a ZmqReceiver can be entered only once")
         ctx: zmq.Context[Any] = zmq.Context()
         self._ctx = ctx
         try:
@@ -360,9 +362,9 @@ class ZmqBatchReceiver(ReceiverTransport):
 
     def _require_sub(self) -> ZmqSocket:
         if self._closed:
-            raise trio.ClosedResourceError("this ZmqBatchReceiver is closed")
+            raise trio.ClosedResourceError("this ZmqReceiver is closed")
         if self._sub is None:
-            raise RuntimeError("use ZmqBatchReceiver as `async with ZmqBatchReceiver(...) as r`")
+            raise RuntimeError("use ZmqReceiver as `async with ZmqReceiver(...) as r`")
         return self._sub
 
     async def _announce(self, sub: ZmqSocket, monitor: ZmqSocket, push: ZmqSocket) -> None:
@@ -446,6 +448,8 @@ class ZmqBatchReceiver(ReceiverTransport):
         """Stop the READY task, close the sockets (dropping anything queued) and the context.
 
         Call it from the task that entered (``async with`` does).
+
+        Cancellation: closing always completes (the context's release is shielded).
         """
         if self._closed:
             await trio.lowlevel.checkpoint()
