@@ -17,7 +17,7 @@ from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
 from trio_rl.train import PAYLOAD_METADATA_KEY, PayloadStore
 from trio_rl.trainer import BatchReceiver
-from trio_rl.transport import FileReceiver, FileSender
+from trio_rl.transport import MemorySender
 
 G = 4
 T = 3
@@ -74,8 +74,10 @@ async def test_a_run_ships_every_step_to_every_rank_and_accounts_for_every_sampl
     rec = _Recorder()
     received: dict[int, list[int]] = {0: [], 1: []}
 
+    sender = MemorySender(2)
+
     async def rank(r: int) -> None:
-        transport = FileReceiver(tmp_path, r, start_step=1, max_poll_interval=0.01)
+        transport = sender.receiver(r, start_step=1)
         async with BatchReceiver(transport, stop_step=4) as batches:
             async for step, micro_batches in batches:
                 assert micro_batches, "every rank gets at least one micro-batch"
@@ -85,7 +87,7 @@ async def test_a_run_ships_every_step_to_every_rank_and_accounts_for_every_sampl
         nursery.start_soon(rank, 0)
         nursery.start_soon(rank, 1)
         async with (
-            FileSender(tmp_path, 2) as sender,
+            sender,
             open_orchestrator(
                 _engine(),
                 InMemorySource(_prompts(100)),
@@ -132,7 +134,7 @@ async def test_crashes_and_resumes_lose_no_prompt_and_ship_none_twice(
             monitor=rec.shipments.append,
         )
 
-    async with FileSender(tmp_path, 1) as sender:
+    async with MemorySender(1) as sender:
         # two runs that crash at an arbitrary moment while work is in flight, then one to the end
         for _ in range(2):
             async with open_run() as orch:  # type: ignore[attr-defined]
@@ -153,7 +155,7 @@ async def test_crashes_and_resumes_lose_no_prompt_and_ship_none_twice(
 
 async def test_resumed_open_groups_keep_their_id(tmp_path: Path) -> None:
     rec = _Recorder()
-    async with FileSender(tmp_path, 1) as sender:
+    async with MemorySender(1) as sender:
         kwargs = dict(
             config=_config(),
             checkpoint_dir=tmp_path / "ckpt",
@@ -195,7 +197,7 @@ async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(tmp_path:
     time held is reported as policy wait."""
     rec = _Recorder()
     async with (
-        FileSender(tmp_path, 1) as sender,
+        MemorySender(1) as sender,
         open_orchestrator(
             _engine(),
             InMemorySource(_prompts(100)),
@@ -245,7 +247,7 @@ async def test_failed_and_aborted_groups_are_booked_so_every_sample_settles_once
         )
     )
     async with (
-        FileSender(tmp_path, 1) as sender,
+        MemorySender(1) as sender,
         open_orchestrator(
             engine,
             InMemorySource(_prompts(200)),
@@ -271,7 +273,7 @@ async def test_a_hung_sample_hits_its_deadline_and_its_group_is_booked_failed(
         distribution="long-cot", slots=64, seed=9, seconds_per_token=1e-7, hang_rate=0.2
     )
     async with (
-        FileSender(tmp_path, 1) as sender,
+        MemorySender(1) as sender,
         open_orchestrator(
             engine,
             InMemorySource(_prompts(300)),
@@ -313,7 +315,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
 
     async def trainer(orch: Orchestrator, steps: int) -> None:
         nonlocal read_rows
-        transport = FileReceiver(tmp_path, 0, start_step=1, max_poll_interval=0.01)
+        transport = sender.receiver(0, start_step=1)
         async with BatchReceiver(transport, stop_step=steps + 1) as batches:
             async for step, micro_batches in batches:
                 files: set[str] = set()
@@ -328,7 +330,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
                 orch.set_policy_version(step)
 
     async with (
-        FileSender(tmp_path, 1) as sender,
+        MemorySender(1) as sender,
         open_orchestrator(
             engine,
             InMemorySource(_prompts(200)),
