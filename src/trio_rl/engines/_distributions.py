@@ -1,4 +1,4 @@
-"""Straggler distributions for the simulated engine (SPEC section 6).
+"""Straggler distributions for the simulated engine (docs/engines.md, "Straggler distributions").
 
 A distribution turns one random stream into the cost of one request: either a number of tokens
 (the engine turns it into time with its per-token decode time) or a wall time in seconds (agentic
@@ -158,7 +158,7 @@ class ParetoSeconds:
         return Draw(None, raw, "stop")
 
 
-#: The four named distributions of SPEC section 6.
+#: The four named distributions (docs/engines.md, "Straggler distributions").
 DISTRIBUTIONS: Mapping[str, LatencyDistribution] = {
     "long-cot": LogNormalTokens(),
     "correlated": CorrelatedTokens(),

@@ -240,7 +240,10 @@ class OpenAICompatibleEngine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the HTTP client (idempotent)."""
+        """Close the HTTP client (idempotent).
+
+        Cancellation: the client is released even if `trio.Cancelled` is raised.
+        """
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

@@ -61,4 +61,10 @@ class Engine(Protocol):
     propagates.
     """
 
-    async def generate(self, request: GenerateRequest) -> Completion: ...
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """Generate one completion for ``request``.
+
+        Cancellation: the request is abandoned (aborted engine-side where the engine supports
+        it) and `trio.Cancelled` propagates; no completion is returned.
+        """
+        ...

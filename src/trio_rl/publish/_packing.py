@@ -1,4 +1,4 @@
-"""Packing training samples into micro-batches for data-parallel trainer ranks (SPEC 4.2).
+"""Packing training samples into micro-batches for data-parallel trainer ranks (docs/wire.md).
 
 Pure, synchronous functions: the publisher runs them in worker threads. The steps follow the
 reference packer:

@@ -1,6 +1,6 @@
 """The publisher: finalizes train batches off the event loop and ships them.
 
-What runs where (SPEC 4.1):
+What runs where (docs/publish.md, "What runs where"):
 
 - on the event loop, never across an await: detaching the selected samples from the sink,
   the policy-wait snapshot, settling the batch with the sink (which books the outcome, reads

@@ -193,6 +193,11 @@ class GroupRunner:
     async def run(
         self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
     ) -> Group:
+        """Run ``group`` with these options (see `run_group`).
+
+        Cancellation: as `run_group`: the sample tasks are cancelled and settled (each calls
+        ``on_sample_done``), no reward runs, and `trio.Cancelled` propagates.
+        """
         return await run_group(
             group,
             self.generate,

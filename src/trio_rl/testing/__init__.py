@@ -1,5 +1,5 @@
 """The public testing harness: a scripted adversarial engine, a credit book, and Hypothesis
-properties that check the credit invariants of SPEC section 5 against the library's own
+properties that check the credit invariants listed in docs/testing.md against the library's own
 policies, group runner and drivers, or against yours.
 
 Needs ``hypothesis`` (a test dependency; ``trio_rl`` itself never imports this package).

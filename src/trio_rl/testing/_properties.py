@@ -2,7 +2,7 @@
 
 ``check_credit_loop``, ``check_sync_driver`` and ``check_async_driver`` run one example from a
 Hypothesis ``data`` object; the ``*_property`` functions wrap them into ready-made test
-functions. Every step of every example checks SPEC section 5's invariants; a violation raises
+functions. Every step of every example checks the invariants of docs/testing.md; a violation raises
 :class:`~trio_rl.testing.InvariantViolation` carrying the (shrunk) schedule.
 """
 

@@ -281,7 +281,11 @@ def _short(group_id: str) -> str:
 
 
 def spec_rule(policy: SubmissionPolicy) -> Callable[[CreditView], bool] | None:
-    """SPEC section 5, invariant 4, for the library's two policies (None for others)."""
+    """The admission rule (invariant 4) for the library's two policies (None for others).
+
+    `SampleBackfill` admits a group while ``in_flight + group_size <= budget * group_size``;
+    `GroupGranularity` while ``pending_groups < budget``.
+    """
     if isinstance(policy, SampleBackfill):
         return lambda v: v.in_flight + v.group_size <= v.budget * v.group_size
     if isinstance(policy, GroupGranularity):

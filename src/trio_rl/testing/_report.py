@@ -8,7 +8,7 @@ import trio
 
 __all__ = ["InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
 
-#: Short names of SPEC section 5's invariants, used in messages.
+#: Short names of the credit invariants (docs/testing.md, "What is checked"), used in messages.
 INVARIANTS: dict[int, str] = {
     1: "every sample task returns exactly one credit",
     2: "a group's outcome is visible only after all its samples settled and returned credit",

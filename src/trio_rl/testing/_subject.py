@@ -52,8 +52,10 @@ class RolloutSubject:
     credit scheduler (used by the credit-loop property only; the real drivers build their own).
 
     ``rule`` is the admission rule the policy must follow at every decision point; None means
-    SPEC section 5's rule for :class:`~trio_rl.rollout.SampleBackfill` and
-    :class:`~trio_rl.rollout.GroupGranularity`, and no rule for other policies. ``kinds`` are
+    the library's rule for :class:`~trio_rl.rollout.SampleBackfill` (admit while
+    ``in_flight + group_size <= budget * group_size``) and
+    :class:`~trio_rl.rollout.GroupGranularity` (while ``pending_groups < budget``), and no rule
+    for other policies. ``kinds`` are
     the fates the adversary may give an engine call. A ``hang`` needs a deadline somewhere
     (the default generate function has one); leave it out if your generate function has none,
     or every hang is reported as a deadlock. ``max_steps`` bounds each schedule.

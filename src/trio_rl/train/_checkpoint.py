@@ -429,8 +429,10 @@ class CheckpointManager:
     async def save(self, snap: CheckpointSnapshot) -> Path:
         """Serialise and write ``snap`` in a worker thread.
 
-        On cancellation the write runs to completion (a checkpoint is never half-written) and
-        then Cancelled is raised.
+        Cancellation: if `trio.Cancelled` arrives before the worker thread started, nothing
+        is written and it is raised here. Once the thread has started it is not abandoned: the
+        write runs to completion (a checkpoint is never half-written) and this call *returns*
+        the path normally; the `trio.Cancelled` arrives at the caller's next checkpoint.
         """
         return await trio.to_thread.run_sync(self.write, snap, limiter=self.limiter)
 
@@ -489,11 +491,18 @@ class CheckpointManager:
         return None
 
     async def load(self, path: str | os.PathLike[str]) -> Checkpoint:
-        """:meth:`read` in a worker thread (cancellation waits for the read)."""
+        """:meth:`read` in a worker thread.
+
+        Cancellation: once the thread has started the read completes and its result is
+        returned; `trio.Cancelled` arrives at the caller's next checkpoint.
+        """
         return await trio.to_thread.run_sync(self.read, path, limiter=self.limiter)
 
     async def load_latest(self, *, require_usable: bool = False) -> Checkpoint | None:
-        """:meth:`read_latest` in a worker thread (cancellation waits for the read)."""
+        """:meth:`read_latest` in a worker thread.
+
+        Cancellation: as for `load`.
+        """
         return await trio.to_thread.run_sync(
             functools.partial(self.read_latest, require_usable=require_usable),
             limiter=self.limiter,

@@ -180,7 +180,12 @@ class BatchReceiver:
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
-        """Close the transport. Idempotent."""
+        """Close the transport. Idempotent.
+
+        Cancellation: as the transport's ``aclose``: the transport is closed even if
+        `trio.Cancelled` is raised; a payload received but not yet acknowledged is not
+        acknowledged (the filesystem and memory transports keep it for a new receiver).
+        """
         await self._transport.aclose()
 
     async def __aenter__(self) -> Self:

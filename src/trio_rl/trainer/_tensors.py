@@ -1,4 +1,4 @@
-"""Conversion of a micro-batch into the torch tensors a trainer consumes (SPEC 4.4).
+"""Conversion of a micro-batch into the torch tensors a trainer consumes (docs/wire.md).
 
 torch is an optional dependency: it is imported when :func:`to_torch` is first called, so
 ``import trio_rl.trainer`` works without it.

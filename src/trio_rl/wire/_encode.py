@@ -1,4 +1,4 @@
-"""Byte-exact MessagePack encoding of micro-batches (SPEC 4.3).
+"""Byte-exact MessagePack encoding of micro-batches (the format: docs/wire.md).
 
 The bytes equal those of the reference encoder (msgspec's MessagePack, array-like structs) for
 the same Python values: records are arrays of all their fields in order, unset optional fields

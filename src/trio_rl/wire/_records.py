@@ -1,4 +1,4 @@
-"""The records of the wire format (SPEC 4.3). Field order here *is* the wire order."""
+"""The records of the wire format (docs/wire.md). Field order here *is* the wire order."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class PayloadSegment:
 
 @attrs.define(slots=True)
 class MicroBatch:
-    """One packed micro-batch: the 20 fields of SPEC 4.3, in wire order."""
+    """One packed micro-batch: its 20 fields, in wire order (docs/wire.md, "Layout")."""
 
     input_ids: list[int]
     loss_mask: list[bool]
