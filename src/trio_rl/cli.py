@@ -394,8 +394,14 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
         else:
             starts = []
             for rank in range(args.ranks):
+                # A rank's own log is the truth; a rank that logged nothing yet (killed before
+                # its first step) starts at its oldest batch file still on disk.
                 through = _trained_through(out, rank)
-                starts.append(resent_from if through is None else through + 1)
+                if through is None:
+                    waiting = (out / "batches").glob(f"step_*/rank_{rank}.bin")
+                    through = min((int(p.parent.name[5:]) for p in waiting), default=resent_from)
+                    through -= 1
+                starts.append(through + 1)
         with trio.CancelScope() as work:
             stop.scope = work  # from now on a signal stops the run, then checkpoints
             if stop.signals:
