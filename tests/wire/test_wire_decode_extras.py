@@ -167,10 +167,11 @@ def test_error_in_a_large_payload_is_found_in_linear_time(extra: bytes, count: i
     n = scaled(count)
     valid = b"\xdd" + n.to_bytes(4, "big") + one * n
     assert len(decode(valid)) == n
-    t_valid = _best_of(3, lambda: decode(valid))
+    # best of several runs: the minimum is what the code costs, the rest is the machine's load
+    t_valid = _best_of(5, lambda: decode(valid))
     for bad in (valid[:-1] + b"\xc1", valid[:-1], valid + b"\x00", valid[:-2] + b"\xa1\xff"):
-        t_error = _best_of(2, lambda bad=bad: _rejects(bad))
-        assert t_error < 5 * t_valid + 0.02, (t_error, t_valid)
+        t_error = _best_of(5, lambda bad=bad: _rejects(bad))
+        assert t_error < 5 * t_valid + 0.05, (t_error, t_valid)
 
 
 # --- the C-speed skip agrees with the Python walk -----------------------------------------
