@@ -35,7 +35,8 @@ def _mb(n: int) -> MicroBatch:
 
 async def test_every_rank_gets_its_payload_in_step_order_then_the_end() -> None:
     async with MemorySender(3) as sender:
-        assert isinstance(sender, Sender) and sender.world_size == 3
+        assert isinstance(sender, Sender)
+        assert sender.world_size == 3
         receivers = [sender.receiver(r, start_step=1) for r in range(3)]
         assert all(isinstance(r, Receiver) for r in receivers)
         for step in (1, 2):
@@ -67,7 +68,7 @@ async def test_bad_sends_raise_and_send_nothing() -> None:
             await sender.send(0, [b"a", b"b"])
         with pytest.raises(ValueError, match="step 1 was already sent"):
             await sender.end_stream(1)
-        with pytest.raises(ValueError, match="rank must be in 0..1"):
+        with pytest.raises(ValueError, match=r"rank must be in 0\.\.1"):
             sender.receiver(2)
         with pytest.raises(TransportError, match="expected step 0, got step 1"):
             await rx.receive()
@@ -96,7 +97,8 @@ async def test_a_cancelled_send_sends_nothing_and_a_cancelled_receive_takes_noth
         with trio.CancelScope() as scope:
             scope.cancel()
             await rx.receive()
-        assert scope.cancelled_caught and rx.next_step == 0
+        assert scope.cancelled_caught
+        assert rx.next_step == 0
         with trio.fail_after(5):
             got = await rx.receive()
         assert (got.step, bytes(got.data)) == (0, b"d"), "the cancelled send left nothing behind"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from ..errors import TensorConversionError
 from ..wire import MicroBatch
 
 if TYPE_CHECKING:
@@ -20,14 +21,6 @@ if TYPE_CHECKING:
 __all__ = ["TensorConversionError", "TrainerTensors", "to_torch"]
 
 _NUMERIC_KINDS = "biuf"
-
-
-class TensorConversionError(ValueError):
-    """A micro-batch whose fields disagree (lengths, byte sizes, dtypes); names the field."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        self.field = field
-        super().__init__(f"cannot convert micro-batch field {field!r} to a tensor: {reason}")
 
 
 @attrs.frozen
