@@ -4,6 +4,7 @@ The public facade: it re-exports the API of every layer and defines nothing. The
 the data flow, and each is importable on its own:
 
 * :mod:`trio_rl.samples` and :mod:`trio_rl.wire`: values and the byte-exact wire format;
+* :mod:`trio_rl.errors`: every exception, in one tree under :class:`TrioRLError`;
 * :mod:`trio_rl.engines`: the ``Engine`` protocol, the simulated and OpenAI-compatible engines;
 * :mod:`trio_rl.rollout`: data sources, credit scheduling, group nurseries, drivers;
 * :mod:`trio_rl.train`: scoring, the train sink, by-handle payloads, checkpoint and resume;
@@ -17,36 +18,51 @@ the data flow, and each is importable on its own:
 # Uses `from x import y as y` so that type checkers treat these as re-exports.
 from .engines import Completion as Completion
 from .engines import Engine as Engine
-from .engines import EngineError as EngineError
 from .engines import GenerateRequest as GenerateRequest
 from .engines import OpenAICompatibleEngine as OpenAICompatibleEngine
 from .engines import SamplingParams as SamplingParams
 from .engines import SimulatedEngine as SimulatedEngine
+from .errors import CheckpointError as CheckpointError
+from .errors import DataSourceError as DataSourceError
+from .errors import DriverFailed as DriverFailed
+from .errors import DriverFailedError as DriverFailedError
+from .errors import EndOfStream as EndOfStream
+from .errors import EndOfStreamError as EndOfStreamError
+from .errors import EngineError as EngineError
+from .errors import GroupFailed as GroupFailed
+from .errors import GroupFailedError as GroupFailedError
+from .errors import PackingError as PackingError
+from .errors import PayloadError as PayloadError
+from .errors import PublishError as PublishError
+from .errors import RolloutError as RolloutError
+from .errors import SourceExhausted as SourceExhausted
+from .errors import SourceExhaustedError as SourceExhaustedError
+from .errors import TensorConversionError as TensorConversionError
+from .errors import TrainSinkError as TrainSinkError
+from .errors import TransportError as TransportError
+from .errors import TransportIOError as TransportIOError
+from .errors import TransportTimeoutError as TransportTimeoutError
+from .errors import TrioRLError as TrioRLError
+from .errors import WireEncodeError as WireEncodeError
+from .errors import WireFormatError as WireFormatError
 from .orchestrator import Orchestrator as Orchestrator
 from .orchestrator import OrchestratorConfig as OrchestratorConfig
 from .orchestrator import RunSummary as RunSummary
 from .orchestrator import open_orchestrator as open_orchestrator
-from .publish import PackingError as PackingError
 from .publish import Publisher as Publisher
-from .publish import PublishError as PublishError
 from .publish import Shipment as Shipment
 from .publish import ShipRecord as ShipRecord
 from .publish import open_publisher as open_publisher
 from .publish import pack_samples as pack_samples
 from .rollout import AsyncRolloutDriver as AsyncRolloutDriver
 from .rollout import DataSource as DataSource
-from .rollout import DataSourceError as DataSourceError
-from .rollout import DriverFailed as DriverFailed
 from .rollout import FailurePolicy as FailurePolicy
 from .rollout import GroupFactory as GroupFactory
-from .rollout import GroupFailed as GroupFailed
 from .rollout import GroupGranularity as GroupGranularity
 from .rollout import GroupRunner as GroupRunner
 from .rollout import InMemorySource as InMemorySource
 from .rollout import JsonlSource as JsonlSource
-from .rollout import RolloutError as RolloutError
 from .rollout import SampleBackfill as SampleBackfill
-from .rollout import SourceExhausted as SourceExhausted
 from .rollout import SubmissionPolicy as SubmissionPolicy
 from .rollout import SyncRolloutDriver as SyncRolloutDriver
 from .rollout import engine_generate as engine_generate
@@ -59,7 +75,6 @@ from .samples import ResumedGroup as ResumedGroup
 from .samples import Sample as Sample
 from .samples import SampleStatus as SampleStatus
 from .samples import new_group_id as new_group_id
-from .train import CheckpointError as CheckpointError
 from .train import CheckpointManager as CheckpointManager
 from .train import PayloadStore as PayloadStore
 from .train import PruneMode as PruneMode
@@ -68,22 +83,16 @@ from .train import SinkConfig as SinkConfig
 from .train import TrainBatch as TrainBatch
 from .train import TrainingSample as TrainingSample
 from .train import TrainSink as TrainSink
-from .train import TrainSinkError as TrainSinkError
 from .trainer import BatchReceiver as BatchReceiver
 from .trainer import TrainerTensors as TrainerTensors
 from .trainer import to_torch as to_torch
-from .transport import EndOfStream as EndOfStream
 from .transport import FileReceiver as FileReceiver
 from .transport import FileSender as FileSender
 from .transport import Receiver as Receiver
 from .transport import Sender as Sender
-from .transport import TransportError as TransportError
-from .transport import TransportIOError as TransportIOError
 from .transport import ZmqReceiver as ZmqReceiver
 from .transport import ZmqSender as ZmqSender
 from .wire import MicroBatch as MicroBatch
-from .wire import WireEncodeError as WireEncodeError
-from .wire import WireFormatError as WireFormatError
 from .wire import decode as decode
 from .wire import encode as encode
 from .wire import encode_into as encode_into

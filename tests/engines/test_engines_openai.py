@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from trio_rl.engines import (
     Engine,
-    EngineClosedError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -227,11 +226,11 @@ async def test_generate_outside_lifetime_is_a_clear_error(
     make_server: Callable[..., FakeVLLM],
 ) -> None:
     e = engine(make_server().url)
-    with pytest.raises(EngineClosedError, match="outside its 'async with'"):
+    with pytest.raises(trio.ClosedResourceError, match="outside its 'async with'"):
         await e.generate(req())
     async with e:
         await e.generate(req())
-    with pytest.raises(EngineClosedError):
+    with pytest.raises(trio.ClosedResourceError):
         await e.generate(req())
 
 

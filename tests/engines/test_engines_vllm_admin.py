@@ -18,7 +18,6 @@ import pytest
 import trio
 
 from trio_rl.engines import (
-    EngineClosedError,
     EngineConfigError,
     EngineRequestError,
     EngineResponseError,
@@ -195,7 +194,7 @@ async def test_admin_call_times_out_at_its_deadline(stand_in: tuple[StandIn, str
 async def test_admin_unreachable_and_closed() -> None:
     with trio.fail_after(10):
         admin = VLLMAdmin("http://127.0.0.1:9", timeout=5)
-        with pytest.raises(EngineClosedError):
+        with pytest.raises(trio.ClosedResourceError):
             await admin.reset_prefix_cache()
         async with admin:
             with pytest.raises(EngineTransportError, match=r"127\.0\.0\.1:9/collective_rpc"):
@@ -283,7 +282,7 @@ async def test_bad_completion_bodies_fail_every_sample_of_the_request(
 async def test_generate_outside_the_engine_block_raises() -> None:
     async with open_vllm_engine("http://127.0.0.1:9") as engine:
         pass
-    with pytest.raises(EngineClosedError):
+    with pytest.raises(trio.ClosedResourceError):
         await engine.generate(_group((5,), [1])[0])
 
 

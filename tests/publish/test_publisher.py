@@ -14,7 +14,6 @@ from publisher_support import make_group, make_sink, one_per_sample_packer
 
 from trio_rl.publish import (
     BatchSource,
-    PublishClosedError,
     PublishError,
     Shipment,
     ShipRecord,
@@ -349,7 +348,7 @@ async def test_a_closed_publisher_refuses_to_publish(tmp_path: Path) -> None:
         async with open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub:
             pass
         assert pub.closed
-        with pytest.raises(PublishClosedError):
+        with pytest.raises(trio.ClosedResourceError, match="closed publisher"):
             await pub.publish()
     assert sink.queued == 2
 

@@ -8,13 +8,13 @@ from ._distributions import LogNormalSeconds as LogNormalSeconds
 from ._distributions import LogNormalTokens as LogNormalTokens
 from ._distributions import ParetoSeconds as ParetoSeconds
 from ._distributions import get_distribution as get_distribution
-from ._errors import EngineClosedError as EngineClosedError
 from ._errors import EngineConfigError as EngineConfigError
 from ._errors import EngineError as EngineError
 from ._errors import EngineRequestError as EngineRequestError
 from ._errors import EngineResponseError as EngineResponseError
 from ._errors import EngineTimeoutError as EngineTimeoutError
 from ._errors import EngineTransportError as EngineTransportError
+from ._errors import SimulatedEngineError as SimulatedEngineError
 from ._errors import SimulatedEngineFailure as SimulatedEngineFailure
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
 from ._openai import parse_completion_response as parse_completion_response

@@ -17,7 +17,6 @@ import trio
 
 from ..samples import PolicyVersion
 from ._errors import (
-    EngineClosedError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -166,7 +165,7 @@ class OpenAICompatibleEngine:
 
     Use it as ``async with OpenAICompatibleEngine(urls, model=...) as engine:``; the lifetime
     owns one ``httpx.AsyncClient`` and ``generate`` outside it raises
-    :class:`EngineClosedError`.
+    ``trio.ClosedResourceError``.
 
     Each call posts the prompt as token ids and asks for token ids and logprobs (``logprobs: 1``,
     ``return_tokens_as_token_ids: true``; see :func:`parse_completion_response` for the accepted
@@ -293,7 +292,9 @@ class OpenAICompatibleEngine:
         retries and what happens on cancellation (an engine-side abort)."""
         client = self._client
         if client is None:
-            raise EngineClosedError("OpenAICompatibleEngine used outside its 'async with' block")
+            raise trio.ClosedResourceError(
+                "OpenAICompatibleEngine used outside its 'async with' block"
+            )
         rid = request.request_id or uuid.uuid4().hex
         body = self._body(request, rid)
         try:

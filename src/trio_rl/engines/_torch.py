@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from ..samples import PolicyVersion
-from ._errors import EngineClosedError, EngineError
+from ._errors import EngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
 
 if TYPE_CHECKING:
@@ -139,7 +139,7 @@ class TorchEngine:
         """Open an engine over ``model`` (keyword arguments as in the constructor).
 
         Leaving the block cancels every batch: decode threads stop before their next decode
-        step and every pending ``generate`` raises :class:`~trio_rl.engines.EngineClosedError`.
+        step and every pending ``generate`` raises ``trio.ClosedResourceError``.
         """
         engine = cls(model, **kwargs)
         async with trio.open_nursery() as nursery:
@@ -168,12 +168,12 @@ class TorchEngine:
     async def generate(self, request: GenerateRequest) -> Completion:
         """Generate one completion; see the class docstring for batching and cancellation.
 
-        Raises :class:`~trio_rl.engines.EngineClosedError` outside :meth:`open`
+        Raises ``trio.ClosedResourceError`` outside :meth:`open`
         and :class:`~trio_rl.engines.EngineError` when the prompt is empty or too long for the
         model, or when the decode thread fails.
         """
         if self._nursery is None:
-            raise EngineClosedError("TorchEngine used outside TorchEngine.open()")
+            raise trio.ClosedResourceError("TorchEngine used outside TorchEngine.open()")
         if not request.prompt_tokens:
             raise EngineError(f"request {request.request_id!r}: empty prompt")
         p = request.params
@@ -197,7 +197,7 @@ class TorchEngine:
             row.abandoned = True
             self._counts["abandoned"] += 1
             raise
-        if isinstance(row.error, EngineClosedError):
+        if isinstance(row.error, trio.ClosedResourceError):
             raise row.error
         if row.error is not None:
             raise EngineError(
@@ -210,7 +210,8 @@ class TorchEngine:
         try:
             await trio.sleep(self._window)  # let the rest of the group join
         except trio.Cancelled:
-            self._fail(batch.rows, EngineClosedError("TorchEngine closed before the batch ran"))
+            closed = trio.ClosedResourceError("TorchEngine closed before the batch ran")
+            self._fail(batch.rows, closed)
             raise
         finally:
             if self._gathering.get(batch.key) is batch:
@@ -226,7 +227,7 @@ class TorchEngine:
                 self._decode, model, rows, version, limiter=self.limiter
             )
         except trio.Cancelled:
-            self._fail(rows, EngineClosedError("TorchEngine closed during generation"))
+            self._fail(rows, trio.ClosedResourceError("TorchEngine closed during generation"))
             raise
         except Exception as exc:
             self._fail(rows, exc)

@@ -25,7 +25,6 @@ import trio
 
 from ..samples import PolicyVersion
 from ._errors import (
-    EngineClosedError,
     EngineConfigError,
     EngineError,
     EngineRequestError,
@@ -69,7 +68,7 @@ class VLLMAdmin:
     """The admin endpoints of one vLLM server (started with ``VLLM_SERVER_DEV_MODE=1``).
 
     Use it as ``async with VLLMAdmin(url) as admin:`` (it owns one ``httpx.AsyncClient``); a
-    call outside that block raises :class:`EngineClosedError`. Every call runs under
+    call outside that block raises ``trio.ClosedResourceError``. Every call runs under
     ``trio.fail_after(timeout)``: expiry raises :class:`EngineTimeoutError`, an unreachable
     server :class:`EngineTransportError`, a 4xx :class:`EngineRequestError`, a 5xx
     :class:`EngineTransportError`; each message names the URL.
@@ -94,7 +93,7 @@ class VLLMAdmin:
     async def _call(self, method: str, path: str, body: Any = None) -> httpx.Response:
         client = self._client
         if client is None:
-            raise EngineClosedError("VLLMAdmin used outside its 'async with' block")
+            raise trio.ClosedResourceError("VLLMAdmin used outside its 'async with' block")
         url = self.base_url + path
         try:
             with trio.fail_after(self.timeout):
@@ -284,7 +283,7 @@ class VLLMEngine:
     @property
     def admin(self) -> VLLMAdmin:
         if self._admin is None:
-            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+            raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
         return self._admin
 
     def statistics(self) -> dict[str, int]:
@@ -308,7 +307,7 @@ class VLLMEngine:
     async def generate(self, request: GenerateRequest) -> Completion:
         """One completion; see the class docstring for batching, errors and cancellation."""
         if self._nursery is None:
-            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+            raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
         if not request.prompt_tokens:
             raise EngineError(f"request {request.request_id!r}: empty prompt")
         self._counts["requests"] += 1
@@ -351,7 +350,9 @@ class VLLMEngine:
             for r in batch.rows:
                 if not r.done.is_set():
                     if r.error is None and r.completion is None:
-                        r.error = EngineClosedError("VLLMEngine closed before the request ran")
+                        r.error = trio.ClosedResourceError(
+                            "VLLMEngine closed before the request ran"
+                        )
                     r.done.set()
 
     async def _run_request(self, rows: list[_Row]) -> None:
@@ -395,7 +396,7 @@ class VLLMEngine:
                 )
                 r.completion = Completion(tokens, logprobs, finish, version)
                 self._counts["tokens"] += len(tokens)
-        except EngineError as exc:
+        except (EngineError, trio.ClosedResourceError) as exc:
             for r in rows:
                 r.error = exc
         for r in rows:
@@ -404,7 +405,7 @@ class VLLMEngine:
     async def _post(self, url: str, rid: str, body: dict[str, Any], where: str) -> Any:
         client = self._client
         if client is None:
-            raise EngineClosedError("VLLMEngine used outside open_vllm_engine()")
+            raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
         failures: list[str] = []
         try:
             with trio.fail_after(self.timeout):
@@ -444,7 +445,7 @@ class VLLMEngine:
 async def open_vllm_engine(base_url: str, **kwargs: Any) -> AsyncIterator[VLLMEngine]:
     """Open a :class:`VLLMEngine` on the server at ``base_url`` (keyword arguments as in its
     constructor). Leaving the block cancels every outstanding request (vLLM aborts them on
-    disconnect); their callers get :class:`EngineClosedError`."""
+    disconnect); their callers get ``trio.ClosedResourceError``."""
     engine = VLLMEngine(base_url, **kwargs)
     async with (
         httpx.AsyncClient(

@@ -6,7 +6,6 @@ file and checkpoint writes, memory release) runs in worker threads through one s
 """
 
 from ._errors import MonitorTimeoutError as MonitorTimeoutError
-from ._errors import PublishClosedError as PublishClosedError
 from ._errors import PublishError as PublishError
 from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
 from ._metrics import AttemptStats as AttemptStats

@@ -1,21 +1,13 @@
-"""The errors the publisher raises."""
+"""The errors the publisher raises (defined, with the whole tree, in :mod:`trio_rl.errors`).
+
+A publisher used outside its lifetime raises ``trio.ClosedResourceError``.
+"""
 
 from __future__ import annotations
 
-__all__ = ["PublishClosedError", "PublishError", "ReleaseTimeoutError", "MonitorTimeoutError"]
+from ..errors import MonitorTimeoutError as MonitorTimeoutError
+from ..errors import PackingError as PackingError
+from ..errors import PublishError as PublishError
+from ..errors import ReleaseTimeoutError as ReleaseTimeoutError
 
-
-class PublishError(Exception):
-    """Base class of every error the publication path raises."""
-
-
-class PublishClosedError(PublishError):
-    """The publisher was used outside its ``async with`` lifetime."""
-
-
-class ReleaseTimeoutError(PublishError):
-    """The deferred memory release of a shipped batch did not finish within its deadline."""
-
-
-class MonitorTimeoutError(PublishError):
-    """The monitor did not accept a ship record within its deadline."""
+__all__ = ["MonitorTimeoutError", "PackingError", "PublishError", "ReleaseTimeoutError"]

@@ -30,6 +30,7 @@ import attrs
 
 from ..train import TrainingSample
 from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
+from ._errors import PackingError
 
 __all__ = ["PackingError", "pack_samples", "prepare_sample", "bin_cost"]
 
@@ -38,10 +39,6 @@ PAD_TOKEN_ID = 1
 STREAM_FILL = {"rl_weights": 1.0, "ce_weights": 0.0, "ref_kl_weights": 0.0}
 _WEIGHT_STREAMS = ("rl_weights", "ce_weights", "ref_kl_weights")
 _INT32 = 4
-
-
-class PackingError(ValueError):
-    """A training sample that cannot be packed (inconsistent lengths, missing advantages)."""
 
 
 def _describe(sample: TrainingSample, index: int) -> str:

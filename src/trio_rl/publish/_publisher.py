@@ -41,7 +41,7 @@ from ..train import (
 )
 from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
-from ._errors import MonitorTimeoutError, PublishClosedError, PublishError
+from ._errors import MonitorTimeoutError, PublishError
 from ._metrics import ShipRecord, ShipTimings, attempt_stats, cohort_stats
 from ._release import Container, DeferredRelease, ReleaseFn, release_containers
 
@@ -262,10 +262,10 @@ class Publisher:
         the batch was booked requeues it as above.
         """
         if self._closed:
-            raise PublishClosedError("publish() called on a closed publisher")
+            raise trio.ClosedResourceError("publish() called on a closed publisher")
         async with self._lock:
             if self._closed:
-                raise PublishClosedError("publish() called on a closed publisher")
+                raise trio.ClosedResourceError("publish() called on a closed publisher")
             await self._resend_pending()
             if not (self.sink.ready() or (force and self.sink.queued)):
                 return None

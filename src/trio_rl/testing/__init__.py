@@ -9,7 +9,10 @@ from ._engine import Call as Call
 from ._engine import Fate as Fate
 from ._engine import FateKind as FateKind
 from ._engine import ScriptedEngine as ScriptedEngine
-from ._engine import ScriptedFailure as ScriptedFailure
+from ._errors import InvariantViolation as InvariantViolation
+from ._errors import InvariantViolationError as InvariantViolationError
+from ._errors import ScriptedEngineError as ScriptedEngineError
+from ._errors import ScriptedFailure as ScriptedFailure
 from ._properties import async_driver_property as async_driver_property
 from ._properties import check_async_driver as check_async_driver
 from ._properties import check_credit_loop as check_credit_loop
@@ -24,7 +27,6 @@ from ._recorder import RunnerLike as RunnerLike
 from ._recorder import SampleRecord as SampleRecord
 from ._recorder import TrackingLedger as TrackingLedger
 from ._report import INVARIANTS as INVARIANTS
-from ._report import InvariantViolation as InvariantViolation
 from ._report import Trace as Trace
 from ._report import live_tasks as live_tasks
 from ._strategies import ADVANCE_SECONDS as ADVANCE_SECONDS

@@ -22,6 +22,7 @@ import trio
 
 from ..engines import Completion, GenerateRequest
 from ..samples import PolicyVersion
+from ._errors import ScriptedFailure
 
 __all__ = [
     "Call",
@@ -35,10 +36,6 @@ __all__ = [
 #: ``abort``; ``raise``: :class:`ScriptedFailure`; ``hang``: wait until cancelled.
 FateKind = Literal["stop", "length", "abort", "raise", "hang"]
 _KINDS: tuple[str, ...] = ("stop", "length", "abort", "raise", "hang")
-
-
-class ScriptedFailure(Exception):
-    """The error a ``raise`` fate raises (a stand-in for a transport or engine failure)."""
 
 
 @attrs.frozen

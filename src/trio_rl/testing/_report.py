@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import trio
+
+from ._errors import InvariantViolation
 
 __all__ = ["InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
 
@@ -21,24 +21,6 @@ INVARIANTS: dict[int, str] = {
 }
 
 
-class InvariantViolation(AssertionError):
-    """A SPEC section 5 invariant did not hold.
-
-    ``invariant`` is its number, ``steps`` the schedule (one line per harness step) that led
-    here; after Hypothesis shrinks a failure, ``steps`` is the shrunk schedule.
-    """
-
-    def __init__(self, invariant: int, detail: str, steps: Sequence[str] = ()) -> None:
-        self.invariant = invariant
-        self.detail = detail
-        self.steps = list(steps)
-        schedule = "\n".join(f"  {i:3d}. {s}" for i, s in enumerate(self.steps, 1))
-        super().__init__(
-            f"invariant {invariant} ({INVARIANTS.get(invariant, '?')}) violated: {detail}\n"
-            f"schedule ({len(self.steps)} steps):\n{schedule}"
-        )
-
-
 class Trace:
     """The numbered log of what the harness did; attached to every violation."""
 
@@ -51,10 +33,12 @@ class Trace:
     def check(self, ok: bool, invariant: int, detail: str) -> None:
         """Raise :class:`InvariantViolation` unless ``ok``."""
         if not ok:
-            raise InvariantViolation(invariant, detail, self.steps)
+            raise self.fail(invariant, detail)
 
     def fail(self, invariant: int, detail: str) -> InvariantViolation:
-        return InvariantViolation(invariant, detail, self.steps)
+        return InvariantViolation(
+            invariant, detail, self.steps, description=INVARIANTS.get(invariant, "?")
+        )
 
 
 def live_tasks() -> set[trio.lowlevel.Task]:

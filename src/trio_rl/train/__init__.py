@@ -10,10 +10,8 @@ from ._checkpoint import read_checkpoint as read_checkpoint
 from ._checkpoint import write_checkpoint as write_checkpoint
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CodecError as CodecError
-from ._errors import CodecError as CodecError
 from ._errors import PayloadError as PayloadError
 from ._errors import PayloadFileMissing as PayloadFileMissing
-from ._errors import PayloadFileMissingError as PayloadFileMissingError
 from ._errors import PayloadFileMissingError as PayloadFileMissingError
 from ._errors import TrainError as TrainError
 from ._errors import TrainSinkError as TrainSinkError

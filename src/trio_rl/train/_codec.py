@@ -20,6 +20,7 @@ import numpy as np
 
 from ..samples import Prompt, Sample, SampleStatus
 from ..wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
+from ._errors import CodecError as CodecError
 from ._scoring import PAYLOAD_METADATA_KEY
 from ._types import TrainingSample
 
@@ -35,19 +36,6 @@ __all__ = [
 _I32, _I64, _F64, _BOOL, _CONST = 1, 2, 3, 4, 5
 _LITTLE = sys.byteorder == "little"
 _CONST_FMT = struct.Struct("<dQ")
-
-
-class CodecError(ValueError):
-    """A record does not have the expected shape or range.
-
-    ``field`` is the path of the offending value (``sink.queued[2].logprobs``); the checkpoint
-    reader adds the file and the byte offset of the record.
-    """
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 def _raw(a: array[Any]) -> bytes:

@@ -1,42 +1,24 @@
-"""The train layer's exceptions: every bad input names what was wrong and where."""
+"""The train layer's exceptions (defined, with the whole tree, in :mod:`trio_rl.errors`).
+
+Payload errors are not train errors: payload files are written by rollout and read by trainers.
+"""
 
 from __future__ import annotations
 
+from ..errors import CheckpointError as CheckpointError
+from ..errors import CodecError as CodecError
+from ..errors import PayloadError as PayloadError
+from ..errors import PayloadFileMissing as PayloadFileMissing
+from ..errors import PayloadFileMissingError as PayloadFileMissingError
+from ..errors import TrainError as TrainError
+from ..errors import TrainSinkError as TrainSinkError
+
 __all__ = [
     "CheckpointError",
+    "CodecError",
     "PayloadError",
     "PayloadFileMissing",
+    "PayloadFileMissingError",
     "TrainError",
     "TrainSinkError",
 ]
-
-
-class TrainError(Exception):
-    """Base class of the train layer's errors."""
-
-
-class TrainSinkError(TrainError, ValueError):
-    """A group, sample or counter handed to the sink was malformed; the sink state is unchanged."""
-
-
-class PayloadError(TrainError, OSError):
-    """A by-handle payload file could not be read (short reads persisted, bad segment, ...)."""
-
-
-class PayloadFileMissing(PayloadError, FileNotFoundError):
-    """A payload segment names a file that does not exist (read and deleted, or never written)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(f"payload file {path!r} does not exist")
-        self.path = path
-
-
-class CheckpointError(TrainError):
-    """A checkpoint file is truncated, corrupt, of an unknown schema version or malformed.
-
-    ``path`` names the file. Loading never executes code from the file (MessagePack, no pickle).
-    """
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"checkpoint {path}: {message}")
-        self.path = path

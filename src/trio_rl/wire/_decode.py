@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import msgpack
 
+from ..errors import TrioRLError
 from ._errors import WireFormatError
 from ._records import MicroBatch
 from ._schema import MICRO_BATCH, ListOf, Optional, Record, Scalar, Spec
@@ -41,38 +42,38 @@ _ALLOWED: dict[Scalar, frozenset[type]] = {
 }
 
 
-class _Reject(Exception):
+class _RejectError(TrioRLError):
     """The fast path found the payload invalid; the careful pass says where and why."""
 
 
 def _convert(value: Any, spec: Spec) -> Any:
     if type(spec) is ListOf:
         if type(value) is not list:
-            raise _Reject
+            raise _RejectError
         item = spec.item
         if type(item) is Scalar:
             if value and not set(map(type, value)) <= _ALLOWED[item]:
-                raise _Reject
+                raise _RejectError
             return value
         return [_convert(x, item) for x in value]
     if type(spec) is Optional:
         return None if value is None else _convert(value, spec.inner)
     if type(spec) is Record:
         if type(value) is not list or len(value) < spec.required:
-            raise _Reject
+            raise _RejectError
         # zip stops at the shorter: extra elements are ignored, missing ones take defaults.
         return spec.build(*[_convert(x, f[1]) for x, f in zip(value, spec.fields, strict=False)])
     assert type(spec) is Scalar
     if type(value) not in _ALLOWED[spec]:
-        raise _Reject
+        raise _RejectError
     return value
 
 
 def _decode_fast(data: bytes | bytearray | memoryview) -> list[MicroBatch]:
-    """Decode ``data``; raise ``_Reject`` or msgpack's own errors when it is invalid."""
+    """Decode ``data``; raise ``_RejectError`` or msgpack's own errors when it is invalid."""
     top = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
     if type(top) is not list:
-        raise _Reject
+        raise _RejectError
     return [_convert(mb, MICRO_BATCH) for mb in top]
 
 

@@ -1,0 +1,449 @@
+"""Every exception trio-rl raises, in one tree under :class:`TrioRLError`.
+
+``except trio_rl.TrioRLError`` catches anything the library raised on purpose; each layer has
+one base below it, so ``except RolloutError`` catches everything the rollout layer raises.
+Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutError``,
+``AssertionError``) keep that base, so ``except ValueError`` around a decode still works::
+
+    TrioRLError
+    ├── WireFormatError (ValueError)
+    ├── WireEncodeError (ValueError)
+    ├── PolicyVersionError (ValueError)
+    ├── EngineError
+    │   ├── EngineConfigError (ValueError)
+    │   ├── EngineTransportError
+    │   ├── EngineRequestError
+    │   ├── EngineResponseError
+    │   ├── EngineTimeoutError
+    │   ├── SimulatedEngineError
+    │   └── ScriptedEngineError
+    ├── RolloutError
+    │   ├── RolloutConfigError (ValueError)
+    │   ├── CreditError
+    │   ├── DataSourceError
+    │   ├── SourceExhaustedError
+    │   ├── GroupFailedError
+    │   ├── FailureBudgetExceededError
+    │   └── DriverFailedError
+    ├── PayloadError (OSError)
+    │   └── PayloadFileMissingError (FileNotFoundError)
+    ├── TrainError
+    │   ├── TrainSinkError (ValueError)
+    │   ├── CodecError (ValueError)
+    │   └── CheckpointError
+    ├── PublishError
+    │   ├── PackingError (ValueError)
+    │   ├── ReleaseTimeoutError
+    │   └── MonitorTimeoutError
+    ├── TransportError
+    │   ├── TransportTimeoutError (TimeoutError)
+    │   ├── TransportIOError
+    │   └── EndOfStreamError
+    ├── TensorConversionError (ValueError)
+    └── InvariantViolationError (AssertionError)
+
+Naming rule: every class ends in ``Error``; the words before it name what failed, prefixed by
+the layer where the layer is not obvious from them. Names from before this rule stay as aliases
+of the same class, because users catch them: ``GroupFailed``, ``SourceExhausted``,
+``FailureBudgetExceeded``, ``DriverFailed``, ``PayloadFileMissing``, ``SimulatedEngineFailure``,
+``ScriptedFailure``, ``EndOfStream`` and ``InvariantViolation``.
+
+Using a closed resource (an engine, publisher, sender or receiver outside its ``async with``)
+raises ``trio.ClosedResourceError``, as trio's own channels and streams do; trio-rl has no
+"closed" exception of its own. Cancellation is trio's ``Cancelled``, never wrapped.
+
+This module imports nothing else of trio-rl at run time, so every layer can raise its classes.
+Private control-flow exceptions (such as the wire decoder's fast-path rejection) derive from
+:class:`TrioRLError` too but never escape the library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module imports nothing of ours at run time
+    from .samples import Group
+
+__all__ = [
+    "CheckpointError",
+    "CodecError",
+    "CreditError",
+    "DataSourceError",
+    "DriverFailed",
+    "DriverFailedError",
+    "EndOfStream",
+    "EndOfStreamError",
+    "EngineConfigError",
+    "EngineError",
+    "EngineRequestError",
+    "EngineResponseError",
+    "EngineTimeoutError",
+    "EngineTransportError",
+    "FailureBudgetExceeded",
+    "FailureBudgetExceededError",
+    "GroupFailed",
+    "GroupFailedError",
+    "InvariantViolation",
+    "InvariantViolationError",
+    "MonitorTimeoutError",
+    "PackingError",
+    "PayloadError",
+    "PayloadFileMissing",
+    "PayloadFileMissingError",
+    "PolicyVersionError",
+    "PublishError",
+    "ReleaseTimeoutError",
+    "RolloutConfigError",
+    "RolloutError",
+    "ScriptedEngineError",
+    "ScriptedFailure",
+    "SimulatedEngineError",
+    "SimulatedEngineFailure",
+    "SourceExhausted",
+    "SourceExhaustedError",
+    "TensorConversionError",
+    "TrainError",
+    "TrainSinkError",
+    "TransportError",
+    "TransportIOError",
+    "TransportTimeoutError",
+    "TrioRLError",
+    "WireEncodeError",
+    "WireFormatError",
+]
+
+
+class TrioRLError(Exception):
+    """Base class of every exception trio-rl defines."""
+
+
+# Wire format ---------------------------------------------------------------------------------
+
+
+class WireFormatError(TrioRLError, ValueError):
+    """A payload that is not a valid array of micro-batches.
+
+    ``offset`` is the byte offset of the offending value (for truncated data, of the value that
+    the data ends inside), ``field`` the micro-batch field it belongs to (a path such as
+    ``"routed_experts.shape"`` or ``"payload[2].rows"``; ``None`` outside any micro-batch),
+    ``micro_batch`` the index of the micro-batch, and ``source`` what the payload came from (a
+    file name or ``"step S rank R"``), when the caller said.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        offset: int,
+        field: str | None = None,
+        micro_batch: int | None = None,
+        source: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.offset = offset
+        self.field = field
+        self.micro_batch = micro_batch
+        self.source = source
+        where = [f"byte offset {offset}"]
+        if micro_batch is not None:
+            where.append(f"micro-batch {micro_batch}")
+        if field is not None:
+            where.append(f"field {field!r}")
+        prefix = f"{source}: " if source is not None else ""
+        super().__init__(f"{prefix}malformed micro-batch payload at {', '.join(where)}: {reason}")
+
+
+class WireEncodeError(TrioRLError, ValueError):
+    """A micro-batch holds a value the wire format cannot carry (e.g. a numpy scalar, a float
+    in an int list that the encoder cannot pack, an int beyond 64 bits).
+
+    ``micro_batch`` is the index of the offending micro-batch and ``field`` its field name.
+    """
+
+    def __init__(self, reason: str, *, micro_batch: int, field: str) -> None:
+        self.reason = reason
+        self.micro_batch = micro_batch
+        self.field = field
+        super().__init__(f"cannot encode micro-batch {micro_batch}, field {field!r}: {reason}")
+
+
+# Policy version ------------------------------------------------------------------------------
+
+
+class PolicyVersionError(TrioRLError, ValueError):
+    """A policy version that would make the version cell go back, or is negative."""
+
+
+# Engines -------------------------------------------------------------------------------------
+
+
+class EngineError(TrioRLError):
+    """Base class of every error an engine raises for one request.
+
+    A group runner can tell "the engine gave up on this sample" from a bug in the caller.
+    Messages name the server, the request id and what was wrong with the response.
+    """
+
+
+class EngineConfigError(EngineError, ValueError):
+    """A bad setting, refused when the object is built (not a request failure).
+
+    The message names the class, the field and the bad value, e.g.
+    ``SamplingParams.max_tokens must be an int >= 1, got 0``. It is a ``ValueError`` too.
+    """
+
+
+class EngineTransportError(EngineError):
+    """The server could not be reached or kept failing (connection errors, 5xx) after retries."""
+
+
+class EngineRequestError(EngineError):
+    """The server refused the request (a 4xx status); retrying would not help.
+
+    ``status_code`` is the HTTP status and ``body`` the start of the response body.
+    """
+
+    def __init__(self, message: str, *, status_code: int, body: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.body = body
+
+
+class EngineResponseError(EngineError):
+    """The server answered 2xx but the body is not a usable completion (bad JSON, a missing or
+    ill-typed field, tokens and logprobs of different lengths). The message names the field."""
+
+
+class EngineTimeoutError(EngineError):
+    """A request did not finish within its deadline (it was aborted engine-side)."""
+
+
+class SimulatedEngineError(EngineError):
+    """A failure injected by :class:`~trio_rl.engines.SimulatedEngine` (``failure_rate``)."""
+
+
+class ScriptedEngineError(EngineError):
+    """The error a ``raise`` fate of :class:`~trio_rl.testing.ScriptedEngine` raises (a
+    stand-in for a transport or engine failure)."""
+
+
+# Rollout -------------------------------------------------------------------------------------
+
+
+class RolloutError(TrioRLError):
+    """Base class of every error raised by :mod:`trio_rl.rollout`."""
+
+
+class RolloutConfigError(RolloutError, ValueError):
+    """A bad setting, refused when the object is built (names the class, field and value)."""
+
+
+class CreditError(RolloutError):
+    """Credit accounting was violated (a credit returned twice, or for an unknown group).
+
+    This always means a bug in a group runner or a custom driver: the library's own runners
+    return exactly one credit per started sample.
+    """
+
+
+class DataSourceError(RolloutError):
+    """A data source could not be read or restored (names the file, line and field)."""
+
+
+class SourceExhaustedError(RolloutError):
+    """The data source has no prompt left (and nothing recycled is waiting)."""
+
+
+class GroupFailedError(RolloutError):
+    """A group failed: one of its samples (or its group reward) raised.
+
+    ``__cause__`` is the first real failure; :attr:`failures` holds every real failure as
+    ``(sample_index, exception)`` pairs in the order they happened (``sample_index`` is None
+    for a failing group reward). Siblings cancelled because of the failure are not failures.
+    By the time this is raised, every sample task of the group has settled and returned its
+    credit.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        failures: Sequence[tuple[int | None, Exception]],
+    ) -> None:
+        self.group = group
+        self.group_id = group.group_id
+        self.failures: tuple[tuple[int | None, Exception], ...] = tuple(failures)
+        if not self.failures:
+            raise ValueError("GroupFailedError needs at least one failure")
+        first_index, first = self.failures[0]
+        where = "group reward" if first_index is None else f"sample {first_index}"
+        more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+        super().__init__(f"group {group.group_id} failed at {where}: {first!r}{more}")
+
+
+class FailureBudgetExceededError(RolloutError):
+    """Too many groups failed (see ``FailurePolicy.max_consecutive_failures`` and
+    ``SyncRolloutDriver.max_failures``); ``__cause__`` is the last :class:`GroupFailedError`.
+
+    A group that fails the same way every time (an engine refusing every request) would
+    otherwise be retried, or replaced by a new prompt, without bound.
+    """
+
+
+class DriverFailedError(RolloutError):
+    """A fully-async driver stopped because its worker failed; ``__cause__`` says why.
+
+    Once a driver has failed, every later ``next_batch`` raises this again.
+    """
+
+
+# Payloads ------------------------------------------------------------------------------------
+
+
+class PayloadError(TrioRLError, OSError):
+    """A by-handle payload file could not be read (short reads persisted, bad segment, ...)."""
+
+
+class PayloadFileMissingError(PayloadError, FileNotFoundError):
+    """A payload segment names a file that does not exist (read and deleted, or never written)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"payload file {path!r} does not exist")
+        self.path = path
+
+
+# Train ---------------------------------------------------------------------------------------
+
+
+class TrainError(TrioRLError):
+    """Base class of the train layer's errors; every bad input names what was wrong and where."""
+
+
+class TrainSinkError(TrainError, ValueError):
+    """A group, sample or counter handed to the sink was malformed; the sink state is unchanged."""
+
+
+class CodecError(TrainError, ValueError):
+    """A record does not have the expected shape or range.
+
+    ``field`` is the path of the offending value (``sink.queued[2].logprobs``); the checkpoint
+    reader adds the file and the byte offset of the record.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class CheckpointError(TrainError):
+    """A checkpoint file is truncated, corrupt, of an unknown schema version or malformed.
+
+    ``path`` names the file. Loading never executes code from the file (MessagePack, no pickle).
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"checkpoint {path}: {message}")
+        self.path = path
+
+
+# Publish -------------------------------------------------------------------------------------
+
+
+class PublishError(TrioRLError):
+    """Base class of every error the publication path raises."""
+
+
+class PackingError(PublishError, ValueError):
+    """A training sample that cannot be packed (inconsistent lengths, missing advantages)."""
+
+
+class ReleaseTimeoutError(PublishError):
+    """The deferred memory release of a shipped batch did not finish within its deadline."""
+
+
+class MonitorTimeoutError(PublishError):
+    """The monitor did not accept a ship record within its deadline."""
+
+
+# Transport -----------------------------------------------------------------------------------
+
+
+class TransportError(TrioRLError):
+    """A batch transport failed: a bad message, a wrong step, a socket or file problem."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """A transport wait passed its deadline (the READY barrier, a batch file that never came)."""
+
+
+class TransportIOError(TransportError):
+    """A file operation of the filesystem transport failed; ``path`` names the file."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class EndOfStreamError(TransportError):
+    """The sender ended the stream: no step ``>= step`` will come (see ``end_stream``).
+
+    Raised by a receive asked for a step at or past the end (again on every later receive).
+    """
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+# Trainer -------------------------------------------------------------------------------------
+
+
+class TensorConversionError(TrioRLError, ValueError):
+    """A micro-batch whose fields disagree (lengths, byte sizes, dtypes); names the field."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        super().__init__(f"cannot convert micro-batch field {field!r} to a tensor: {reason}")
+
+
+# Testing harness -----------------------------------------------------------------------------
+
+
+class InvariantViolationError(TrioRLError, AssertionError):
+    """A credit invariant checked by :mod:`trio_rl.testing` did not hold.
+
+    ``invariant`` is its number, ``description`` what it states, ``steps`` the schedule (one
+    line per harness step) that led here; after Hypothesis shrinks a failure, ``steps`` is the
+    shrunk schedule.
+    """
+
+    def __init__(
+        self,
+        invariant: int,
+        detail: str,
+        steps: Sequence[str] = (),
+        *,
+        description: str = "?",
+    ) -> None:
+        self.invariant = invariant
+        self.detail = detail
+        self.description = description
+        self.steps = list(steps)
+        schedule = "\n".join(f"  {i:3d}. {s}" for i, s in enumerate(self.steps, 1))
+        super().__init__(
+            f"invariant {invariant} ({description}) violated: {detail}\n"
+            f"schedule ({len(self.steps)} steps):\n{schedule}"
+        )
+
+
+# Names from before the naming rule, kept because users catch them.
+GroupFailed = GroupFailedError
+SourceExhausted = SourceExhaustedError
+FailureBudgetExceeded = FailureBudgetExceededError
+DriverFailed = DriverFailedError
+PayloadFileMissing = PayloadFileMissingError
+SimulatedEngineFailure = SimulatedEngineError
+ScriptedFailure = ScriptedEngineError
+EndOfStream = EndOfStreamError
+InvariantViolation = InvariantViolationError
