@@ -49,3 +49,34 @@ def test_importing_the_library_does_not_import_torch() -> None:
     code = "import sys, trio_rl, trio_rl.trainer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_transport_facade_exports_one_sender_and_one_receiver_per_transport() -> None:
+    import trio_rl.transport as transport
+
+    public = {n for n in vars(transport) if not n.startswith("_")}
+    assert public == {
+        "Sender",
+        "Receiver",
+        "Payload",
+        "ReceivedPayload",
+        "FileSender",
+        "FileReceiver",
+        "ZmqSender",
+        "ZmqReceiver",
+        "MemorySender",
+        "MemoryReceiver",
+        "ZmqSocket",
+        "batch_path",
+        "rank_topic",
+        "free_port_pair",
+        "TransportError",
+        "TransportIOError",
+        "TransportTimeoutError",
+        "EndOfStream",
+        "EndOfStreamError",
+    }
+    for sender in (transport.FileSender, transport.ZmqSender, transport.MemorySender):
+        assert issubclass(sender, transport.Sender)
+    for receiver in (transport.FileReceiver, transport.ZmqReceiver, transport.MemoryReceiver):
+        assert issubclass(receiver, transport.Receiver)

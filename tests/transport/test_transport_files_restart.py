@@ -20,9 +20,8 @@ from trio_rl.transport import (
     TransportError,
     TransportIOError,
     batch_path,
-    consumed_marker_path,
-    end_marker_path,
 )
+from trio_rl.transport._files import consumed_marker_path, end_marker_path
 
 
 async def send_steps(directory: Path, steps: range, world: int = 1) -> None:

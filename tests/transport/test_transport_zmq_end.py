@@ -15,10 +15,10 @@ from trio_rl.transport import (
     ZmqReceiver,
     ZmqSender,
     ZmqSocket,
-    end_topic,
     free_port_pair,
     rank_topic,
 )
+from trio_rl.transport._zmq_transport import end_topic
 from trio_rl.wire import MicroBatch, encode
 
 

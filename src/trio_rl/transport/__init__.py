@@ -20,13 +20,10 @@ from ._errors import TransportTimeoutError as TransportTimeoutError
 from ._files import FileReceiver as FileReceiver
 from ._files import FileSender as FileSender
 from ._files import batch_path as batch_path
-from ._files import consumed_marker_path as consumed_marker_path
-from ._files import end_marker_path as end_marker_path
 from ._memory import MemoryReceiver as MemoryReceiver
 from ._memory import MemorySender as MemorySender
 from ._zmq import ZmqSocket as ZmqSocket
 from ._zmq_transport import ZmqReceiver as ZmqReceiver
 from ._zmq_transport import ZmqSender as ZmqSender
-from ._zmq_transport import end_topic as end_topic
 from ._zmq_transport import free_port_pair as free_port_pair
 from ._zmq_transport import rank_topic as rank_topic
