@@ -322,7 +322,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
                 for mb in micro_batches:
                     segs = mb.payload or []
                     files.update(seg.file for seg in segs)
-                    versions_seen.update(int(seg.file.split("/")[0][1:]) for seg in segs)
+                    versions_seen.update(int(Path(seg.file).parent.name[1:]) for seg in segs)
                     got = await store.aread_field(segs, "routed_experts", 0, len(mb.input_ids))
                     assert got is not None
                     read_rows += sum(seg.rows for seg in segs)

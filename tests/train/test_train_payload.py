@@ -19,7 +19,7 @@ from trio_rl.train import (
     segment_files,
     shift_segments,
 )
-from trio_rl.train import _payload as payload_mod
+from trio_rl.payloads import _store as payload_mod
 from trio_rl.wire import PayloadSegment
 
 
@@ -31,7 +31,8 @@ def test_write_then_read_roundtrip(tmp_path: Path) -> None:
         3, {"routed_experts": experts, "routed_expert_weights": weights}, pos=2
     )
     assert [s.file for s in segs] == [segs[0].file] * 2
-    assert segs[0].file.startswith("v3/")
+    assert os.path.isabs(segs[0].file)
+    assert Path(segs[0].file).parent == tmp_path / "v3"
     assert (segs[0].pos, segs[0].rows, segs[0].shape) == (2, 4, [2, 3])
     out = store.read_field(segs, "routed_experts", 0, 7)
     assert out is not None
@@ -46,12 +47,12 @@ def test_write_then_read_roundtrip(tmp_path: Path) -> None:
 
 def test_fill_values_and_later_segments_win(tmp_path: Path) -> None:
     store = PayloadStore(tmp_path)
-    a = store.write_request(1, {"sampling_mask": np.full((3, 2), 7, dtype=np.int32)}, pos=0)
-    b = store.write_request(1, {"sampling_mask": np.full((2, 2), 9, dtype=np.int32)}, pos=2)
+    a = store.write_request(1, {}, ragged={"sampling_mask": [[7, 7]] * 3}, pos=0)
+    b = store.write_request(1, {}, ragged={"sampling_mask": [[9, 9]] * 2}, pos=2)
     out = store.read_field(a + b, "sampling_mask", 0, 6)
     assert out is not None
     assert out[:, 0].tolist() == [7, 7, 9, 9, -1, -1]
-    lp = store.write_request(1, {"sampling_mask_logprobs": np.zeros((1, 1), np.float32)}, pos=0)
+    lp = store.write_request(1, {}, ragged={"sampling_mask_logprobs": [[0.0]]}, pos=0)
     out2 = store.read_field(lp, "sampling_mask_logprobs", 0, 2)
     assert out2 is not None
     assert out2[0, 0] == 0.0

@@ -1,9 +1,10 @@
 """By-handle payloads: per-token side arrays in files under ``<root>/v<k>/``.
 
 A request (one model call) writes its side arrays into one file in the directory of the policy
-version that generated it and hands back :class:`~trio_rl.wire.PayloadSegment` s. Segments move
-with the samples; the trainer reads a batch's segments and deletes the files; an orphan sweep
-deletes whole ``v<k>`` directories no live holder can still read.
+version that generated it and hands back :class:`PayloadSegment` s whose ``file`` is an
+absolute path. Segments move with the samples; the trainer reads a batch's segments (opening
+``segment.file`` as given, as prime-rl's ``read_field`` does) and deletes the files; an orphan
+sweep deletes whole ``v<k>`` directories no live holder can still read.
 
 The sync functions here do blocking file I/O: from async code call the ``a``-prefixed wrappers,
 which run them in a worker thread under a shared :class:`trio.CapacityLimiter`.
@@ -19,89 +20,250 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
-from ..wire import PayloadSegment
-from ._errors import PayloadError, PayloadFileMissing
+from ..errors import PayloadError, PayloadFileMissingError
+from ._segment import PayloadSegment, clip_segments, row_bytes
 
 __all__ = [
+    "FIELDS",
     "FIELD_FILLS",
+    "FieldSpec",
     "PayloadStore",
-    "clip_segments",
-    "segment_files",
-    "shift_segments",
+    "delete_files",
+    "field_window",
+    "read_field",
 ]
 
-#: Fill value of each known field for rows no segment covers. Unknown fields fill with 0.
-FIELD_FILLS: Mapping[str, float] = {
-    "routed_experts": 0,
-    "routed_expert_weights": 0.0,
-    "sampling_mask": -1,
-    "sampling_mask_logprobs": -math.inf,
+Window = Literal["inputs", "labels", "sequence"]
+
+
+@attrs.frozen
+class FieldSpec:
+    """How a payload field is read.
+
+    ``fill`` fills rows no segment covers. A ``ragged`` field has a variable number of values
+    per position (CSR, see :class:`PayloadSegment`), stored as int32 when ``fill`` is an int and
+    float32 otherwise, and read as ``[rows, width]`` with ``width`` the widest row of all the
+    field's segments, so every rank reading a window gets the same width. ``window`` says which
+    positions a rank reading token chunk ``[lo, hi)`` needs (:func:`field_window`).
+    """
+
+    fill: float
+    ragged: bool = False
+    window: Window = "inputs"
+
+    @property
+    def value_dtype(self) -> np.dtype[np.generic]:
+        """The dtype of a ragged field's values."""
+        return np.dtype("<i4") if isinstance(self.fill, int) else np.dtype("<f4")
+
+
+#: The known fields. Unknown fields are dense, fill with 0 and use the "inputs" window.
+FIELDS: Mapping[str, FieldSpec] = {
+    "routed_experts": FieldSpec(0),
+    "routed_expert_weights": FieldSpec(0.0),
+    "sampling_mask": FieldSpec(-1, ragged=True, window="labels"),
+    "sampling_mask_logprobs": FieldSpec(-math.inf, ragged=True, window="sequence"),
 }
 
+#: Fill value of each known field for rows no segment covers. Unknown fields fill with 0.
+FIELD_FILLS: Mapping[str, float] = {name: spec.fill for name, spec in FIELDS.items()}
+
+_DEFAULT_SPEC = FieldSpec(0)
+_OFFSET_DTYPE = np.dtype("<u4")
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _READ_ATTEMPTS = 5
 
 
-def _row_bytes(seg: PayloadSegment) -> int:
-    return int(np.dtype(seg.dtype).itemsize) * math.prod(seg.shape)
+def _spec(field: str) -> FieldSpec:
+    return FIELDS.get(field, _DEFAULT_SPEC)
 
 
-def clip_segments(segments: Sequence[PayloadSegment], lo: int, hi: int) -> list[PayloadSegment]:
-    """Keep the part of each segment inside positions ``[lo, hi)``; drop empty overlaps.
+def field_window(field: str, lo: int, hi: int, length: int) -> tuple[int, int]:
+    """The positions a rank that trains on token chunk ``[lo, hi)`` of a ``length``-token
+    sequence reads of ``field``: "inputs" the chunk itself, "labels" the chunk shifted one
+    ahead (clipped to the sequence), "sequence" the whole sequence."""
+    window = _spec(field).window
+    if window == "sequence":
+        return 0, length
+    if window == "labels":
+        return min(lo + 1, length), min(hi + 1, length)
+    return lo, hi
 
-    Positions stay in the same frame (shift afterwards to re-base them).
-    """
-    out: list[PayloadSegment] = []
-    for seg in segments:
-        start, end = max(seg.pos, lo), min(seg.pos + seg.rows, hi)
-        if end <= start:
-            continue
-        out.append(
-            PayloadSegment(
-                field=seg.field,
-                file=seg.file,
-                offset=seg.offset + (start - seg.pos) * _row_bytes(seg),
-                pos=start,
-                rows=end - start,
-                dtype=seg.dtype,
-                shape=list(seg.shape),
+
+def _resolve(file: str, root: str | os.PathLike[str] | None) -> str:
+    # Absolute paths (what PayloadStore writes) are opened as given; relative ones, from old
+    # checkpoints, against ``root`` when the caller knows it, else against the working directory.
+    if root is None or os.path.isabs(file):
+        return file
+    return os.path.join(root, file)
+
+
+def _pread(path: str, offset: int, size: int) -> bytes:
+    got = 0
+    for attempt in range(_READ_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise PayloadFileMissingError(path) from None
+        try:
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+        got = len(data)
+        if got == size:
+            return data
+        if attempt + 1 < _READ_ATTEMPTS:
+            time.sleep(0.05 * 2**attempt)
+    raise PayloadError(
+        f"payload file {path!r} returned {got} of {size} bytes at offset {offset} "
+        f"after {_READ_ATTEMPTS} attempts"
+    )
+
+
+def _check_uniform(
+    field: str, mine: Sequence[PayloadSegment]
+) -> tuple[np.dtype[np.generic], list[int]]:
+    dtype, shape = np.dtype(mine[0].dtype), list(mine[0].shape)
+    for s in mine:
+        if np.dtype(s.dtype) != dtype or list(s.shape) != shape:
+            raise PayloadError(
+                f"payload field {field!r}: segment in {s.file!r} at byte {s.offset} has dtype "
+                f"{s.dtype} shape {s.shape}, expected {dtype.str} {shape}"
             )
+    return dtype, shape
+
+
+def _read_dense(
+    mine: Sequence[PayloadSegment], field: str, lo: int, hi: int, fill: float, root: str | None
+) -> npt.NDArray[np.generic]:
+    dtype, shape = _check_uniform(field, mine)
+    out = np.full((hi - lo, *shape), fill, dtype=dtype)
+    for seg in clip_segments(mine, lo, hi):
+        raw = _pread(_resolve(seg.file, root), seg.offset, seg.rows * row_bytes(seg))
+        out[seg.pos - lo : seg.pos - lo + seg.rows] = np.frombuffer(raw, dtype=dtype).reshape(
+            seg.rows, *shape
         )
     return out
 
 
-def shift_segments(segments: Sequence[PayloadSegment], delta: int) -> list[PayloadSegment]:
-    """The same segments with ``delta`` added to every position (packing into a micro-batch)."""
-    return [
-        PayloadSegment(s.field, s.file, s.offset, s.pos + delta, s.rows, s.dtype, list(s.shape))
-        for s in segments
-    ]
+def _read_ragged(
+    mine: Sequence[PayloadSegment],
+    field: str,
+    lo: int,
+    hi: int,
+    spec: FieldSpec,
+    fill: float,
+    root: str | None,
+) -> npt.NDArray[np.generic]:
+    values = spec.value_dtype
+    item = values.itemsize
+    # Every segment's offsets (small), so the width is the same for every window.
+    indexes: list[tuple[PayloadSegment, str, npt.NDArray[np.uint32]]] = []
+    width = 0
+    for seg in mine:
+        path = _resolve(seg.file, root)
+        if np.dtype(seg.dtype) != _OFFSET_DTYPE or list(seg.shape):
+            raise PayloadError(
+                f"ragged payload field {field!r}: segment in {path!r} at byte {seg.offset} has "
+                f"dtype {seg.dtype} shape {seg.shape}, expected {_OFFSET_DTYPE.str} []"
+            )
+        offs = np.frombuffer(_pread(path, seg.offset, 4 * (seg.rows + 1)), dtype=_OFFSET_DTYPE)
+        sizes = offs[1:].astype(np.int64) - offs[:-1].astype(np.int64)
+        broken = (sizes < 0) | (np.remainder(sizes, item) != 0)
+        if broken.any():
+            bad = int(np.flatnonzero(broken)[0])
+            raise PayloadError(
+                f"ragged payload field {field!r}: row {bad} of the index at byte "
+                f"{seg.offset + 4 * bad} of {path!r} spans {int(sizes[bad])} bytes, not a "
+                f"whole number of {values.str} values"
+            )
+        if seg.rows:
+            width = max(width, int(sizes.max()) // item)
+        indexes.append((seg, path, offs))
+    out = np.full((hi - lo, width), fill, dtype=values)
+    for seg, path, offs in indexes:
+        start, end = max(seg.pos, lo), min(seg.pos + seg.rows, hi)
+        if end <= start:
+            continue
+        a, b = start - seg.pos, end - seg.pos
+        first = int(offs[a])
+        raw = np.frombuffer(_pread(path, first, int(offs[b]) - first), dtype=values)
+        for i in range(a, b):
+            row = raw[(int(offs[i]) - first) // item : (int(offs[i + 1]) - first) // item]
+            target = out[seg.pos + i - lo]
+            target[:] = fill
+            target[: len(row)] = row
+    return out
 
 
-def segment_files(segments: Iterable[PayloadSegment] | None) -> set[str]:
-    """The distinct files a list of segments refers to."""
-    return {s.file for s in segments} if segments else set()
+def read_field(
+    segments: Sequence[PayloadSegment] | None,
+    field: str,
+    lo: int,
+    hi: int,
+    *,
+    fill: float | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> npt.NDArray[np.generic] | None:
+    """Rows ``[lo, hi)`` of ``field`` as a ``[hi - lo, *shape]`` array (ragged: ``[hi - lo,
+    width]``), reading only the bytes of that window.
+
+    Files are opened as given (``os.open(segment.file)``); a relative ``file`` (written before
+    paths were absolute) is resolved against ``root`` if given. Rows no segment covers hold the
+    field's fill value (:data:`FIELDS`, or ``fill``); later segments win where segments overlap.
+    Returns None when no segment carries the field. A missing file raises
+    :class:`~trio_rl.errors.PayloadFileMissingError` naming it; reads that stay short after
+    retries, and segments that disagree on dtype or shape, raise
+    :class:`~trio_rl.errors.PayloadError`.
+    """
+    mine = [s for s in segments or () if s.field == field]
+    if not mine:
+        return None
+    spec = _spec(field)
+    fill_value = fill if fill is not None else spec.fill
+    base = None if root is None else os.fspath(root)
+    if spec.ragged:
+        return _read_ragged(mine, field, lo, hi, spec, fill_value, base)
+    return _read_dense(mine, field, lo, hi, fill_value, base)
+
+
+def delete_files(files: Iterable[str], root: str | os.PathLike[str] | None = None) -> int:
+    """Delete payload files (opened as given; relative ones against ``root``); files already
+    gone are not an error. Returns how many went."""
+    n = 0
+    base = None if root is None else os.fspath(root)
+    for file in files:
+        try:
+            os.unlink(_resolve(file, base))
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
 
 
 class PayloadStore:
     """Payload files under ``root``: ``root/v<k>/<request>.bin``.
 
-    Segment ``file`` fields hold paths relative to ``root`` (``"v3/ab12.bin"``), so a checkpoint
-    stays valid if the root moves. All methods are synchronous and do blocking I/O; the ``a*``
-    methods run them in a worker thread with ``limiter`` (cancellation waits for the thread).
+    Segment ``file`` fields hold absolute paths (``root`` is made absolute here), so a trainer
+    opens them as given from any working directory. Segments from older checkpoints may hold
+    paths relative to ``root``; the store's readers resolve those against ``root``. All methods
+    are synchronous and do blocking I/O; the ``a*`` methods run them in a worker thread with
+    ``limiter`` (on cancellation the thread finishes first, then ``Cancelled`` is raised).
     """
 
     def __init__(self, root: str | os.PathLike[str], limiter: trio.CapacityLimiter | None = None):
-        self.root = Path(root)
+        self.root = Path(root).absolute()
         self.limiter = limiter
 
     def path(self, file: str) -> Path:
-        return self.root / file
+        return self.root / file  # an absolute ``file`` replaces the root
 
     def version_dir(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -113,18 +275,24 @@ class PayloadStore:
         version: int,
         fields: Mapping[str, npt.ArrayLike],
         *,
+        ragged: Mapping[str, Sequence[npt.ArrayLike]] | None = None,
         pos: int = 0,
+        positions: Mapping[str, int] | None = None,
         request_id: str | None = None,
     ) -> list[PayloadSegment]:
-        """Write one request's side arrays (each ``[rows, *shape]``) into one ``v<version>`` file.
+        """Write one request's side arrays into one ``v<version>`` file.
 
-        Returns one segment per field, first row at position ``pos``. The file is written to a
-        temporary name and renamed, so a reader never sees a partial file.
+        ``fields`` are dense ``[rows, *shape]`` arrays; ``ragged`` fields are one 1-D array per
+        position (any lengths), stored as values then a CSR index of absolute file offsets (see
+        :class:`PayloadSegment`). Returns one segment per field, first row at position
+        ``positions[field]`` (default ``pos``). The file is written to a temporary name and
+        renamed, so a reader never sees a partial file.
         """
         name = f"{request_id or uuid.uuid4().hex}.bin"
-        rel = f"v{version}/{name}"
-        target = self.path(rel)
+        target = self.version_dir(version) / name
         target.parent.mkdir(parents=True, exist_ok=True)
+        file = str(target)
+        where = positions or {}
         segments: list[PayloadSegment] = []
         offset = 0
         tmp = target.with_name(f".{name}.tmp")
@@ -138,41 +306,53 @@ class PayloadStore:
                 segments.append(
                     PayloadSegment(
                         field=field,
-                        file=rel,
+                        file=file,
                         offset=offset,
-                        pos=pos,
+                        pos=where.get(field, pos),
                         rows=int(arr.shape[0]),
                         dtype=arr.dtype.str,
                         shape=[int(d) for d in arr.shape[1:]],
                     )
                 )
                 offset += len(data)
+            for field, rows in (ragged or {}).items():
+                values = _spec(field).value_dtype
+                starts = []
+                for i, row in enumerate(rows):
+                    arr = np.asarray(row)
+                    if arr.ndim != 1:
+                        raise PayloadError(
+                            f"ragged payload field {field!r}: row {i} has {arr.ndim} dimensions, "
+                            "expected 1"
+                        )
+                    data = np.ascontiguousarray(arr, dtype=values).tobytes()
+                    starts.append(offset)
+                    f.write(data)
+                    offset += len(data)
+                starts.append(offset)
+                if offset > np.iinfo(_OFFSET_DTYPE).max:
+                    raise PayloadError(
+                        f"ragged payload field {field!r}: file offset {offset} does not fit the "
+                        "uint32 index"
+                    )
+                index = np.asarray(starts, dtype=_OFFSET_DTYPE).tobytes()
+                f.write(index)
+                segments.append(
+                    PayloadSegment(
+                        field=field,
+                        file=file,
+                        offset=offset,
+                        pos=where.get(field, pos),
+                        rows=len(starts) - 1,
+                        dtype=_OFFSET_DTYPE.str,
+                        shape=[],
+                    )
+                )
+                offset += len(index)
         os.replace(tmp, target)
         return segments
 
     # -- reading --------------------------------------------------------------------------------
-
-    def _pread(self, file: str, offset: int, size: int) -> bytes:
-        path = str(self.path(file))
-        got = 0
-        for attempt in range(_READ_ATTEMPTS):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise PayloadFileMissing(path) from None
-            try:
-                data = os.pread(fd, size, offset)
-            finally:
-                os.close(fd)
-            got = len(data)
-            if got == size:
-                return data
-            if attempt + 1 < _READ_ATTEMPTS:
-                time.sleep(0.05 * 2**attempt)
-        raise PayloadError(
-            f"payload file {path!r} returned {got} of {size} bytes at offset {offset} "
-            f"after {_READ_ATTEMPTS} attempts"
-        )
 
     def read_field(
         self,
@@ -183,43 +363,14 @@ class PayloadStore:
         *,
         fill: float | None = None,
     ) -> npt.NDArray[np.generic] | None:
-        """Rows ``[lo, hi)`` of ``field`` as a ``[hi - lo, *shape]`` array.
-
-        Rows no segment covers hold the field's fill value (:data:`FIELD_FILLS`, or ``fill``);
-        later segments win where segments overlap. Returns None when no segment carries the
-        field. A missing file raises :class:`PayloadFileMissing` naming it; reads that stay short
-        after retries raise :class:`PayloadError`.
-        """
-        mine = [s for s in segments or () if s.field == field]
-        if not mine:
-            return None
-        dtype, shape = np.dtype(mine[0].dtype), list(mine[0].shape)
-        for s in mine:
-            if np.dtype(s.dtype) != dtype or list(s.shape) != shape:
-                raise PayloadError(
-                    f"payload field {field!r}: segment in {s.file!r} has dtype {s.dtype} shape "
-                    f"{s.shape}, expected {dtype.str} {shape}"
-                )
-        fill_value = fill if fill is not None else FIELD_FILLS.get(field, 0)
-        out = np.full((hi - lo, *shape), fill_value, dtype=dtype)
-        for seg in clip_segments(mine, lo, hi):
-            raw = self._pread(seg.file, seg.offset, seg.rows * _row_bytes(seg))
-            rows = np.frombuffer(raw, dtype=dtype).reshape(seg.rows, *shape)
-            out[seg.pos - lo : seg.pos - lo + seg.rows] = rows
-        return out
+        """:func:`read_field`, with relative (old) segment paths resolved against the root."""
+        return read_field(segments, field, lo, hi, fill=fill, root=self.root)
 
     # -- deleting -------------------------------------------------------------------------------
 
     def delete_files(self, files: Iterable[str]) -> int:
         """Delete files a batch read; files already gone are not an error. Returns how many went."""
-        n = 0
-        for file in files:
-            try:
-                os.unlink(self.path(file))
-                n += 1
-            except FileNotFoundError:
-                pass
-        return n
+        return delete_files(files, self.root)
 
     def versions_on_disk(self) -> list[int]:
         if not self.root.is_dir():
@@ -234,8 +385,8 @@ class PayloadStore:
     def sweep_orphans(self, live_versions: Iterable[int], current_version: int) -> list[int]:
         """Delete every ``v<k>`` directory with ``k`` below the oldest live version.
 
-        ``live_versions`` must name the version of every holder that may still read a file (see
-        :meth:`TrainSink.live_payload_versions`, plus in-flight work the sink does not know of);
+        ``live_versions`` must name the version of every holder that may still read a file (the
+        sink's live payload versions, plus in-flight work the sink does not know of);
         ``current_version`` is always live, since new requests write there. Returns the deleted
         versions.
         """

@@ -291,11 +291,12 @@ def _shape(obj: object, what: str, min_dims: int = 0) -> list[int]:
 
 
 def _payload_file(obj: object, what: str) -> str:
-    # relative to the payload root: the trainer reads and deletes it
+    # Absolute (what PayloadStore writes) or, from older checkpoints, relative to the payload
+    # root; never climbing with "..": the trainer reads and deletes it.
     file = want_str(obj, what)
     parts = file.replace("\\", "/").split("/")
-    if not file or "\x00" in file or file.startswith(("/", "\\")) or ".." in parts:
-        raise CodecError(what, f"{file!r} is not a path inside the payload root")
+    if not file or "\x00" in file or ".." in parts:
+        raise CodecError(what, f"{file!r} is not a payload file path")
     return file
 
 

@@ -17,6 +17,9 @@ from trio_rl.transport import (
 )
 from trio_rl.wire import MicroBatch, decode
 
+from ._payloads import read_payload_arrays, release_payload_files
+from ._tensors import TrainerTensors, to_torch
+
 __all__ = ["BatchReceiver"]
 
 #: Payloads at least this large are decoded in a worker thread.
@@ -55,6 +58,8 @@ class BatchReceiver:
         thread_threshold: payloads of at least this many bytes are decoded in a worker thread
             so the event loop keeps running; smaller ones inline.
         limiter: the capacity limiter for decoding threads (default: a private one of 1).
+        payload_root: where relative payload segment paths (from checkpoints written before
+            paths were absolute) resolve; absolute paths are opened as given.
 
     A payload that is not a valid micro-batch array raises `trio_rl.wire.WireFormatError`
     whose ``source`` names the file (or the ZeroMQ endpoint, rank and step) and whose
@@ -69,8 +74,12 @@ class BatchReceiver:
         stop_step: int | None = None,
         thread_threshold: int = DEFAULT_THREAD_THRESHOLD,
         limiter: trio.CapacityLimiter | None = None,
+        payload_root: str | os.PathLike[str] | None = None,
     ) -> None:
         self._transport = transport
+        self._payload_root = payload_root
+        # A decoded step whose payload files are still being read (`receive_tensors`).
+        self._decoded: tuple[int, list[MicroBatch]] | None = None
         self._stop_step = stop_step
         self._thread_threshold = thread_threshold
         self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
@@ -127,6 +136,8 @@ class BatchReceiver:
     @property
     def next_step(self) -> int:
         """The step the next `receive` returns."""
+        if self._decoded is not None:
+            return self._decoded[0]
         if self._pending:
             return self._pending[0].step
         return self._transport.next_step
@@ -143,6 +154,57 @@ class BatchReceiver:
         decoding (shielded, with no checkpoint before the return), so it is either returned
         or still held by the transport (on disk) for a new receiver.
         """
+        step, micro_batches = await self._decode_next()
+        self._decoded = None
+        with trio.CancelScope(shield=True):
+            await self._transport.ack(step)
+        return step, micro_batches
+
+    async def receive_tensors(
+        self, *, lo: int = 0, hi: int | None = None
+    ) -> tuple[int, list[TrainerTensors]]:
+        """`receive`, then `to_torch` each micro-batch with its by-handle payload fields read.
+
+        Each payload field is read over its window of tokens ``[lo, hi)`` (default: the whole
+        micro-batch; see `read_payload_arrays`), in a worker thread. Once the step is read it is
+        acknowledged to the transport and the payload files it referred to are deleted (both
+        shielded, with no checkpoint before the return): the files go only with the step handed
+        over. A payload file that is missing raises `trio_rl.errors.PayloadFileMissingError`;
+        that step is acknowledged and its files are left to the orchestrator's orphan sweep.
+
+        Cancellation: safe, and deletes nothing. A step decoded but not yet fully read is kept
+        and read again by the next call.
+        """
+        step, micro_batches = await self._decode_next()
+        root = self._payload_root
+
+        def read() -> list[TrainerTensors]:
+            return [
+                to_torch(mb, read_payload_arrays(mb, lo=lo, hi=hi, root=root))
+                for mb in micro_batches
+            ]
+
+        try:
+            tensors = await trio.to_thread.run_sync(read, limiter=self._limiter)
+        except trio.Cancelled:
+            raise
+        except Exception:
+            self._decoded = None
+            with trio.CancelScope(shield=True):
+                await self._transport.ack(step)
+            raise
+        self._decoded = None
+        with trio.CancelScope(shield=True):
+            await self._transport.ack(step)
+            await trio.to_thread.run_sync(
+                release_payload_files, micro_batches, root, limiter=self._limiter
+            )
+        return step, tensors
+
+    async def _decode_next(self) -> tuple[int, list[MicroBatch]]:
+        # The next step, decoded and not yet acknowledged (kept across a cancelled call).
+        if self._decoded is not None:
+            return self._decoded
         if self._pending is None:
             self._pending = [await self._transport.receive()]
         box = self._pending
@@ -163,9 +225,8 @@ class BatchReceiver:
                 await self._transport.ack(step)
             raise
         self._pending = None
-        with trio.CancelScope(shield=True):
-            await self._transport.ack(step)
-        return step, micro_batches
+        self._decoded = (step, micro_batches)
+        return self._decoded
 
     def __aiter__(self) -> Self:
         return self

@@ -7,6 +7,7 @@ torch is an optional dependency: it is imported when :func:`to_torch` is first c
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -53,6 +54,9 @@ class TrainerTensors:
     """int32 ``[sum(counts)]``: the allowed token ids of every position, concatenated."""
     sampling_mask_counts: torch.Tensor | None = None
     """int32 ``[T]``: how many ids each position allows (0 = unrestricted)."""
+    payload: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    """By-handle payload fields read from their files, by field name (empty when none were
+    read; see `trio_rl.trainer.read_payload_arrays` for the shapes)."""
 
 
 def _torch() -> Any:
@@ -82,8 +86,13 @@ def _raw_array(field: str, data: Any, dtype_name: str, shape: list[int]) -> np.n
     return np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
-def to_torch(mb: MicroBatch) -> TrainerTensors:
+def to_torch(
+    mb: MicroBatch, payload: Mapping[str, np.ndarray[Any, Any]] | None = None
+) -> TrainerTensors:
     """Convert ``mb`` into tensors (see :class:`TrainerTensors`).
+
+    ``payload`` holds the micro-batch's by-handle fields already read from their files
+    (`trio_rl.trainer.read_payload_arrays`); they become ``TrainerTensors.payload``.
 
     Raw byte arrays are viewed in place with numpy and converted in one pass (never copied
     byte by byte). Raises :class:`TensorConversionError` when a stream's length differs from
@@ -138,4 +147,7 @@ def to_torch(mb: MicroBatch) -> TrainerTensors:
         routed_experts=routed,
         sampling_mask_ids=mask_ids,
         sampling_mask_counts=mask_counts,
+        payload={
+            name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in (payload or {}).items()
+        },
     )

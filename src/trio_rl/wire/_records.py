@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from ..payloads import PayloadSegment
+
 __all__ = [
     "MMImageRef",
     "MMRefs",
@@ -41,24 +43,6 @@ class SamplingMask:
 
     ids: bytes
     counts: bytes
-
-
-@attrs.define(slots=True)
-class PayloadSegment:
-    """A by-handle run of rows of a per-token side array stored in a payload file.
-
-    ``rows`` rows of ``shape``-shaped ``dtype`` elements start at byte ``offset`` of ``file``
-    and belong to token positions ``pos .. pos + rows - 1`` of the sequence that carries the
-    segment.
-    """
-
-    field: str
-    file: str
-    offset: int
-    pos: int
-    rows: int
-    dtype: str
-    shape: list[int]
 
 
 @attrs.define(slots=True)
