@@ -83,9 +83,9 @@ class _Tap(Receiver):
         got = await self.inner.receive()
         mbs = decode(bytes(got.data), source=got.source)
         files = payload_files(mbs)
-        assert files and all(os.path.isabs(f) and os.path.exists(f) for f in files), (
-            "every payload file exists (absolute) until its step is consumed"
-        )
+        assert files
+        assert all(os.path.isabs(f) for f in files), "segment paths are absolute"
+        assert all(map(os.path.exists, files)), "payload files exist until their step is consumed"
         segments = [
             {"field": s.field, "file": s.file, "offset": s.offset, "rows": s.rows,
              "dtype": s.dtype, "shape": list(s.shape)}
@@ -173,9 +173,8 @@ async def _run(work: Path, elsewhere: Path) -> None:
                     with trio.fail_after(60):
                         step, tensors = await receiver.receive_tensors()
                     mbs, prime_rows = tap.checked[-1]
-                    assert not any(os.path.exists(f) for f in payload_files(mbs)), (
-                        f"step {step}: consumed payload files are deleted"
-                    )
+                    gone = not any(map(os.path.exists, payload_files(mbs)))
+                    assert gone, f"step {step}: consumed payload files are deleted"
                     it = iter(prime_rows)
                     for mb, t in zip(mbs, tensors, strict=True):
                         ids = list(mb.input_ids)
@@ -192,7 +191,8 @@ async def _run(work: Path, elsewhere: Path) -> None:
                                 assert [r[0] for r in rows] == [ids[q] for q in span]
                             else:
                                 for q, row in zip(span, rows, strict=True):
-                                    assert row and set(row) == {ids[q]}
+                                    assert row
+                                    assert set(row) == {ids[q]}
                                     if q >= 1:
                                         got = mask[q - 1]
                                         assert got[: len(row)].tolist() == row

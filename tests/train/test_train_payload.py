@@ -11,6 +11,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trio_rl.payloads import _store as payload_mod
 from trio_rl.train import (
     PayloadError,
     PayloadFileMissing,
@@ -19,7 +20,6 @@ from trio_rl.train import (
     segment_files,
     shift_segments,
 )
-from trio_rl.payloads import _store as payload_mod
 from trio_rl.wire import PayloadSegment
 
 
