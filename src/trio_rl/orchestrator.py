@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from .engines import Engine, SamplingParams
+from .policy import PolicyVersionCell
 from .publish import Monitor, Publisher, ShipRecord, open_publisher, pack_samples
 from .rollout import (
     AsyncRolloutDriver,
@@ -44,7 +45,7 @@ from .rollout import (
     engine_generate,
     open_async_rollout,
 )
-from .samples import Group, PolicyVersion, Sample
+from .samples import Group, PolicyVersion
 from .train import (
     CheckpointManager,
     CheckpointSnapshot,
@@ -54,6 +55,7 @@ from .train import (
     SinkConfig,
     SinkCounters,
     TrainSink,
+    copy_sample,
 )
 from .transport import Payload, Sender
 
@@ -120,17 +122,6 @@ class RunSummary:
     exhausted: bool = False
 
 
-def _copy_finished(sample: Sample) -> Sample:
-    return attrs.evolve(
-        sample,
-        completion_tokens=list(sample.completion_tokens),
-        logprobs=list(sample.logprobs),
-        loss_mask=list(sample.loss_mask),
-        policy_versions=list(sample.policy_versions),
-        metadata=dict(sample.metadata),
-    )
-
-
 @attrs.define(eq=False)
 class _RunCheckpointer:
     """Snapshot on the loop: the sink's state plus the rollout layer's open groups."""
@@ -155,7 +146,7 @@ class _RunCheckpointer:
         for group in driver.open_groups():
             held = open_groups.get(group.group_id)
             seen = set() if held is None else {m.index for m in held.members}
-            new = tuple(_copy_finished(s) for s in group.arrived if s.index not in seen)
+            new = tuple(copy_sample(s) for s in group.arrived if s.index not in seen)
             added += len(new)
             open_groups[group.group_id] = OpenGroupState(
                 group_id=group.group_id,
@@ -192,7 +183,7 @@ class Orchestrator:
         sink: TrainSink,
         factory: GroupFactory,
         source: DataSource,
-        policy_version: PolicyVersion,
+        policy_version: PolicyVersion | PolicyVersionCell,
         payloads: PayloadStore | None = None,
         limiter: trio.CapacityLimiter | None = None,
     ) -> None:
@@ -203,8 +194,14 @@ class Orchestrator:
         self.sink = sink
         self.factory = factory
         self.source = source
-        self._version = policy_version
-        self._version_changed = trio.Event()
+        #: The run's one policy-version cell, shared with the driver (and any engine or weight
+        #: watcher given it); only `set_policy_version` / ``version.advance`` moves it.
+        self.version = (
+            policy_version
+            if isinstance(policy_version, PolicyVersionCell)
+            else PolicyVersionCell(policy_version)
+        )
+        self.version.on_advance(self._advanced)
         self._driver: AsyncRolloutDriver | None = None
         self._publisher: Publisher | None = None
         self.restore: RestoreReport | None = None
@@ -215,7 +212,7 @@ class Orchestrator:
 
     @property
     def policy_version(self) -> PolicyVersion:
-        return self._version
+        return self.version.value
 
     @property
     def step(self) -> int:
@@ -233,20 +230,17 @@ class Orchestrator:
         return self._publisher
 
     def set_policy_version(self, version: PolicyVersion) -> None:
-        """Record a weight update (the trainer finished a step). Versions never go back."""
-        if version < self._version:
-            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
-        if version == self._version:
-            return
+        """Record a weight update (the trainer finished a step): advance the shared
+        :class:`~trio_rl.policy.PolicyVersionCell`. Versions never go back (a smaller one raises
+        ``PolicyVersionError``, a ``ValueError``); the same one is a no-op."""
+        self.version.advance(version)
+
+    def _advanced(self, old: PolicyVersion, new: PolicyVersion) -> None:
         # The trainer broadcasts v_S after training batch S: batches up to S have been read.
-        for step in range(self._version + 1, version + 1):
+        for step in range(old + 1, new + 1):
             self.sink.mark_read(step)
-        self._version = version
-        self.driver.set_policy_version(version)
         for hook in self._on_version:
-            hook(version)
-        self._version_changed.set()
-        self._version_changed = trio.Event()
+            hook(new)
 
     async def _ship_gate(self, step: int) -> None:
         """Wait until batch ``step`` may ship; the wait is reported as policy-wait time.
@@ -257,19 +251,19 @@ class Orchestrator:
         the current one, and again every ``gate_warn_after`` seconds, so it is never silent.
         """
         needed = step - 1 - self.config.max_async_level
-        if self._version >= needed:
+        if self.version.value >= needed:
             return
         started = trio.current_time()
-        while self._version < needed:
+        while self.version.value < needed:
             with trio.move_on_after(self.gate_warn_after):
-                await self._version_changed.wait()
+                await self.version.wait_at_least(needed)
                 continue
             logger.warning(
                 "ship gate: step %d waits for policy version >= %d (current %d) for %.0f s; "
                 "only the trainer advances the version (set_policy_version)",
                 step,
                 needed,
-                self._version,
+                self.version.value,
                 trio.current_time() - started,
             )
         self.publisher.add_policy_wait(trio.current_time() - started)
@@ -369,7 +363,7 @@ class Orchestrator:
         versions its requests wrote under) and the current version (new requests write there).
         """
         live = self.sink.live_payload_versions()
-        live.add(self._version)
+        live.add(self.version.value)
         if self._driver is not None:
             for group in self._driver.open_groups():
                 live.add(group.policy_version_at_start)
@@ -383,7 +377,7 @@ class Orchestrator:
         end of a run. A no-op without a payload store.
         """
         if self.payloads is not None:
-            await self.payloads.asweep_orphans(self.live_payload_versions(), self._version)
+            await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)
 
     def _discard(self, group: Group, reason: DiscardReason) -> None:
         """Book a group the rollout layer gave up on, so every sample settles exactly once."""
@@ -415,6 +409,7 @@ async def open_orchestrator(
     on_policy_version: Callable[[PolicyVersion], None] | None = None,
     generate: GenerateFn | None = None,
     payloads: PayloadStore | None = None,
+    version: PolicyVersionCell | None = None,
 ) -> AsyncIterator[Orchestrator]:
     """Open a run: rollout driver, sink and publisher, resumed from the latest checkpoint.
 
@@ -429,6 +424,11 @@ async def open_orchestrator(
     the payload store's orphan directories are swept after every shipped batch, keeping every
     version a holder may still read (see :meth:`Orchestrator.live_payload_versions`); a
     version's batches count as read once the trainer reports that version.
+
+    ``version`` is the run's policy-version cell when the caller already has one to share
+    (e.g. an engine's ``version``); by default the orchestrator creates it. A resumed run
+    advances it to the checkpoint's version. The orchestrator hands it to the rollout driver;
+    ``orchestrator.version`` is the cell to give engines and the weight watcher.
 
     Leaving the block cancels the rollout worker and every group in flight, and waits for the
     publisher's pending memory release (shielded); no task outlives it.
@@ -478,7 +478,12 @@ async def open_orchestrator(
                 len(restore.resumed),
                 "" if pending is None else f"; step {ckpt.step} is re-sent first",
             )
-    orch = Orchestrator(config, sink, factory, source, policy_version, payloads, limiter)
+    if version is None:
+        version = PolicyVersionCell(policy_version)
+    elif version.value < policy_version:
+        version.advance(policy_version)
+    policy_version = version.value
+    orch = Orchestrator(config, sink, factory, source, version, payloads, limiter)
     orch.restore = restore
     if on_policy_version is not None:
         orch._on_version.append(on_policy_version)
@@ -510,7 +515,7 @@ async def open_orchestrator(
             on_failure=config.failure,
             on_discard=lambda group, reason: orch._discard(group, reason),
             resumed=() if restore is None else restore.resumed,
-            policy_version=policy_version,
+            policy_version=orch.version,
         ) as driver,
         open_publisher(
             sink,

@@ -15,6 +15,7 @@ import attrs
 import httpx
 import trio
 
+from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._errors import (
     EngineRequestError,
@@ -216,7 +217,8 @@ class OpenAICompatibleEngine:
 
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _round_robin: int = attrs.field(init=False, default=0)
-    _version: PolicyVersion = attrs.field(init=False, default=0)
+    #: The policy-version cell this engine stamps; pass the pipeline's to share it.
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
 
     async def __aenter__(self) -> Self:
         if self._client is not None:
@@ -250,15 +252,11 @@ class OpenAICompatibleEngine:
     @property
     def policy_version(self) -> PolicyVersion:
         """The fallback version, used when the server reports none."""
-        return self._version
+        return self.version.value
 
     def set_policy_version(self, version: PolicyVersion) -> None:
         """Set the fallback version (e.g. after pushing new weights). It never goes back."""
-        if version < self._version:
-            raise ValueError(
-                f"policy version must not decrease: current {self._version}, got {version}"
-            )
-        self._version = version
+        self.version.advance(version)
 
     def server_for(self, routing_key: str | None) -> str:
         """The server a request goes to: fixed per routing key, else the next in turn."""
@@ -390,4 +388,4 @@ class OpenAICompatibleEngine:
                 raise EngineResponseError(
                     f"{where}: header {self.version_header!r} = {text!r} is not an int"
                 ) from None
-        return self._version
+        return self.version.value

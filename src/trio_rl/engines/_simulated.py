@@ -9,6 +9,7 @@ from collections import Counter
 import attrs
 import trio
 
+from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
 from ._errors import SimulatedEngineFailure
@@ -118,7 +119,8 @@ class SimulatedEngine:
     time_scale: float = attrs.field(default=1.0, validator=positive_finite)
 
     _semaphore: trio.Semaphore = attrs.field(init=False)
-    _version: PolicyVersion = attrs.field(init=False, default=0)
+    #: The policy-version cell this engine stamps; pass the pipeline's to share it.
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
     _arrivals: int = attrs.field(init=False, default=0)
     _attempts: Counter[tuple[object, ...]] = attrs.field(init=False, factory=Counter)
     _t0: float | None = attrs.field(init=False, default=None)
@@ -138,15 +140,11 @@ class SimulatedEngine:
     @property
     def policy_version(self) -> PolicyVersion:
         """The version stamped on completions that get a slot from now on."""
-        return self._version
+        return self.version.value
 
     def set_policy_version(self, version: PolicyVersion) -> None:
         """Switch to a new policy version (as after a weight update). Versions never go back."""
-        if version < self._version:
-            raise ValueError(
-                f"policy version must not decrease: current {self._version}, got {version}"
-            )
-        self._version = version
+        self.version.advance(version)
 
     def reset_statistics(self) -> None:
         """Start a new measurement window now (counters to zero; requests in flight stay)."""
@@ -234,7 +232,7 @@ class SimulatedEngine:
             async with self._semaphore:
                 self._occupy(+1)
                 try:
-                    version = self._version
+                    version = self.version.value
                     if hang:
                         await trio.sleep_forever()
                     if fail:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from ..policy import PolicyVersionCell, as_cell
 from ..samples import PolicyVersion
 from ._errors import EngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
@@ -110,7 +111,7 @@ class TorchEngine:
         max_batch: int = 64,
         gather_window: float = 0.002,
         limiter: trio.CapacityLimiter | None = None,
-        policy_version: PolicyVersion = 0,
+        policy_version: PolicyVersion | PolicyVersionCell = 0,
         seed: int = 0,
     ) -> None:
         if max_batch < 1:
@@ -123,7 +124,8 @@ class TorchEngine:
         self._max_batch = max_batch
         self._window = gather_window
         self.limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
-        self._version = policy_version
+        #: The policy-version cell this engine stamps (pass the pipeline's to share it).
+        self.version = as_cell(policy_version)
         self._rng = random.Random(seed)
         self._gathering: dict[tuple[Any, ...], _Batch] = {}
         self._nursery: trio.Nursery | None = None
@@ -153,7 +155,7 @@ class TorchEngine:
     @property
     def policy_version(self) -> PolicyVersion:
         """The version of the weights new batches start with."""
-        return self._version
+        return self.version.value
 
     @property
     def model(self) -> Any:
@@ -219,7 +221,7 @@ class TorchEngine:
         rows = [r for r in batch.rows if not r.abandoned]
         if not rows:
             return
-        model, version = self._model, self._version
+        model, version = self._model, self.version.value
         self._running += 1
         self._counts["batches"] += 1
         try:
@@ -322,11 +324,10 @@ class TorchEngine:
         missing or does not fit the model, and ``ValueError`` when ``version`` goes back.
         Cancellation: the worker thread finishes its read, the old weights stay in place.
         """
-        if version < self._version:
-            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        self.version.check(version)
         model = await trio.to_thread.run_sync(self._load_copy, Path(path), limiter=self.limiter)
         self._model = model
-        self._version = version
+        self.version.advance(version)
         self._loads += 1
 
     def _load_copy(self, file: Path) -> Any:

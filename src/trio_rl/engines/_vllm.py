@@ -23,6 +23,7 @@ import attrs
 import httpx
 import trio
 
+from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._errors import (
     EngineConfigError,
@@ -264,7 +265,8 @@ class VLLMEngine:
     _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _gathering: dict[tuple[Any, ...], _Batch] = attrs.field(init=False, factory=dict)
-    _version: PolicyVersion = attrs.field(init=False, default=0)
+    #: The policy-version cell this engine stamps; pass the pipeline's to share it.
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
     _counts: dict[str, int] = attrs.field(
         init=False,
         factory=lambda: {"requests": 0, "http_requests": 0, "tokens": 0, "weight_loads": 0},
@@ -272,13 +274,11 @@ class VLLMEngine:
 
     @property
     def policy_version(self) -> PolicyVersion:
-        return self._version
+        return self.version.value
 
     def set_policy_version(self, version: PolicyVersion) -> None:
         """Make ``version`` current without a reload (e.g. the server started on it)."""
-        if version < self._version:
-            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
-        self._version = version
+        self.version.advance(version)
 
     @property
     def admin(self) -> VLLMAdmin:
@@ -297,11 +297,10 @@ class VLLMEngine:
         or fails, and ``ValueError`` if ``version`` goes back. Cancellation: the version stays
         where it was (the server may have read the new weights already).
         """
-        if version < self._version:
-            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
+        self.version.check(version)
         await self.admin.reload_weights(path)
         await self.admin.reset_prefix_cache()
-        self._version = version
+        self.version.advance(version)
         self._counts["weight_loads"] += 1
 
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -372,7 +371,7 @@ class VLLMEngine:
             **({"seed": p.seed} if p.seed is not None else {}),
             **self.extra_body,
         }
-        version = self._version
+        version = self.version.value
         url = self.base_url + "/v1/completions"
         where = f"{url} (request {rid!r}, n={len(rows)})"
         try:

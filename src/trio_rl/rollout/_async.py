@@ -11,11 +11,13 @@ import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Literal, Protocol
 
 import attrs
 import trio
+import trio_util
 
+from ..policy import PolicyVersionCell, as_cell
 from ..samples import Group, PolicyVersion, ResumedGroup
 from ._credits import (
     CreditScheduler,
@@ -118,25 +120,13 @@ class AsyncDriverStatistics:
     mean_staleness: float
 
 
-class _Signal:
-    """A repeatable wake-up: :meth:`fire` wakes every current waiter; nothing is latched."""
+class _Wakeup(Protocol):
+    """The typed face of :class:`trio_util.RepeatedEvent` (trio-util ships no annotations):
+    ``set`` wakes every current waiter, nothing is latched."""
 
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._waiting = 0
+    def set(self) -> None: ...
 
-    def fire(self) -> None:
-        # Fired once per finished group: only pay for a fresh event when someone waits.
-        if self._waiting:
-            self._event.set()
-            self._event = trio.Event()
-
-    async def wait(self) -> None:
-        self._waiting += 1
-        try:
-            await self._event.wait()
-        finally:
-            self._waiting -= 1
+    async def wait(self) -> None: ...
 
 
 class AsyncRolloutDriver:
@@ -157,7 +147,7 @@ class AsyncRolloutDriver:
         aborted: UnusedPolicy,
         on_failure: FailurePolicy,
         dynamic_filter: DynamicFilter | None,
-        policy_version: PolicyVersion,
+        policy_version: PolicyVersion | PolicyVersionCell,
         on_discard: DiscardHook | None = None,
     ) -> None:
         self.source = source
@@ -174,11 +164,14 @@ class AsyncRolloutDriver:
         self.on_discard = on_discard
         #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
         self.scheduler = CreditScheduler(policy, factory.group_size)
-        self._version = policy_version
+        #: The shared policy-version cell (the orchestrator's, when it opened the driver).
+        self.version = as_cell(policy_version)
         self._queued: deque[Group] = deque()  # resumed and retried groups, before new prompts
         self._buffer: deque[Group] = deque()
-        self._changed = _Signal()  # buffer, failure, dryness or close changed (consumer side)
-        self._space = _Signal()  # buffer space freed (worker side)
+        # repeatable wake-ups (nothing latched): buffer, failure, dryness or close changed
+        # (consumer side); buffer space freed (worker side)
+        self._changed: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
+        self._space: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
         self._pauses = 0
         self._dry = False
         self._closed = False
@@ -197,15 +190,13 @@ class AsyncRolloutDriver:
 
     @property
     def policy_version(self) -> PolicyVersion:
-        return self._version
+        return self.version.value
 
     def set_policy_version(self, version: PolicyVersion) -> None:
-        """Record a new policy version (after a weight update). Versions never go backwards:
-        a smaller version raises ``ValueError``. New groups open at this version and staleness
-        is judged against it."""
-        if version < self._version:
-            raise ValueError(f"policy version cannot go back from {self._version} to {version}")
-        self._version = version
+        """Advance the shared version cell (after a weight update); see
+        :meth:`PolicyVersionCell.advance` (a smaller version raises ``PolicyVersionError``, a
+        ``ValueError``). New groups open at this version and staleness is judged against it."""
+        self.version.advance(version)
 
     @property
     def is_paused(self) -> bool:
@@ -265,7 +256,7 @@ class AsyncRolloutDriver:
             raise
         self._consumed += len(batch)
         for group in batch:
-            staleness = group.staleness(self._version)
+            staleness = group.staleness(self.version.value)
             self._staleness_total += staleness
             self._max_staleness = max(self._max_staleness, staleness)
         batch.sort(key=lambda g: g.first_index)
@@ -282,14 +273,14 @@ class AsyncRolloutDriver:
             self._raise_if_failed()
             if self._buffer:
                 group = self._buffer.popleft()
-                self._space.fire()
+                self._space.set()
                 return group
             if self._dry:
                 return None
             await self._changed.wait()
 
     def _judge_staleness(self, group: Group) -> bool:
-        if self.max_staleness is None or group.staleness(self._version) <= self.max_staleness:
+        if self.max_staleness is None or group.staleness(self.version.value) <= self.max_staleness:
             return True
         if self.stale == "recycle":
             self._stale_recycled += 1
@@ -336,7 +327,7 @@ class AsyncRolloutDriver:
     def statistics(self) -> AsyncDriverStatistics:
         ledger = self.scheduler.ledger
         return AsyncDriverStatistics(
-            policy_version=self._version,
+            policy_version=self.version.value,
             paused=self.is_paused,
             submitted=self._submitted,
             completed=self._completed,
@@ -364,7 +355,7 @@ class AsyncRolloutDriver:
             prompt = self.source.take()
         except SourceExhausted:
             return None
-        return self.factory.make(prompt, self._version)
+        return self.factory.make(prompt, self.version.value)
 
     async def _run(self) -> None:
         """The worker; records its failure for the consumer instead of raising."""
@@ -376,7 +367,7 @@ class AsyncRolloutDriver:
             logger.error("rollout worker failed", exc_info=self._failure)
         finally:
             self.scheduler.poll()  # settle the ledger: every group task has ended by now
-            self._changed.fire()
+            self._changed.set()
 
     async def _work(self, groups: trio.Nursery) -> None:
         scheduler = self.scheduler
@@ -406,7 +397,7 @@ class AsyncRolloutDriver:
             )
             if dry != self._dry:
                 self._dry = dry
-                self._changed.fire()
+                self._changed.set()
             outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
 
     async def _reap(self, outcome: GroupOutcome) -> None:
@@ -416,7 +407,7 @@ class AsyncRolloutDriver:
             while len(self._buffer) >= self.buffer_capacity:
                 await self._space.wait()
             self._buffer.append(group)
-            self._changed.fire()
+            self._changed.set()
         # Only now: a finished group waiting for buffer space still counts as running for
         # open_groups(), so a checkpoint taken meanwhile does not lose it.
         self._running.pop(group.group_id, None)
@@ -506,7 +497,7 @@ async def open_async_rollout(
     on_failure: FailurePolicy | None = None,
     dynamic_filter: DynamicFilter | None = None,
     resumed: Iterable[ResumedGroup] = (),
-    policy_version: PolicyVersion = 0,
+    policy_version: PolicyVersion | PolicyVersionCell = 0,
     on_discard: DiscardHook | None = None,
 ) -> AsyncIterator[AsyncRolloutDriver]:
     """Run a fully-async rollout worker for the duration of the block.
@@ -516,9 +507,10 @@ async def open_async_rollout(
     max_samples_in_flight // G)``, or ``batch_size``. Finished groups are filtered (aborted
     ones dropped or recycled per ``aborted``; ``dynamic_filter`` drops by reason) and put
     into a buffer of ``buffer_capacity`` groups (default ``2 x batch_size``); when it is full,
-    production pauses. ``resumed`` groups start before any new prompt. ``on_discard`` is told of
-    every finished group that will not reach the consumer (failed and skipped, aborted, filtered,
-    stale), e.g. to book its samples.
+    production pauses. ``policy_version`` is a starting version or the pipeline's shared
+    :class:`~trio_rl.policy.PolicyVersionCell`. ``resumed`` groups start before any new
+    prompt. ``on_discard`` is told of every finished group that will not reach the consumer
+    (failed and skipped, aborted, filtered, stale), e.g. to book its samples.
 
     Leaving the block cancels every running group and the worker, and waits for them: no
     task outlives it. Groups still buffered are discarded; save state first if needed.
@@ -529,7 +521,8 @@ async def open_async_rollout(
     check_optional_int(where, "max_samples_in_flight", max_samples_in_flight, minimum=1)
     check_optional_int(where, "buffer_capacity", buffer_capacity, minimum=1)
     check_optional_int(where, "max_staleness", max_staleness, minimum=0)
-    check_int(where, "policy_version", policy_version, minimum=0)
+    if not isinstance(policy_version, PolicyVersionCell):
+        check_int(where, "policy_version", policy_version, minimum=0)
     check_choice(where, "stale", stale, ("drop", "recycle"))
     check_choice(where, "aborted", aborted, ("drop", "recycle"))
     if max_groups_in_flight is None:
@@ -575,5 +568,5 @@ async def open_async_rollout(
             raise body_error
     finally:
         driver._closed = True
-        driver._changed.fire()
+        driver._changed.set()
         driver.scheduler.close()

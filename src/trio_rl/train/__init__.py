@@ -41,5 +41,6 @@ from ._sink import SinkState as SinkState
 from ._sink import SinkWindow as SinkWindow
 from ._sink import TrainBatch as TrainBatch
 from ._sink import TrainSink as TrainSink
+from ._sink import copy_sample as copy_sample
 from ._sink import payload_files_of_state as payload_files_of_state
 from ._types import TrainingSample as TrainingSample

@@ -46,6 +46,7 @@ __all__ = [
     "SinkWindow",
     "TrainBatch",
     "TrainSink",
+    "copy_sample",
 ]
 
 logger = logging.getLogger("trio_rl.train")
@@ -225,7 +226,9 @@ class _OpenGroup:
         return len(self.members) + self.failed + self.cancelled >= self.group_size
 
 
-def _copy_sample(s: Sample) -> Sample:
+def copy_sample(s: Sample) -> Sample:
+    """An owned copy of a finished sample: its lists, metadata and payload segments are new
+    objects (for a checkpoint snapshot taken on the loop and written in a worker)."""
     meta = dict(s.metadata)
     payload = meta.get(PAYLOAD_METADATA_KEY)
     if isinstance(payload, list):
@@ -680,7 +683,7 @@ class TrainSink:
                     prompt=g.prompt,
                     group_size=g.group_size,
                     policy_version_at_start=g.start,
-                    members=tuple(_copy_sample(m) for m in g.members),
+                    members=tuple(copy_sample(m) for m in g.members),
                 )
                 for g in self._open.values()
             ),
@@ -730,7 +733,7 @@ class TrainSink:
                 elif self._is_stale(sample_version(m, og.policy_version_at_start)):
                     m_stale += 1
                 else:
-                    fresh.append(_copy_sample(m))
+                    fresh.append(copy_sample(m))
             g = _OpenGroup(og.group_id, og.prompt, og.group_size, og.policy_version_at_start)
             g.members = fresh
             g.seen = {m.index for m in fresh}
@@ -749,7 +752,7 @@ class TrainSink:
                         group_id=og.group_id,
                         prompt=og.prompt,
                         group_size=og.group_size,
-                        arrived=[_copy_sample(m) for m in fresh],
+                        arrived=[copy_sample(m) for m in fresh],
                         policy_version_at_start=og.policy_version_at_start,
                     )
                 )
