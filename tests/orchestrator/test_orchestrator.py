@@ -58,7 +58,9 @@ class _Recorder:
 
     def group_reward(self, group: Group) -> list[float]:
         self.key_of[group.group_id] = group.prompt.key
-        return [_reward(s) for s in group.samples]
+        # Distinct within the group by position (a resumed group's new members get fresh global
+        # indices, so ``index % G`` could repeat and give one sample the mean: zero advantage).
+        return [float(i) for i in range(len(group.samples))]
 
     def shipped_keys(self) -> list[str]:
         keys = []
