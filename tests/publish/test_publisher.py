@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 import trio
+import trio.testing
 from publisher_support import make_group, make_sink, one_per_sample_packer
 
 from trio_rl.publish import (
@@ -227,6 +228,37 @@ async def test_an_all_pruned_cut_ships_nothing_and_keeps_step_and_window(tmp_pat
     assert not (tmp_path / "batches" / "step_2").exists()
 
 
+async def test_cancelled_while_pruning_the_publisher_cuts_like_take_batch(tmp_path: Path) -> None:
+    # One cutter: the publisher goes through TrainSink.cut, whose pruning worker is waited for
+    # (shielded) and whose result is booked: pruned samples count as pruned, survivors go back.
+    sink = make_sink(batch_size=4, prune=PruneMode.AFTER_SELECTION)
+    sink.add_group(make_group("flat", [1.0, 1.0]))  # zero advantages: pruned after selection
+    sink.add_group(make_group("live", [1.0, 0.0]))
+    limiter = trio.CapacityLimiter(1)
+    async with (
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
+        open_publisher(sink, sender, pack=one_per_sample_packer(1), limiter=limiter) as pub,
+    ):
+        with trio.fail_after(10):
+            await limiter.acquire()  # the pruning worker waits for this token
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pub.publish)
+                await trio.testing.wait_all_tasks_blocked()
+                assert sink.queued == 0  # detached
+                nursery.cancel_scope.cancel()
+                limiter.release()
+        assert pub.step == sink.step == 1
+        assert sink.counters.pruned == 2
+        assert sink.queued == 2
+        assert [s.group_id for s in sink.queued_samples()] == ["live", "live"]
+        sink.add_group(make_group("live2", [1.0, 0.0]))
+        record = await pub.publish()
+    assert record is not None
+    assert record.effective.samples == 4
+    assert sink.counters.shipped == 4
+    assert sink.counters.dispatched == sink.counters.settled == 6
+
+
 async def test_checkpoint_snapshot_is_taken_after_the_step_advanced(tmp_path: Path) -> None:
     sink = make_sink(batch_size=2, groups=2)
     manager = CheckpointManager(tmp_path / "ckpt", keep=2)
@@ -377,5 +409,5 @@ def test_the_train_sink_is_a_batch_source() -> None:
     source: BatchSource = make_sink(batch_size=2)
     for name in ("config", "step", "counters", "queued"):
         assert hasattr(source, name)
-    for name in ("ready", "detach_batch", "settle_batch", "requeue_batch"):
+    for name in ("ready", "cut", "detach_batch", "settle_batch", "requeue_batch"):
         assert callable(getattr(source, name))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
 
@@ -28,8 +28,8 @@ import trio
 from ..train import (
     CheckpointManager,
     CheckpointSnapshot,
+    Cut,
     DetachedBatch,
-    PruneMode,
     PruneResult,
     SinkConfig,
     SinkCounters,
@@ -37,7 +37,6 @@ from ..train import (
     TrainBatch,
     TrainingSample,
     TrainSink,
-    prune_detached,
 )
 from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
@@ -87,15 +86,11 @@ class BatchSource(Protocol):
 
     def ready(self) -> bool: ...
 
-    def detach_batch(self, *, force: bool = False) -> DetachedBatch: ...
-
-    def settle_batch(
-        self, detached: DetachedBatch, pruned: PruneResult | None = None
-    ) -> TrainBatch: ...
-
-    def requeue_batch(self, detached: DetachedBatch, pruned: PruneResult | None = None) -> None:
-        """Undo a cut that was not shipped: samples back in the queue in arrival order, those in
-        ``pruned.pruned`` booked as pruned; window and step untouched."""
+    def cut(
+        self, *, force: bool = False, limiter: trio.CapacityLimiter | None = None
+    ) -> AbstractAsyncContextManager[Cut]:
+        """The sink's one cut (see `trio_rl.train.TrainSink.cut`): detach, prune after
+        selection in a worker, then settle, or requeue when the block is left unsettled."""
 
 
 class Checkpointer(Protocol[SnapshotT]):
@@ -186,9 +181,10 @@ def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> Non
         )
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class Publisher:
-    """Ships the train sink's batches. Create it with `open_publisher`.
+    """Ships the train sink's batches. Create it with `open_publisher` (its fields are
+    keyword-only: they are `open_publisher`'s arguments, resolved).
 
     Publications are serialized (one batch at a time, in step order); `publish` may be called
     from any task of the publisher's lifetime.
@@ -269,57 +265,51 @@ class Publisher:
             await self._resend_pending()
             if not (self.sink.ready() or (force and self.sink.queued)):
                 return None
-            return await self._ship(self.sink.detach_batch(force=force))
+            return await self._ship(force)
 
-    async def _ship(self, detached: DetachedBatch) -> ShipRecord | None:
-        sink, step = self.sink, detached.step
+    async def _ship(self, force: bool) -> ShipRecord | None:
         started = time.perf_counter()
         timings: dict[str, float] = {}
-        pruned: PruneResult | None = None
         policy_wait = 0.0
-        settled = False
+        batch: TrainBatch | None = None
         try:
-            if sink.config.prune is PruneMode.AFTER_SELECTION:
+            # The sink's cut: leaving this block before `settle` requeues the batch.
+            async with self.sink.cut(force=force, limiter=self.limiter) as cut:
+                step, detached, pruned = cut.step, cut.detached, cut.pruned
+                if pruned is not None:
+                    timings["prune"] = cut.prune_seconds
+                    if not pruned.kept:
+                        cut.settle()  # empty: no step, window carried over
+                        return None
+                samples = list(cut.samples)
+
                 mark = time.perf_counter()
-                pruned = await self._run(prune_detached, list(detached.samples))
-                timings["prune"] = time.perf_counter() - mark
-                if not pruned.kept:
-                    settled = True
-                    sink.settle_batch(detached, pruned)  # empty: no step, window carried over
-                    return None
-                samples = list(pruned.kept)
-            else:
-                samples = list(detached.samples)
+                grid = await self._run(self._pack, samples)
+                timings["pack"] = time.perf_counter() - mark
+                _check_grid(grid, self.sender.world_size, step)
 
-            mark = time.perf_counter()
-            grid = await self._run(self._pack, samples)
-            timings["pack"] = time.perf_counter() - mark
-            _check_grid(grid, self.sender.world_size, step)
+                mark = time.perf_counter()
+                effective = await self._run(cohort_stats, samples, step)
+                timings["metrics"] = time.perf_counter() - mark
+                # Read-and-reset with no await since the worker returned: a wait that completed
+                # while the metrics were computed is reported now, a later one next time.
+                policy_wait, self._policy_wait = self._policy_wait, 0.0
 
-            mark = time.perf_counter()
-            effective = await self._run(cohort_stats, samples, step)
-            timings["metrics"] = time.perf_counter() - mark
-            # Read-and-reset with no await since the worker returned: a wait that completed
-            # while the metrics were computed is reported now, a later one next time.
-            policy_wait, self._policy_wait = self._policy_wait, 0.0
-
-            mark = time.perf_counter()
-            payloads = await self._run(_encode_ranks, self._encode, grid)
-            if self._checkpointer is None:
-                await self._send(step, payloads)
-                timings["send"] = time.perf_counter() - mark
-            settled = True
-            batch = sink.settle_batch(detached, pruned)
+                mark = time.perf_counter()
+                payloads = await self._run(_encode_ranks, self._encode, grid)
+                if self._checkpointer is None:
+                    await self._send(step, payloads)
+                    timings["send"] = time.perf_counter() - mark
+                batch = cut.settle()
         except BaseException:
-            if not settled:
+            if batch is None:
                 self._policy_wait += policy_wait  # not reported: keep it for the next record
-                sink.requeue_batch(detached, pruned)
             raise
 
         # Booked. Everything up to the send is sync or shielded.
         # the window the sink read and reset (scalars: constant time, fine on the loop)
         all_stats = attempt_stats(batch.window if batch.window is not None else SinkWindow())
-        counters = attrs.asdict(sink.counters)
+        counters = attrs.asdict(self.sink.counters)
         if self._checkpointer is not None:
             # Durable before visible: the outbox (this step's exact bytes) and the checkpoint
             # that covers this step are on disk before any rank can see the step, so a resumed
@@ -561,17 +551,17 @@ async def open_publisher(
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
     async with trio.open_nursery() as nursery:
         publisher = Publisher(
-            nursery,
-            sink,
-            sender,
-            pack,
-            encode,
-            limiter,
-            checkpointer,
-            monitor,
-            DeferredRelease(limiter, release, release_timeout),
-            send_timeout,
-            monitor_timeout,
+            nursery=nursery,
+            sink=sink,
+            sender=sender,
+            pack=pack,
+            encode=encode,
+            limiter=limiter,
+            checkpointer=checkpointer,
+            monitor=monitor,
+            release=DeferredRelease(limiter, release, release_timeout),
+            send_timeout=send_timeout,
+            monitor_timeout=monitor_timeout,
         )
         try:
             yield publisher

@@ -31,6 +31,7 @@ from ._scoring import prune_detached as prune_detached
 from ._scoring import prune_zero_advantages as prune_zero_advantages
 from ._scoring import sample_version as sample_version
 from ._scoring import to_training_sample as to_training_sample
+from ._sink import Cut as Cut
 from ._sink import DetachedBatch as DetachedBatch
 from ._sink import OpenGroupState as OpenGroupState
 from ._sink import PruneMode as PruneMode

@@ -12,7 +12,9 @@ import enum
 import itertools
 import logging
 import math
-from collections.abc import Collection, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping
+from contextlib import asynccontextmanager
 from typing import Literal
 
 import attrs
@@ -36,6 +38,7 @@ from ._scoring import (
 from ._types import TrainingSample
 
 __all__ = [
+    "Cut",
     "DetachedBatch",
     "OpenGroupState",
     "PruneMode",
@@ -166,6 +169,35 @@ class DetachedBatch:
     samples: list[TrainingSample]
     step: int
     settled: bool = False
+
+
+@attrs.define(slots=True, eq=False)
+class Cut:
+    """A batch being cut (see :meth:`TrainSink.cut`): detached from the queue and, in
+    ``AFTER_SELECTION`` mode, pruned. ``samples`` are what would ship. :meth:`settle` books it;
+    leaving the ``cut`` block any other way puts it back."""
+
+    sink: TrainSink
+    detached: DetachedBatch
+    pruned: PruneResult | None
+    #: Seconds the post-selection pruning took in its worker (0 without pruning).
+    prune_seconds: float = 0.0
+
+    @property
+    def step(self) -> int:
+        return self.detached.step
+
+    @property
+    def samples(self) -> list[TrainingSample]:
+        return self.detached.samples if self.pruned is None else self.pruned.kept
+
+    @property
+    def settled(self) -> bool:
+        return self.detached.settled
+
+    def settle(self) -> TrainBatch:
+        """Book the cut (on the loop): see :meth:`TrainSink.settle_batch`."""
+        return self.sink.settle_batch(self.detached, self.pruned)
 
 
 @attrs.frozen
@@ -623,31 +655,50 @@ class TrainSink:
             self._enqueue(s)
         self._queue = dict(sorted(self._queue.items()))
 
-    # the name the publisher's test support used before requeue_batch was public
+    @asynccontextmanager
+    async def cut(
+        self, *, force: bool = False, limiter: trio.CapacityLimiter | None = None
+    ) -> AsyncIterator[Cut]:
+        """The one way a batch is cut: detach it on the loop, prune it in a worker thread in
+        ``AFTER_SELECTION`` mode, and yield the :class:`Cut`. The body ships ``cut.samples`` and
+        calls ``cut.settle()`` once they are out (an empty cut is settled the same way: it
+        books the pruned samples and advances nothing). Leaving the block by an exception or
+        cancellation before ``settle`` requeues the cut (:meth:`requeue_batch`: pruned samples
+        stay booked as pruned, the rest go back in arrival order) and re-raises; leaving it
+        normally without settling requeues it too.
+
+        Cancellation: before the cut nothing changes; during pruning the worker is waited for
+        (shielded) and the cut is requeued as above. Nothing is lost or counted twice.
+        """
+        detached = self.detach_batch(force=force)
+        pruned: PruneResult | None = None
+        try:
+            started = time.perf_counter()
+            if self.config.prune is PruneMode.AFTER_SELECTION:
+                with trio.CancelScope(shield=True):
+                    pruned = await trio.to_thread.run_sync(
+                        prune_detached, list(detached.samples), limiter=limiter
+                    )
+                await trio.lowlevel.checkpoint_if_cancelled()
+            yield Cut(self, detached, pruned, time.perf_counter() - started)
+        finally:
+            if not detached.settled:
+                self.requeue_batch(detached, pruned)
 
     async def take_batch(
         self, *, limiter: trio.CapacityLimiter | None = None, force: bool = False
     ) -> TrainBatch:
-        """Cut the next batch; in ``AFTER_SELECTION`` mode prune it in a worker thread.
+        """Cut the next batch and book it at once (:meth:`cut` with nothing to ship in
+        between): for tests, tools and trainers that consume batches in-process.
 
         On cancellation before the cut nothing changes. A cancellation during pruning waits for
         the worker (shielded), puts the surviving samples back in the queue (the pruned ones are
         booked as pruned) and re-raises: nothing is lost or counted twice.
         """
         await trio.lowlevel.checkpoint()
-        detached = self.detach_batch(force=force)
-        if self.config.prune is not PruneMode.AFTER_SELECTION:
-            return self.settle_batch(detached)
-        with trio.CancelScope(shield=True):
-            result = await trio.to_thread.run_sync(
-                prune_detached, list(detached.samples), limiter=limiter
-            )
-        try:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        except trio.Cancelled:
-            self.requeue_batch(detached, result)
-            raise
-        return self.settle_batch(detached, result)
+        async with self.cut(force=force, limiter=limiter) as cut:
+            return cut.settle()
+        raise AssertionError("unreachable")  # pragma: no cover - the block always returns
 
     def discard_queued(self) -> int:
         """Shutdown: drop every queued sample, booked as cancelled. Returns how many."""
