@@ -13,7 +13,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -302,6 +302,7 @@ class TrainSink:
         self._swept_step: int | None = None
         self._counters = SinkCounters()
         self._window = SinkWindow()
+        self._in_flight: Callable[[], Iterable[ResumedGroup]] | None = None
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -333,6 +334,34 @@ class TrainSink:
             len(self._queue) + sum(len(g.members) for g in self._open.values()) + len(self._in_cut)
         )
 
+    def track_in_flight(self, open_groups: Callable[[], Iterable[ResumedGroup]] | None) -> None:
+        """Make the sink the one record of work in flight: ``open_groups()`` (e.g. the async
+        driver's :meth:`~trio_rl.rollout.AsyncRolloutDriver.open_groups`) lists the groups the
+        rollout layer holds (running, queued, buffered) with their arrived members.
+
+        From then on :meth:`state_dict` saves them as open groups (a group the sink already
+        holds open gains the members it has not seen), their new members counted as
+        dispatched, so ``dispatched == settled + held`` holds in every snapshot; and
+        :meth:`live_payload_versions` protects their payloads. ``None`` stops tracking.
+        """
+        self._in_flight = open_groups
+
+    def discard(self, group: Group, reason: str) -> None:
+        """Book a finished group the rollout layer gave up on, so every sample settles once
+        (the async driver's ``on_discard`` hook). ``"aborted"``: added like any group (aborted
+        members booked cancelled, the rest filtered); ``"failed"``: its missing members are
+        booked failed, and a group the sink holds open (a resumed one) is scored with what it
+        has; any other reason (``"filtered"``, ``"stale"``): its missing members are booked
+        cancelled."""
+        gid = group.group_id if group.group_id in self._open else None
+        lost = group.size - self.arrived(group.group_id)
+        if reason == "aborted":
+            self.add_group(group)
+        elif reason == "failed":
+            self.record_failed(lost, gid)
+        else:
+            self.record_cancelled(lost, gid)
+
     def open_group_ids(self) -> list[str]:
         return list(self._open)
 
@@ -359,6 +388,10 @@ class TrainSink:
             live.add(g.start)
             live.update(sample_version(m, g.start) for m in g.members)
         live.update(self._unread.values())
+        for group in self._in_flight() if self._in_flight is not None else ():
+            # its start version bounds the versions its requests wrote under
+            live.add(group.policy_version_at_start)
+            live.update(v for m in group.arrived for v in m.policy_versions)
         return live
 
     def mark_read(self, step: int) -> None:
@@ -717,27 +750,48 @@ class TrainSink:
         never mutates a training sample (post-selection pruning works on copies), so sharing them
         costs nothing and cannot tear. Callers must not mutate queued or shipped samples in place
         while a save of an earlier snapshot is still running. Members of open groups are copied
-        with their lists. Samples in a cut are saved as queued.
+        with their lists. Samples in a cut are saved as queued. Groups in flight in the rollout
+        layer (see :meth:`track_in_flight`) are saved as open groups.
         """
         queued: Iterable[TrainingSample] = self._queue.values()  # kept in arrival order
         if self._in_cut:
             queued = sorted([*queued, *self._in_cut.values()], key=lambda s: s.arrival)
+        open_groups = {
+            g.group_id: OpenGroupState(
+                group_id=g.group_id,
+                prompt=g.prompt,
+                group_size=g.group_size,
+                policy_version_at_start=g.start,
+                members=tuple(copy_sample(m) for m in g.members),
+            )
+            for g in self._open.values()
+        }
+        # Work in flight (see track_in_flight): members the sink has not seen yet are saved as
+        # arrived and count as dispatched; on restore the sink holds them, and they settle
+        # exactly once like any other arrival.
+        added = 0
+        for group in self._in_flight() if self._in_flight is not None else ():
+            held = open_groups.get(group.group_id)
+            seen = set() if held is None else {m.index for m in held.members}
+            new = tuple(copy_sample(m) for m in group.arrived if m.index not in seen)
+            added += len(new)
+            open_groups[group.group_id] = OpenGroupState(
+                group_id=group.group_id,
+                prompt=group.prompt,
+                group_size=group.group_size,
+                policy_version_at_start=group.policy_version_at_start,
+                members=(*(() if held is None else held.members), *new),
+            )
+        counters = self._counters
+        if added:
+            counters = attrs.evolve(counters, dispatched=counters.dispatched + added)
         return SinkState(
             step=self._step,
             next_arrival=self._next_arrival,
-            counters=self._counters,
+            counters=counters,
             window=self._window,
             queued=tuple(queued),
-            open_groups=tuple(
-                OpenGroupState(
-                    group_id=g.group_id,
-                    prompt=g.prompt,
-                    group_size=g.group_size,
-                    policy_version_at_start=g.start,
-                    members=tuple(copy_sample(m) for m in g.members),
-                )
-                for g in self._open.values()
-            ),
+            open_groups=tuple(open_groups.values()),
         )
 
     def load_state_dict(
