@@ -13,7 +13,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from trio_rl.rollout import AsyncRolloutDriver
-from trio_rl.testing import InvariantViolation, RolloutSubject, async_driver_property
+from trio_rl.testing import Invariant, InvariantViolation, RolloutSubject, async_driver_property
 
 HUNT = settings(
     max_examples=500,
@@ -38,7 +38,7 @@ def test_catches_submission_while_paused(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(AsyncRolloutDriver, "paused", ignore_pause)
     error = _hunt()
-    assert error.invariant == 8
+    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED
     assert "submitted while paused" in error.detail
     assert len(error.steps) <= 12, str(error)
 
@@ -52,6 +52,6 @@ def test_catches_buffer_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(AsyncRolloutDriver, "__init__", unbounded)
     error = _hunt()
-    assert error.invariant == 8
+    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED
     assert "buffer holds" in error.detail
     assert len(error.steps) <= 12, str(error)

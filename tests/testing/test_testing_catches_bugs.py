@@ -6,11 +6,13 @@ property fails with the right invariant, after shrinking to a short schedule.
 
 from __future__ import annotations
 
+import unittest
 from collections.abc import Callable
 
 import pytest
 import trio
 from hypothesis import Phase, settings
+from hypothesis.database import InMemoryExampleDatabase
 
 from trio_rl.rollout import (
     CreditScheduler,
@@ -24,6 +26,7 @@ from trio_rl.rollout import (
 )
 from trio_rl.samples import Group, Sample, SampleStatus
 from trio_rl.testing import (
+    Invariant,
     InvariantViolation,
     RolloutSubject,
     credit_loop_property,
@@ -149,27 +152,27 @@ def _shrunk(error: InvariantViolation, most_steps: int) -> None:
 
 def test_catches_credit_not_returned_on_cancellation() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(runner=LeakyRunner), settings_=HUNT))
-    assert error.invariant == 1
+    assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE
     assert "returned 0 credits" in error.detail
     _shrunk(error, most_steps=6)
 
 
 def test_catches_credit_not_returned_in_the_sync_driver() -> None:
     error = _hunt(sync_driver_property(RolloutSubject(runner=LeakyRunner), settings_=HUNT))
-    assert error.invariant == 1
+    assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE
     _shrunk(error, most_steps=8)
 
 
 def test_catches_a_credit_returned_twice() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(runner=DoubleReturnRunner), settings_=HUNT))
-    assert error.invariant == 1
+    assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE
     assert "returned 2 credits" in error.detail
     _shrunk(error, most_steps=6)
 
 
 def test_catches_a_lost_wakeup() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(scheduler=LateArmScheduler), settings_=HUNT))
-    assert error.invariant == 5
+    assert error.invariant is Invariant.NO_LOST_WAKEUP
     _shrunk(error, most_steps=10)
 
 
@@ -209,13 +212,13 @@ class OffByOneBackfill(SampleBackfill):
 
 def test_catches_a_group_that_ends_before_its_samples() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(runner=EagerRunner), settings_=HUNT))
-    assert error.invariant == 2
+    assert error.invariant is Invariant.OUTCOME_AFTER_SAMPLES_SETTLE
     _shrunk(error, most_steps=6)
 
 
 def test_catches_over_admission() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(policy=OffByOneBackfill), settings_=HUNT))
-    assert error.invariant == 4
+    assert error.invariant is Invariant.ADMISSION_FOLLOWS_RULE
     assert "the rule says False" in error.detail
     _shrunk(error, most_steps=4)
 
@@ -223,7 +226,7 @@ def test_catches_over_admission() -> None:
 def test_catches_a_deadlock() -> None:
     """A generate function with no deadline lets a hanging engine call block the run."""
     error = _hunt(credit_loop_property(RolloutSubject(generate=engine_generate), settings_=HUNT))
-    assert error.invariant == 6
+    assert error.invariant is Invariant.NO_DEADLOCK
     assert "deadlock" in error.detail
     _shrunk(error, most_steps=6)
 
@@ -261,7 +264,30 @@ class SecondFailureBookedTwiceRunner(LeakyRunner):
 def test_catches_a_second_simultaneous_failure_booked_twice() -> None:
     subject = RolloutSubject(runner=SecondFailureBookedTwiceRunner)
     error = _hunt(credit_loop_property(subject, settings_=HUNT))
-    assert error.invariant == 1
+    assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE
     assert "returned 2 credits" in error.detail
     assert "fail together" in str(error)
     _shrunk(error, most_steps=6)
+
+
+def test_a_violation_names_its_invariant() -> None:
+    error = _hunt(credit_loop_property(RolloutSubject(runner=LeakyRunner), settings_=HUNT))
+    assert str(error).startswith(
+        "invariant ONE_CREDIT_PER_SAMPLE (every sample task returns exactly one credit) violated"
+    )
+    assert error.invariant.description == "every sample task returns exactly one credit"
+
+
+def test_saved_failures_replay_for_their_own_subject_only() -> None:
+    """The example database is namespaced by subject: a failing example saved for one subject
+    replays for it, and is not replayed for another subject on the same property."""
+    db = InMemoryExampleDatabase()
+    hunt = settings(HUNT, database=db)
+    replay = settings(HUNT, database=db, phases=[Phase.reuse])
+    leaky = RolloutSubject(runner=LeakyRunner)
+    _hunt(credit_loop_property(leaky, settings_=hunt))
+    assert db.data, "the failing example was not saved"
+    _hunt(credit_loop_property(leaky, settings_=replay))  # replays and fails again
+    other = RolloutSubject(runner=LeakyRunner, max_steps=15)
+    with pytest.raises(unittest.SkipTest, match="no test cases"):  # nothing saved for it
+        credit_loop_property(other, settings_=replay)()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from trio_rl.rollout import CreditView
-from trio_rl.testing import InvariantViolation, RolloutSubject, credit_loop_property
+from trio_rl.testing import Invariant, InvariantViolation, RolloutSubject, credit_loop_property
 
 DOC = Path(__file__).parents[2] / "docs" / "testing.md"
 
@@ -32,7 +32,7 @@ test_docs_worked_example = EXAMPLE["test_capped_backfill_conserves_credits"]
 
 
 def test_docs_example_rule_is_enforced() -> None:
-    """Had the example given a wrong rule, the harness would say so (invariant 4)."""
+    """Had the example given a wrong rule, the harness would say so (ADMISSION_FOLLOWS_RULE)."""
 
     def wrong_rule(view: CreditView) -> bool:
         return bool(EXAMPLE["capped_rule"](view)) and view.pending_groups < 2
@@ -49,4 +49,4 @@ def test_docs_example_rule_is_enforced() -> None:
     )
     with pytest.raises(InvariantViolation) as info:
         prop()
-    assert info.value.invariant == 4
+    assert info.value.invariant is Invariant.ADMISSION_FOLLOWS_RULE

@@ -20,6 +20,7 @@ import trio_util
 from ..policy import PolicyVersionCell, as_cell
 from ..samples import Group, PolicyVersion, ResumedGroup
 from ._credits import (
+    CreditLedger,
     CreditScheduler,
     GroupOutcome,
     GroupStatus,
@@ -149,6 +150,7 @@ class AsyncRolloutDriver:
         dynamic_filter: DynamicFilter | None,
         policy_version: PolicyVersion | PolicyVersionCell,
         on_discard: DiscardHook | None = None,
+        ledger: CreditLedger | None = None,
     ) -> None:
         self.source = source
         self.factory = factory
@@ -163,7 +165,7 @@ class AsyncRolloutDriver:
         self.dynamic_filter = dynamic_filter
         self.on_discard = on_discard
         #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
-        self.scheduler = CreditScheduler(policy, factory.group_size)
+        self.scheduler = CreditScheduler(policy, factory.group_size, ledger=ledger)
         #: The shared policy-version cell (the orchestrator's, when it opened the driver).
         self.version = as_cell(policy_version)
         self._queued: deque[Group] = deque()  # resumed and retried groups, before new prompts
@@ -191,6 +193,17 @@ class AsyncRolloutDriver:
     @property
     def policy_version(self) -> PolicyVersion:
         return self.version.value
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the worker stopped, or None while it runs (or after a clean close).
+
+        Set once, when the worker fails (a group failure under ``FailurePolicy("fail")``, a
+        failure budget exceeded, an error in the source or a hook); from then on the worker
+        admits nothing and :meth:`next_batch` raises :class:`DriverFailed` chained to it.
+        Cancellation of the worker (leaving the block) is not a failure.
+        """
+        return self._failure
 
     def set_policy_version(self, version: PolicyVersion) -> None:
         """Advance the shared version cell (after a weight update); see
@@ -499,6 +512,7 @@ async def open_async_rollout(
     resumed: Iterable[ResumedGroup] = (),
     policy_version: PolicyVersion | PolicyVersionCell = 0,
     on_discard: DiscardHook | None = None,
+    ledger: CreditLedger | None = None,
 ) -> AsyncIterator[AsyncRolloutDriver]:
     """Run a fully-async rollout worker for the duration of the block.
 
@@ -510,7 +524,9 @@ async def open_async_rollout(
     production pauses. ``policy_version`` is a starting version or the pipeline's shared
     :class:`~trio_rl.policy.PolicyVersionCell`. ``resumed`` groups start before any new
     prompt. ``on_discard`` is told of every finished group that will not reach the consumer
-    (failed and skipped, aborted, filtered, stale), e.g. to book its samples.
+    (failed and skipped, aborted, filtered, stale), e.g. to book its samples. ``ledger`` is
+    the empty :class:`CreditLedger` the worker's scheduler keeps its books in (default a new
+    one); pass your own (a subclass, say) to observe every credit the worker hands out.
 
     Leaving the block cancels every running group and the worker, and waits for them: no
     task outlives it. Groups still buffered are discarded; save state first if needed.
@@ -551,6 +567,7 @@ async def open_async_rollout(
         dynamic_filter=dynamic_filter,
         policy_version=policy_version,
         on_discard=on_discard,
+        ledger=ledger,
     )
     driver.resume(resumed)
     # The body's exception is re-raised outside the nursery, so callers see it unwrapped.

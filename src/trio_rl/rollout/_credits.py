@@ -294,13 +294,24 @@ class CreditScheduler:
     ``finally`` while the calling task is being cancelled. The scheduler must outlive every
     task that reports to it: close it (:meth:`close`) only after the nursery running the
     groups has exited.
+
+    ``ledger`` is the (empty) ledger to keep the books in, default a new :class:`CreditLedger`;
+    pass one, e.g. a subclass that also records what it is told, to observe the driver's
+    accounting from outside (the :mod:`trio_rl.testing` harness does).
     """
 
-    def __init__(self, policy: SubmissionPolicy, group_size: int) -> None:
+    def __init__(
+        self, policy: SubmissionPolicy, group_size: int, *, ledger: CreditLedger | None = None
+    ) -> None:
         check_int("CreditScheduler", "group_size", group_size, minimum=1)
+        if ledger is not None and (ledger.opened or ledger.returned or ledger.pending_groups):
+            raise CreditError(
+                f"CreditScheduler.ledger must be empty, got opened={ledger.opened}, "
+                f"returned={ledger.returned}, pending_groups={ledger.pending_groups}"
+            )
         self.policy = policy
         self.group_size = group_size
-        self.ledger = CreditLedger()
+        self.ledger = ledger if ledger is not None else CreditLedger()
         send, receive = trio.open_memory_channel[CreditEvent](math.inf)
         self._send = send
         self._receive = receive

@@ -26,7 +26,7 @@ from ._recorder import RecordingRunner as RecordingRunner
 from ._recorder import RunnerLike as RunnerLike
 from ._recorder import SampleRecord as SampleRecord
 from ._recorder import TrackingLedger as TrackingLedger
-from ._report import INVARIANTS as INVARIANTS
+from ._report import Invariant as Invariant
 from ._report import Trace as Trace
 from ._report import live_tasks as live_tasks
 from ._strategies import ADVANCE_SECONDS as ADVANCE_SECONDS

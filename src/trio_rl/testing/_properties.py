@@ -9,14 +9,16 @@ functions. Every step of every example checks the invariants of docs/testing.md;
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import trio
 import trio.testing
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import ExampleDatabase
 
 from ..rollout import (
     DriverFailed,
@@ -33,7 +35,7 @@ from ..rollout import (
 )
 from ..samples import Group, Prompt, ResumedGroup, Sample, SampleStatus
 from ._recorder import TrackingLedger
-from ._report import live_tasks, unwrap_single
+from ._report import Invariant, live_tasks, unwrap_single
 from ._subject import HANG_TIMEOUT, RolloutSubject
 from ._world import World
 
@@ -89,8 +91,9 @@ def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None
     Draws the group size, budget and number of groups (some of them resumed, with members
     already arrived), then a schedule of engine moves, budget changes and an optional early
     stop; the loop admits groups while the policy says so and reaps them from the scheduler.
-    Checks invariants 1-6 after every step, and at the end that every group ended exactly once
-    and nothing is left running.
+    Checks the invariants from ``ONE_CREDIT_PER_SAMPLE`` to ``NO_DEADLOCK`` (see
+    :class:`~trio_rl.testing.Invariant`) after every step, and at the end that every group
+    ended exactly once and nothing is left running.
     """
     subject = subject if subject is not None else RolloutSubject()
     _run(data, subject, _credit_loop_body)
@@ -145,7 +148,7 @@ async def _credit_loop_body(world: World) -> None:
                     record = world.recorder.groups.get(outcome.group_id)
                     world.recorder.check(
                         record is not None and record.ended,
-                        2,
+                        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
                         f"outcome of group {outcome.group_id} delivered before it ended",
                     )
                     outcomes[outcome.group_id] = outcomes.get(outcome.group_id, 0) + 1
@@ -159,7 +162,7 @@ async def _credit_loop_body(world: World) -> None:
         ]
         world.check(
             not undelivered,
-            5,
+            Invariant.NO_LOST_WAKEUP,
             f"the driver is asleep although group {undelivered[:1]} ended and its outcome "
             "was never delivered",
         )
@@ -200,13 +203,13 @@ async def _credit_loop_body(world: World) -> None:
     ledger = scheduler.ledger
     world.check(
         ledger.in_flight == 0 and ledger.opened == ledger.returned and ledger.pending_groups == 0,
-        3,
+        Invariant.CREDITS_MATCH_PENDING_SAMPLES,
         f"run over but ledger holds {ledger.in_flight} credits "
         f"(opened {ledger.opened}, returned {ledger.returned})",
     )
     world.check(
         len(outcomes) == total and all(v == 1 for v in outcomes.values()),
-        2,
+        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
         f"{total} groups ran but outcomes were delivered as {sorted(outcomes.values())}",
     )
 
@@ -235,18 +238,40 @@ def _property(
     chosen = (
         settings_ if settings_ is not None else settings(report_multiple_bugs=False, phases=_PHASES)
     )
-    # Failing examples saved in Hypothesis's database are keyed by the test's digest; fold the
-    # subject in, so properties of different subjects do not replay each other's examples.
-    test._hypothesis_internal_add_digest = _subject_digest(subject)  # type: ignore[attr-defined]
+    # Failing examples saved in Hypothesis's database are keyed by the test function, the same
+    # for every subject; namespace the keys by the subject, so properties of different
+    # subjects do not replay each other's examples.
+    if subject is not None and chosen.database is not None:
+        chosen = settings(
+            chosen, database=SubjectDatabase(chosen.database, _subject_digest(subject))
+        )
     # st.random_module() lets Hypothesis explore (and shrink) trio's task scheduling order.
     wrapped: Callable[[], None] = chosen(given(st.data(), st.random_module())(test))
     return wrapped
 
 
-def _subject_digest(subject: RolloutSubject | None) -> bytes:
-    if subject is None:
-        return b""
+class SubjectDatabase(ExampleDatabase):
+    """Another Hypothesis example database, with every key prefixed by a namespace."""
 
+    def __init__(self, inner: ExampleDatabase, namespace: bytes) -> None:
+        super().__init__()
+        self.inner = inner
+        self.prefix = hashlib.sha256(namespace).digest()
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.inner.save(self.prefix + key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return self.inner.fetch(self.prefix + key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self.inner.delete(self.prefix + key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.inner.move(self.prefix + src, self.prefix + dest, value)
+
+
+def _subject_digest(subject: RolloutSubject) -> bytes:
     def name(value: object) -> str:
         return (
             str(getattr(value, "__module__", ""))
@@ -267,10 +292,10 @@ def check_sync_driver(data: st.DataObject, subject: RolloutSubject | None = None
     """One example: the real :class:`~trio_rl.rollout.SyncRolloutDriver` over ``subject``.
 
     Draws ``T``, ``G``, over-sampling, the dynamic filter, partial rollouts and the number of
-    calls, then an adversarial schedule. Checks invariants 1-6 after every step and 7 after
-    every call: exactly ``T`` groups of ``G`` samples sorted by first index, all started by
-    that call, everything else cancelled and settled (or :class:`SourceExhausted` with the
-    source really exhausted).
+    calls, then an adversarial schedule. Checks the first six invariants after every step and
+    ``SYNC_BATCH_SHAPE`` after every call: exactly ``T`` groups of ``G`` samples sorted by
+    first index, all started by that call, everything else cancelled and settled (or
+    :class:`SourceExhausted` with the source really exhausted).
     """
     subject = subject if subject is not None else RolloutSubject()
     _run(data, subject, _sync_body)
@@ -315,7 +340,9 @@ async def _sync_body(world: World) -> None:
                     batch = await driver.generate(t, allow_partial=allow_partial)
                 except SourceExhausted:
                     world.check(
-                        source.exhausted, 7, "SourceExhausted raised but the source has prompts"
+                        source.exhausted,
+                        Invariant.SYNC_BATCH_SHAPE,
+                        "SourceExhausted raised but the source has prompts",
                     )
                     world.log(f"call {call + 1}: source exhausted")
                     return
@@ -325,22 +352,28 @@ async def _sync_body(world: World) -> None:
                 _check_batch(world, groups, t, g, partial_ok=not batch.complete)
                 world.check(
                     batch.complete or (allow_partial and source.exhausted),
-                    7,
+                    Invariant.SYNC_BATCH_SHAPE,
                     f"partial batch of {len(groups)} while prompts remain",
                 )
                 world.check(
                     all(gr.first_index >= first for gr in groups),
-                    7,
+                    Invariant.SYNC_BATCH_SHAPE,
                     "a group started by an earlier call was carried over",
                 )
                 if filtering:
                     world.check(
-                        not any(gr.has_aborted for gr in groups), 7, "aborted group accepted"
+                        not any(gr.has_aborted for gr in groups),
+                        Invariant.SYNC_BATCH_SHAPE,
+                        "aborted group accepted",
                     )
-                world.check(driver.scheduler is None, 7, "scheduler survived the call")
+                world.check(
+                    driver.scheduler is None,
+                    Invariant.SYNC_BATCH_SHAPE,
+                    "scheduler survived the call",
+                )
                 world.check(
                     not world.engine.running and not world.recorder.open_groups,
-                    7,
+                    Invariant.SYNC_BATCH_SHAPE,
                     "groups still running after generate() returned",
                 )
         finally:
@@ -371,29 +404,35 @@ def _check_batch(
 ) -> None:
     world.check(
         len(groups) == t or (partial_ok and 0 < len(groups) < t),
-        7,
+        Invariant.SYNC_BATCH_SHAPE,
         f"batch of {len(groups)} groups, expected {t}",
     )
     world.check(
         all(gr.size == g for gr in groups),
-        7,
+        Invariant.SYNC_BATCH_SHAPE,
         f"group sizes {[gr.size for gr in groups]}, expected {g}",
     )
     firsts = [gr.first_index for gr in groups]
-    world.check(firsts == sorted(firsts), 7, f"batch not sorted by first index: {firsts}")
+    world.check(
+        firsts == sorted(firsts),
+        Invariant.SYNC_BATCH_SHAPE,
+        f"batch not sorted by first index: {firsts}",
+    )
     ids = [gr.group_id for gr in groups]
-    world.check(len(set(ids)) == len(ids), 7, "a group appears twice in one batch")
+    world.check(
+        len(set(ids)) == len(ids), Invariant.SYNC_BATCH_SHAPE, "a group appears twice in one batch"
+    )
     for gr in groups:
         record = world.recorder.groups.get(gr.group_id)
         world.check(
             record is not None and record.outcome == "completed",
-            7,
+            Invariant.SYNC_BATCH_SHAPE,
             f"group {gr.group_id} in the batch did not complete "
             f"({None if record is None else record.outcome})",
         )
         world.check(
             all(s.status is not SampleStatus.PENDING for s in gr.samples),
-            7,
+            Invariant.SYNC_BATCH_SHAPE,
             f"group {gr.group_id} in the batch has unfinished samples",
         )
 
@@ -413,7 +452,8 @@ def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = Non
 
     Draws the batch size, budget, buffer capacity, failure and aborted-group policies, then a
     schedule that interleaves engine moves with the consumer taking batches, pauses and
-    resumes, weight updates and an early close. Checks invariants 1-6 after every step, and 8:
+    resumes, weight updates and an early close. Checks the first six invariants after every
+    step, and ``ASYNC_BOUNDED_PAUSED_CLOSED``:
     the buffer never exceeds its capacity, nothing is submitted while paused, and closing
     leaves no task, engine call or group running.
     """
@@ -440,13 +480,16 @@ async def _async_body(world: World) -> None:
     taken: list[str] = []
     state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
 
+    # The driver keeps its books in a ledger that also counts re-submissions (retries).
+    ledger = TrackingLedger()
+    world.ledger = lambda: ledger
+
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
 
         def submissions() -> int:
             # Every submission opens the group in the ledger (retries included).
-            ledger = world.ledger()
-            return sum(ledger.opens.values()) if isinstance(ledger, TrackingLedger) else 0
+            return sum(ledger.opens.values())
 
         async with (
             contextlib.AsyncExitStack() as pause_stack,
@@ -461,13 +504,14 @@ async def _async_body(world: World) -> None:
                 max_staleness=staleness,
                 aborted=aborted,
                 on_failure=FailurePolicy(failure, max_retries=1),
+                ledger=ledger,
             ) as driver,
         ):
-            # The worker has not run yet: give it a ledger that counts re-submissions.
-            world.check(driver.scheduler.ledger.opened == 0, 3, "worker decided early")
-            ledger = TrackingLedger()
-            driver.scheduler.ledger = ledger
-            world.ledger = lambda: ledger
+            world.check(
+                driver.scheduler.ledger is ledger,
+                Invariant.CREDITS_MATCH_PENDING_SAMPLES,
+                "the driver keeps another ledger",
+            )
 
             async def consume() -> None:
                 # Staleness is judged as each group is taken, at some version from here on.
@@ -487,7 +531,7 @@ async def _async_body(world: World) -> None:
                 if staleness is not None:
                     world.check(
                         all(gr.staleness(version_at_call) <= staleness for gr in batch),
-                        8,
+                        Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
                         f"a group staler than {staleness} versions was handed to the consumer",
                     )
 
@@ -500,16 +544,16 @@ async def _async_body(world: World) -> None:
                 stats = driver.statistics()
                 world.check(
                     stats.buffered <= capacity,
-                    8,
+                    Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
                     f"buffer holds {stats.buffered} groups, capacity {capacity}",
                 )
                 if state["paused_at"] is not None:
                     world.check(
                         submissions() == state["paused_at"],
-                        8,
+                        Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
                         f"{submissions() - state['paused_at']} groups submitted while paused",
                     )
-                alive = getattr(driver, "_failure", None) is None
+                alive = driver.failure is None
                 world.check_awake(
                     budget=budget,
                     group_size=g,
@@ -569,7 +613,11 @@ async def _async_body(world: World) -> None:
         # The driver is closed: nothing it started may still run.
         await world.quiesce()
         world.check_no_leftovers(baseline, allowed=harness.child_tasks)
-        world.check(len(set(taken)) == len(taken), 8, "a group was handed out twice")
+        world.check(
+            len(set(taken)) == len(taken),
+            Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+            "a group was handed out twice",
+        )
 
 
 def async_driver_property(

@@ -23,7 +23,7 @@ from ..rollout import (
     SubmissionPolicy,
 )
 from ..samples import Group, Sample, SampleStatus
-from ._report import InvariantViolation, Trace
+from ._report import Invariant, InvariantViolation, Trace
 
 __all__ = [
     "CreditRecorder",
@@ -118,11 +118,11 @@ class CreditRecorder:
     # Checks made from inside the system under test only *record* the first violation: raising
     # from a credit callback or a policy would derail the driver into some other error. The
     # harness raises the recorded violation after every step.
-    def fail(self, invariant: int, detail: str) -> None:
+    def fail(self, invariant: Invariant, detail: str) -> None:
         if self.violation is None:
             self.violation = self.trace.fail(invariant, detail)
 
-    def check(self, ok: bool, invariant: int, detail: str) -> None:
+    def check(self, ok: bool, invariant: Invariant, detail: str) -> None:
         if not ok:
             self.fail(invariant, detail)
 
@@ -138,14 +138,17 @@ class CreditRecorder:
     def sample(self, sample: Sample) -> SampleRecord:
         group = self._by_sample.get(sample.index)
         if group is None or sample.index not in group.samples:
-            self.fail(1, f"sample {sample.index} is not a pending sample of a running group")
+            self.fail(
+                Invariant.ONE_CREDIT_PER_SAMPLE,
+                f"sample {sample.index} is not a pending sample of a running group",
+            )
             return SampleRecord(sample.index)
         return group.samples[sample.index]
 
     def group_started(self, group: Group) -> GroupRecord:
         self.check(
             group.group_id not in self.groups or self.groups[group.group_id].ended,
-            2,
+            Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
             f"group {group.group_id} started while already running",
         )
         pending = [s for s in group.samples if s.status is SampleStatus.PENDING]
@@ -165,13 +168,13 @@ class CreditRecorder:
     def credit(self, record: GroupRecord, sample: Sample) -> None:
         self.check(
             not record.ended,
-            2,
+            Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
             f"sample {sample.index} returned its credit after group {record.group_id} ended",
         )
         entry = record.samples.get(sample.index)
         if entry is None:
             self.fail(
-                1,
+                Invariant.ONE_CREDIT_PER_SAMPLE,
                 f"credit returned for sample {sample.index}, which group {record.group_id} "
                 "did not take a credit for",
             )
@@ -180,12 +183,12 @@ class CreditRecorder:
         entry.credit_at = trio.current_time()
         self.check(
             entry.credits == 1,
-            1,
+            Invariant.ONE_CREDIT_PER_SAMPLE,
             f"sample {sample.index} of group {record.group_id} returned {entry.credits} credits",
         )
         self.check(
             not entry.generating,
-            1,
+            Invariant.ONE_CREDIT_PER_SAMPLE,
             f"sample {sample.index} returned its credit while its generate call was running",
         )
 
@@ -197,14 +200,14 @@ class CreditRecorder:
         for entry in record.samples.values():
             self.check(
                 not entry.generating,
-                2,
+                Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
                 f"group {record.group_id} ended ({outcome}) while sample {entry.index} "
                 "was still generating",
             )
             if entry.generated:
                 self.check(
                     entry.credits == 1,
-                    1,
+                    Invariant.ONE_CREDIT_PER_SAMPLE,
                     f"group {record.group_id} ended ({outcome}); sample {entry.index} "
                     f"ran but returned {entry.credits} credits",
                 )
@@ -238,7 +241,8 @@ class CreditRecorder:
         return c, p
 
     def check_decision(self, view: CreditView, admitted: bool, expected: bool | None) -> None:
-        """Invariants 3 and 4 at a decision point (called by :class:`RecordingPolicy`)."""
+        """``CREDITS_MATCH_PENDING_SAMPLES`` and ``ADMISSION_FOLLOWS_RULE`` at a decision
+        point (called by :class:`RecordingPolicy`)."""
         self.decisions.append((view, admitted))
         ledger = self._ledger()
         c, p = self.truth()
@@ -247,31 +251,31 @@ class CreditRecorder:
             for g in self.groups.values():
                 if g.ended and g.group_id in pending and not self.not_started(ledger, g.group_id):
                     self.fail(
-                        3,
+                        Invariant.CREDITS_MATCH_PENDING_SAMPLES,
                         f"decision with group {g.group_id} still pending in the ledger after "
                         "it ended (queued events were not drained before deciding)",
                     )
             self.check(
                 ledger.in_flight == sum(pending.values()),
-                3,
+                Invariant.CREDITS_MATCH_PENDING_SAMPLES,
                 f"ledger in_flight={ledger.in_flight} but its pending groups hold "
                 f"{sum(pending.values())}",
             )
         self.check(
             (view.in_flight, view.pending_groups) == (c, p),
-            3,
+            Invariant.CREDITS_MATCH_PENDING_SAMPLES,
             f"decision saw in_flight={view.in_flight}, pending={view.pending_groups}; "
             f"the unfinished samples of the {p} pending groups are {c}",
         )
         self.check(
             view.pending_groups > 0 or view.in_flight == 0,
-            3,
+            Invariant.CREDITS_MATCH_PENDING_SAMPLES,
             f"no group pending but {view.in_flight} credits in flight",
         )
         if expected is not None:
             self.check(
                 admitted == expected,
-                4,
+                Invariant.ADMISSION_FOLLOWS_RULE,
                 f"policy answered {admitted} for {view}; the rule says {expected}",
             )
 
@@ -281,7 +285,8 @@ def _short(group_id: str) -> str:
 
 
 def spec_rule(policy: SubmissionPolicy) -> Callable[[CreditView], bool] | None:
-    """The admission rule (invariant 4) for the library's two policies (None for others).
+    """The admission rule (``ADMISSION_FOLLOWS_RULE``) of the library's two policies (None
+    for others).
 
     `SampleBackfill` admits a group while ``in_flight + group_size <= budget * group_size``;
     `GroupGranularity` while ``pending_groups < budget``.
@@ -317,7 +322,7 @@ class RecordingPolicy:
         if isinstance(self.inner, SampleBackfill) and view.pending_groups < view.budget:
             self.recorder.check(
                 admitted,
-                4,
+                Invariant.ADMISSION_FOLLOWS_RULE,
                 f"sample backfill refused {view} although group granularity admits",
             )
         return admitted
@@ -330,7 +335,7 @@ def recording_generate(recorder: CreditRecorder, inner: GenerateFn) -> GenerateF
         entry = recorder.sample(sample)
         recorder.check(
             not entry.generated,
-            1,
+            Invariant.ONE_CREDIT_PER_SAMPLE,
             f"sample {sample.index} generated twice in one group run",
         )
         entry.generating = entry.generated = True

@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
+import enum
+
 import trio
 
 from ._errors import InvariantViolation
 
-__all__ = ["InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
+__all__ = ["Invariant", "InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
 
-#: Short names of the credit invariants (docs/testing.md, "What is checked"), used in messages.
-INVARIANTS: dict[int, str] = {
-    1: "every sample task returns exactly one credit",
-    2: "a group's outcome is visible only after all its samples settled and returned credit",
-    3: "credits in flight equal the unfinished samples of pending groups",
-    4: "admission follows the policy's rule",
-    5: "no lost wake-up: the driver never sleeps while it may admit and prompts remain",
-    6: "no deadlock: the run ends within its virtual time bound",
-    7: "sync driver: exactly T groups of G samples, sorted by first index",
-    8: "fully-async: bounded buffer, no submission while paused, nothing left running on close",
+
+class Invariant(enum.IntEnum):
+    """The invariants the harness checks (docs/testing.md, "What is checked").
+
+    A violation names its member (``error.invariant is Invariant.NO_LOST_WAKEUP``); the member
+    prints as its name and :attr:`description` states it. The members are ints only so they
+    fit :class:`~trio_rl.errors.InvariantViolationError`'s ``invariant`` field.
+    """
+
+    ONE_CREDIT_PER_SAMPLE = 1
+    OUTCOME_AFTER_SAMPLES_SETTLE = 2
+    CREDITS_MATCH_PENDING_SAMPLES = 3
+    ADMISSION_FOLLOWS_RULE = 4
+    NO_LOST_WAKEUP = 5
+    NO_DEADLOCK = 6
+    SYNC_BATCH_SHAPE = 7
+    ASYNC_BOUNDED_PAUSED_CLOSED = 8
+
+    @property
+    def description(self) -> str:
+        """What the invariant states."""
+        return _DESCRIPTIONS[self]
+
+    def __str__(self) -> str:
+        return self.name
+
+    __format__ = enum.Enum.__format__
+
+
+_DESCRIPTIONS: dict[Invariant, str] = {
+    Invariant.ONE_CREDIT_PER_SAMPLE: "every sample task returns exactly one credit",
+    Invariant.OUTCOME_AFTER_SAMPLES_SETTLE: (
+        "a group's outcome is visible only after all its samples settled and returned credit"
+    ),
+    Invariant.CREDITS_MATCH_PENDING_SAMPLES: (
+        "credits in flight equal the unfinished samples of pending groups"
+    ),
+    Invariant.ADMISSION_FOLLOWS_RULE: "admission follows the policy's rule",
+    Invariant.NO_LOST_WAKEUP: (
+        "no lost wake-up: the driver never sleeps while it may admit and prompts remain"
+    ),
+    Invariant.NO_DEADLOCK: "no deadlock: the run ends within its virtual time bound",
+    Invariant.SYNC_BATCH_SHAPE: "sync driver: exactly T groups of G samples, sorted by first index",
+    Invariant.ASYNC_BOUNDED_PAUSED_CLOSED: (
+        "fully-async: bounded buffer, no submission while paused, nothing left running on close"
+    ),
 }
 
 
@@ -30,15 +68,13 @@ class Trace:
     def log(self, step: str) -> None:
         self.steps.append(f"t={trio.current_time():g} {step}")
 
-    def check(self, ok: bool, invariant: int, detail: str) -> None:
+    def check(self, ok: bool, invariant: Invariant, detail: str) -> None:
         """Raise :class:`InvariantViolation` unless ``ok``."""
         if not ok:
             raise self.fail(invariant, detail)
 
-    def fail(self, invariant: int, detail: str) -> InvariantViolation:
-        return InvariantViolation(
-            invariant, detail, self.steps, description=INVARIANTS.get(invariant, "?")
-        )
+    def fail(self, invariant: Invariant, detail: str) -> InvariantViolation:
+        return InvariantViolation(invariant, detail, self.steps, description=invariant.description)
 
 
 def live_tasks() -> set[trio.lowlevel.Task]:

@@ -26,7 +26,7 @@ from ._recorder import (
     recording_generate,
     spec_rule,
 )
-from ._report import InvariantViolation, Trace, live_tasks
+from ._report import Invariant, InvariantViolation, Trace, live_tasks
 from ._strategies import ADVANCE_SECONDS, Step, schedules
 from ._subject import RolloutSubject
 
@@ -120,11 +120,11 @@ class World:
         await trio.testing.wait_all_tasks_blocked()
         self.recorder.raise_first()
 
-    def check(self, ok: bool, invariant: int, detail: str) -> None:
+    def check(self, ok: bool, invariant: Invariant, detail: str) -> None:
         self.recorder.check(ok, invariant, detail)
         self.recorder.raise_first()
 
-    def fail(self, invariant: int, detail: str) -> InvariantViolation:
+    def fail(self, invariant: Invariant, detail: str) -> InvariantViolation:
         self.recorder.fail(invariant, detail)
         assert self.recorder.violation is not None
         return self.recorder.violation
@@ -132,7 +132,7 @@ class World:
     def check_awake(
         self, *, budget: int | None, group_size: int, may_submit: bool, drains: bool = True
     ) -> None:
-        """Invariant 5: the driver is blocked, so it must have no capacity to use and no
+        """``NO_LOST_WAKEUP``: the driver is blocked, so it must have no capacity to use and no
         completion it has not applied.
 
         Called once every task is blocked. ``may_submit`` is False when the driver has a
@@ -150,7 +150,7 @@ class World:
             ]
             self.check(
                 not stale,
-                5,
+                Invariant.NO_LOST_WAKEUP,
                 f"the driver is asleep although group {stale[:1]} ended (its completion "
                 "was never applied to the ledger)",
             )
@@ -160,7 +160,7 @@ class World:
         view = CreditView(in_flight=c, pending_groups=p, group_size=group_size, budget=budget)
         self.check(
             not self.inner_policy.admits(view),
-            5,
+            Invariant.NO_LOST_WAKEUP,
             f"the driver is asleep although the policy admits {view} and prompts remain",
         )
 
@@ -173,14 +173,20 @@ class World:
         """Nothing the system started is still running: tasks, engine calls, groups."""
         extra = live_tasks() - baseline - {trio.lowlevel.current_task()} - set(allowed)
         self.check(
-            not extra, 8, f"tasks still running after close: {sorted(t.name for t in extra)}"
+            not extra,
+            Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+            f"tasks still running after close: {sorted(t.name for t in extra)}",
         )
         running = self.engine.running
-        self.check(not running, 8, f"{len(running)} engine calls still running after close")
+        self.check(
+            not running,
+            Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+            f"{len(running)} engine calls still running after close",
+        )
         open_groups = self.recorder.open_groups
         self.check(
             not open_groups,
-            2,
+            Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
             f"{len(open_groups)} groups never ended: {[g.group_id for g in open_groups]}",
         )
 
@@ -194,7 +200,7 @@ class World:
     ) -> None:
         """End the run: settle everything held as ``stop`` and let deadlines pass until
         ``done()``. A run that cannot end, or needs more than ``rounds`` rounds or more
-        than ``time_bound`` virtual seconds, violates invariant 6 (no deadlock)."""
+        than ``time_bound`` virtual seconds, violates ``NO_DEADLOCK``."""
         self.log("finish: settle everything held as stop, let deadlines pass")
         idle_at: tuple[int, int, int] | None = None
         for _ in range(rounds):
@@ -205,7 +211,7 @@ class World:
                 return
             self.check(
                 trio.current_time() <= time_bound,
-                6,
+                Invariant.NO_DEADLOCK,
                 f"run still going at t={trio.current_time():g}s (bound {time_bound:g}s)",
             )
             held = self.engine.held
@@ -222,9 +228,9 @@ class World:
             progress = (len(self.trace.steps), len(self.engine.calls), len(self.recorder.decisions))
             if progress == idle_at:
                 raise self.fail(
-                    6,
+                    Invariant.NO_DEADLOCK,
                     "deadlock: the run has not ended, every task is blocked and nothing "
                     "(no engine call, no deadline, no consumer) can wake one",
                 )
             idle_at = progress
-        raise self.fail(6, f"the run did not end within {rounds} rounds")
+        raise self.fail(Invariant.NO_DEADLOCK, f"the run did not end within {rounds} rounds")
