@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from train_helpers import assert_accounted, make_group
 
-from trio_rl import orchestrator
 from trio_rl.samples import ResumedGroup, SampleStatus
 from trio_rl.train import SinkConfig, TrainSink
-from trio_rl.train._sink import state_problem
+from trio_rl.train._sink_state import state_problem
 
 
 def _sink() -> TrainSink:
@@ -85,10 +84,3 @@ def test_discards_are_booked_by_the_sink() -> None:
     c = assert_accounted(sink)
     assert (c.failed, c.cancelled, c.filtered) == (2, 1, 1)
     assert sink.queued == 0
-
-
-def test_the_orchestrator_keeps_no_books_of_its_own() -> None:
-    # the merge, the counter patch and the discard bookkeeping live in the sink now
-    assert not hasattr(orchestrator, "_RunCheckpointer")
-    assert not hasattr(orchestrator.Orchestrator, "_discard")
-    assert not hasattr(orchestrator, "_copy_finished")

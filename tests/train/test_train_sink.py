@@ -114,7 +114,7 @@ def test_staleness_boundary_and_once_per_step_sweep(caplog: pytest.LogCaptureFix
     assert s.queued == 2
     assert s.counters.stale == 2
     # a queued sample goes stale when the step moves on; the sweep at the readiness check drops it
-    s._step = 13  # simulate a shipped batch elsewhere
+    s.queue.step = 13  # simulate a shipped batch elsewhere
     with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
         assert not s.ready()
     assert s.queued == 0

@@ -42,11 +42,8 @@ from ._codec import (
     encode_training_sample,
 )
 from ._errors import CheckpointError
-from ._sink import (
-    SinkState,
-    TrainSink,
-    payload_files_of_state,
-)
+from ._sink import TrainSink
+from ._sink_state import SinkState, payload_files_of_state
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -22,7 +22,8 @@ from ._codec import (
     want_number,
     want_str,
 )
-from ._sink import OpenGroupState, SinkCounters, SinkState, SinkWindow, state_problem
+from ._queue import SinkCounters, SinkWindow
+from ._sink_state import OpenGroupState, SinkState, state_problem
 
 __all__ = ["Meta", "check_state", "decode_meta", "decode_open_group"]
 
