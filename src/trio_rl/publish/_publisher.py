@@ -16,6 +16,7 @@ Nothing the loop still mutates is handed to a worker: the batch is detached firs
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -327,43 +328,24 @@ class Publisher:
             # A failure or cancellation here does not requeue (the books say shipped): the
             # step stays pending and is re-sent, identical, before the next step. The monitor
             # follows the books, so it sees the step either way (shielded when the send failed).
+            finish = functools.partial(
+                self._finish, step, started, timings, samples, detached, payloads, grid, pruned,
+                all_stats, effective, counters, policy_wait,
+            )  # fmt: skip
             try:
                 await self._send(step, payloads)
                 await self._confirm(step)
             except BaseException:
                 with trio.CancelScope(shield=True):
-                    await self._finish(
-                        step,
-                        started,
-                        timings,
-                        samples,
-                        detached,
-                        payloads,
-                        grid,
-                        pruned,
-                        all_stats,
-                        effective,
-                        counters,
-                        policy_wait,
-                    )
+                    await finish()
                 raise
             timings["send"] = encoded + time.perf_counter() - mark
-        else:
-            timings["checkpoint"] = 0.0
+            return await finish()
+        timings["checkpoint"] = 0.0
         return await self._finish(
-            step,
-            started,
-            timings,
-            samples,
-            detached,
-            payloads,
-            grid,
-            pruned,
-            all_stats,
-            effective,
-            counters,
-            policy_wait,
-        )
+            step, started, timings, samples, detached, payloads, grid, pruned,
+            all_stats, effective, counters, policy_wait,
+        )  # fmt: skip
 
     async def _finish(
         self,
