@@ -213,15 +213,18 @@ def _trained_through(out: Path, rank: int) -> int | None:
 
 def _record(micro_batches: Sequence[MicroBatch], data: bytes) -> dict[str, object]:
     # What the trainer trained on, for checking exactly-once from its side: the payload's hash
-    # and, per sequence, its prompt tokens and a fingerprint of all its tokens.
+    # and, per sequence, its prompt tokens and a fingerprint of its tokens and logprobs (two
+    # samples of one prompt may decode the same tokens; their logprobs tell them apart).
     seqs = []
     for mb in micro_batches:
         pos = 0
         for length in mb.sequence_lengths:
-            ids, mask = mb.input_ids[pos : pos + length], mb.loss_mask[pos : pos + length]
-            pos += length
+            end = pos + length
+            ids, mask = mb.input_ids[pos:end], mb.loss_mask[pos:end]
+            logprobs = mb.inference_logprobs[pos:end]
+            pos = end
             if any(mask):  # padding-only sequences train nothing
-                digest = hashlib.sha1(repr((ids, mask)).encode()).hexdigest()[:16]
+                digest = hashlib.sha1(repr((ids, mask, logprobs)).encode()).hexdigest()[:16]
                 seqs.append([*ids[:3], digest])
     return {"sha256": hashlib.sha256(data).hexdigest(), "seqs": seqs}
 
