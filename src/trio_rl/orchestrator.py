@@ -7,9 +7,12 @@ This is the only module that knows every layer. It owns, in one nursery hierarch
 * a publisher that finalizes every batch in worker threads and ships it through a
   :class:`~trio_rl.transport.Sender`, writing one checkpoint per shipped step.
 
-A checkpoint holds, besides the sink's queue, every group the rollout layer has open (running,
-buffered or resumed but not started) with its finished members, so a resume continues those
-groups under the same id and regenerates only their missing members.
+The train sink is the one record of work in flight (``docs/accounting.md``): the driver reports
+the groups it discards to it (``on_discard=sink.discard``) and the sink reads the driver's open
+groups when it snapshots (``sink.track_in_flight``). A checkpoint is the sink's state plus the
+source cursor: the queue and every group the rollout layer has open (running, buffered or
+resumed but not started) with its finished members, so a resume continues those groups under the
+same id and regenerates only their missing members.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -27,11 +30,17 @@ import trio
 
 from .engines import Engine, SamplingParams
 from .policy import PolicyVersionCell
-from .publish import Monitor, Publisher, ShipRecord, open_publisher, pack_samples
+from .publish import (
+    Monitor,
+    Publisher,
+    ShipRecord,
+    SinkCheckpointer,
+    open_publisher,
+    pack_samples,
+)
 from .rollout import (
     AsyncRolloutDriver,
     DataSource,
-    DiscardReason,
     FailurePolicy,
     GenerateFn,
     GroupFactory,
@@ -45,19 +54,16 @@ from .rollout import (
     engine_generate,
     open_async_rollout,
 )
-from .samples import Group, PolicyVersion
+from .samples import PolicyVersion
 from .train import (
     CheckpointManager,
-    CheckpointSnapshot,
-    OpenGroupState,
     PayloadStore,
     RestoreReport,
     SinkConfig,
     SinkCounters,
     TrainSink,
-    copy_sample,
 )
-from .transport import Payload, Sender
+from .transport import Sender
 
 __all__ = [
     "Orchestrator",
@@ -120,58 +126,6 @@ class RunSummary:
     restored_queued: int
     #: The data source ran dry before ``steps`` batches were shipped.
     exhausted: bool = False
-
-
-@attrs.define(eq=False)
-class _RunCheckpointer:
-    """Snapshot on the loop: the sink's state plus the rollout layer's open groups."""
-
-    manager: CheckpointManager
-    orchestrator: Orchestrator
-
-    def snapshot(self, step: int) -> CheckpointSnapshot:
-        orch = self.orchestrator
-        cursor = {"source": orch.source.state(), "factory": orch.factory.state()}
-        progress = {"policy_version": orch.policy_version}
-        snap = self.manager.snapshot(orch.sink, step=step, cursor=cursor, progress=progress)
-        driver = orch._driver
-        if driver is None:
-            return snap
-        # Groups the sink holds open (resumed ones) may have gained members in the driver since;
-        # the driver's view is the superset. Members saved here that the sink has not seen count
-        # as dispatched in the checkpoint: on restore the sink holds them, and they must settle
-        # exactly once like any other arrival.
-        open_groups = {g.group_id: g for g in snap.sink.open_groups}
-        added = 0
-        for group in driver.open_groups():
-            held = open_groups.get(group.group_id)
-            seen = set() if held is None else {m.index for m in held.members}
-            new = tuple(copy_sample(s) for s in group.arrived if s.index not in seen)
-            added += len(new)
-            open_groups[group.group_id] = OpenGroupState(
-                group_id=group.group_id,
-                prompt=group.prompt,
-                group_size=group.group_size,
-                policy_version_at_start=group.policy_version_at_start,
-                members=(*(() if held is None else held.members), *new),
-            )
-        counters = attrs.evolve(
-            snap.sink.counters, dispatched=snap.sink.counters.dispatched + added
-        )
-        sink_state = attrs.evolve(
-            snap.sink, open_groups=tuple(open_groups.values()), counters=counters
-        )
-        return attrs.evolve(snap, sink=sink_state)
-
-    def write(self, snapshot: CheckpointSnapshot) -> Path:
-        return self.manager.write(snapshot)
-
-    # The publisher's `Outbox`: a step's bytes are durable before it is visible.
-    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> Path:
-        return self.manager.write_outbox(step, payloads)
-
-    def clear_outbox(self, step: int) -> None:
-        self.manager.clear_outbox(step)
 
 
 class Orchestrator:
@@ -362,12 +316,8 @@ class Orchestrator:
         and not yet read), every group the rollout layer holds (its start version bounds the
         versions its requests wrote under) and the current version (new requests write there).
         """
-        live = self.sink.live_payload_versions()
+        live = self.sink.live_payload_versions()  # the sink tracks the driver's groups
         live.add(self.version.value)
-        if self._driver is not None:
-            for group in self._driver.open_groups():
-                live.add(group.policy_version_at_start)
-                live.update(v for s in group.arrived for v in s.policy_versions)
         return live
 
     async def sweep_payloads(self) -> None:
@@ -378,19 +328,6 @@ class Orchestrator:
         """
         if self.payloads is not None:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)
-
-    def _discard(self, group: Group, reason: DiscardReason) -> None:
-        """Book a group the rollout layer gave up on, so every sample settles exactly once."""
-        gid = group.group_id if group.group_id in self.sink.open_group_ids() else None
-        if reason == "aborted":
-            # the sink books aborted members as cancelled and rejects the rest of the group
-            self.sink.add_group(group)
-        elif reason == "failed":
-            # Its samples never became results. A resumed group open in the sink keeps its
-            # restored members and is scored with what it has.
-            self.sink.record_failed(group.size - self.sink.arrived(group.group_id), gid)
-        else:  # pragma: no cover - the orchestrator leaves filtering and staleness to the sink
-            self.sink.record_cancelled(group.size - self.sink.arrived(group.group_id), gid)
 
 
 @asynccontextmanager
@@ -513,7 +450,8 @@ async def open_orchestrator(
             max_staleness=None,
             aborted="recycle",
             on_failure=config.failure,
-            on_discard=lambda group, reason: orch._discard(group, reason),
+            # the sink is the one record of work in flight: the driver reports discards to it
+            on_discard=sink.discard,
             resumed=() if restore is None else restore.resumed,
             policy_version=orch.version,
         ) as driver,
@@ -522,14 +460,23 @@ async def open_orchestrator(
             sender,
             pack=pack,
             limiter=limiter,
-            checkpointer=None if manager is None else _RunCheckpointer(manager, orch),
+            checkpointer=None
+            if manager is None
+            else SinkCheckpointer(
+                manager,
+                sink,
+                cursor=lambda: {"source": source.state(), "factory": factory.state()},
+                progress=lambda: {"policy_version": orch.policy_version},
+            ),
             monitor=monitor,
         ) as publisher,
     ):
         orch._driver, orch._publisher = driver, publisher
+        sink.track_in_flight(driver.open_groups)
         if pending is not None:
             publisher.add_pending(*pending)
         try:
             yield orch
         finally:
+            sink.track_in_flight(None)
             orch._driver = orch._publisher = None
