@@ -1,6 +1,7 @@
 """Samples, groups, prompts and policy versions: the values every layer passes around.
 
-This module is the bottom of the package; it imports nothing of ours.
+This module is near the bottom of the package: it imports only the payload segment type and
+the error tree.
 
 A *sample* is one rollout of one prompt. A *group* is the ``n`` samples of one prompt
 (GRPO-style); groups are submitted whole, carry an id that survives checkpoint and resume,
@@ -15,6 +16,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+
+from .errors import PayloadError
+from .payloads import PayloadSegment
 
 __all__ = [
     "Group",
@@ -61,6 +65,23 @@ def _tokens(value: Sequence[int]) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _segments(value: Sequence[PayloadSegment]) -> tuple[PayloadSegment, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise PayloadError(
+            f"Sample.payload must be a list or tuple of PayloadSegment, got {type(value).__name__}"
+        )
+    return tuple(value)
+
+
+def _check_payload(sample: Sample, _: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+    for i, seg in enumerate(value):
+        if not isinstance(seg, PayloadSegment):
+            index = getattr(sample, "index", "?")  # unset while __init__ still runs validators
+            raise PayloadError(
+                f"sample {index}: payload[{i}] must be a PayloadSegment, got {type(seg).__name__}"
+            )
+
+
 @attrs.frozen
 class Prompt:
     """One task handed out by a data source.
@@ -86,6 +107,10 @@ class Sample:
     ``logprobs`` align with ``completion_tokens`` (``loss_mask[i]`` is True when the model sampled
     token ``i``; environment tokens spliced into a multi-turn completion are False).
     ``policy_versions`` gets one entry per engine call that produced tokens of this sample.
+    ``payload`` holds the by-handle payload segments of the sample's per-token side arrays
+    (routed experts, ...), positions relative to its full sequence (prompt then completion);
+    any sequence of :class:`~trio_rl.payloads.PayloadSegment` is stored as a tuple, anything
+    else raises :class:`~trio_rl.errors.PayloadError` (on construction and on assignment).
     """
 
     index: int
@@ -102,6 +127,9 @@ class Sample:
     label: Any = None
     env_name: str = "default"
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    payload: tuple[PayloadSegment, ...] = attrs.field(
+        default=(), converter=_segments, validator=_check_payload
+    )
 
     @property
     def oldest_version(self) -> PolicyVersion | None:
@@ -116,8 +144,9 @@ class Sample:
     def reset_for_retry(self) -> None:
         """Forget everything generated; keep identity, prompt, label and routing key.
 
-        Keeping ``routing_key`` sends a retried sample back to the same engine, where its prefix
-        is still cached.
+        The payload segments go too: they describe the forgotten tokens. Keeping
+        ``routing_key`` sends a retried sample back to the same engine, where its prefix is still
+        cached.
         """
         self.completion_tokens = []
         self.logprobs = []
@@ -125,6 +154,7 @@ class Sample:
         self.reward = None
         self.status = SampleStatus.PENDING
         self.policy_versions = []
+        self.payload = ()
 
 
 @attrs.define(slots=True, eq=False)

@@ -15,7 +15,7 @@ from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestr
 from trio_rl.publish import Shipment
 from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
-from trio_rl.train import PAYLOAD_METADATA_KEY, PayloadStore
+from trio_rl.train import PayloadStore
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
 
@@ -310,7 +310,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
                 version, {"routed_experts": rows}, pos=len(sample.prompt_tokens)
             )
         )
-        sample.metadata[PAYLOAD_METADATA_KEY] = segments
+        sample.payload = segments
 
     read_rows = 0
     versions_seen: set[int] = set()

@@ -17,7 +17,6 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.payloads import PayloadStore
 from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Prompt, Sample
-from trio_rl.train import PAYLOAD_METADATA_KEY
 from trio_rl.trainer import BatchReceiver, payload_files
 from trio_rl.transport import MemorySender, ReceivedPayload, Receiver
 from trio_rl.wire import MicroBatch, decode
@@ -141,7 +140,7 @@ async def _run(work: Path, elsewhere: Path) -> None:
                 version, {"routed_experts": routed}, ragged={"sampling_mask": mask}, pos=start
             )
         )
-        sample.metadata[PAYLOAD_METADATA_KEY] = segments
+        sample.payload = segments
 
     steps = 3
     config = OrchestratorConfig(

@@ -18,7 +18,6 @@ from train_helpers import assert_accounted, make_group, make_sample
 
 from trio_rl.samples import Group, Prompt, SampleStatus
 from trio_rl.train import (
-    PAYLOAD_METADATA_KEY,
     CheckpointError,
     CheckpointManager,
     OpenGroupState,
@@ -336,7 +335,7 @@ async def test_defect3_sweep_keeps_restored_queued_payloads(tmp_path: Path) -> N
     group = make_group([1.0, 0.0], version=2)
     rows = np.arange(2 * 7, dtype=np.int32).reshape(7, 2)
     for s in group.samples:
-        s.metadata[PAYLOAD_METADATA_KEY] = store.write_request(2, {"routed_experts": rows})
+        s.payload = store.write_request(2, {"routed_experts": rows})
     sink.add_group(group)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     ck = await mgr.load(await mgr.save(mgr.snapshot(sink)))
@@ -365,22 +364,22 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     group = make_group([1.0, 0.0, 0.25], version=1)
     for s in group.samples:
-        s.metadata[PAYLOAD_METADATA_KEY] = store.write_request(
+        s.payload = store.write_request(
             1, {"routed_experts": np.ones((7, 1), np.int32)}
         )
     sink.add_group(group)
     sink.open_group("open", Prompt("k", (1, 2, 3)), 3, 1)
     members = [make_sample(0, r, version=1) for r in (1.0, 0.0)]
     for m in members:
-        m.metadata[PAYLOAD_METADATA_KEY] = store.write_request(
+        m.payload = store.write_request(
             1, {"routed_experts": np.ones((7, 1), np.int32)}
         )
         sink.add_member("open", m)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     path = await mgr.save(mgr.snapshot(sink))
     # the trainer read and deleted one queued sample's files and one member's after the save
-    store.delete_files(segment_files(group.samples[0].metadata[PAYLOAD_METADATA_KEY]))
-    store.delete_files(segment_files(members[1].metadata[PAYLOAD_METADATA_KEY]))
+    store.delete_files(segment_files(group.samples[0].payload))
+    store.delete_files(segment_files(members[1].payload))
     ck = await mgr.load(path)
     assert len(ck.missing_files) == 2
     restored = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))

@@ -27,7 +27,6 @@ from conftest import scaled
 from trio_rl.publish import pack_samples
 from trio_rl.samples import Prompt, Sample, SampleStatus
 from trio_rl.train import (
-    PAYLOAD_METADATA_KEY,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
@@ -83,10 +82,8 @@ def _rich_sink() -> TrainSink:
     sink.open_group("open-1", Prompt("k1", (1, 2, 3), label={"answer": 4}, env_name="math"), 4, 1)
     member = make_sample(9, 1.0, version=1, index=900)
     member.policy_versions = [1, 2]
-    member.metadata = {
-        "turns": 2,
-        PAYLOAD_METADATA_KEY: [PayloadSegment("routed_experts", "v1/y.bin", 0, 3, 4, "<i4", [2])],
-    }
+    member.metadata = {"turns": 2}
+    member.payload = [PayloadSegment("routed_experts", "v1/y.bin", 0, 3, 4, "<i4", [2])]
     sink.add_member("open-1", member)
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=901))
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=902, status=SampleStatus.FAILED))
@@ -444,7 +441,7 @@ def test_member_sample_type_survives_roundtrip() -> None:
     ck = decode_checkpoint(BLOB, _NAME)
     member = ck.sink.open_groups[0].members[0]
     assert isinstance(member, Sample)
-    assert member.metadata[PAYLOAD_METADATA_KEY][0].file == "v1/y.bin"
+    assert member.payload[0].file == "v1/y.bin"
 
 
 def test_load_state_dict_refuses_a_broken_state_and_changes_nothing() -> None:

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from trio_rl.samples import Sample, SampleStatus
 from trio_rl.train import (
-    PAYLOAD_METADATA_KEY,
     TrainingSample,
     TrainSinkError,
     grpo_advantages,
@@ -61,7 +60,7 @@ def _sample(loss_mask: list[bool], payload: list[PayloadSegment] | None = None) 
         status=SampleStatus.COMPLETED,
         policy_versions=[4, 5],
         env_name="math",
-        metadata={PAYLOAD_METADATA_KEY: payload} if payload else {},
+        payload=payload or (),
     )
 
 

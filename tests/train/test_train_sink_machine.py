@@ -17,7 +17,6 @@ from train_helpers import make_sample
 
 from trio_rl.samples import Group, Prompt, ResumedGroup, SampleStatus, new_group_id
 from trio_rl.train import (
-    PAYLOAD_METADATA_KEY,
     CheckpointManager,
     PayloadStore,
     PruneMode,
@@ -66,7 +65,7 @@ class SinkMachine(RuleBasedStateMachine):
         v = max(0, self.version - lag)
         s = make_sample(0, reward, version=v, completion=2, status=status)
         if by_handle and status.is_finished:
-            s.metadata[PAYLOAD_METADATA_KEY] = self.store.write_request(
+            s.payload = self.store.write_request(
                 v, {"routed_experts": np.full((5, 1), s.index, np.int32)}
             )
         return s
@@ -195,7 +194,7 @@ class SinkMachine(RuleBasedStateMachine):
                 live |= segment_files(s.payload)
         for r in self.resumed:
             for m in r.arrived:
-                live |= {seg.file for seg in m.metadata.get(PAYLOAD_METADATA_KEY) or ()}
+                live |= {seg.file for seg in m.payload}
         for f in live:
             assert self.store.path(f).exists(), f
 

@@ -27,7 +27,6 @@ from ._queue import SinkConfig as SinkConfig
 from ._queue import SinkCounters as SinkCounters
 from ._queue import SinkWindow as SinkWindow
 from ._queue import TrainBatch as TrainBatch
-from ._scoring import PAYLOAD_METADATA_KEY as PAYLOAD_METADATA_KEY
 from ._scoring import PruneResult as PruneResult
 from ._scoring import ScoringConfig as ScoringConfig
 from ._scoring import SequenceLists as SequenceLists

@@ -12,7 +12,7 @@ import math
 import struct
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -21,7 +21,6 @@ import numpy as np
 from ..samples import Prompt, Sample, SampleStatus
 from ..wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 from ._errors import CodecError as CodecError
-from ._scoring import PAYLOAD_METADATA_KEY
 from ._types import TrainingSample
 
 __all__ = [
@@ -113,11 +112,7 @@ def encode_prompt(p: Prompt) -> list[Any]:
 
 
 def encode_sample(s: Sample) -> list[Any]:
-    meta: Mapping[str, Any] = s.metadata
-    payload = meta.get(PAYLOAD_METADATA_KEY)
-    if isinstance(payload, list):
-        meta = {k: v for k, v in meta.items() if k != PAYLOAD_METADATA_KEY}
-        payload = [enc_segment(seg) for seg in payload]
+    """A sample record: 14 fields, then the payload segments (None when it has none)."""
     return [
         s.index,
         s.group_index,
@@ -132,8 +127,8 @@ def encode_sample(s: Sample) -> list[Any]:
         s.seed,
         s.label,
         s.env_name,
-        dict(meta),
-        payload,
+        dict(s.metadata),
+        [enc_segment(seg) for seg in s.payload] if s.payload else None,
     ]
 
 
@@ -436,19 +431,24 @@ def policy_versions(obj: object, what: str) -> list[int]:
     return versions
 
 
+#: The metadata key under which records without a payload field (14 fields, before the field
+#: was added) kept a sample's payload segments; such records are migrated on load.
+_LEGACY_PAYLOAD_KEY = "payload"
+
+
 def decode_sample(obj: Any, what: str) -> Sample:
-    f = want_list(obj, what, 15)
+    """A sample record; a 14-field record (no payload field) has its segments migrated out of
+    ``metadata["payload"]`` into :attr:`Sample.payload`."""
+    f = want_list(obj, what)
+    if len(f) not in (14, 15):
+        raise CodecError(what, f"expected an array of 14 or 15 fields, got {len(f)}")
     completion = dec_ints(f[3], f"{what}.completion_tokens")
     n = len(completion)
     meta = dict(want_map(f[13], f"{what}.metadata"))
-    payload = _segments(f[14], f"{what}.payload", None)
-    if meta.get(PAYLOAD_METADATA_KEY) is not None:
-        # the writer moves a payload list out of the metadata; anything left there is invalid
-        raise CodecError(
-            f"{what}.metadata", f"{PAYLOAD_METADATA_KEY!r} must be stored as the payload field"
-        )
-    if payload is not None:
-        meta[PAYLOAD_METADATA_KEY] = payload
+    if len(f) == 15:
+        payload = _segments(f[14], f"{what}.payload", None)
+    else:
+        payload = _segments(meta.pop(_LEGACY_PAYLOAD_KEY, None), f"{what}.metadata.payload", None)
     status = want_str(f[7], f"{what}.status")
     try:
         status_ = SampleStatus(status)
@@ -469,4 +469,5 @@ def decode_sample(obj: Any, what: str) -> Sample:
         label=f[11],
         env_name=want_str(f[12], f"{what}.env_name"),
         metadata=meta,
+        payload=payload or (),
     )

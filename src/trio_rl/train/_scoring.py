@@ -6,18 +6,15 @@ import itertools
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 
 from ..samples import Group, PolicyVersion, Sample
-from ..wire import PayloadSegment
 from ._errors import TrainSinkError
 from ._payload import clip_segments
 from ._types import TrainingSample
 
 __all__ = [
-    "PAYLOAD_METADATA_KEY",
     "PruneResult",
     "ScoringConfig",
     "grpo_advantages",
@@ -30,12 +27,6 @@ __all__ = [
     "to_training_sample",
     "validate_sample",
 ]
-
-#: Where a :class:`~trio_rl.samples.Sample` carries by-handle payload segments: a list of
-#: :class:`~trio_rl.wire.PayloadSegment` in ``sample.metadata[PAYLOAD_METADATA_KEY]``, with
-#: positions relative to the sample's full sequence (prompt then completion).
-PAYLOAD_METADATA_KEY = "payload"
-
 
 @attrs.frozen
 class ScoringConfig:
@@ -82,18 +73,6 @@ def sample_version(sample: Sample, start: PolicyVersion) -> PolicyVersion:
     return min(sample.policy_versions) if sample.policy_versions else start
 
 
-def _payload_of(sample: Sample) -> list[PayloadSegment] | None:
-    raw: Any = sample.metadata.get(PAYLOAD_METADATA_KEY)
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(s, PayloadSegment) for s in raw):
-        raise TrainSinkError(
-            f"sample {sample.index}: metadata[{PAYLOAD_METADATA_KEY!r}] must be a list of "
-            f"PayloadSegment, got {type(raw).__name__}"
-        )
-    return raw
-
-
 def validate_sample(sample: Sample, where: str) -> None:
     """Raise :class:`TrainSinkError` if a finished sample cannot be turned into training data."""
     n = len(sample.completion_tokens)
@@ -110,7 +89,6 @@ def validate_sample(sample: Sample, where: str) -> None:
         raise TrainSinkError(
             f"{where}, sample {sample.index}: reward {sample.reward!r} is not finite"
         )
-    _payload_of(sample)
 
 
 @attrs.frozen
@@ -174,7 +152,7 @@ def to_training_sample(
     p = len(sample.prompt_tokens)
     loss_mask = sample.loss_mask
     length = len(seq.token_ids)
-    payload = _payload_of(sample)
+    payload = sample.payload
     if all(loss_mask):
         completion_advantages = [advantage] * len(loss_mask)
     else:

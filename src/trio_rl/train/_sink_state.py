@@ -16,7 +16,7 @@ import attrs
 from ..samples import PolicyVersion, Prompt, ResumedGroup, Sample
 from ._errors import TrainSinkError
 from ._queue import SinkCounters, SinkWindow
-from ._scoring import PAYLOAD_METADATA_KEY, sample_version
+from ._scoring import sample_version
 from ._types import TrainingSample
 
 if TYPE_CHECKING:
@@ -98,23 +98,19 @@ class OpenGroup:
 def copy_sample(s: Sample) -> Sample:
     """An owned copy of a finished sample: its lists, metadata and payload segments are new
     objects (for a checkpoint snapshot taken on the loop and written in a worker)."""
-    meta = dict(s.metadata)
-    payload = meta.get(PAYLOAD_METADATA_KEY)
-    if isinstance(payload, list):
-        meta[PAYLOAD_METADATA_KEY] = [copy.copy(seg) for seg in payload]
     return attrs.evolve(
         s,
         completion_tokens=list(s.completion_tokens),
         logprobs=list(s.logprobs),
         loss_mask=list(s.loss_mask),
         policy_versions=list(s.policy_versions),
-        metadata=meta,
+        metadata=dict(s.metadata),
+        payload=[copy.copy(seg) for seg in s.payload],
     )
 
 
 def sample_files(s: Sample) -> set[str]:
-    payload = s.metadata.get(PAYLOAD_METADATA_KEY)
-    return {seg.file for seg in payload} if isinstance(payload, list) else set()
+    return {seg.file for seg in s.payload}
 
 
 def snapshot_sink(sink: TrainSink) -> SinkState:
