@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -17,6 +17,7 @@ from ._types import TrainingSample
 __all__ = [
     "PruneResult",
     "ScoringConfig",
+    "GroupScore",
     "grpo_advantages",
     "prune_detached",
     "SequenceLists",
@@ -24,9 +25,11 @@ __all__ = [
     "build_sequences",
     "prune_zero_advantages",
     "sample_version",
+    "score_group",
     "to_training_sample",
     "validate_sample",
 ]
+
 
 @attrs.frozen
 class ScoringConfig:
@@ -170,6 +173,68 @@ def to_training_sample(
         sample_index=sample.index,
         arrival=arrival,
     )
+
+
+@attrs.frozen
+class GroupScore:
+    """What scoring one complete group yields: its training samples to queue (in arrival order)
+    and how many finished members each outcome books; ``rewards`` are the fresh members'
+    rewards (for the metrics window) and ``next_arrival`` the arrival number after it."""
+
+    samples: list[TrainingSample]
+    filtered: int
+    stale: int
+    pruned: int
+    rewards: list[float]
+    next_arrival: int
+
+
+def score_group(
+    group_id: str,
+    finished: Sequence[Sample],
+    *,
+    start: PolicyVersion,
+    aborted: bool,
+    is_stale: Callable[[PolicyVersion], bool],
+    config: ScoringConfig,
+    prune_before_queue: bool,
+    arrival: int,
+    sequences: Mapping[int, SequenceLists] | None = None,
+) -> GroupScore:
+    """Score a complete group's finished members (pure: books nothing itself).
+
+    A group holding an aborted member is rejected as a whole (all filtered). Stale members are
+    dropped; the fresh ones get GRPO advantages over their rewards. A member without a trained
+    token is filtered; with ``prune_before_queue`` one whose trained tokens all carry zero
+    advantage is pruned (it still takes an arrival number).
+    """
+    if aborted:
+        return GroupScore([], len(finished), 0, 0, [], arrival)
+    fresh = [s for s in finished if not is_stale(sample_version(s, start))]
+    stale = len(finished) - len(fresh)
+    rewards = [float(s.reward or 0.0) for s in fresh]
+    advs = grpo_advantages(rewards, normalize_std=config.normalize_std, eps=config.eps)
+    samples: list[TrainingSample] = []
+    filtered = pruned = 0
+    for s, a in zip(fresh, advs, strict=True):
+        if not any(s.loss_mask):
+            filtered += 1
+            continue
+        ts = to_training_sample(
+            s,
+            a,
+            temperature=config.temperature_for(s.env_name),
+            group_id=group_id,
+            version=sample_version(s, start),
+            arrival=arrival,
+            sequence=None if sequences is None else sequences.get(s.index),
+        )
+        arrival += 1
+        if prune_before_queue and not prune_zero_advantages(ts):
+            pruned += 1
+            continue
+        samples.append(ts)
+    return GroupScore(samples, filtered, stale, pruned, rewards, arrival)
 
 
 def prune_zero_advantages(sample: TrainingSample) -> bool:

@@ -12,11 +12,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Literal
 
-import attrs
 import trio
 
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus
-from ._errors import TrainSinkError
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample
 from ._queue import (
     Cut,
     DetachedBatch,
@@ -33,14 +31,11 @@ from ._scoring import (
     PruneResult,
     SequenceLists,
     build_sequences,
-    grpo_advantages,
-    prune_zero_advantages,
     sample_version,
-    to_training_sample,
-    validate_sample,
+    score_group,
 )
 from ._sink_state import (
-    OpenGroup,
+    OpenBook,
     OpenGroupState,
     RestoreReport,
     SinkState,
@@ -84,7 +79,8 @@ class TrainSink:
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
         self.queue = SampleQueue(config, self._books, step=step)
         self._next_arrival = 0
-        self._open: dict[str, OpenGroup] = {}
+        self._opens = OpenBook(self._books)
+        self._open = self._opens.groups  # the same dict: restore clears it in place
         self._in_flight: Callable[[], Iterable[ResumedGroup]] | None = None
 
     # -- inspection -----------------------------------------------------------------------------
@@ -113,7 +109,7 @@ class TrainSink:
     @property
     def held(self) -> int:
         """Samples the sink holds: queued, arrived members of open groups, and in a cut."""
-        return self.queue.held + sum(len(g.members) for g in self._open.values())
+        return self.queue.held + self._opens.held
 
     def track_in_flight(self, open_groups: Callable[[], Iterable[ResumedGroup]] | None) -> None:
         """Make the sink the one record of work in flight: ``open_groups()`` (e.g. the async
@@ -182,9 +178,6 @@ class TrainSink:
     def _book(self, outcome: Outcome, n: int) -> None:
         self._books.book(outcome, n)
 
-    def _dispatched(self, n: int) -> None:
-        self._books.dispatched(n)
-
     def _is_stale(self, version: PolicyVersion) -> bool:
         return self.queue.is_stale(version)
 
@@ -194,36 +187,12 @@ class TrainSink:
         self, group_id: str, prompt: Prompt, group_size: int, policy_version_at_start: int = 0
     ) -> None:
         """Register a group whose members will arrive one by one (it is a live payload holder)."""
-        if group_id in self._open:
-            raise TrainSinkError(f"group {group_id}: already open")
-        if group_size < 1:
-            raise TrainSinkError(f"group {group_id}: group_size must be >= 1, got {group_size}")
-        self._open[group_id] = OpenGroup(group_id, prompt, group_size, policy_version_at_start)
+        self._opens.open(group_id, prompt, group_size, policy_version_at_start)
 
     def add_member(self, group_id: str, sample: Sample) -> None:
         """One member of an open group arrived (in any status); the group finalizes when full."""
-        g = self._open.get(group_id)
-        if g is None:
-            raise TrainSinkError(f"group {group_id}: member {sample.index} for a group not open")
-        self._check_new(g, [sample])
-        self._arrive(g, [sample])
-        if g.complete:
+        if self._opens.member(group_id, sample).complete:
             self._finalize(group_id)
-
-    def _arrive(self, g: OpenGroup, samples: list[Sample]) -> None:
-        # failed and aborted members are booked at once; only finished ones are held
-        self._dispatched(len(samples))
-        for s in samples:
-            g.seen.add(s.index)
-            if s.status is SampleStatus.FAILED:
-                g.failed += 1
-                self._book("failed", 1)
-            elif s.status is SampleStatus.ABORTED:
-                g.cancelled += 1
-                g.aborted = True
-                self._book("cancelled", 1)
-            else:
-                g.members.append(s)
 
     def add_group(
         self, group: Group, *, sequences: Mapping[int, SequenceLists] | None = None
@@ -234,30 +203,7 @@ class TrainSink:
         ``sequences`` (from :func:`build_sequences`, keyed by sample index) supplies training
         lists already built off the loop; see :meth:`ingest_group`.
         """
-        g = self._open.get(group.group_id)
-        held = g.seen if g is not None else set()
-        new = [s for s in group.samples if s.index not in held]
-        if g is not None and held:
-            # A resumed group's group reward ran over the whole group, restored members
-            # included: the rollout layer's reward is the one to score with.
-            rewards = {s.index: s.reward for s in group.samples if s.index in held}
-            for m in g.members:
-                reward = rewards.get(m.index)
-                if reward is not None:
-                    m.reward = reward
-        where = f"group {group.group_id}"
-        if len({s.index for s in new}) != len(new):
-            raise TrainSinkError(f"{where}: duplicate sample indices")
-        for s in new:
-            if s.status is SampleStatus.PENDING:
-                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
-            validate_sample(s, where)
-        if g is None:
-            self.open_group(
-                group.group_id, group.prompt, max(1, group.size), group.policy_version_at_start
-            )
-            g = self._open[group.group_id]
-        self._arrive(g, new)
+        self._opens.admit(group)
         self._finalize(group.group_id, sequences)
 
     async def ingest_group(
@@ -274,16 +220,6 @@ class TrainSink:
             sequences = await trio.to_thread.run_sync(build_sequences, group, limiter=limiter)
         self.add_group(group, sequences=sequences)
 
-    def _check_new(self, g: OpenGroup, samples: list[Sample]) -> None:
-        held = g.seen
-        for s in samples:
-            where = f"group {g.group_id}"
-            if s.index in held:
-                raise TrainSinkError(f"{where}, sample {s.index}: arrived twice")
-            if s.status is SampleStatus.PENDING:
-                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
-            validate_sample(s, where)
-
     def record_failed(self, n: int, group_id: str | None = None) -> None:
         """``n`` dispatched samples failed without producing a sample (counts toward completion)."""
         self._record_lost("failed", n, group_id)
@@ -295,60 +231,29 @@ class TrainSink:
     def _record_lost(
         self, outcome: Literal["failed", "cancelled"], n: int, gid: str | None
     ) -> None:
-        if n < 0:
-            raise TrainSinkError(f"record_{outcome}: n must be >= 0, got {n}")
-        g = self._open.get(gid) if gid is not None else None
-        if gid is not None and g is None:
-            raise TrainSinkError(f"record_{outcome}: group {gid} is not open")
-        self._dispatched(n)
-        self._book(outcome, n)
-        if g is not None:
-            setattr(g, outcome, getattr(g, outcome) + n)
-            if g.complete:
-                self._finalize(g.group_id)
+        g = self._opens.lose(outcome, n, gid)
+        if g is not None and g.complete:
+            self._finalize(g.group_id)
 
     def _finalize(
         self, group_id: str, sequences: Mapping[int, SequenceLists] | None = None
     ) -> None:
         """Score a complete group exactly once with exactly its arrived members."""
-        g = self._open.pop(group_id)
-        w = self._books.window
-        # the attempt budget counts every member that arrived, stale ones included (defect 2)
-        n_owed = len(g.members) + g.failed + g.cancelled
-        self._books.window = attrs.evolve(w, attempts=w.attempts + n_owed, groups=w.groups + 1)
-        finished = g.members
-        if g.aborted:
-            # a group holding an aborted member is rejected as a whole
-            self._book("filtered", len(finished))
-            return
-        fresh = [s for s in finished if not self._is_stale(sample_version(s, g.start))]
-        self._book("stale", len(finished) - len(fresh))
-        if not fresh:
-            return
-        rewards = [float(s.reward or 0.0) for s in fresh]
-        w = self._books.window
-        self._books.window = attrs.evolve(
-            w, reward_sum=w.reward_sum + sum(rewards), reward_count=w.reward_count + len(rewards)
+        g = self._opens.close(group_id)
+        score = score_group(
+            group_id,
+            g.members,
+            start=g.start,
+            aborted=g.aborted,
+            is_stale=self._is_stale,
+            config=self.config.scoring,
+            prune_before_queue=self.config.prune is PruneMode.BEFORE_QUEUE,
+            arrival=self._next_arrival,
+            sequences=sequences,
         )
-        sc = self.config.scoring
-        advs = grpo_advantages(rewards, normalize_std=sc.normalize_std, eps=sc.eps)
-        for s, a in zip(fresh, advs, strict=True):
-            if not any(s.loss_mask):
-                self._book("filtered", 1)
-                continue
-            ts = to_training_sample(
-                s,
-                a,
-                temperature=sc.temperature_for(s.env_name),
-                group_id=group_id,
-                version=sample_version(s, g.start),
-                arrival=self._next_arrival,
-                sequence=None if sequences is None else sequences.get(s.index),
-            )
-            self._next_arrival += 1
-            if self.config.prune is PruneMode.BEFORE_QUEUE and not prune_zero_advantages(ts):
-                self._book("pruned", 1)
-                continue
+        self._next_arrival = score.next_arrival
+        self._opens.book_score(score)
+        for ts in score.samples:
             self.queue.enqueue(ts)
 
     # -- the queue (see SampleQueue) ---------------------------------------------------------

@@ -8,21 +8,22 @@ import copy
 import itertools
 import logging
 import math
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from ..samples import PolicyVersion, Prompt, ResumedGroup, Sample
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus
 from ._errors import TrainSinkError
-from ._queue import SinkCounters, SinkWindow
-from ._scoring import sample_version
+from ._queue import SinkBooks, SinkCounters, SinkWindow
+from ._scoring import GroupScore, sample_version, validate_sample
 from ._types import TrainingSample
 
 if TYPE_CHECKING:
     from ._sink import TrainSink
 
 __all__ = [
+    "OpenBook",
     "OpenGroup",
     "OpenGroupState",
     "RestoreReport",
@@ -93,6 +94,133 @@ class OpenGroup:
     @property
     def complete(self) -> bool:
         return len(self.members) + self.failed + self.cancelled >= self.group_size
+
+    def check_new(self, samples: Iterable[Sample]) -> None:
+        """Reject members this group already holds, pending ones and malformed ones."""
+        where = f"group {self.group_id}"
+        for s in samples:
+            if s.index in self.seen:
+                raise TrainSinkError(f"{where}, sample {s.index}: arrived twice")
+            if s.status is SampleStatus.PENDING:
+                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
+            validate_sample(s, where)
+
+    def arrive(self, samples: Iterable[Sample]) -> tuple[int, int]:
+        """Record arrived members; returns how many failed and were cancelled (aborted), which
+        the caller books at once: only finished members are held."""
+        failed = cancelled = 0
+        for s in samples:
+            self.seen.add(s.index)
+            if s.status is SampleStatus.FAILED:
+                failed += 1
+            elif s.status is SampleStatus.ABORTED:
+                cancelled += 1
+                self.aborted = True
+            else:
+                self.members.append(s)
+        self.failed += failed
+        self.cancelled += cancelled
+        return failed, cancelled
+
+    def adopt_rewards(self, group: Group) -> None:
+        """A resumed group's group reward ran over the whole group, restored members included:
+        the rollout layer's reward (same sample index) is the one to score with."""
+        rewards = {s.index: s.reward for s in group.samples if s.index in self.seen}
+        for m in self.members:
+            reward = rewards.get(m.index)
+            if reward is not None:
+                m.reward = reward
+
+
+@attrs.define(slots=True, eq=False)
+class OpenBook:
+    """The sink's open groups and what their arrivals book: every member that arrives is
+    dispatched once, failed and aborted ones settle at once, finished ones are held until the
+    group completes and is scored."""
+
+    books: SinkBooks
+    groups: dict[str, OpenGroup] = attrs.field(factory=dict)
+
+    @property
+    def held(self) -> int:
+        return sum(len(g.members) for g in self.groups.values())
+
+    def open(
+        self, group_id: str, prompt: Prompt, group_size: int, start: PolicyVersion
+    ) -> OpenGroup:
+        if group_id in self.groups:
+            raise TrainSinkError(f"group {group_id}: already open")
+        if group_size < 1:
+            raise TrainSinkError(f"group {group_id}: group_size must be >= 1, got {group_size}")
+        g = self.groups[group_id] = OpenGroup(group_id, prompt, group_size, start)
+        return g
+
+    def member(self, group_id: str, sample: Sample) -> OpenGroup:
+        """One member of open group ``group_id`` arrived; returns the group."""
+        g = self.groups.get(group_id)
+        if g is None:
+            raise TrainSinkError(f"group {group_id}: member {sample.index} for a group not open")
+        g.check_new([sample])
+        self.arrive(g, [sample])
+        return g
+
+    def admit(self, group: Group) -> None:
+        """A finished group arrives whole; members an open group (e.g. resumed) already holds
+        (same sample index) are recognised and not counted twice."""
+        g = self.groups.get(group.group_id)
+        if g is None:
+            g = OpenGroup(
+                group.group_id, group.prompt, max(1, group.size), group.policy_version_at_start
+            )
+        g.adopt_rewards(group)
+        new = [s for s in group.samples if s.index not in g.seen]
+        if len({s.index for s in new}) != len(new):
+            raise TrainSinkError(f"group {group.group_id}: duplicate sample indices")
+        g.check_new(new)
+        self.groups[group.group_id] = g
+        self.arrive(g, new)
+
+    def arrive(self, g: OpenGroup, samples: list[Sample]) -> None:
+        self.books.dispatched(len(samples))
+        failed, cancelled = g.arrive(samples)
+        self.books.book("failed", failed)
+        self.books.book("cancelled", cancelled)
+
+    def lose(
+        self, outcome: Literal["failed", "cancelled"], n: int, gid: str | None
+    ) -> OpenGroup | None:
+        """``n`` dispatched samples ended without a sample; returns their group if it is open."""
+        if n < 0:
+            raise TrainSinkError(f"record_{outcome}: n must be >= 0, got {n}")
+        g = self.groups.get(gid) if gid is not None else None
+        if gid is not None and g is None:
+            raise TrainSinkError(f"record_{outcome}: group {gid} is not open")
+        self.books.dispatched(n)
+        self.books.book(outcome, n)
+        if g is not None:
+            setattr(g, outcome, getattr(g, outcome) + n)
+        return g
+
+    def close(self, group_id: str) -> OpenGroup:
+        """Take a complete group out to be scored; the attempt budget counts every member that
+        arrived, stale ones included (defect 2)."""
+        g = self.groups.pop(group_id)
+        w = self.books.window
+        n_owed = len(g.members) + g.failed + g.cancelled
+        self.books.window = attrs.evolve(w, attempts=w.attempts + n_owed, groups=w.groups + 1)
+        return g
+
+    def book_score(self, score: GroupScore) -> None:
+        self.books.book("filtered", score.filtered)
+        self.books.book("stale", score.stale)
+        self.books.book("pruned", score.pruned)
+        if score.rewards:
+            w = self.books.window
+            self.books.window = attrs.evolve(
+                w,
+                reward_sum=w.reward_sum + sum(score.rewards),
+                reward_count=w.reward_count + len(score.rewards),
+            )
 
 
 def copy_sample(s: Sample) -> Sample:
@@ -182,7 +310,7 @@ def restore_sink(
     sink._next_arrival = state.next_arrival
     sink._books.counters = state.counters
     sink._books.window = state.window
-    sink._open = {}
+    sink._open.clear()
     missing = set(missing_files)
     q_missing = q_stale = m_missing = m_stale = 0
     for ts in state.queued:
