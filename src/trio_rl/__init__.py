@@ -88,8 +88,6 @@ from .trainer import TrainerTensors as TrainerTensors
 from .trainer import to_torch as to_torch
 from .transport import FileReceiver as FileReceiver
 from .transport import FileSender as FileSender
-from .transport import Receiver as Receiver
-from .transport import Sender as Sender
 from .transport import ZmqReceiver as ZmqReceiver
 from .transport import ZmqSender as ZmqSender
 from .wire import MicroBatch as MicroBatch

@@ -7,7 +7,6 @@ from ._async import DiscardReason as DiscardReason
 from ._async import FailurePolicy as FailurePolicy
 from ._async import UnusedPolicy as UnusedPolicy
 from ._async import open_async_rollout as open_async_rollout
-from ._credits import CreditEvent as CreditEvent
 from ._credits import CreditLedger as CreditLedger
 from ._credits import CreditScheduler as CreditScheduler
 from ._credits import CreditView as CreditView
@@ -15,7 +14,6 @@ from ._credits import GroupDone as GroupDone
 from ._credits import GroupGranularity as GroupGranularity
 from ._credits import GroupOutcome as GroupOutcome
 from ._credits import GroupStatus as GroupStatus
-from ._credits import Nudge as Nudge
 from ._credits import SampleBackfill as SampleBackfill
 from ._credits import SampleDone as SampleDone
 from ._credits import SchedulerStatistics as SchedulerStatistics

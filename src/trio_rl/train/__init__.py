@@ -1,6 +1,5 @@
 """The train layer: scoring, the train sink, by-handle payloads, checkpoint and resume."""
 
-from ._checkpoint import SCHEMA_VERSION as SCHEMA_VERSION
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import CheckpointSnapshot as CheckpointSnapshot
@@ -30,12 +29,10 @@ from ._queue import TrainBatch as TrainBatch
 from ._scoring import PruneResult as PruneResult
 from ._scoring import ScoringConfig as ScoringConfig
 from ._scoring import SequenceLists as SequenceLists
-from ._scoring import build_sequence as build_sequence
 from ._scoring import build_sequences as build_sequences
 from ._scoring import grpo_advantages as grpo_advantages
 from ._scoring import prune_detached as prune_detached
 from ._scoring import prune_zero_advantages as prune_zero_advantages
-from ._scoring import sample_version as sample_version
 from ._scoring import to_training_sample as to_training_sample
 from ._sink import TrainSink as TrainSink
 from ._sink_state import OpenGroupState as OpenGroupState
