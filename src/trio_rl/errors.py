@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: this module imports nothing of ours at run time
     from .samples import Group
+    from .testing import Invariant
 
 __all__ = [
     "CheckpointError",
@@ -413,14 +414,14 @@ class TensorConversionError(TrioRLError, ValueError):
 class InvariantViolationError(TrioRLError, AssertionError):
     """A credit invariant checked by :mod:`trio_rl.testing` did not hold.
 
-    ``invariant`` is its number, ``description`` what it states, ``steps`` the schedule (one
-    line per harness step) that led here; after Hypothesis shrinks a failure, ``steps`` is the
-    shrunk schedule.
+    ``invariant`` is its :class:`~trio_rl.testing.Invariant` member, ``description`` what it
+    states, ``steps`` the schedule (one line per harness step) that led here; after Hypothesis
+    shrinks a failure, ``steps`` is the shrunk schedule.
     """
 
     def __init__(
         self,
-        invariant: int,
+        invariant: Invariant,
         detail: str,
         steps: Sequence[str] = (),
         *,

@@ -287,3 +287,22 @@ def test_the_errors_page_draws_the_same_tree() -> None:
     block = page.read_text().split("```\n", 2)[1]
     drawn = [re.sub(r"^[│├└─ ]*", "", line).split()[0] for line in block.splitlines()]
     assert drawn == [name for name, _, _ in _drawn_tree()]
+
+
+def test_an_invariant_violation_names_its_invariant_member_not_a_number() -> None:
+    import enum
+
+    from trio_rl.testing import Invariant
+
+    # the annotation is a string (postponed); errors.py imports Invariant for type checking only
+    annotation = errors.InvariantViolationError.__init__.__annotations__["invariant"]
+    assert eval(annotation, {"Invariant": Invariant}) is Invariant
+    # a plain Enum: nothing may compare it to, or sort it with, an int
+    assert issubclass(Invariant, enum.Enum)
+    assert not issubclass(Invariant, int)
+    assert Invariant.NO_LOST_WAKEUP != 5
+    error = errors.InvariantViolationError(
+        Invariant.NO_LOST_WAKEUP, "slept", ["a", "b"], description="no lost wake-up"
+    )
+    assert error.invariant is Invariant.NO_LOST_WAKEUP
+    assert str(error).startswith("invariant NO_LOST_WAKEUP (no lost wake-up) violated: slept\n")

@@ -11,12 +11,11 @@ from ._errors import InvariantViolation
 __all__ = ["Invariant", "InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
 
 
-class Invariant(enum.IntEnum):
+class Invariant(enum.Enum):
     """The invariants the harness checks (docs/testing.md, "What is checked").
 
     A violation names its member (``error.invariant is Invariant.NO_LOST_WAKEUP``); the member
-    prints as its name and :attr:`description` states it. The members are ints only so they
-    fit :class:`~trio_rl.errors.InvariantViolationError`'s ``invariant`` field.
+    prints as its name and :attr:`description` states it.
     """
 
     ONE_CREDIT_PER_SAMPLE = 1
@@ -35,8 +34,6 @@ class Invariant(enum.IntEnum):
 
     def __str__(self) -> str:
         return self.name
-
-    __format__ = enum.Enum.__format__
 
 
 _DESCRIPTIONS: dict[Invariant, str] = {
