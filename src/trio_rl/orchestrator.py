@@ -41,6 +41,7 @@ from .publish import (
 from .rollout import (
     AsyncRolloutDriver,
     DataSource,
+    DataSourceError,
     FailurePolicy,
     GenerateFn,
     GroupFactory,
@@ -56,6 +57,8 @@ from .rollout import (
 )
 from .samples import PolicyVersion
 from .train import (
+    Checkpoint,
+    CheckpointError,
     CheckpointManager,
     PayloadStore,
     RestoreReport,
@@ -330,6 +333,31 @@ class Orchestrator:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)
 
 
+def _restore_run_state(ckpt: Checkpoint, source: DataSource, factory: GroupFactory) -> int:
+    """Load the source cursor and the factory state a checkpoint saved; return its policy
+    version. Anything malformed is a `CheckpointError` naming the file and the field."""
+    where = str(ckpt.path)
+    cursor = {} if ckpt.cursor is None else ckpt.cursor
+    if not isinstance(cursor, Mapping):
+        raise CheckpointError(where, f"cursor: a map expected, got {type(cursor).__name__}")
+    for name, target in (("source", source), ("factory", factory)):
+        state = cursor.get(name, {})
+        if not isinstance(state, Mapping):
+            raise CheckpointError(
+                where, f"cursor.{name}: a map expected, got {type(state).__name__}"
+            )
+        try:
+            target.load_state(state)
+        except DataSourceError as exc:
+            raise CheckpointError(where, f"cursor.{name}: {exc}") from exc
+    version = ckpt.progress.get("policy_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise CheckpointError(
+            where, f"progress.policy_version: a non-negative integer expected, got {version!r}"
+        )
+    return version
+
+
 @asynccontextmanager
 async def open_orchestrator(
     engine: Engine,
@@ -400,10 +428,7 @@ async def open_orchestrator(
     if manager is not None and resume:
         ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
-            cursor: Mapping[str, Any] = ckpt.cursor or {}
-            source.load_state(cursor.get("source", {}))
-            factory.load_state(cursor.get("factory", {}))
-            policy_version = int(ckpt.progress.get("policy_version", 0))
+            policy_version = _restore_run_state(ckpt, source, factory)
             restore = sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
             outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
             if outbox is not None:
