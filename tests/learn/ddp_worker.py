@@ -26,6 +26,9 @@ def main(job_file: str, out_file: str) -> None:
     if rank == 0:
         with open(out_file, "wb") as f:
             pickle.dump({"state": model.state_dict(), "stats": stats}, f)
+    # Both ranks reach here before either tears gloo down: destroying the group while the peer
+    # still uses it aborts the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -11,6 +11,7 @@ seed, trainer settings) is read from ``DIR/run.json``, written by the orchestrat
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -123,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer = GRPOTrainer(model, config.trainer)
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         trio.run(_serve, config, trainer, rank, args.steps)
+        # Both ranks finish before either tears gloo down: destroying the group while the peer
+        # still uses it aborts the process ("terminate called without an active exception").
+        # Bounded: a peer that died is reported instead of waited for.
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
     finally:
         dist.destroy_process_group()
     return 0
