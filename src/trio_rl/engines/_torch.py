@@ -21,6 +21,7 @@ from ..policy import PolicyVersionCell, as_cell
 from ..samples import PolicyVersion
 from ._errors import EngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
+from ._rows import PendingRow as _Row
 
 if TYPE_CHECKING:
     import torch
@@ -43,16 +44,6 @@ class TorchEngineStatistics:
     decode_steps: int
     running_batches: int
     weight_loads: int
-
-
-@attrs.define(slots=True, eq=False)
-class _Row:
-    request: GenerateRequest
-    done: trio.Event = attrs.field(factory=trio.Event)
-    #: Set from the loop when the caller is cancelled; the decode thread drops the row.
-    abandoned: bool = False
-    completion: Completion | None = None
-    error: BaseException | None = None
 
 
 @attrs.define(slots=True, eq=False)

@@ -35,6 +35,7 @@ from ._errors import (
 )
 from ._openai import parse_completion_response
 from ._protocol import Completion, GenerateRequest
+from ._rows import PendingRow as _Row
 
 __all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
 
@@ -192,15 +193,6 @@ class VLLMAdmin:
 
         Cancellation: the HTTP request is dropped."""
         await self._call("POST", "/reset_prefix_cache")
-
-
-@attrs.define(slots=True, eq=False)
-class _Row:
-    request: GenerateRequest
-    done: trio.Event = attrs.field(factory=trio.Event)
-    abandoned: bool = False
-    completion: Completion | None = None
-    error: BaseException | None = None
 
 
 @attrs.define(slots=True, eq=False)
