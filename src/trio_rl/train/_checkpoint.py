@@ -25,9 +25,9 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import attrs
 import msgpack
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger("trio_rl.train")
+_R = TypeVar("_R")
 
 SCHEMA_VERSION = 1
 _MAGIC = b"TRIORLCK"
@@ -288,22 +289,20 @@ def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int) -> Checkpoi
         meta = decode_meta(obj, body_len - unpacker.tell())
     except CodecError as exc:
         raise bad(exc, off) from exc
-    queued = []
-    for i in range(meta.n_queued):
-        what = f"sink.queued[{i}]"
-        obj, off = nxt(what)
-        try:
-            queued.append(decode_training_sample(obj, what))
-        except CodecError as exc:
-            raise bad(exc, off) from exc
-    groups = []
-    for i in range(meta.n_open):
-        what = f"sink.open_groups[{i}]"
-        obj, off = nxt(what)
-        try:
-            groups.append(decode_open_group(obj, what))
-        except CodecError as exc:
-            raise bad(exc, off) from exc
+
+    def records(n: int, field: str, decode: Callable[[Any, str], _R]) -> tuple[_R, ...]:
+        out = []
+        for i in range(n):
+            what = f"sink.{field}[{i}]"
+            obj, off = nxt(what)
+            try:
+                out.append(decode(obj, what))
+            except CodecError as exc:
+                raise bad(exc, off) from exc
+        return tuple(out)
+
+    queued = records(meta.n_queued, "queued", decode_training_sample)
+    groups = records(meta.n_open, "open_groups", decode_open_group)
     if unpacker.tell() != body_len:
         raise CheckpointError(
             name,
@@ -315,8 +314,8 @@ def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int) -> Checkpoi
         next_arrival=meta.next_arrival,
         counters=meta.counters,
         window=meta.window,
-        queued=tuple(queued),
-        open_groups=tuple(groups),
+        queued=queued,
+        open_groups=groups,
     )
     try:
         check_state(state)
