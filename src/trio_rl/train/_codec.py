@@ -140,23 +140,23 @@ _MAX_DIM = 2**31
 _NUMERIC = "biuf"
 
 
+# checked in order: bool before int, since a boolean is an int to isinstance
+_KINDS: tuple[tuple[type, str], ...] = (
+    (type(None), "nil"),
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (bytes, "bytes"),
+    (list, "an array"),
+    (dict, "a map"),
+)
+
+
 def _kind(obj: object) -> str:
-    if obj is None:
-        return "nil"
-    if isinstance(obj, bool):
-        return "a boolean"
-    if isinstance(obj, int):
-        return "an integer"
-    if isinstance(obj, float):
-        return "a float"
-    if isinstance(obj, str):
-        return "a string"
-    if isinstance(obj, bytes):
-        return "bytes"
-    if isinstance(obj, list):
-        return "an array"
-    if isinstance(obj, dict):
-        return "a map"
+    for t, kind in _KINDS:
+        if isinstance(obj, t):
+            return kind
     if isinstance(obj, msgpack.ExtType):
         return f"a packed array of ext type {obj.code}"
     return type(obj).__name__
