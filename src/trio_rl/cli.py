@@ -172,13 +172,11 @@ def _parser(learn: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-async def _trainer_rank(
-    receiver: BatchReceiver, first: int, on_step: list[tuple[int, int, int, float]], rank: int
-) -> None:
+async def _trainer_rank(receiver: BatchReceiver, first: int, on_step: _Trained, rank: int) -> None:
     """One ZeroMQ trainer rank: read each step's micro-batches, tensorize, 'train', report."""
     async with receiver as batches:
         async for step, micro_batches in batches:
-            on_step.append((step, rank, *_train(micro_batches)))
+            on_step.add(step, rank, *_train(micro_batches))
 
 
 def _train(micro_batches: Sequence[MicroBatch]) -> tuple[int, float]:
@@ -230,7 +228,7 @@ def _record(micro_batches: Sequence[MicroBatch], data: bytes) -> dict[str, objec
 
 
 async def _file_trainer_rank(
-    out: Path, rank: int, start: int, stop: int, on_step: list[tuple[int, int, int, float]]
+    out: Path, rank: int, start: int, stop: int, on_step: _Trained
 ) -> None:
     """One file-transport trainer rank, resumable: read step after step, train, append one
     fsynced line to ``trainer/rank_<R>.jsonl`` and only then delete the batch file. A restart
@@ -248,7 +246,7 @@ async def _file_trainer_rank(
             line = json.dumps({"step": step, "rank": rank, **_record(micro_batches, data)})
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_append_and_delete, log, line, Path(got.source))
-            on_step.append((step, rank, tokens, loss))
+            on_step.add(step, rank, tokens, loss)
 
 
 def _append_and_delete(log: Path, line: str, batch: Path) -> None:
@@ -261,25 +259,34 @@ def _append_and_delete(log: Path, line: str, batch: Path) -> None:
         batch.parent.rmdir()  # other ranks' files may still be there
 
 
-async def _advance_policy(
-    orch: Orchestrator, trained: list[tuple[int, int, int, float]], starts: list[int], last: int
-) -> None:
-    """The trainer finishing step S publishes policy S once every rank has trained step S.
+@attrs.define
+class _Trained:
+    """What the trainer ranks trained, ``(step, rank, tokens, loss)`` rows; the trainer finishing
+    step S publishes policy S once every rank has trained step S (in `add`, no polling).
 
     A resumed trainer rank has trained everything before its start step, so the version
-    ``min(start) - 1`` is reported right away (the orchestrator's ship gate waits for it)."""
-    done = [s - 1 for s in starts]
-    seen = 0
-    while True:
-        for step, rank, _, _ in trained[seen:]:
-            done[rank] = max(done[rank], step)
-        seen = len(trained)
-        version = min(done)
-        if version > orch.policy_version:
-            orch.set_policy_version(version)
-        if version >= last:
-            return
-        await trio.sleep(0.002)
+    ``min(start) - 1`` is reported by `start` (the orchestrator's ship gate waits for it)."""
+
+    rows: list[tuple[int, int, int, float]] = attrs.field(factory=list)
+    orch: Orchestrator | None = None
+    done: list[int] = attrs.field(factory=list)
+
+    def start(self, orch: Orchestrator, starts: list[int]) -> None:
+        self.orch = orch
+        self.done = [s - 1 for s in starts]
+        self._advance()
+
+    def add(self, step: int, rank: int, tokens: int, loss: float) -> None:
+        self.rows.append((step, rank, tokens, loss))
+        if self.orch is not None:
+            self.done[rank] = max(self.done[rank], step)
+            self._advance()
+
+    def _advance(self) -> None:
+        assert self.orch is not None
+        version = min(self.done)
+        if version > self.orch.policy_version:
+            self.orch.set_policy_version(version)
 
 
 @attrs.define
@@ -335,7 +342,7 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
         seq_len=max(8192, args.max_tokens + 16),
     )
     source = InMemorySource(_demo_prompts(512), epochs=None)
-    trained: list[tuple[int, int, int, float]] = []
+    trained = _Trained()
     started = time.perf_counter()
 
     def show(shipment: Shipment) -> None:
@@ -409,6 +416,7 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
             stop.scope = work  # from now on a signal stops the run, then checkpoints
             if stop.signals:
                 work.cancel()
+            trained.start(orch, starts)
             async with trio.open_nursery() as nursery:
                 for rank in range(args.ranks):
                     if args.transport == "zmq":
@@ -420,7 +428,6 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
                         nursery.start_soon(
                             _file_trainer_rank, out, rank, starts[rank], last + 1, trained
                         )
-                nursery.start_soon(_advance_policy, orch, trained, starts, last)
                 summary = await orch.run(args.steps)
         if stop.signals:
             # Stopped mid-step: save what was collected since the last shipped step.
@@ -435,11 +442,11 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
     assert summary is not None
     stats = engine.statistics()
     c = summary.counters
-    tokens = sum(t for _, _, t, _ in trained)
+    tokens = sum(t for _, _, t, _ in trained.rows)
     print(
         f"done in {time.perf_counter() - started:.1f} s: "
         f"steps {summary.first_step}..{summary.last_step}, "
-        f"trainer ranks read {len(trained)} payloads ({tokens} tokens incl. padding)"
+        f"trainer ranks read {len(trained.rows)} payloads ({tokens} tokens incl. padding)"
     )
     print(
         f"engine: {stats.requests_done} requests, {stats.tokens} tokens, "
