@@ -36,7 +36,7 @@ def _gain(rewards: list[float]) -> float:
 
 
 async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> None:
-    config = LearnConfig(out=tmp_path, steps=40, seed=0, stop_at_reward=0.4, verbose=False)
+    config = LearnConfig(out=tmp_path, steps=80, seed=0, stop_at_reward=0.4, verbose=False)
     with trio.fail_after(900):  # ~40 s on an idle 2-core machine; generous for a loaded one
         result = await run_learning(config)
     rewards = _rewards(result.metrics)
