@@ -43,6 +43,7 @@ logger = logging.getLogger("trio_rl.learn")
 RUN_FILE = "run.json"
 #: Written at the end of a run with the last shipped step: the torchrun trainer job stops there.
 STOP_FILE = "STOP"
+METRICS_FILE = "metrics.jsonl"
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -241,8 +242,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     out = config.out
     # The learning run does not resume: a previous run's weights would be taken for new
     # versions, its batch files for this run's steps.
-    await trio.to_thread.run_sync(_clear_run_directory, out)
-    (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
+    await trio.to_thread.run_sync(_prepare_run_directory, out, config)
     trainer_done = trio.Event()
     model, _ = build_model(config)
     task = TASKS[config.task]
@@ -263,8 +263,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     trainer_steps: list[StepStats] = []
     lags: list[float] = []
     started = time.perf_counter()
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
+    metrics_path = out / METRICS_FILE
     send, receive = trio.open_memory_channel[Shipment](64)
     version = [0]
 
@@ -374,14 +373,20 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                 break
         counters = attrs.asdict(orch.sink.counters)
         # an external trainer job trains up to the last shipped step, then exits by itself
-        (out / STOP_FILE).write_text(str(orch.sink.step - 1))
+        await trio.to_thread.run_sync((out / STOP_FILE).write_text, str(orch.sink.step - 1))
         if config.trainer_mode == "torchrun":
-            with trio.move_on_after(60):
+            with trio.move_on_after(60) as waited:
                 await trainer_done.wait()
+            if waited.cancelled_caught:
+                logger.warning("the torchrun trainer did not exit within 60 s; stopping it")
         send.close()
         # let the consumer drain what was shipped, then stop the helpers
-        with trio.move_on_after(5):
+        with trio.move_on_after(5) as waited:
             await drained.wait()
+        if waited.cancelled_caught:
+            logger.warning(
+                "the metrics consumer did not drain within 5 s; %s may lack steps", metrics_path
+            )
         nursery.cancel_scope.cancel()
     wall = time.perf_counter() - started
     if config.plot and metrics:
@@ -391,11 +396,13 @@ async def run_learning(config: LearnConfig) -> LearnResult:
     return LearnResult(metrics, counters, trainer_steps, wall, out, stopped)
 
 
-def _clear_run_directory(out: Path) -> None:
+def _prepare_run_directory(out: Path, config: LearnConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name in ("weights", "batches"):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / STOP_FILE).unlink(missing_ok=True)
+    (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
+    (out / METRICS_FILE).write_text("")
 
 
 def _append(path: Path, line: str) -> None:

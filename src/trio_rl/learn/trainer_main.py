@@ -14,6 +14,7 @@ import argparse
 import datetime
 import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from ._weights import publish_weights
 from .run import RUN_FILE, STOP_FILE, LearnConfig, build_model
 
 __all__ = ["main", "load_run_config"]
+
+logger = logging.getLogger("trio_rl.learn")
 
 
 def load_run_config(out: Path, timeout: float = 60.0) -> LearnConfig:
@@ -84,16 +87,24 @@ async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: in
         # Every rank stops after the same step (a rank leaving early would hang the others in
         # an all-reduce): the one the orchestrator names in the stop file, once trained.
         last = await _wait_for_stop(config.out / STOP_FILE)
+        if trained[0] < last:
+            logger.info("trainer job: stop file names step %d; training up to it", last)
         while trained[0] < last:  # noqa: ASYNC110 - the training thread has no event
             await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
 
 
-async def _wait_for_stop(path: Path) -> int:
+async def _wait_for_stop(path: Path, log_every: float = 300.0) -> int:
+    """The step named in ``path`` once it appears; logs every ``log_every`` s until then (no
+    deadline: the orchestrator writes it at the end of its run, however long that is)."""
+    next_log = trio.current_time() + log_every
     while True:
         text = await trio.to_thread.run_sync(_read_stop, path)
         if text is not None:
             return int(text)
+        if trio.current_time() >= next_log:
+            logger.warning("trainer job: still waiting for %s", path)
+            next_log += log_every
         await trio.sleep(0.1)
 
 
