@@ -50,6 +50,18 @@ def non_negative_finite(instance: object, attribute: attrs.Attribute[Any], value
         _fail(instance, attribute, value, "finite and >= 0")
 
 
+def positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    """> 0 and not NaN (``inf`` allowed: no limit)."""
+    if not (value > 0 and not math.isnan(value)):
+        _fail(instance, attribute, value, "> 0")
+
+
+def non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    """>= 0 (``inf`` allowed: no limit)."""
+    if not value >= 0:
+        _fail(instance, attribute, value, ">= 0")
+
+
 def probability(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not (_is_number(value) and 0.0 <= value <= 1.0):  # type: ignore[operator]
         _fail(instance, attribute, value, "in [0, 1]")

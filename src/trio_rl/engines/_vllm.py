@@ -12,7 +12,6 @@ endpoints need the server started with ``VLLM_SERVER_DEV_MODE=1``:
 from __future__ import annotations
 
 import json
-import math
 import os
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -36,6 +35,8 @@ from ._errors import (
 from ._openai import parse_completion_response
 from ._protocol import Completion, GenerateRequest
 from ._rows import PendingRow as _Row
+from ._validate import non_negative as _non_negative
+from ._validate import positive as _positive
 
 __all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
 
@@ -48,20 +49,6 @@ def _http_url(instance: object, attribute: attrs.Attribute[str], value: str) -> 
     if not value.startswith(("http://", "https://")):
         raise EngineConfigError(
             f"{type(instance).__name__}.{attribute.name}: {value!r} is not an http(s):// URL"
-        )
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not (value > 0 and not math.isnan(value)):
-        raise EngineConfigError(
-            f"{type(instance).__name__}.{attribute.name} must be > 0, got {value!r}"
-        )
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0:
-        raise EngineConfigError(
-            f"{type(instance).__name__}.{attribute.name} must be >= 0, got {value!r}"
         )
 
 
