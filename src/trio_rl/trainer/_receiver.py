@@ -186,8 +186,6 @@ class BatchReceiver:
 
         try:
             tensors = await trio.to_thread.run_sync(read, limiter=self._limiter)
-        except trio.Cancelled:
-            raise
         except Exception:
             self._decoded = None
             with trio.CancelScope(shield=True):
@@ -216,8 +214,6 @@ class BatchReceiver:
                 )
             else:
                 micro_batches = _decode_and_release(box)
-        except trio.Cancelled:
-            raise
         except Exception:
             # The error is this payload's delivery: forget it, so the next receive moves on.
             self._pending = None
