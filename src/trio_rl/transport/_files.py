@@ -20,6 +20,7 @@ before the thread started (waiting for the limiter) makes the call raise, having
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -39,6 +40,8 @@ __all__ = [
     "end_marker_path",
 ]
 
+logger = logging.getLogger("trio_rl.transport")
+
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     """The path of rank ``rank``'s payload for ``step`` under ``directory``."""
@@ -56,6 +59,8 @@ def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
 
 
 _MMAP_MIN_SIZE = 1 << 20
+#: Seconds between log lines while a receive waits for its step's file.
+_WAIT_LOG_INTERVAL = 60.0
 #: How often one rename retries after readers removed the emptied step directory under it.
 _RENAME_ATTEMPTS = 1000
 
@@ -433,7 +438,9 @@ class FileReceiver(Receiver):
         path = self.path(step)
         if self._ended_at is not None and step >= self._ended_at:
             raise self._end_of_stream(step, self._ended_at)
-        deadline = trio.current_time() + self._timeout
+        start = trio.current_time()
+        deadline = start + self._timeout
+        next_log = start + _WAIT_LOG_INTERVAL
         interval = self._poll_interval
         while True:
             try:
@@ -443,7 +450,17 @@ class FileReceiver(Receiver):
                 raise
             if data is not None:
                 break
-            remaining = deadline - trio.current_time()
+            now = trio.current_time()
+            if now >= next_log:
+                logger.info(
+                    "rank %d: still waiting for batch file %s (step %d) after %.0f s",
+                    self._rank,
+                    path,
+                    step,
+                    now - start,
+                )
+                next_log = now + _WAIT_LOG_INTERVAL
+            remaining = deadline - now
             if remaining <= 0:
                 raise TransportTimeoutError(
                     f"rank {self._rank}: no batch file {path} for step {step} "
