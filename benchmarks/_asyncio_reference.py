@@ -1,11 +1,18 @@
-"""The asyncio reference scheduler (miles PR #1673 design), re-implemented as a comparator.
+"""The asyncio comparator: miles' own scheduler file, unmodified, or a labelled fallback.
 
-This follows the reference's *design* as described in /work/shared/reference/miles.md sections
-3-4 (it is not its code): one asyncio task per sample with a done-callback that returns a credit,
-a clearable ``asyncio.Event`` cleared inside ``has_capacity`` when it answers False, and a
-``wait_for_progress`` that waits FIRST_COMPLETED over every pending group task plus a helper
-task waiting on the event. The fully-async worker loop drives it the way the reference's
-``FullyAsyncRolloutFn`` does: submit while ``has_capacity``, wait, reap.
+:func:`load_scheduler` reads ``miles/rollout/submission_scheduler.py`` exactly as upstream has
+it (kept beside the reference notes at ``../shared/reference/miles_submission_scheduler.py``
+from the project root, or a path given on the command line) and imports it with a stub for
+``miles.utils.types``; the stub's ``Sample`` is a dataclass with the fields of miles' own
+``Sample`` (``miles/utils/types.py``), so the asyncio side allocates what the reference
+allocates per sample. Only when that file is absent does the benchmark fall back to the
+re-implementation below (``GroupLevelSubmission`` / ``SampleBackfillSubmission`` in this module),
+and it says so in its output.
+
+:func:`generate_and_rm_group` and :func:`fully_async_worker` drive a scheduler the way miles'
+``generate_and_rm_group`` and ``FullyAsyncRolloutFn._worker_loop`` do (one task per sample, the
+credit callback registered as a done-callback before ``gather``'s own, submit while
+``has_capacity``, ``wait_for_progress``, reap).
 
 asyncio is allowed here only because this is a benchmark comparator; ``src/`` is trio only.
 """
@@ -13,16 +20,100 @@ asyncio is allowed here only because this is a benchmark comparator; ``src/`` is
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
+import enum
+import importlib.util
 import logging
+import sys
+import types
 from collections import deque
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("asyncio_reference")
 
+#: Where the reference file lives relative to the project root (a sibling checkout).
+DEFAULT_REFERENCE = (
+    Path(__file__).resolve().parent.parent.parent
+    / "shared"
+    / "reference"
+    / "miles_submission_scheduler.py"
+)
+
+
+class MilesStatus(enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass
+class MilesSample:
+    """The fields of miles' ``Sample`` dataclass (``miles/utils/types.py``) with its defaults."""
+
+    Status = MilesStatus
+
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict[str, str]] = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    multimodal_inputs: dict[str, Any] | None = None
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | dict[str, Any] | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = dataclasses.field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    status: MilesStatus = MilesStatus.PENDING
+    routing_key: str | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    remove_sample: bool = False
+    generate_function_path: str | None = None
+
+
+def load_scheduler(path: Path | None = None) -> tuple[types.ModuleType, str]:
+    """The scheduler module and a label saying what it is.
+
+    ``path`` (default :data:`DEFAULT_REFERENCE`) is imported unmodified, with
+    ``miles.utils.types`` stubbed; when it does not exist, this module's re-implementation is
+    returned, labelled as such.
+    """
+    path = DEFAULT_REFERENCE if path is None else path
+    if not path.is_file():
+        return sys.modules[__name__], f"RE-IMPLEMENTATION (reference file not found at {path})"
+    for name in ("miles", "miles.utils", "miles.utils.types", "miles.rollout"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["miles.utils.types"].Sample = MilesSample  # type: ignore[attr-defined]
+    spec = importlib.util.spec_from_file_location("miles.rollout.submission_scheduler", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module, f"miles' own submission_scheduler.py, unmodified ({path})"
+
+
+def miles_group(prompt: MilesSample, group_size: int, counter: Callable[[], int]) -> list[Any]:
+    """A prompt group as miles' data source builds it: deep copies of one prompt sample with
+    consecutive indices and a shared group index."""
+    group_index = counter()
+    group = []
+    for _ in range(group_size):
+        sample = copy.deepcopy(prompt)
+        sample.group_index = group_index
+        sample.index = counter()
+        group.append(sample)
+    return group
+
 
 class GroupLevelSubmission:
-    """Group granularity: admit while fewer than ``group_budget`` groups are pending."""
+    """(Fallback re-implementation) Group granularity: admit while fewer than ``group_budget`` groups are pending."""
 
     sample_done_callback = None
 
@@ -39,14 +130,14 @@ class GroupLevelSubmission:
 
 
 class SampleBackfillSubmission:
-    """Sample backfill: a credit counter of samples in flight against ``B x G``."""
+    """(Fallback re-implementation) Sample backfill: a credit counter of samples in flight against ``B x G``."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self.samples_in_flight = 0
         self._wakeup = asyncio.Event()
 
-    def sample_done_callback(self, _task: object = None) -> None:
+    def sample_done_callback(self) -> None:
         self.samples_in_flight -= 1
         self._wakeup.set()
 
@@ -84,13 +175,15 @@ class SampleBackfillSubmission:
 async def generate_and_rm_group(
     group: list[Any],
     generate: Callable[[Any], Awaitable[Any]],
-    sample_done_callback: Callable[[Any], None] | None,
+    sample_done_callback: Callable[[], None] | None,
 ) -> list[Any]:
-    """One task per sample; the credit callback is registered on each before gather's own."""
+    """One task per sample; the zero-argument credit callback is registered on each as a
+    done-callback ignoring the task (as miles does), before gather's own."""
     tasks = [asyncio.create_task(generate(sample)) for sample in group]
     if sample_done_callback is not None:
+        callback = sample_done_callback
         for task in tasks:
-            task.add_done_callback(sample_done_callback)
+            task.add_done_callback(lambda _task: callback())
     try:
         return await asyncio.gather(*tasks)
     except BaseException:
@@ -102,7 +195,7 @@ async def generate_and_rm_group(
 
 
 async def fully_async_worker(
-    scheduler: GroupLevelSubmission | SampleBackfillSubmission,
+    scheduler: Any,
     make_group: Callable[[], list[Any]],
     generate: Callable[[Any], Awaitable[Any]],
     *,

@@ -24,12 +24,16 @@ import functools
 import gc
 import itertools
 import math
+import random
+import statistics
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 import trio.testing
 
@@ -173,8 +177,15 @@ _PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
 _reached: list[tuple[float, int]] = []
 
 
+#: Traced bytes when the current memory run reached its target (the samples still in flight
+#: and everything the loop holds for them are alive then).
+_traced: list[int] = []
+
+
 def _mark_target(finished: int) -> None:
     _reached.append((time.process_time(), finished))
+    if tracemalloc.is_tracing():
+        _traced.append(tracemalloc.get_traced_memory()[0])
 
 
 async def _zero_latency(sample: Sample) -> None:
@@ -224,23 +235,45 @@ async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> 
     return finished
 
 
+#: The asyncio side's scheduler module (miles' own file, or the labelled fallback) and what
+#: the asyncio side builds its groups from; set by :func:`main`.
+_reference: Any = ref
+_reference_label = "re-implementation"
+_asyncio_samples = "miles"
+
+
 async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) -> int:
     budget = concurrent // G
-    factory = GroupFactory(G)
+    make_group: Callable[[], list[Any]]
+    if _asyncio_samples == "miles":
+        counter = itertools.count().__next__
+        prompt = ref.MilesSample(prompt="p", tokens=list(_PROMPT.tokens), label="x")
 
-    async def generate(sample: Sample) -> Sample:
+        def make_group() -> list[Any]:
+            return ref.miles_group(prompt, G, counter)
+
+        completed: Any = ref.MilesSample.Status.COMPLETED
+    else:
+        factory = GroupFactory(G)
+
+        def make_group() -> list[Any]:
+            return list(factory.make(_PROMPT).samples)
+
+        completed = SampleStatus.COMPLETED
+
+    async def generate(sample: Any) -> Any:
         await asyncio.sleep(0)
-        sample.status = SampleStatus.COMPLETED
+        sample.status = completed
         return sample
 
-    scheduler: ref.GroupLevelSubmission | ref.SampleBackfillSubmission
+    scheduler: Any
     if granularity == "sample":
-        scheduler = ref.SampleBackfillSubmission(G)
+        scheduler = _reference.SampleBackfillSubmission(G)
     else:
-        scheduler = ref.GroupLevelSubmission()
+        scheduler = _reference.GroupLevelSubmission()
     return await ref.fully_async_worker(
         scheduler,
-        lambda: factory.make(_PROMPT).samples,
+        make_group,
         generate,
         group_budget=budget,
         target_samples=target,
@@ -313,25 +346,59 @@ def _measure(fn: Callable[[], int], gc_on: bool) -> tuple[float, float]:
     return cpu / finished * 1e6, (reached - t0) / finished_then * 1e6
 
 
+def _memory(fn: Callable[[], int], n: int) -> float:
+    """Traced bytes per in-flight sample when the run reached its target (everything alive
+    then: the N samples in flight, their tasks, and whatever the loop holds for them)."""
+    gc.collect()
+    _reached.clear()
+    _traced.clear()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        fn()
+    finally:
+        tracemalloc.stop()
+    (at_target,) = _traced
+    return (at_target - base) / n
+
+
+def _spread(values: list[float]) -> str:
+    """Median and range of repeated figures, e.g. ``41.2 [39.8-44.0]``."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.1f}"
+    return f"{med:.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
 def part_b(
-    sizes: list[int], factor: float, minimum: int, granularities: list[str], loop: str
+    sizes: list[int],
+    factor: float,
+    minimum: int,
+    granularities: list[str],
+    loop: str,
+    repeat: int,
+    memory: bool,
 ) -> list[dict[str, Any]]:
     trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
     print(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
-        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop"
+        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop; "
+        f"asyncio: {_reference_label}, samples built as {_asyncio_samples} builds them"
     )
     print(
-        "   (whole run incl. the shutdown that cancels the N samples in flight; "
-        "'steady': up to the target, no shutdown)"
+        f"   median [min-max] of {repeat} interleaved repetitions; whole run incl. the shutdown "
+        "that cancels the N samples in flight; 'steady': up to the target, no shutdown"
     )
-    header = (
-        f"{'policy':<8} {'N in flight':>11} | {'trio-rl':>8} {'asyncio':>8} | "
-        f"{'steady':>7} {'steady':>7} | {'trio-rl nogc':>12} {'asyncio nogc':>12} | "
-        f"{'steady':>7} {'steady':>7}"
-    )
-    print(header)
-    print("-" * len(header))
+    columns = [
+        ("trio", "trio-rl whole"),
+        ("asyncio", "asyncio whole"),
+        ("trio_steady", "trio-rl steady"),
+        ("asyncio_steady", "asyncio steady"),
+        ("trio_nogc", "trio-rl whole, GC off"),
+        ("asyncio_nogc", "asyncio whole, GC off"),
+        ("trio_steady_nogc", "trio-rl steady, GC off"),
+        ("asyncio_steady_nogc", "asyncio steady, GC off"),
+    ]
     rows = []
     for granularity in granularities:
         policy: SubmissionPolicy = (
@@ -339,30 +406,238 @@ def part_b(
         )
         for n in sizes:
             target = max(int(factor * n), minimum)
+            runs: dict[str, list[float]] = {key: [] for key, _ in columns}
+            trio_call = functools.partial(trio.run, trio_fn, policy, n, target)
+            asyncio_call = functools.partial(_run_asyncio, granularity, n, target)
+            for _ in range(repeat):
+                for gc_on in (True, False):
+                    suffix = "" if gc_on else "_nogc"
+                    whole, steady = _measure(trio_call, gc_on)
+                    runs["trio" + suffix].append(whole)
+                    runs["trio_steady" + suffix].append(steady)
+                    whole, steady = _measure(asyncio_call, gc_on)
+                    runs["asyncio" + suffix].append(whole)
+                    runs["asyncio_steady" + suffix].append(steady)
             row: dict[str, Any] = {"policy": granularity, "n": n}
-            for gc_on in (True, False):
-                suffix = "" if gc_on else "_nogc"
-                row["trio" + suffix], row["trio_steady" + suffix] = _measure(
-                    functools.partial(trio.run, trio_fn, policy, n, target), gc_on
-                )
-                row["asyncio" + suffix], row["asyncio_steady" + suffix] = _measure(
-                    functools.partial(_run_asyncio, granularity, n, target), gc_on
-                )
             print(
-                f"{granularity:<8} {n:>11,} | {row['trio']:>8.1f} {row['asyncio']:>8.1f} | "
-                f"{row['trio_steady']:>7.1f} {row['asyncio_steady']:>7.1f} | "
-                f"{row['trio_nogc']:>12.1f} {row['asyncio_nogc']:>12.1f} | "
-                f"{row['trio_steady_nogc']:>7.1f} {row['asyncio_steady_nogc']:>7.1f}"
+                f"{granularity} backfill, N = {n:,} in flight:"
+                if granularity == "sample"
+                else f"{granularity} granularity, N = {n:,} in flight:"
             )
+            for key, label in columns:
+                row[key] = statistics.median(runs[key])
+                print(f"   {label:<24} {_spread(runs[key]):>26} us/sample")
+            for side in ("trio", "trio_steady", "trio_nogc", "trio_steady_nogc"):
+                other = side.replace("trio", "asyncio")
+                print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
+            print()
+            if memory:
+                trio_bytes = _memory(trio_call, n)
+                asyncio_bytes = _memory(asyncio_call, n)
+                row["trio_bytes"], row["asyncio_bytes"] = trio_bytes, asyncio_bytes
+                print(
+                    f"   traced memory per in-flight sample at the target: trio-rl "
+                    f"{trio_bytes / 1024:.2f} KiB, asyncio {asyncio_bytes / 1024:.2f} KiB "
+                    f"({trio_bytes / asyncio_bytes:.2f}x)"
+                )
             rows.append(row)
     return rows
+
+
+# --------------------------------------------------------------------------- part C
+
+
+@attrs.define
+class _RealTime:
+    """One real-time run's clock window and figures. A slot is busy for a sample's nominal
+    latency (start to start + latency) clipped to the window: time a finished sample waits for
+    the loop to notice it, and time a free slot waits for an admission, count as idle."""
+
+    slots: int
+    median: float
+    seconds: float
+    seed: int
+    warmup: float = 0.5
+    t0: float = 0.0
+    t1: float = 0.0
+    busy: float = 0.0
+    finished: int = 0
+    lags: list[float] = attrs.field(factory=list)
+    draws: Any = None
+
+    def start(self) -> None:
+        self.draws = random.Random(self.seed)
+        now = time.perf_counter()
+        self.t0, self.t1 = now + self.warmup, now + self.warmup + self.seconds
+
+    def latency(self) -> float:
+        """Draw a sample's latency and book its busy time inside the window."""
+        start = time.perf_counter()
+        latency = self.median * math.exp(self.draws.gauss(0.0, 1.0))
+        self.busy += max(0.0, min(start + latency, self.t1) - max(start, self.t0))
+        return latency
+
+    def done(self) -> None:
+        if self.t0 <= time.perf_counter() <= self.t1:
+            self.finished += 1
+
+    def lag(self, overshoot: float) -> None:
+        if self.t0 <= time.perf_counter() <= self.t1:
+            self.lags.append(overshoot)
+
+    def figures(self, cpu: float) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+        return {
+            "occupancy": self.busy / (self.slots * self.seconds),
+            "rate": self.finished / self.seconds,
+            "cpu_us": cpu / max(1, self.finished) * 1e6,
+            "lag_p95_ms": lags[int(0.95 * (len(lags) - 1))] * 1e3,
+        }
+
+
+_PROBE = 0.001
+
+
+async def _trio_real_time(rt: _RealTime) -> float:
+    async def generate(sample: Sample) -> None:
+        await trio.sleep(rt.latency())
+        sample.status = SampleStatus.COMPLETED
+        rt.done()
+
+    async def probe() -> None:
+        while True:
+            before = time.perf_counter()
+            await trio.sleep(_PROBE)
+            rt.lag(time.perf_counter() - before - _PROBE)
+
+    budget = rt.slots // G
+    rt.start()
+    cpu0 = 0.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(probe)
+        async with open_async_rollout(
+            InMemorySource([_PROMPT], epochs=None),
+            GroupFactory(G),
+            GroupRunner(generate),
+            batch_size=1,
+            policy=SampleBackfill(),
+            max_groups_in_flight=budget,
+        ) as driver:
+            await trio.sleep_until(trio.current_time() + rt.warmup)
+            cpu0 = time.process_time()
+            with trio.move_on_after(rt.seconds):
+                while True:
+                    await driver.next_batch()
+            cpu = time.process_time() - cpu0
+        nursery.cancel_scope.cancel()
+    return cpu
+
+
+async def _asyncio_real_time(rt: _RealTime) -> float:
+    completed = ref.MilesSample.Status.COMPLETED
+    counter = itertools.count().__next__
+    prompt = ref.MilesSample(prompt="p", tokens=list(_PROMPT.tokens), label="x")
+
+    async def generate(sample: Any) -> Any:
+        await asyncio.sleep(rt.latency())
+        sample.status = completed
+        rt.done()
+        return sample
+
+    async def probe() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(_PROBE)
+            rt.lag(time.perf_counter() - before - _PROBE)
+
+    rt.start()
+    probe_task = asyncio.ensure_future(probe())
+    cpu_at: list[float] = []
+
+    async def timed() -> None:
+        await asyncio.sleep(rt.warmup)
+        cpu_at.append(time.process_time())
+        await asyncio.sleep(rt.seconds)
+        cpu_at.append(time.process_time())
+
+    worker = asyncio.ensure_future(
+        ref.fully_async_worker(
+            _reference.SampleBackfillSubmission(G),
+            lambda: ref.miles_group(prompt, G, counter),
+            generate,
+            group_budget=rt.slots // G,
+            target_samples=1 << 62,
+        )
+    )
+    await timed()
+    for task in (worker, probe_task):
+        task.cancel()
+    await asyncio.gather(worker, probe_task, return_exceptions=True)
+    return cpu_at[1] - cpu_at[0]
+
+
+def _real_time(side: str, median: float, seconds: float, slots: int, seed: int) -> dict[str, float]:
+    rt = _RealTime(slots=slots, median=median, seconds=seconds, seed=seed)
+    gc.collect()
+    if side == "trio-rl":
+        cpu = trio.run(_trio_real_time, rt)
+    else:
+        cpu = asyncio.run(_asyncio_real_time(rt))
+    return rt.figures(cpu)
+
+
+def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[float]) -> None:
+    """Real time: sample backfill against ``slots`` engine slots with lognormal latencies
+    (median 20 ms x scale, sigma 1), both sides in turn; then each side's highest sample rate
+    that keeps occupancy >= 0.95."""
+    print(
+        f"\n== C. real time: {slots} slots, lognormal latencies (median 20 ms x scale, sigma 1), "
+        f"{seconds:g} s windows after 0.5 s warm-up, G = {G}, sample backfill; "
+        f"asyncio: {_reference_label}"
+    )
+    base = 0.020
+    print(f"-- at scale 1/10 (median 2 ms), median [min-max] of {repeat} interleaved runs")
+    figures: dict[str, dict[str, list[float]]] = {"trio-rl": {}, "asyncio": {}}
+    for r in range(repeat):
+        for side in ("trio-rl", "asyncio"):
+            for key, value in _real_time(side, base / 10, seconds, slots, seed + r).items():
+                figures[side].setdefault(key, []).append(value)
+    for key, label in [
+        ("occupancy", "slot occupancy"),
+        ("rate", "samples/s"),
+        ("cpu_us", "CPU us/sample"),
+        ("lag_p95_ms", "loop lag p95 ms"),
+    ]:
+        t, a = figures["trio-rl"][key], figures["asyncio"][key]
+        fmt = (
+            (lambda v: f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]")
+            if key == ("occupancy")
+            else _spread
+        )
+        print(f"   {label:<16} trio-rl {fmt(t):>24}   asyncio {fmt(a):>24}")
+    print("-- highest sample rate with occupancy >= 0.95 (latency scales tried, longest first)")
+    best: dict[str, float] = {}
+    for side in ("trio-rl", "asyncio"):
+        for scale in sorted(scales, reverse=True):
+            f = _real_time(side, base * scale, seconds, slots, seed)
+            ok = f["occupancy"] >= 0.95
+            print(
+                f"   {side:<8} scale {scale:<6g} occupancy {f['occupancy']:.3f} "
+                f"{f['rate']:>9,.0f} samples/s  CPU {f['cpu_us']:.1f} us/sample"
+            )
+            if not ok:
+                break
+            best[side] = f["rate"]
+    t, a = best.get("trio-rl", 0.0), best.get("asyncio", 0.0)
+    ratio = f"{t / a:.2f}x" if a else "n/a"
+    print(f"   highest rate at >= 0.95: trio-rl {t:,.0f}/s, asyncio {a:,.0f}/s, ratio {ratio}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--part", choices=["a", "b", "c", "all"], default="all")
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply the simulated hours of part A"
     )
@@ -384,8 +659,35 @@ def main() -> None:
         help="trio side of part B: the real open_async_rollout driver, a bare CreditScheduler "
         "loop, or plain trio without trio-rl (a floor); part A: driver or bare",
     )
+    parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
+    parser.add_argument(
+        "--rt-scales",
+        default="2,1,0.5,0.2,0.1,0.05",
+        help="latency scales the part C search tries, comma separated",
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions per row (part B)")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the traced-memory run per row (part B)"
+    )
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=ref.DEFAULT_REFERENCE,
+        help="miles' submission_scheduler.py, loaded unmodified (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--asyncio-samples",
+        choices=["miles", "trio-rl"],
+        default="miles",
+        help="what the asyncio side builds its groups from: miles' Sample dataclass (default) "
+        "or trio-rl's GroupFactory",
+    )
     args = parser.parse_args()
+    global _reference, _reference_label, _asyncio_samples
+    _reference, _reference_label = ref.load_scheduler(args.reference)
+    _asyncio_samples = args.asyncio_samples
     print(f"python {sys.version.split()[0]}, trio {trio.__version__}")
+    print(f"asyncio side: {_reference_label}")
     if args.part in ("a", "all"):
         part_a(args.scale, args.slots, args.budget, args.seed, args.loop)
     if args.part in ("b", "all"):
@@ -395,6 +697,16 @@ def main() -> None:
             args.minimum,
             args.granularity.split(","),
             args.loop,
+            args.repeat,
+            not args.no_memory,
+        )
+    if args.part in ("c", "all"):
+        part_c(
+            args.rt_seconds,
+            args.slots,
+            args.seed,
+            args.repeat,
+            [float(x) for x in args.rt_scales.split(",")],
         )
 
 
