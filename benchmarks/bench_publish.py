@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -71,6 +73,27 @@ def build_sink(samples: int, tokens: int) -> TrainSink:
     return sink
 
 
+class GcLog:
+    """Every cyclic-GC collection (generation, start, end) while installed, via gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.collections: list[tuple[int, float, float]] = []
+        self._started: tuple[int, float] | None = None
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = (info["generation"], now)
+        elif self._started is not None:
+            generation, began = self._started
+            self.collections.append((generation, began, now))
+            self._started = None
+
+    def during(self, slept: float, woke: float) -> list[tuple[int, float]]:
+        """(generation, seconds) of the collections that overlapped ``[slept, woke]``."""
+        return [(g, e - b) for g, b, e in self.collections if b <= woke and e >= slept]
+
+
 class Heartbeat:
     def __init__(self) -> None:
         self.beats: list[tuple[float, float]] = []  # (went to sleep, woke up)
@@ -90,6 +113,11 @@ class Heartbeat:
         p95 = lags[min(len(lags) - 1, int(0.95 * len(lags)))]
         return len(lags), statistics.median_low(lags), p95, lags[-1]
 
+    def worst(self, start: float, end: float) -> tuple[float, float]:
+        """The worst beat in the window as (went to sleep, woke up)."""
+        window = [(s, w) for s, w in self.beats if w >= start and s <= end] or [(start, start)]
+        return max(window, key=lambda b: b[1] - b[0])
+
 
 def publish_inline(sink: TrainSink, directory: Path, ranks: int, seq_len: int) -> None:
     """Everything on the calling thread (the event loop)."""
@@ -104,10 +132,34 @@ def publish_inline(sink: TrainSink, directory: Path, ranks: int, seq_len: int) -
     release_containers([samples, detached.samples, payloads, *grid, grid])
 
 
-async def measure(variant: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
+async def measure(variant: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     sink = build_sink(args.samples, args.tokens)
     directory = root / variant
+    if directory.exists():
+        shutil.rmtree(directory)
     beat = Heartbeat()
+    gc_log = GcLog()
+    if variant == "publisher, gc.freeze":
+        # What an application can do (the library never touches the collector): move what is
+        # alive now, the batch included, out of the collector's reach.
+        gc.collect()
+        gc.freeze()
+    gc.callbacks.append(gc_log)
+    try:
+        return await _measure(variant, args, sink, directory, beat, gc_log)
+    finally:
+        gc.callbacks.remove(gc_log)
+        gc.unfreeze()
+
+
+async def _measure(
+    variant: str,
+    args: argparse.Namespace,
+    sink: TrainSink,
+    directory: Path,
+    beat: Heartbeat,
+    gc_log: GcLog,
+) -> dict[str, Any]:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(beat.run)
         await trio.sleep(0.05)
@@ -133,7 +185,17 @@ async def measure(variant: str, args: argparse.Namespace, root: Path) -> dict[st
     wall = end - start
     beats, p50, p95, worst = beat.summary(start, end)
     size = sum(f.stat().st_size for f in directory.rglob("*.bin"))
-    return {"wall": wall, "beats": beats, "p50": p50, "p95": p95, "max": worst, "bytes": size}
+    collections = gc_log.during(*beat.worst(start, end))
+    return {
+        "wall": wall,
+        "beats": beats,
+        "p50": p50,
+        "p95": p95,
+        "max": worst,
+        "bytes": size,
+        "worst_gc": collections,
+        "gcs": sum(1 for g, b, e in gc_log.collections if b <= end and e >= start),
+    }
 
 
 def main() -> None:
@@ -145,6 +207,7 @@ def main() -> None:
     parser.add_argument(
         "--switch-ms", type=float, default=None, help="sys.setswitchinterval, in ms (default 5)"
     )
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved repetitions")
     args = parser.parse_args()
     if args.switch_ms is not None:
         sys.setswitchinterval(args.switch_ms / 1000)
@@ -155,18 +218,41 @@ def main() -> None:
             f"seq_len {args.seq_len}; heartbeat {HEARTBEAT * 1000:.0f} ms; "
             f"switchinterval {sys.getswitchinterval() * 1000:.0f} ms"
         )
-        results = {v: trio.run(measure, v, args, root) for v in ("inline", "publisher")}
+        variants = ("inline", "publisher", "publisher, gc.freeze")
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        for _ in range(args.repeat):
+            for v in variants:
+                runs[v].append(trio.run(measure, v, args, root))
         same = all(
             (root / "inline" / p.relative_to(root / "publisher")).read_bytes() == p.read_bytes()
             for p in (root / "publisher").rglob("*.bin")
         )
-        print(f"{'variant':<10} {'wall s':>8} {'beats':>6} {'lag p50':>10} {'p95':>10} {'max':>10}")
-        for variant, r in results.items():
-            print(
-                f"{variant:<10} {r['wall']:8.2f} {r['beats']:6.0f} {r['p50'] * 1e3:8.1f}ms "
-                f"{r['p95'] * 1e3:8.1f}ms {r['max'] * 1e3:8.1f}ms"
-            )
-        print(f"payload {results['inline']['bytes'] / 2**20:.1f} MiB; files identical: {same}")
+        print(
+            f"median [min-max] of {args.repeat} interleaved repetitions; 'GC in worst' lists the "
+            "cyclic-GC collections (generation: ms) that overlapped the worst beat"
+        )
+        for v in variants:
+            r = runs[v]
+            print(f"{v}:")
+            for key, label, scale, unit in [
+                ("wall", "wall", 1.0, "s"),
+                ("p50", "lag p50", 1e3, "ms"),
+                ("p95", "lag p95", 1e3, "ms"),
+                ("max", "worst pause", 1e3, "ms"),
+            ]:
+                values = [x[key] * scale for x in r]
+                print(
+                    f"   {label:<12} {statistics.median(values):8.1f} "
+                    f"[{min(values):.1f}-{max(values):.1f}] {unit}"
+                )
+            for i, x in enumerate(r):
+                gcs = ", ".join(f"gen{g}: {d * 1e3:.1f}" for g, d in x["worst_gc"]) or "none"
+                print(
+                    f"   run {i + 1}: worst {x['max'] * 1e3:.1f} ms, GC in worst: {gcs}; "
+                    f"{x['gcs']} collections during the publication"
+                )
+        size = runs["inline"][0]["bytes"]
+        print(f"payload {size / 2**20:.1f} MiB; files identical: {same}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
