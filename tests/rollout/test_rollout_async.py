@@ -38,10 +38,24 @@ def samples_of(g: int, size: int = G) -> list[int]:
 
 
 async def test_worker_defaults_to_sample_backfill() -> None:
-    """Reference: B = 1, G = 2; two sample completions start a replacement group."""
+    """Reference: B = 1, G = 2; two sample completions start a replacement group.
+
+    The group reward blocks (as miles' own test holds a group open), so the group is not done
+    when its samples are: under group granularity no replacement would start until it is.
+    """
     puppet = Puppet()
     src = source(100)
-    async with open_async_rollout(*parts(puppet, src), batch_size=1) as driver:
+    reward_gate = trio.Event()
+
+    async def blocking_group_reward(group: Group) -> list[float]:
+        await reward_gate.wait()
+        return [1.0] * group.size
+
+    factory, runner = (
+        GroupFactory(group_size=G),
+        GroupRunner(puppet, group_reward=blocking_group_reward),
+    )
+    async with open_async_rollout(src, factory, runner, batch_size=1) as driver:
         await trio.testing.wait_all_tasks_blocked()
         assert src.taken == 1
         puppet.finish(0)
@@ -49,9 +63,14 @@ async def test_worker_defaults_to_sample_backfill() -> None:
         assert src.taken == 1
         puppet.finish(1)
         await trio.testing.wait_all_tasks_blocked()
+        # both samples of group 0 are done but its group reward still runs: backfill only
         assert src.taken == 2
-        batch = await driver.next_batch()
+        assert driver.statistics().in_flight_groups == 2
+        reward_gate.set()
+        with trio.fail_after(5):
+            batch = await driver.next_batch()
         assert [g.group_index for g in batch] == [0]
+        assert [s.reward for s in batch[0].samples] == [1.0, 1.0]
 
 
 async def test_group_granularity_opts_out_of_backfill() -> None:
