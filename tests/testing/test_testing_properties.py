@@ -2,7 +2,7 @@
 
 Each property runs the active profile's max_examples adversarial schedules (500 under ``ci``,
 5000 under ``thorough``), each example drawing one of the two library policies
-(``SampleBackfill``, ``GroupGranularity``), and checks SPEC section 5's invariants after every
+(``SampleBackfill``, ``GroupGranularity``), and checks the invariants of docs/testing.md after every
 step. Thorough sessions also draw ten times longer schedules.
 """
 

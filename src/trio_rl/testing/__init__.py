@@ -13,6 +13,8 @@ from ._errors import InvariantViolation as InvariantViolation
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError
 from ._errors import ScriptedFailure as ScriptedFailure
+from ._machine import credit_protocol_machine as credit_protocol_machine
+from ._machine import credit_protocol_test as credit_protocol_test
 from ._properties import async_driver_property as async_driver_property
 from ._properties import check_async_driver as check_async_driver
 from ._properties import check_credit_loop as check_credit_loop

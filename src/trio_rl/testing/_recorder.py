@@ -9,7 +9,7 @@ credit ledger with that book at every decision point.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -357,8 +357,14 @@ class RecordingRunner:
     recorder: CreditRecorder
 
     async def run(
-        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+        self,
+        group: Group,
+        on_sample_done: Callable[[Sample], None] | None = None,
+        abort: trio.Event | None = None,
     ) -> Group:
+        """Run ``group`` on the inner runner, recording it; ``abort`` (the soft stop of
+        partial rollouts) is passed on only when given, so a runner without it still works
+        under drivers that never use it. Cancellation: as the inner runner's."""
         recorder = self.recorder
         record = recorder.group_started(group)
         outcome = "cancelled"
@@ -369,7 +375,13 @@ class RecordingRunner:
                 on_sample_done(sample)
 
         try:
-            result = await self.inner.run(group, on_sample_done=credit)
+            if abort is None:
+                result = await self.inner.run(group, on_sample_done=credit)
+            else:
+                # RunnerLike does not require ``abort``; a driver passing one needs a runner
+                # that takes it (GroupRunner does).
+                inner_run: Any = self.inner.run
+                result = await inner_run(group, on_sample_done=credit, abort=abort)
             outcome = "completed"
             return result
         except BaseException as exc:

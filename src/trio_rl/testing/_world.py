@@ -38,7 +38,16 @@ _T = TypeVar("_T")
 class World:
     """Everything one example needs; the drivers' harnesses build on it."""
 
-    def __init__(self, data: st.DataObject, subject: RolloutSubject, clock: trio.testing.MockClock):
+    def __init__(
+        self,
+        data: st.DataObject | None,
+        subject: RolloutSubject,
+        clock: trio.testing.MockClock,
+        *,
+        policy: int | None = None,
+    ):
+        # ``data`` is None when the caller draws everything itself (the stateful machine,
+        # which also picks the policy: ``policy`` indexes ``subject.policies``).
         self.data = data
         self.subject = subject
         self.clock = clock
@@ -47,9 +56,12 @@ class World:
         self.ledger: Callable[[], CreditLedger | None] = lambda: None
         self.recorder = CreditRecorder(self.trace, lambda: self.ledger())
         factories = subject.policies
-        factory = (
-            factories[0] if len(factories) == 1 else self.draw(st.sampled_from(factories), "policy")
-        )
+        if policy is not None:
+            factory = factories[policy % len(factories)]
+        elif len(factories) == 1:
+            factory = factories[0]
+        else:
+            factory = self.draw(st.sampled_from(factories), "policy")
         self.inner_policy: SubmissionPolicy = factory()
         self.log(f"policy {self.inner_policy!r}")
         rule = subject.rule if subject.rule is not None else spec_rule(self.inner_policy)
@@ -63,6 +75,7 @@ class World:
         return cast("GroupRunner", self.runner)
 
     def draw(self, strategy: st.SearchStrategy[_T], label: str) -> _T:
+        assert self.data is not None, "a World built with data=None draws nothing"
         return self.data.draw(strategy, label=label)
 
     def log(self, step: str) -> None:
