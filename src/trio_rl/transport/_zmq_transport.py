@@ -3,23 +3,32 @@
 - Data: the sender binds a PUB socket at ``tcp://host:port`` and sends one two-frame message
   per rank and step, ``[b"data_rank|<R>|", payload]``. The trailing ``|`` keeps rank 1's
   prefix subscription from matching rank 10.
+  The sender tags the topic with the step, ``data_rank|<R>|<S>`` (S in ASCII): a prime-rl
+  receiver's prefix subscription to ``data_rank|<R>|`` still matches and it ignores the topic
+  frame, so it reads these messages unchanged; a trio-rl receiver numbers a message by its tag,
+  or, untagged (from a prime-rl sender), by arrival order.
 - READY barrier: the sender binds a PULL socket at ``tcp://host:port+1``. Each trainer rank
-  subscribes its SUB socket to its topic, connects, and sends its rank as ASCII once over a
-  PUSH socket. Before its first send the sender waits (up to ``ready_timeout``) until it has
-  heard ``world_size`` distinct ranks.
+  subscribes its SUB socket to its topic, connects, and sends its rank as ASCII over a PUSH
+  socket each time its SUB connection's handshake succeeds (so again when a restarted sender
+  binds). Before its first send the sender waits (up to ``ready_timeout``) until it has heard
+  ``world_size`` distinct ranks.
 - End of stream: `ZmqSender.end_stream(S)` sends ``[b"end_rank|<R>|", b"<S>"]`` to every
   rank (S in ASCII: no step ``>= S`` will come). prime-rl receivers, subscribed to
   ``data_rank|<R>|`` only, never see it; trio-rl receivers subscribe to both topics.
-- No step number is on the wire: the receiver numbers messages in arrival order, from
-  ``start_step``. Sender and receiver stay in step only if nothing is dropped (see below).
+- Sender restarts: a restarted sender (a resumed orchestrator) may start again at an older
+  step; a receiver drops tagged steps it has already returned and raises `TransportError` at
+  a step past the one it expects (messages were lost).
 - A slow or dead receiver never blocks the sender: PUB queues up to ``hwm`` messages per
   subscriber (plus what the kernel's socket buffers hold) and silently drops newer messages
   past that. The orchestrator's ship gate keeps at most ``max_lag + 1`` steps unconsumed per
-  rank, which must stay below ``hwm``; a dropped message shifts the receiver's step numbering.
+  rank, which must stay below ``hwm``; a dropped message is reported by the receiver at the
+  next step that arrives.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import socket
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -33,12 +42,22 @@ from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStream, TransportError, TransportTimeoutError
 from ._zmq import ZmqSocket
 
-__all__ = ["end_topic", "free_port_pair", "ZmqReceiver", "ZmqSender", "rank_topic"]
+__all__ = ["end_topic", "free_port_pair", "ZmqReceiver", "ZmqSender", "rank_topic", "step_topic"]
+
+logger = logging.getLogger("trio_rl.transport")
+
+#: Seconds between log lines while a receive waits for its step.
+_WAIT_LOG_INTERVAL = 60.0
 
 
 def rank_topic(rank: int) -> bytes:
     """The topic frame of rank ``rank``'s data messages."""
     return b"data_rank|" + str(rank).encode() + b"|"
+
+
+def step_topic(rank: int, step: int) -> bytes:
+    """The topic frame of rank ``rank``'s data message for ``step``: `rank_topic` + step."""
+    return rank_topic(rank) + str(step).encode("ascii")
 
 
 def end_topic(rank: int) -> bytes:
@@ -194,7 +213,9 @@ class ZmqSender(Sender):
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Publish ``payloads[r]`` to rank ``r``; the first call waits for the READY barrier.
 
-        Steps must be consecutive (the receivers count them); after `end_stream` a send raises
+        Each message's topic carries ``step`` (`step_topic`). Steps must be consecutive after
+        the first (which may be any step: a restarted sender resumes where its checkpoint
+        says, and receivers drop the steps they already have); after `end_stream` a send raises
         `RuntimeError`. Never blocks on a slow or dead
         receiver: past its high-water mark PUB drops the message. Payloads are sent without
         copying; do not mutate their buffers afterwards.
@@ -207,7 +228,7 @@ class ZmqSender(Sender):
             raise ValueError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
-        messages = [[rank_topic(rank), payload] for rank, payload in enumerate(payloads)]
+        messages = [[step_topic(rank, step), payload] for rank, payload in enumerate(payloads)]
         await self._publish(step, messages)
 
     async def end_stream(self, step: int) -> None:
@@ -278,12 +299,14 @@ class ZmqReceiver(Receiver):
 
     Entering ``async with`` subscribes and connects the SUB socket (the sender may come up
     later; zmq keeps reconnecting) and starts a background task, owned by the ``async with``,
-    that waits until the SUB connection's handshake has succeeded (so the subscription is on
-    its way before READY) and then sends READY once, whether or not `receive` is called yet.
-    If that task fails, the error cancels the ``async with`` body and surfaces at its exit.
+    that sends READY each time the SUB connection's handshake succeeds (so the subscription is
+    on its way before READY), whether or not `receive` is called yet. If that task fails, the
+    error cancels the ``async with`` body and surfaces at its exit.
 
-    A restarted sender needs restarted receivers: READY is sent once and the step count is
-    never reset.
+    A sender may die and be restarted (it binds the same ports): zmq reconnects, READY is sent
+    again for the new sender's barrier, and the steps the new sender sends again (it resumes
+    from its checkpoint, at or before `next_step`) are dropped, so `receive` still returns
+    every step once, in order.
 
     Args:
         rank: this trainer's data-parallel rank.
@@ -291,6 +314,9 @@ class ZmqReceiver(Receiver):
         port: the sender's data port (READY goes to ``port + 1``).
         hwm: the receive and send high-water marks, in messages.
         start_step: the step number of the first message received.
+        timeout: seconds one `receive` waits for its step before raising
+            `TransportTimeoutError` (``None``: until cancelled). A line is logged every 60 s
+            while it waits.
     """
 
     def __init__(
@@ -301,7 +327,10 @@ class ZmqReceiver(Receiver):
         port: int = 5555,
         hwm: int = 10,
         start_step: int = 0,
+        timeout: float | None = None,
     ) -> None:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         if start_step < 0:
@@ -315,6 +344,7 @@ class ZmqReceiver(Receiver):
         self._end_topic = end_topic(rank)
         self._ended_at: int | None = None
         self._next_step = start_step
+        self._timeout = math.inf if timeout is None else timeout
         self._ctx: zmq.Context[Any] | None = None
         self._sub: ZmqSocket | None = None
         self._monitor: ZmqSocket | None = None
@@ -368,19 +398,20 @@ class ZmqReceiver(Receiver):
         return self._sub
 
     async def _announce(self, sub: ZmqSocket, monitor: ZmqSocket, push: ZmqSocket) -> None:
+        # One READY per successful handshake: the first sender's barrier, and a restarted
+        # sender's (zmq reconnects by itself; without a new READY its barrier would time out).
+        ready = str(self._rank).encode("ascii")
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                break
-        sub.socket.disable_monitor()
-        sub.events()  # disable_monitor may have consumed an edge a parked receive needs
-        monitor.close(linger=0)
-        self._monitor = None
-        # Connect only now: READY then travels a fresh connection, set up after the
-        # subscription was sent on the data connection, so it cannot overtake it in practice.
-        push.socket.connect(_endpoint(self._host, self._port + 1))
-        await push.send_multipart([str(self._rank).encode("ascii")])
-        self._announced.set()
+            if event["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                continue
+            if not self._announced.is_set():
+                # Connect only now: READY then travels a fresh connection, set up after the
+                # subscription was sent on the data connection, so it cannot overtake it in
+                # practice. On a reconnect the PUSH queues READY until it is reconnected too.
+                push.socket.connect(_endpoint(self._host, self._port + 1))
+            await push.send_multipart([ready])
+            self._announced.set()
 
     @property
     def announced(self) -> bool:
@@ -396,14 +427,19 @@ class ZmqReceiver(Receiver):
         await self._announced.wait()
 
     async def receive(self) -> ReceivedPayload:
-        """Wait for this rank's next message; it is numbered `next_step`.
+        """Wait for this rank's step `next_step` and return it.
 
-        The payload is a read-only memoryview of the received zmq frame (no copy). Raises
+        The payload is a read-only memoryview of the received zmq frame (no copy). A message
+        tagged with an earlier step (sent again by a restarted sender) is dropped; an untagged
+        one (from a prime-rl sender) is numbered `next_step`. Raises `TransportTimeoutError`
+        after ``timeout`` seconds without this step (logging every 60 s while it waits),
         `EndOfStream` at the sender's end message (and on every later call), or
-        `TransportError` if that message names another step than `next_step` (messages were
-        dropped, or the sender and this receiver started at different steps).
+        `TransportError` if a message names a later step than `next_step` or the end message
+        another step (messages were lost, or the sender and this receiver started at
+        different steps).
 
-        Cancellation: safe; a cancelled receive takes no message off the socket.
+        Cancellation: safe; a receive that raises `trio.Cancelled` has taken no message for
+        `next_step` off the socket (it may have dropped duplicates of earlier steps).
         """
         sub = self._require_sub()
         step = self._next_step
@@ -413,16 +449,53 @@ class ZmqReceiver(Receiver):
             raise EndOfStream(
                 f"{source}: the stream ended before step {self._ended_at}", self._ended_at
             )
-        frames = await sub.recv_multipart(copy=False)
-        if len(frames) == 2 and frames[0].bytes == self._end_topic:
-            self._check_end(frames[1].bytes, step, source)
-        if len(frames) != 2 or frames[0].bytes != self._topic:
-            raise TransportError(
-                f"{source}: malformed message: expected [{self._topic!r}, payload], "
-                f"got {len(frames)} frame(s) starting {frames[0].bytes[:32]!r}"
-            )
+        start = trio.current_time()
+        deadline = start + self._timeout
+        while True:
+            frames = await self._next_message(sub, start, deadline, source)
+            topic = frames[0].bytes
+            if len(frames) == 2 and topic == self._end_topic:
+                self._check_end(frames[1].bytes, step, source)
+            tag = topic[len(self._topic) :]
+            if len(frames) != 2 or not topic.startswith(self._topic) or not tag.isdigit():
+                if not (len(frames) == 2 and topic == self._topic):
+                    raise TransportError(
+                        f"{source}: malformed message: expected [{self._topic!r} + step, "
+                        f"payload], got {len(frames)} frame(s) starting {topic[:32]!r}"
+                    )
+                tagged = step  # a prime-rl sender's untagged message: arrival order
+            else:
+                tagged = int(tag)
+            if tagged == step:
+                break
+            if tagged > step:
+                raise TransportError(
+                    f"{source}: expected step {step}, got step {tagged}: {tagged - step} "
+                    "step(s) were lost (dropped past the high-water mark, or the sender "
+                    "started past this receiver's step)"
+                )
+            logger.debug("%s: dropped step %d, sent again by a restarted sender", source, tagged)
         self._next_step = step + 1
         return ReceivedPayload(step=step, rank=self._rank, data=frames[1].buffer, source=source)
+
+    async def _next_message(
+        self, sub: ZmqSocket, start: float, deadline: float, source: str
+    ) -> list[zmq.Frame]:
+        while True:
+            now = trio.current_time()
+            if now >= deadline:
+                raise TransportTimeoutError(
+                    f"{source}: no message after waiting {self._timeout:g} s"
+                )
+            # A cancelled receive takes nothing off the socket, so waking up to log is free.
+            with trio.move_on_at(min(deadline, now + _WAIT_LOG_INTERVAL)):
+                return await sub.recv_multipart(copy=False)
+            if trio.current_time() < deadline:
+                logger.info(
+                    "%s: still waiting for the sender after %.0f s",
+                    source,
+                    trio.current_time() - start,
+                )
 
     def _check_end(self, raw: bytes, step: int, source: str) -> NoReturn:
         try:

@@ -1,0 +1,122 @@
+"""A ZeroMQ receiver outlives its sender: a sender process SIGKILLed mid-run and restarted from
+an earlier step (as a resumed orchestrator does) is picked up, and the receiver still returns
+every step exactly once, in order."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+import zmq
+
+import trio_rl.transport._zmq_transport as zmq_transport
+from trio_rl.transport import (
+    EndOfStream,
+    TransportError,
+    TransportTimeoutError,
+    ZmqReceiver,
+    ZmqSocket,
+    free_port_pair,
+    rank_topic,
+)
+
+SENDER = Path(__file__).with_name("zmq_restart_sender.py")
+
+
+def expected(step: int) -> bytes:
+    return f"step {step} ".encode() * 1000
+
+
+async def start_sender(port: int, start: int, stop: int, *, end: bool) -> trio.Process:
+    args = [sys.executable, str(SENDER), str(port), str(start), str(stop), "0.05"]
+    return await trio.lowlevel.open_process(
+        [*args, "--end"] if end else args, stdout=subprocess.DEVNULL
+    )
+
+
+async def receive_all(rx: ZmqReceiver, got: list[int]) -> None:
+    while True:
+        item = await rx.receive()
+        assert bytes(item.data) == expected(item.step)
+        got.append(item.step)
+
+
+async def test_a_receiver_survives_a_sigkilled_and_restarted_sender_process() -> None:
+    port, steps = free_port_pair(), 30
+    got: list[int] = []
+    first = second = None
+    try:
+        with trio.fail_after(60):
+            async with ZmqReceiver(0, port=port, timeout=30) as rx:
+                first = await start_sender(port, 0, steps, end=False)
+                while len(got) < 8:
+                    item = await rx.receive()
+                    assert bytes(item.data) == expected(item.step)
+                    got.append(item.step)
+                first.send_signal(signal.SIGKILL)
+                assert await first.wait() == -signal.SIGKILL
+                # The restarted sender resumes from an older checkpoint: steps 4.. come again.
+                second = await start_sender(port, 4, steps, end=True)
+                with pytest.raises(EndOfStream) as info:
+                    await receive_all(rx, got)
+                assert info.value.step == steps
+                assert await second.wait() == 0
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+    assert got == list(range(steps))
+
+
+async def test_the_step_travels_in_the_topic_frame_and_a_gap_is_reported() -> None:
+    """Steps from a sender are tagged ``data_rank|R|S`` (a prime-rl SUB's prefix subscription
+    still matches); an untagged frame, as a prime-rl sender sends, is numbered by arrival."""
+    port = free_port_pair()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pull = ZmqSocket(ctx.socket(zmq.PULL))
+    try:
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        pull.socket.bind(f"tcp://127.0.0.1:{port + 1}")
+        async with ZmqReceiver(0, port=port, start_step=2) as rx:
+            with trio.fail_after(5):
+                assert await pull.recv_multipart() == [b"0"]
+            await trio.sleep(0.1)
+            pub.send_multipart([rank_topic(0), b"untagged"])  # prime-rl's frames: step 2
+            pub.send_multipart([rank_topic(0) + b"2", b"duplicate"])
+            pub.send_multipart([rank_topic(0) + b"3", b"three"])
+            pub.send_multipart([rank_topic(0) + b"9", b"nine"])
+            with trio.fail_after(5):
+                assert (await rx.receive()).step == 2
+                item = await rx.receive()
+                assert (item.step, bytes(item.data)) == (3, b"three")
+                with pytest.raises(TransportError) as info:
+                    await rx.receive()
+        assert "got step 9" in str(info.value)
+        assert "5 step(s) were lost" in str(info.value)
+    finally:
+        pub.close(linger=0)
+        pull.close()
+        ctx.term()
+
+
+async def test_receive_times_out_and_logs_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(zmq_transport, "_WAIT_LOG_INTERVAL", 0.1)
+    caplog.set_level(logging.INFO, logger="trio_rl.transport")
+    port = free_port_pair()
+    with trio.fail_after(10):
+        async with ZmqReceiver(0, port=port, timeout=0.5) as rx:
+            with pytest.raises(TransportTimeoutError) as info:
+                await rx.receive()
+            assert rx.next_step == 0
+    assert f"tcp://127.0.0.1:{port} rank 0 step 0" in str(info.value)
+    assert "0.5 s" in str(info.value)
+    waits = [r for r in caplog.records if "still waiting" in r.getMessage()]
+    assert 2 <= len(waits) <= 6
