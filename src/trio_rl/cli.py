@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -29,12 +30,25 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 import trio
 
+from .config import (
+    STORED_FILE,
+    ConfigError,
+    LearnRunConfig,
+    Override,
+    SimulateConfig,
+    check_resume,
+    flatten,
+    load,
+    store,
+    to_toml,
+)
 from .engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
+from .errors import EngineTransportError
 from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orchestrator
 from .publish import Shipment
 from .rollout import InMemorySource
@@ -99,8 +113,102 @@ def _version() -> str:
         return "unknown"
 
 
-def _parser(learn: bool = False) -> argparse.ArgumentParser:
-    """The command's parser; ``learn``: give ``run`` its options (importing torch)."""
+@attrs.frozen
+class _Flag:
+    """A shorthand flag for ``--set key=value``."""
+
+    flag: str
+    key: str
+    kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return "flag__" + self.key.replace(".", "__")
+
+
+_POS_INT, _POS_FLOAT = _positive(int), _positive(float)
+
+_SIMULATE_FLAGS = (
+    _Flag("--out", "run.out", {"type": str, "metavar": "DIR"}),
+    _Flag("--steps", "run.steps", {"type": _POS_INT}),
+    _Flag("--seed", "run.seed", {"type": int}),
+    _Flag("--batch-groups", "rollout.batch_groups", {"type": _POS_INT}),
+    _Flag("--group-size", "rollout.group_size", {"type": _POS_INT}),
+    _Flag("--submission", "rollout.submission", {"choices": ["sample", "group"]}),
+    _Flag("--slots", "engine.slots", {"type": _POS_INT}),
+    _Flag("--distribution", "engine.distribution", {"choices": sorted(DISTRIBUTIONS)}),
+    _Flag("--tokens-per-second", "engine.tokens_per_second", {"type": _POS_FLOAT}),
+    _Flag("--max-tokens", "engine.max_tokens", {"type": _POS_INT}),
+    _Flag("--ranks", "trainer.ranks", {"type": _POS_INT}),
+    _Flag("--transport", "transport.kind", {"choices": ["files", "zmq"]}),
+    _Flag("--port", "transport.port", {"type": int}),
+)
+
+_RUN_FLAGS = (
+    _Flag("--out", "run.out", {"type": str, "metavar": "DIR"}),
+    _Flag("--steps", "run.steps", {"type": int}),
+    _Flag("--seed", "run.seed", {"type": int}),
+    _Flag("--time-limit", "run.time_limit", {"type": float}),
+    _Flag("--stop-at-reward", "run.stop_at_reward", {"type": float}),
+    _Flag("--threads", "run.threads", {"type": int}),
+    _Flag("--task", "rollout.task", {"choices": ["copy", "repeat", "reverse"]}),
+    _Flag("--batch-groups", "rollout.batch_groups", {"type": int}),
+    _Flag("--group-size", "rollout.group_size", {"type": int}),
+    _Flag("--max-async-level", "rollout.max_async_level", {"type": int}),
+    _Flag("--max-off-policy-steps", "sink.max_off_policy_steps", {"type": int}),
+    _Flag("--trainer", "trainer.mode", {"choices": ["inprocess", "torchrun", "external"]}),
+    _Flag("--ranks", "trainer.ranks", {"type": int}),
+    _Flag("--lr", "trainer.lr", {"type": float}),
+    _Flag("--epochs", "trainer.epochs", {"type": int}),
+    _Flag("--trainer-delay", "trainer.delay", {"type": float}),
+    _Flag("--no-plot", "metrics.plot", {"action": "store_const", "const": False}),
+)
+
+
+def _add_config_arguments(
+    p: argparse.ArgumentParser, schema: type[Any], flags: Sequence[_Flag], resumable: bool
+) -> None:
+    p.add_argument(
+        "configs",
+        nargs="*",
+        type=Path,
+        metavar="CONFIG.toml",
+        help="configuration files, later ones overriding earlier ones (`trio-rl config` prints "
+        "the effective configuration; docs/operations.md lists every key)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one key (after the files and the flags below); repeatable",
+    )
+    if resumable:
+        p.add_argument(
+            "--allow-change",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY",
+            help="let a resumed run change this key of the configuration stored in its run "
+            "directory (a run is refused otherwise); repeatable",
+        )
+    defaults = flatten(schema())
+    for f in flags:
+        default = defaults[f.key]
+        shown = "unset" if default is None else default
+        p.add_argument(
+            f.flag,
+            dest=f.dest,
+            default=None,
+            help=f"shorthand for --set {f.key}=... (default {shown})",
+            **f.kwargs,
+        )
+    p.add_argument("-v", "--verbose", action="store_true", help="log more; tracebacks on errors")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's parser (imports neither torch nor the learning run)."""
     parser = _Parser(
         prog="trio-rl",
         description="Rollout orchestration for asynchronous RL on language models, on trio.",
@@ -110,66 +218,65 @@ def _parser(learn: bool = False) -> argparse.ArgumentParser:
     learning = sub.add_parser(
         "run",
         help="the learning run (the main job): a tiny model learns a verifiable task under "
-        "asynchronous RL, in-process (needs torch); run --help lists its options",
+        "asynchronous RL, in-process (needs torch)",
+        description="The learning run. --steps is the number of steps this invocation ships "
+        "(not a total). The first SIGINT or SIGTERM ends the step in progress, writes "
+        "metrics and the plot and exits 130 / 143; a second exits at once. Per-step lines: "
+        "'reward -' means no sample of the step had a reward (never in the built-in tasks).",
     )
-    learning.add_argument("-v", "--verbose", action="store_true")
-    if learn:
-        from . import learn as _learn  # imports torch: only when the learning run is asked for
-
-        _learn.add_arguments(learning)
+    _add_config_arguments(learning, LearnRunConfig, _RUN_FLAGS, resumable=False)
     run = sub.add_parser(
         "simulate",
         help="a simulated rollout run: throughput, backfill and fault injection without a model",
+        description="The pipeline on a simulated engine. Every step is checkpointed; run it "
+        "again with the same --out and it resumes where it stopped (--steps more steps: "
+        "not a total). The first SIGINT or SIGTERM checkpoints the work in progress and "
+        "exits 130 / 143; a second exits at once.",
     )
-    pos_int, pos_float = _positive(int), _positive(float)
-    run.add_argument("--steps", type=pos_int, default=6, help="batches to ship (default 6)")
-    run.add_argument("--batch-groups", type=pos_int, default=8, help="groups per batch (default 8)")
-    run.add_argument("--group-size", type=pos_int, default=8, help="samples per group (default 8)")
-    run.add_argument("--slots", type=pos_int, default=64, help="engine decode slots (default 64)")
-    run.add_argument(
-        "--distribution",
-        choices=sorted(DISTRIBUTIONS),
-        default="long-cot",
-        help="completion-length distribution of the simulated engine (default long-cot)",
-    )
-    run.add_argument(
-        "--submission", choices=["sample", "group"], default="sample", help="submission policy"
-    )
-    run.add_argument(
-        "--tokens-per-second",
-        type=pos_float,
-        default=2_000_000.0,
-        help="simulated decode speed per slot; high so the demo takes seconds (default 2e6). "
-        "Simulated time runs tokens-per-second/30 times faster than real time, for every "
-        "distribution (swe and heavy-tail episodes included)",
-    )
-    run.add_argument(
-        "--max-tokens", type=pos_int, default=2048, help="completion cap (default 2048)"
-    )
-    run.add_argument(
-        "--ranks", type=pos_int, default=2, help="trainer data-parallel ranks (default 2)"
-    )
-    run.add_argument(
-        "--transport",
-        choices=["files", "zmq"],
-        default="files",
-        help="how batches reach the trainer ranks (default files)",
-    )
-    run.add_argument(
-        "--port", type=int, default=0, help="ZeroMQ data port; READY uses port+1 (0: pick free)"
-    )
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument(
-        "--out", type=Path, default=None, help="run directory (default: a temporary one)"
-    )
+    _add_config_arguments(run, SimulateConfig, _SIMULATE_FLAGS, resumable=True)
     run.add_argument(
         "--fresh",
         action="store_true",
         help="start over: move the checkpoints and batches in --out aside (to "
         "checkpoints.old-<time>/), never deleting them",
     )
-    run.add_argument("-v", "--verbose", action="store_true")
+    show = sub.add_parser(
+        "config",
+        help="print the effective configuration of `run` (or `simulate`) as TOML",
+        description="Print the effective configuration as TOML: the defaults, then the files, "
+        "then --set, in that order.",
+    )
+    show.add_argument(
+        "--for",
+        dest="target",
+        choices=["run", "simulate"],
+        default="run",
+        help="the command whose configuration to print (default run)",
+    )
+    _add_config_arguments(show, LearnRunConfig, (), resumable=False)
+    for name, module, what in (
+        ("inspect", "inspect_cmd", "summarize a batch file, a checkpoint or a run directory"),
+        ("plot", "plot_cmd", "draw a run's standard figures to PNG"),
+    ):
+        try:
+            tool = importlib.import_module(f"trio_rl.tools.{module}")
+        except ImportError:  # the tools package is optional at this layer
+            continue
+        p = sub.add_parser(name, help=what)
+        tool.add_arguments(p)
+        if not any("-v" in a.option_strings for a in p._actions):
+            p.add_argument("-v", "--verbose", action="store_true")
+        p.set_defaults(tool=tool)
     return parser
+
+
+def _overrides(args: argparse.Namespace, flags: Sequence[_Flag]) -> list[Override]:
+    out = [
+        Override(f.key, getattr(args, f.dest), where=f.flag)
+        for f in flags
+        if getattr(args, f.dest, None) is not None
+    ]
+    return out + [Override.parse(text) for text in args.sets]
 
 
 async def _trainer_rank(receiver: BatchReceiver, first: int, on_step: _Trained, rank: int) -> None:
@@ -295,6 +402,8 @@ class _Stop:
     only the run, which is then checkpointed), and what was received."""
 
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: Set by the first signal (the learning run watches it instead of a scope).
+    event: trio.Event = attrs.field(factory=trio.Event)
     signals: list[int] = attrs.field(factory=list)
     reported: bool = False
 
@@ -308,38 +417,41 @@ class _Stop:
         self.reported = True
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def _run(args: argparse.Namespace, cfg: SimulateConfig) -> int:
     stop = _Stop()
     code = 0
     async with trio.open_nursery() as watcher:
         await watcher.start(_stop_on_signals, stop)
         with stop.scope:
-            code = await _run_job(args, stop)
+            code = await _run_job(args, cfg, stop)
         watcher.cancel_scope.cancel()
     if stop.signals and not stop.reported:
         stop.report("before the run started: nothing to save")
     return stop.status if stop.signals else code
 
 
-async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
+async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -> int:
     out: Path = args.out
     engine = SimulatedEngine(
-        distribution=args.distribution,
-        slots=args.slots,
-        seed=args.seed,
+        distribution=cfg.engine.distribution,
+        slots=cfg.engine.slots,
+        seed=cfg.run.seed,
         # Decoding at 30 tokens/s per slot, sped up so that --tokens-per-second holds; the same
         # factor shrinks the wall-time distributions (swe, heavy-tail), whose episodes are
         # minutes long in real time.
         seconds_per_token=1.0 / 30.0,
-        time_scale=30.0 / args.tokens_per_second,
+        time_scale=30.0 / cfg.engine.tokens_per_second,
     )
     config = OrchestratorConfig(
-        batch_groups=args.batch_groups,
-        group_size=args.group_size,
-        submission=args.submission,
-        sampling=SamplingParams(max_tokens=args.max_tokens),
-        seed=args.seed,
-        seq_len=max(8192, args.max_tokens + 16),
+        batch_groups=cfg.rollout.batch_groups,
+        group_size=cfg.rollout.group_size,
+        max_groups_in_flight=cfg.rollout.max_groups_in_flight,
+        submission=cfg.rollout.submission,
+        max_off_policy_steps=cfg.sink.max_off_policy_steps,
+        sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
+        seed=cfg.run.seed,
+        seq_len=max(8192, cfg.engine.max_tokens + 16),
+        checkpoint_keep=cfg.checkpoint.keep,
     )
     source = InMemorySource(_demo_prompts(512), epochs=None)
     trained = _Trained()
@@ -359,12 +471,13 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
         )
 
     sender: Sender
-    if args.transport == "zmq":
-        port = args.port or free_port_pair()
-        sender = ZmqSender(args.ranks, port=port)
+    ranks = cfg.trainer.ranks
+    if cfg.transport.kind == "zmq":
+        port = cfg.transport.port or free_port_pair()
+        sender = ZmqSender(ranks, port=port)
         where = f"tcp://127.0.0.1:{port}"
     else:
-        sender = FileSender(out, args.ranks)
+        sender = FileSender(out, ranks)
         where = str(out / "batches")
     if args.fresh:
         _set_aside(out)
@@ -377,13 +490,14 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
             config=config,
             checkpoint_dir=out / "checkpoints",
             resume=not args.fresh,
+            limiter=trio.CapacityLimiter(cfg.publish.threads),
             sample_reward=_parity_reward,
             monitor=show,
             on_policy_version=engine.set_policy_version,
         ) as orch,
     ):
         first = orch.step
-        last = first + args.steps - 1
+        last = first + cfg.run.steps - 1
         if orch.restore is not None:
             r = orch.restore
             print(
@@ -391,19 +505,20 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
                 f"{len(r.resumed)} open groups continue, {len(r.completed_groups)} were complete"
             )
         print(
-            f"trio-rl run: {args.steps} steps of {args.batch_groups} groups x {args.group_size} "
-            f"samples, {args.submission} submission, {args.distribution} latencies, "
-            f"{args.slots} slots, {args.ranks} trainer ranks, batches via {where}"
+            f"trio-rl run: {cfg.run.steps} steps of {cfg.rollout.batch_groups} groups x "
+            f"{cfg.rollout.group_size} samples, {cfg.rollout.submission} submission, "
+            f"{cfg.engine.distribution} latencies, {cfg.engine.slots} slots, {ranks} trainer "
+            f"ranks, batches via {where}"
         )
         summary: RunSummary | None = None
         # Trainer ranks start at the first step they have not trained: a pending step (its
         # delivery not confirmed before a crash) is re-sent first, identical.
         resent_from = min(orch.pending_steps, default=first)
-        if args.transport == "zmq":
-            starts = [resent_from] * args.ranks  # a ZeroMQ frame has no step: restart with it
+        if cfg.transport.kind == "zmq":
+            starts = [resent_from] * ranks  # a ZeroMQ frame has no step: restart with it
         else:
             starts = []
-            for rank in range(args.ranks):
+            for rank in range(ranks):
                 # A rank's own log is the truth; a rank that logged nothing yet (killed before
                 # its first step) starts at its oldest batch file still on disk.
                 through = _trained_through(out, rank)
@@ -418,8 +533,8 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
                 work.cancel()
             trained.start(orch, starts)
             async with trio.open_nursery() as nursery:
-                for rank in range(args.ranks):
-                    if args.transport == "zmq":
+                for rank in range(ranks):
+                    if cfg.transport.kind == "zmq":
                         receiver = BatchReceiver.zmq(
                             rank, port=port, start_step=starts[rank], stop_step=last + 1
                         )
@@ -428,7 +543,8 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
                         nursery.start_soon(
                             _file_trainer_rank, out, rank, starts[rank], last + 1, trained
                         )
-                summary = await orch.run(args.steps)
+                summary = await orch.run(cfg.run.steps)
+                open_groups = orch.held_groups
         if stop.signals:
             # Stopped mid-step: save what was collected since the last shipped step.
             path = await orch.save_checkpoint()
@@ -455,7 +571,8 @@ async def _run_job(args: argparse.Namespace, stop: _Stop) -> int:
     print(
         f"accounting: dispatched {c.dispatched} = shipped {c.shipped} + pruned {c.pruned} + "
         f"stale {c.stale} + filtered {c.filtered} + failed {c.failed} + cancelled {c.cancelled}"
-        f" + held {c.dispatched - c.settled}"
+        f" + held {c.dispatched - c.settled} (queued or in open groups in the sink); the "
+        f"rollout layer held {open_groups} open groups (continued or regenerated on resume)"
     )
     if args.keep:
         print(f"checkpoints: {out / 'checkpoints'} (run again with --out {out} to resume)")
@@ -483,6 +600,7 @@ async def _stop_on_signals(
                 flush=True,
             )
             stop.scope.cancel()
+            stop.event.set()
 
 
 def _set_aside(out: Path) -> None:
@@ -509,19 +627,64 @@ def _one_failure(exc: BaseException) -> BaseException:
     return exc
 
 
+class _UsageError(Exception):
+    """A bad command line the parser cannot see (e.g. ``--out`` below a regular file): exit 2."""
+
+
+def _hint(failure: BaseException, message: str) -> str:
+    """What to do about ``failure``, appended to its one line."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = failure
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(failure, CheckpointError) and "unusable" in message:
+        return "; pass --fresh to move them aside and start over"
+    if isinstance(failure, CheckpointError):
+        return "; inspect it with `trio-rl inspect`, or pass --fresh to move the checkpoints aside"
+    if any(getattr(c, "errno", None) == errno.EADDRINUSE for c in chain) or (
+        "Address already in use" in message
+    ):
+        return "; pick another port (--port, or 0 for a free pair) or stop the process using it"
+    if isinstance(failure, EngineTransportError):
+        return "; check the engine's URL and that the server is up"
+    if isinstance(failure, PermissionError):
+        return "; choose a directory you can write (--out)"
+    return ""
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` must be a directory or creatable as one: refuse a path at or below a regular
+    file before anything starts."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise _UsageError(
+                    f"--out {out}: {path} is a regular file, not a directory; pass a directory"
+                )
+            return
+
+
+def _report(args: argparse.Namespace, exc: BaseException) -> int:
+    failure = _one_failure(exc)
+    if isinstance(failure, KeyboardInterrupt):
+        print("trio-rl: interrupted", file=sys.stderr)
+        return 130
+    if getattr(args, "verbose", False):
+        traceback.print_exception(exc)
+    message = " ".join(str(failure).split()) or type(failure).__name__
+    if isinstance(failure, ConfigError | _UsageError):
+        print(f"trio-rl: error: {message}", file=sys.stderr)
+        return 2
+    print(f"trio-rl: error: {message}{_hint(failure, message)}", file=sys.stderr)
+    return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; a failure the user can cause is one line on stderr and exit status 1
-    (usage errors: 2); ``-v`` adds the traceback."""
+    (usage errors, a bad configuration included: 2); ``-v`` adds the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    learn = bool(argv) and argv[0] == "run"
-    if learn and importlib.util.find_spec("torch") is None:
-        print(
-            "trio-rl: error: the learning run needs torch (pip install 'trio-rl[learn]'; on a "
-            "CPU machine install torch==2.13.0 first); `trio-rl simulate` runs without it",
-            file=sys.stderr,
-        )
-        return 1
-    args = _parser(learn=learn).parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -532,43 +695,88 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("trio-rl: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        failure = _one_failure(exc)
-        if isinstance(failure, KeyboardInterrupt):
-            print("trio-rl: interrupted", file=sys.stderr)
-            return 130
-        if args.verbose:
-            traceback.print_exception(exc)
-        message = " ".join(str(failure).split()) or type(failure).__name__
-        hint = ""
-        if isinstance(failure, CheckpointError) and "unusable" in message:
-            hint = "; pass --fresh to move them aside and start over"
-        print(f"trio-rl: error: {message}{hint}", file=sys.stderr)
-        return 1
+        return _report(args, exc)
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        schema: type[Any] = SimulateConfig if args.target == "simulate" else LearnRunConfig
+        cfg, _ = load(schema, args.configs, _overrides(args, ()))
+        sys.stdout.write(to_toml(cfg))
+        return 0
     if args.command == "run":
+        learn_cfg, origin = load(LearnRunConfig, args.configs, _overrides(args, _RUN_FLAGS))
+        if learn_cfg.trainer.mode == "inprocess" and learn_cfg.trainer.ranks != 1:
+            raise ConfigError(
+                origin.get("trainer.ranks", "defaults"),
+                "trainer.ranks",
+                'the in-process trainer has one rank; set trainer.mode = "torchrun"',
+            )
+        if learn_cfg.run.out is not None:
+            _check_out(Path(learn_cfg.run.out))
+        if importlib.util.find_spec("torch") is None:
+            raise RuntimeError(
+                "the learning run needs torch (pip install 'trio-rl[learn]'; on a CPU machine "
+                "install torch==2.13.0 first); `trio-rl simulate` runs without it"
+            )
         import torch  # seconds to import: before the event loop starts, never inside it
 
         from . import learn
 
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
-        torch.set_num_threads(args.threads)
-        config = learn.config_from_args(args)
-        trio.run(learn.run_learning, config)
-        return 0
+        torch.set_num_threads(learn_cfg.run.threads)
+        config = learn.config_from_file(learn_cfg)
+        return trio.run(_run_learning, config, learn_cfg)
     if args.command == "simulate":
+        cfg, _ = load(SimulateConfig, args.configs, _overrides(args, _SIMULATE_FLAGS))
         if importlib.util.find_spec("torch") is not None:
             # torch is an optional extra; importing it takes seconds, so not inside the loop
             importlib.import_module("torch")
-        args.keep = args.out is not None
-        if args.out is None:
+        args.keep = cfg.run.out is not None
+        if cfg.run.out is None:
             with tempfile.TemporaryDirectory(prefix="trio-rl-") as tmp:
                 args.out = Path(tmp)
-                return trio.run(_run, args)
-        return trio.run(_run, args)
+                return trio.run(_run, args, cfg)
+        args.out = Path(cfg.run.out)
+        _check_out(args.out)
+        if not args.fresh and any((args.out / "checkpoints").glob("step_*.ckpt")):
+            check_resume(SimulateConfig, cfg, args.out, args.allow_change)
+        args.out.mkdir(parents=True, exist_ok=True)
+        store(cfg, args.out)
+        return trio.run(_run, args, cfg)
+    if hasattr(args, "tool"):
+        return int(args.tool.run(args))
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
+    """The learning run under the signal watcher: the first SIGINT or SIGTERM ends the step in
+    progress (its accounting settles as the orchestrator closes), then the run finishes as
+    after its last step (metrics, plot, transports closed)."""
+    from . import learn
+
+    stop = _Stop()
+    async with trio.open_nursery() as watcher:
+        await watcher.start(_stop_on_signals, stop)
+        await trio.to_thread.run_sync(_store_learning_config, file_config, config.out)
+        result = await learn.run_learning(config, stop=stop.event)
+        watcher.cancel_scope.cancel()
+    if not stop.signals:
+        return 0
+    last = result.metrics[-1]["step"] if result.metrics else 0
+    stop.report(
+        f"after step {last}: saved {config.out / 'metrics.jsonl'} ({len(result.metrics)} steps)"
+        f", the trainer's weights in {config.out / 'weights'} and {config.out / STORED_FILE}; "
+        f"the learning run does not resume: `trio-rl run {config.out / STORED_FILE}` starts "
+        "the same run over"
+    )
+    return stop.status
+
+
+def _store_learning_config(file_config: LearnRunConfig, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    store(attrs.evolve(file_config, run=attrs.evolve(file_config.run, out=str(out))), out)
 
 
 if __name__ == "__main__":  # pragma: no cover

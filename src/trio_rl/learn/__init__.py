@@ -7,15 +7,12 @@ CLI. ``python -m trio_rl.learn`` runs :func:`main`; the CLI's default ``trio-rl 
 
 from __future__ import annotations
 
-import argparse
-import logging
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-import trio
-
+from ..config import LearnRunConfig
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
 from ._model import sequence_logprobs as sequence_logprobs
@@ -39,71 +36,49 @@ from .run import run_learning as run_learning
 from .run import write_plot as write_plot
 
 
-def parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m trio_rl.learn``."""
-    p = argparse.ArgumentParser(prog="python -m trio_rl.learn", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return p
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the learning run's options to ``p`` (e.g. the CLI's ``run`` subcommand); turn the
-    parsed namespace into a :class:`LearnConfig` with :func:`config_from_args`."""
-    d = LearnConfig(out=Path("."))
-    p.add_argument("--out", type=Path, default=None, help="run directory (default: a fresh one)")
-    p.add_argument("--task", choices=sorted(TASKS), default=d.task)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-groups", type=int, default=d.batch_groups)
-    p.add_argument("--group-size", type=int, default=d.group_size)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--lr", type=float, default=d.trainer.lr)
-    p.add_argument("--epochs", type=int, default=d.trainer.epochs, help="updates per batch")
-    p.add_argument("--max-off-policy-steps", type=int, default=d.max_off_policy_steps)
-    p.add_argument("--max-async-level", type=int, default=d.max_async_level)
-    p.add_argument(
-        "--trainer-delay", type=float, default=0.0, help="seconds a slow trainer waits per step"
-    )
-    p.add_argument(
-        "--trainer", choices=["inprocess", "torchrun", "external"], default=d.trainer_mode
-    )
-    p.add_argument("--ranks", type=int, default=d.ranks, help="trainer ranks (torchrun)")
-    p.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
-    p.add_argument(
-        "--stop-at-reward", type=float, default=None, help="stop once 5 steps in a row reach it"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--no-plot", action="store_true")
-
-
-def config_from_args(args: argparse.Namespace) -> LearnConfig:
-    """The :class:`LearnConfig` of options added by :func:`add_arguments` (``--out`` unset: a
+def config_from_file(config: LearnRunConfig) -> LearnConfig:
+    """The :class:`LearnConfig` of a loaded ``trio-rl run`` configuration (``run.out`` unset: a
     fresh temporary directory)."""
-    out = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="trio-rl-learn-"))
+    run, rollout, trainer = config.run, config.rollout, config.trainer
+    out = Path(run.out) if run.out is not None else Path(tempfile.mkdtemp(prefix="trio-rl-learn-"))
     return LearnConfig(
         out=out,
-        task=args.task,
-        steps=args.steps,
-        batch_groups=args.batch_groups,
-        group_size=args.group_size,
-        seed=args.seed,
-        trainer=TrainerConfig(lr=args.lr, epochs=args.epochs),
-        max_off_policy_steps=args.max_off_policy_steps,
-        max_async_level=args.max_async_level,
-        trainer_delay=args.trainer_delay,
-        trainer_mode=args.trainer,
-        ranks=args.ranks,
-        time_limit=args.time_limit,
-        stop_at_reward=args.stop_at_reward,
-        plot=not args.no_plot,
+        task=rollout.task,
+        steps=run.steps,
+        batch_groups=rollout.batch_groups,
+        group_size=rollout.group_size,
+        seed=run.seed,
+        temperature=rollout.temperature,
+        max_off_policy_steps=config.sink.max_off_policy_steps,
+        max_groups_in_flight=rollout.max_groups_in_flight,
+        max_async_level=rollout.max_async_level,
+        trainer=TrainerConfig(
+            lr=trainer.lr,
+            weight_decay=trainer.weight_decay,
+            clip=trainer.clip,
+            epochs=trainer.epochs,
+            max_grad_norm=trainer.max_grad_norm,
+        ),
+        d_model=config.engine.d_model,
+        n_layers=config.engine.n_layers,
+        trainer_delay=trainer.delay,
+        trainer_mode=trainer.mode,
+        ranks=trainer.ranks,
+        weights_keep=config.checkpoint.keep,
+        time_limit=run.time_limit,
+        stop_at_reward=run.stop_at_reward,
+        stop_window=run.stop_window,
+        converged_after=run.converged_after,
+        prompts=rollout.prompts,
+        verbose=config.metrics.console,
+        plot=config.metrics.plot,
+        threads=config.publish.threads,
+        fsync=config.transport.fsync,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, run the learning run, return 0."""
-    args = parser().parse_args(argv)
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-    # the per-step line already shows the stale counter; the sink's warning would repeat it
-    logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
-    torch.set_num_threads(args.threads)
-    trio.run(run_learning, config_from_args(args))
-    return 0
+    """``python -m trio_rl.learn ARGS``: the same as ``trio-rl run ARGS``."""
+    from ..cli import main as cli_main
+
+    return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])

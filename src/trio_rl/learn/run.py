@@ -90,6 +90,10 @@ class LearnConfig:
     prompts: int = 4096
     verbose: bool = True
     plot: bool = True
+    #: Worker threads the run's capacity limiter lends (finalizing batches).
+    threads: int = attrs.field(default=4, validator=_at_least(1))
+    #: fsync every batch file.
+    fsync: bool = False
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -105,7 +109,8 @@ class LearnResult:
     wall_s: float
     out: Path
     #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``) or
-    #: ``converged`` (every group pruned for ``converged_after`` batches: no signal left).
+    #: ``converged`` (every group pruned for ``converged_after`` batches: no signal left) or
+    #: ``signal`` (the ``stop`` event of :func:`run_learning` was set).
     stopped: str = "steps"
 
 
@@ -204,6 +209,11 @@ async def _watch_convergence(
     scope.cancel()
 
 
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 def _record(
     shipment: Shipment, lags: list[float], started: float, last_wall: float, version: int
 ) -> dict[str, Any]:
@@ -228,8 +238,12 @@ def _record(
     }
 
 
-async def run_learning(config: LearnConfig) -> LearnResult:
+async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -> LearnResult:
     """Run the learning run described by ``config``; return its metrics.
+
+    ``stop``: once set, the step in progress is cancelled (its groups are settled as the
+    orchestrator closes) and the run ends as after its last step (``stopped == "signal"``):
+    metrics, plot and ``STOP`` are written, the trainer and the transports are closed.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
     and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
@@ -296,7 +310,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
                     )
         drained.set()
 
-    sender = FileSender(out, config.ranks, fsync=False)
+    sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
         TorchEngine.open(
@@ -313,6 +327,7 @@ async def run_learning(config: LearnConfig) -> LearnResult:
             config=orch_config,
             sample_reward=task.reward(),
             monitor=send,
+            limiter=trio.CapacityLimiter(config.threads),
         ) as orch,
         trio.open_nursery() as nursery,
     ):
@@ -339,8 +354,13 @@ async def run_learning(config: LearnConfig) -> LearnResult:
         rewards: list[float] = []
         stopped = "steps"
         for _ in range(config.steps):
+            if stop is not None and stop.is_set():
+                stopped = "signal"
+                break
             summary = None
             async with trio.open_nursery() as step_nursery:
+                if stop is not None:
+                    step_nursery.start_soon(_cancel_when_set, stop, step_nursery.cancel_scope)
 
                 async def one_step() -> None:
                     nonlocal summary
@@ -349,6 +369,9 @@ async def run_learning(config: LearnConfig) -> LearnResult:
 
                 step_nursery.start_soon(one_step)
                 step_nursery.start_soon(_watch_convergence, orch, config, step_nursery.cancel_scope)
+            if stop is not None and stop.is_set() and summary is None:
+                stopped = "signal"
+                break
             if summary is None:
                 stopped = "converged"
                 if config.verbose:

@@ -1,0 +1,363 @@
+"""Layered TOML configuration onto attrs classes, hand-written.
+
+A schema is an attrs class whose fields are *sections*, attrs classes of scalar options (int,
+float, bool, str, a ``Literal`` of strings, or one of those or None). Each option carries its
+meaning in ``metadata["help"]``; the docs' reference and `to_toml` are generated from it.
+Values come in *layers* (TOML files, then flags, then ``--set``), later ones winning; every value
+remembers where it came from, so an error names the file and line (tomllib gives no line
+numbers: the key's line is found in the text) or the flag.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+
+from ._errors import ConfigError
+
+__all__ = [
+    "Override",
+    "flatten",
+    "load",
+    "option",
+    "reference_markdown",
+    "to_toml",
+]
+
+T = TypeVar("T")
+
+_HELP, _MAY_CHANGE = "help", "may_change"
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    validator: Callable[[Any, attrs.Attribute[Any], Any], None] | None = None,
+    may_change: bool = False,
+) -> Any:
+    """A configuration option: its default, its meaning, its check. ``may_change``: a resumed
+    run may give it another value than the stored configuration (e.g. ``run.steps``)."""
+    return attrs.field(
+        default=default, validator=validator, metadata={_HELP: help, _MAY_CHANGE: may_change}
+    )
+
+
+def at_least(n: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """Validator: None or a number ``>= n`` (nan is refused)."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not value >= n:
+            raise ValueError(f"must be >= {n}, got {value}")
+
+    return check
+
+
+def positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Validator: None or a number ``> 0`` (nan and inf are refused)."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"must be a finite number > 0, got {value}")
+
+
+@attrs.frozen
+class Override:
+    """One value from the command line: ``key`` is ``section.name``; ``value`` is typed (a flag
+    argparse already converted) or, with ``raw``, TOML text (``--set``; bare words are strings,
+    ``none`` unsets an optional key). ``where`` names it in errors (``--set``, ``--steps``)."""
+
+    key: str
+    value: Any
+    where: str = "--set"
+    raw: bool = False
+
+    @classmethod
+    def parse(cls, text: str, where: str = "--set") -> Override:
+        """``section.key=value`` as given to ``--set``."""
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(where, "", f"expected section.key=value, got {text!r}")
+        return cls(key.strip(), value.strip(), where, raw=True)
+
+
+def _sections(schema: type[Any]) -> dict[str, type[Any]]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in attrs.fields(schema)}
+
+
+def _options(section: type[Any]) -> dict[str, tuple[attrs.Attribute[Any], Any]]:
+    hints = typing.get_type_hints(section)
+    return {f.name: (f, hints[f.name]) for f in attrs.fields(section)}
+
+
+def _optional(tp: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``X | None``, ``(tp, False)`` otherwise."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _optional(tp)
+    if typing.get_origin(base) is Literal:
+        name = " | ".join(json.dumps(a) for a in typing.get_args(base))
+    else:
+        name = getattr(base, "__name__", str(base))
+    return f"{name} (optional)" if optional else name
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp``, or ValueError saying what was expected."""
+    base, optional = _optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"a value of type {_type_name(tp)} is required")
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            shown = ", ".join(map(json.dumps, choices))
+            raise ValueError(f"expected one of {shown}, got {value!r}")
+        return value
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - a schema with an unsupported type is a programming error
+        raise TypeError(f"unsupported option type {base!r}")
+    raise ValueError(f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _parse_raw(text: str, tp: Any) -> Any:
+    """A ``--set`` value: TOML (``3``, ``1e-3``, ``true``, ``"x"``), a bare word as a string,
+    ``none`` as unset for an optional key."""
+    _, optional = _optional(tp)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+_HEADER = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+_ASSIGN = re.compile(r"^\s*([A-Za-z0-9_\-.\"' ]+?)\s*=")
+
+
+def _unquote(key: str) -> str:
+    return ".".join(part.strip().strip("\"'") for part in key.split("."))
+
+
+def key_line(text: str, section: str, key: str | None) -> int | None:
+    """The 1-based line of ``key`` in ``[section]`` (or of the header, for ``key`` None), or of
+    a dotted ``section.key = ...`` at the top level."""
+    current: str | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        header = _HEADER.match(line)
+        if header:
+            current = _unquote(header.group(1))
+            if key is None and current == section:
+                return number
+            continue
+        assign = _ASSIGN.match(line)
+        if assign is None:
+            continue
+        name = _unquote(assign.group(1))
+        if current == section and name == key:
+            return number
+        if current is None and (name == f"{section}.{key}" or (key is None and name == section)):
+            return number
+        if current is None and key is None and name.startswith(f"{section}."):
+            return number
+    return None
+
+
+@attrs.frozen
+class _Value:
+    value: Any
+    where: str
+
+
+def _read_file(
+    path: Path, sections: dict[str, type[Any]], into: dict[str, dict[str, _Value]]
+) -> None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "no such configuration file") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "", f"cannot be read: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"\(at line (\d+), column (\d+)\)", str(exc))
+        line = found.group(1) if found else str(max(1, len(text.splitlines())))
+        where = f"{path}:{line}"
+        reason = re.sub(r"\s*\(at (line \d+, column \d+|end of document)\)", "", str(exc))
+        raise ConfigError(where, "", f"not valid TOML: {reason}") from None
+
+    def at(section: str, key: str | None) -> str:
+        line = key_line(text, section, key)
+        return f"{path}:{line}" if line is not None else str(path)
+
+    for name, table in data.items():
+        if name not in sections:
+            raise ConfigError(at(name, None), name, _unknown("section", name, sections))
+        if not isinstance(table, dict):
+            raise ConfigError(at(name, None), name, "expected a [section] table of options")
+        options = _options(sections[name])
+        for key, value in table.items():
+            where = at(name, key)
+            if key not in options:
+                raise ConfigError(where, f"{name}.{key}", _unknown("key", key, options))
+            if isinstance(value, dict):
+                raise ConfigError(where, f"{name}.{key}", "expected a value, got a table")
+            into.setdefault(name, {})[key] = _Value(value, where)
+
+
+def _unknown(what: str, name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {what}{hint}; known: {', '.join(known)}"
+
+
+def load(
+    schema: type[T], files: Sequence[Path] = (), overrides: Sequence[Override] = ()
+) -> tuple[T, dict[str, str]]:
+    """The configuration of ``files`` (in order) then ``overrides``, validated; with, for
+    every key set anywhere, where its value came from (``file:line`` or the flag).
+
+    Raises `ConfigError` naming the key and where the bad value came from."""
+    sections = _sections(schema)
+    values: dict[str, dict[str, _Value]] = {}
+    for path in files:
+        _read_file(Path(path), sections, values)
+    for o in overrides:
+        name, dot, key = o.key.partition(".")
+        if not dot or name not in sections:
+            raise ConfigError(o.where, o.key, _unknown("section", name, sections))
+        options = _options(sections[name])
+        if key not in options:
+            raise ConfigError(o.where, o.key, _unknown("key", key, options))
+        value = _parse_raw(o.value, options[key][1]) if o.raw else o.value
+        values.setdefault(name, {})[key] = _Value(value, o.where)
+    built: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for name, cls in sections.items():
+        kwargs: dict[str, Any] = {}
+        for key, got in values.get(name, {}).items():
+            attribute, tp = _options(cls)[key]
+            dotted = f"{name}.{key}"
+            try:
+                value = _coerce(got.value, tp)
+                if attribute.validator is not None:
+                    attribute.validator(None, attribute, value)
+            except ValueError as exc:
+                raise ConfigError(got.where, dotted, str(exc)) from None
+            kwargs[key] = value
+            origin[dotted] = got.where
+        try:
+            built[name] = cls(**kwargs)
+        except ValueError as exc:  # a check across options of the section
+            where = ", ".join(sorted({origin[f"{name}.{k}"] for k in kwargs})) or "defaults"
+            raise ConfigError(where, name, str(exc)) from None
+    return schema(**built), origin
+
+
+def flatten(config: Any) -> dict[str, Any]:
+    """``{"section.key": value}`` of every option."""
+    out: dict[str, Any] = {}
+    for section in attrs.fields(type(config)):
+        values = getattr(config, section.name)
+        for f in attrs.fields(type(values)):
+            out[f"{section.name}.{f.name}"] = getattr(values, f.name)
+    return out
+
+
+def may_change(schema: type[Any], key: str) -> bool:
+    """Whether a resumed run may give ``key`` a new value without ``--allow-change``."""
+    name, _, option_name = key.partition(".")
+    section = _sections(schema).get(name)
+    if section is None:
+        return False
+    found = _options(section).get(option_name)
+    return bool(found and found[0].metadata.get(_MAY_CHANGE))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))
+
+
+def to_toml(config: Any, comments: bool = True) -> str:
+    """``config`` as TOML that `load` reads back to an equal configuration; an unset optional
+    key is written as a comment. ``comments``: each key's meaning above it."""
+    lines: list[str] = []
+    for section in attrs.fields(type(config)):
+        values = getattr(config, section.name)
+        if lines:
+            lines.append("")
+        lines.append(f"[{section.name}]")
+        for f in attrs.fields(type(values)):
+            value = getattr(values, f.name)
+            if comments:
+                lines.append(f"# {f.metadata.get(_HELP, '')}")
+            if value is None:
+                lines.append(f"# {f.name} =  (unset)")
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def reference_markdown(schema: type[Any], heading: str = "###") -> str:
+    """A Markdown reference of every section and option of ``schema``: type, default, meaning
+    (generated into ``docs/operations.md``)."""
+    out: list[str] = []
+    defaults = schema()
+    for section in attrs.fields(schema):
+        cls = _sections(schema)[section.name]
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0]
+        out.append(f"{heading} `[{section.name}]`\n")
+        out.append(" ".join(doc.split()) + "\n")
+        out.append("| key | type | default | meaning |")
+        out.append("|---|---|---|---|")
+        for name, (attribute, tp) in _options(cls).items():
+            value = getattr(getattr(defaults, section.name), name)
+            shown = "unset" if value is None else f"`{_toml_value(value)}`"
+            meaning = " ".join(str(attribute.metadata.get(_HELP, "")).split()).replace("|", "\\|")
+            if attribute.metadata.get(_MAY_CHANGE):
+                meaning += " (may change on resume)"
+            kind = _type_name(tp).replace("|", "or")
+            out.append(f"| `{name}` | {kind} | {shown} | {meaning} |")
+        out.append("")
+    return "\n".join(out)

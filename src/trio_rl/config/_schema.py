@@ -1,0 +1,270 @@
+"""The configuration of ``trio-rl run`` (`LearnRunConfig`) and ``trio-rl simulate``
+(`SimulateConfig`): one section per component. Defaults are those of the library's configs
+(``LearnConfig``, ``OrchestratorConfig``, ``TrainerConfig``); a test pins them together."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from ._load import at_least, option, positive
+
+__all__ = ["LearnRunConfig", "SimulateConfig"]
+
+Task = Literal["copy", "repeat", "reverse"]
+
+
+# ------------------------------------------------------------------ trio-rl run (learning)
+
+
+@attrs.frozen
+class LearnRun:
+    """The run as a whole: where it writes, how long it lasts, its seed."""
+
+    out: str | None = option(None, "run directory (unset: a fresh temporary one)", may_change=True)
+    steps: int = option(
+        200,
+        "steps to ship in this invocation (not a total: a resumed run ships this many more)",
+        validator=at_least(1),
+        may_change=True,
+    )
+    seed: int = option(0, "seed of the model, the prompts and the sampling")
+    time_limit: float | None = option(
+        None,
+        "stop after this many seconds even if not every step shipped",
+        validator=positive,
+        may_change=True,
+    )
+    stop_at_reward: float | None = option(
+        None, "stop once `stop_window` consecutive steps reach this mean reward", may_change=True
+    )
+    stop_window: int = option(5, "steps averaged by `stop_at_reward`", validator=at_least(1))
+    converged_after: int = option(
+        8,
+        "end the run once this many batches' worth of groups in a row were pruned (equal "
+        "rewards: GRPO has no signal left)",
+        validator=at_least(1),
+    )
+    threads: int = option(
+        1, "torch threads of this process", validator=at_least(1), may_change=True
+    )
+
+
+@attrs.frozen
+class LearnEngine:
+    """The policy served in-process by ``TorchEngine`` (the trainer trains the same model)."""
+
+    d_model: int = option(64, "model width", validator=at_least(1))
+    n_layers: int = option(3, "transformer layers", validator=at_least(1))
+
+
+@attrs.frozen
+class LearnRollout:
+    """The data source and the rollout driver: the task's prompts, grouped and sampled."""
+
+    task: Task = option("repeat", "the verifiable task (copy, repeat, reverse)")  # noqa: RUF009
+    prompts: int = option(4096, "prompts drawn from the task (cycled)", validator=at_least(1))
+    batch_groups: int = option(8, "groups per step", validator=at_least(1))
+    group_size: int = option(16, "samples per group", validator=at_least(2))
+    max_groups_in_flight: int | None = option(
+        None, "rollout concurrency in groups (unset: `batch_groups`)", validator=at_least(1)
+    )
+    max_async_level: int = option(
+        1,
+        "ship gate: step S ships once the policy version is >= S - 1 - this",
+        validator=at_least(0),
+    )
+    temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
+
+
+@attrs.frozen
+class LearnSink:
+    """The train sink: scoring, pruning and the staleness filter."""
+
+    max_off_policy_steps: int | None = option(
+        1,
+        "drop samples more than this many versions behind (unset: keep all)",
+        validator=at_least(0),
+    )
+
+
+@attrs.frozen
+class Publish:
+    """The publisher, which finalizes batches in worker threads."""
+
+    threads: int = option(
+        4,
+        "worker threads the run's capacity limiter lends (finalizing, checkpoints)",
+        validator=at_least(1),
+        may_change=True,
+    )
+
+
+@attrs.frozen
+class LearnTransport:
+    """How batches reach the trainer: files in the run directory."""
+
+    kind: Literal["files"] = option("files", "the transport (the learning run uses files)")
+    fsync: bool = option(
+        False, "fsync every batch file (durability against power loss)", may_change=True
+    )
+
+
+@attrs.frozen
+class LearnTrainer:
+    """The reference GRPO trainer and how it is run."""
+
+    mode: Literal["inprocess", "torchrun", "external"] = option(
+        "inprocess",
+        "inprocess: worker threads of this process; torchrun: a DDP job it launches; "
+        "external: a job started separately (`python -m trio_rl.learn.trainer_main`)",
+    )
+    ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
+    lr: float = option(2e-3, "AdamW learning rate", validator=positive)
+    epochs: int = option(4, "AdamW updates per batch", validator=at_least(1))
+    clip: float = option(0.2, "importance-ratio clip", validator=positive)
+    weight_decay: float = option(0.0, "AdamW weight decay", validator=at_least(0))
+    max_grad_norm: float | None = option(
+        1.0, "gradient-norm clip (unset: none)", validator=positive
+    )
+    delay: float = option(
+        0.0,
+        "seconds the in-process trainer waits per step (forces staleness)",
+        validator=at_least(0),
+        may_change=True,
+    )
+
+
+@attrs.frozen
+class LearnCheckpoint:
+    """What is kept on disk."""
+
+    keep: int = option(3, "published weight versions kept", validator=at_least(1))
+
+
+@attrs.frozen
+class Metrics:
+    """What a person watches: the per-step console lines, ``metrics.jsonl`` (always written) and
+    the plot."""
+
+    console: bool = option(True, "print one line per step", may_change=True)
+    plot: bool = option(True, "draw `plot.png` into the run directory at the end", may_change=True)
+
+
+@attrs.frozen
+class LearnRunConfig:
+    """``trio-rl run``: the learning run."""
+
+    run: LearnRun = attrs.field(factory=LearnRun)
+    engine: LearnEngine = attrs.field(factory=LearnEngine)
+    rollout: LearnRollout = attrs.field(factory=LearnRollout)
+    sink: LearnSink = attrs.field(factory=LearnSink)
+    publish: Publish = attrs.field(factory=Publish)
+    transport: LearnTransport = attrs.field(factory=LearnTransport)
+    trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
+    checkpoint: LearnCheckpoint = attrs.field(factory=LearnCheckpoint)
+    metrics: Metrics = attrs.field(factory=Metrics)
+
+
+# ------------------------------------------------------------------ trio-rl simulate
+
+
+@attrs.frozen
+class SimRun:
+    """The run as a whole."""
+
+    out: str | None = option(
+        None, "run directory (unset: a temporary one, removed at the end)", may_change=True
+    )
+    steps: int = option(
+        6,
+        "steps to ship in this invocation (not a total: a resumed run ships this many more)",
+        validator=at_least(1),
+        may_change=True,
+    )
+    seed: int = option(0, "seed of the engine, the groups and the prompts")
+
+
+@attrs.frozen
+class SimEngine:
+    """The simulated engine: straggler latencies, no model."""
+
+    distribution: Literal["correlated", "heavy-tail", "long-cot", "swe"] = option(
+        "long-cot", "completion-length distribution"
+    )
+    slots: int = option(64, "decode slots", validator=at_least(1))
+    tokens_per_second: float = option(
+        2e6,
+        "simulated decode speed per slot; simulated time runs tokens_per_second/30 times "
+        "faster than real time",
+        validator=positive,
+        may_change=True,
+    )
+    max_tokens: int = option(2048, "completion cap", validator=at_least(1))
+
+
+@attrs.frozen
+class SimRollout:
+    """The rollout driver."""
+
+    batch_groups: int = option(8, "groups per step", validator=at_least(1))
+    group_size: int = option(8, "samples per group", validator=at_least(1))
+    submission: Literal["sample", "group"] = option(
+        "sample", "sample: sample backfill; group: group granularity"
+    )
+    max_groups_in_flight: int | None = option(
+        None, "rollout concurrency in groups (unset: 2 x `batch_groups`)", validator=at_least(1)
+    )
+
+
+@attrs.frozen
+class SimSink:
+    """The train sink's staleness filter."""
+
+    max_off_policy_steps: int | None = option(
+        8,
+        "drop samples more than this many versions behind (unset: keep all)",
+        validator=at_least(0),
+    )
+
+
+@attrs.frozen
+class SimTransport:
+    """How batches reach the trainer ranks."""
+
+    kind: Literal["files", "zmq"] = option("files", "files (in the run directory) or zmq")
+    port: int = option(
+        0,
+        "ZeroMQ data port; READY uses port+1 (0: pick a free pair)",
+        validator=at_least(0),
+        may_change=True,
+    )
+
+
+@attrs.frozen
+class SimTrainer:
+    """The in-process trainer ranks that read every batch back."""
+
+    ranks: int = option(2, "data-parallel ranks", validator=at_least(1))
+
+
+@attrs.frozen
+class SimCheckpoint:
+    """The orchestrator's checkpoints (``checkpoints/`` in the run directory)."""
+
+    keep: int = option(3, "checkpoints kept", validator=at_least(1))
+
+
+@attrs.frozen
+class SimulateConfig:
+    """``trio-rl simulate``: the pipeline on a simulated engine."""
+
+    run: SimRun = attrs.field(factory=SimRun)
+    engine: SimEngine = attrs.field(factory=SimEngine)
+    rollout: SimRollout = attrs.field(factory=SimRollout)
+    sink: SimSink = attrs.field(factory=SimSink)
+    publish: Publish = attrs.field(factory=Publish)
+    transport: SimTransport = attrs.field(factory=SimTransport)
+    trainer: SimTrainer = attrs.field(factory=SimTrainer)
+    checkpoint: SimCheckpoint = attrs.field(factory=SimCheckpoint)
