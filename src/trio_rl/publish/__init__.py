@@ -13,6 +13,7 @@ from ._metrics import CohortStats as CohortStats
 from ._metrics import Distribution as Distribution
 from ._metrics import ShipRecord as ShipRecord
 from ._metrics import ShipTimings as ShipTimings
+from ._metrics import ThreadStats as ThreadStats
 from ._metrics import attempt_stats as attempt_stats
 from ._metrics import cohort_stats as cohort_stats
 from ._packing import PackingError as PackingError

@@ -22,6 +22,7 @@ __all__ = [
     "Distribution",
     "ShipRecord",
     "ShipTimings",
+    "ThreadStats",
     "attempt_stats",
     "cohort_stats",
 ]
@@ -148,6 +149,16 @@ class ShipTimings:
 
 
 @attrs.frozen
+class ThreadStats:
+    """The pipeline's worker threads as one publication saw them: ``limit`` is the shared
+    limiter's size, ``busy_max`` the most tokens borrowed (this publication's jobs and anyone
+    else's: sender, checkpoint, ingest) at the start of one of its worker jobs."""
+
+    limit: int = 0
+    busy_max: int = 0
+
+
+@attrs.frozen
 class ShipRecord:
     """The one record published per shipped batch.
 
@@ -165,6 +176,7 @@ class ShipRecord:
     micro_batches_per_rank: int
     payload_bytes: int
     timings: ShipTimings
+    threads: ThreadStats = ThreadStats()
 
     def as_dict(self) -> dict[str, float]:
         """Flat scalar keys (``train/all/...``, ``train/effective/...``, ``time/...``)."""
@@ -179,6 +191,8 @@ class ShipRecord:
         out["batch/ranks"] = float(self.ranks)
         out["batch/micro_batches_per_rank"] = float(self.micro_batches_per_rank)
         out["batch/payload_bytes"] = float(self.payload_bytes)
+        out["threads/limit"] = float(self.threads.limit)
+        out["threads/busy_max"] = float(self.threads.busy_max)
         return out
 
 

@@ -42,7 +42,7 @@ from ..train import (
 from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
 from ._errors import MonitorTimeoutError, PublishError
-from ._metrics import ShipRecord, ShipTimings, attempt_stats, cohort_stats
+from ._metrics import ShipRecord, ShipTimings, ThreadStats, attempt_stats, cohort_stats
 from ._release import Container, DeferredRelease, ReleaseFn, release_containers
 
 __all__ = [
@@ -206,6 +206,7 @@ class Publisher:
     _pending: dict[int, list[Payload]] = attrs.field(factory=dict, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    _busy: int = attrs.field(default=0, init=False)
 
     @property
     def step(self) -> int:
@@ -232,7 +233,17 @@ class Publisher:
         self._policy_wait += seconds
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        return await trio.to_thread.run_sync(self._job, fn, *args, limiter=self.limiter)
+
+    def _job(self, fn: Callable[..., T], *args: Any) -> T:
+        # In the worker, holding its token: how many threads are busy now (this one included).
+        self._busy = max(self._busy, self.limiter.borrowed_tokens)
+        return fn(*args)
+
+    def _threads(self) -> ThreadStats:
+        # Read and reset on the loop, with the record.
+        busy, self._busy = self._busy, 0
+        return ThreadStats(limit=int(self.limiter.total_tokens), busy_max=busy)
 
     async def publish(self, *, force: bool = False) -> ShipRecord | None:
         """Cut the sink's next batch and ship it; return its record.
@@ -382,6 +393,7 @@ class Publisher:
             micro_batches_per_rank=per_rank,
             payload_bytes=payload_bytes,
             timings=ShipTimings(total=time.perf_counter() - started, **timings),
+            threads=self._threads(),
         )
         await self._deliver(Shipment(record=record, samples=monitor_copy))
         return record
@@ -519,8 +531,12 @@ async def open_publisher(
         pack: samples -> one list of micro-batches per rank (runs in a worker).
         encode: one rank's MessagePack payload (default `trio_rl.wire.encode`, which packs one
             micro-batch at a time; runs in a worker).
-        limiter: the one `trio.CapacityLimiter` every worker job borrows from (default: a new
-            limiter of 4 tokens, exposed as ``publisher.limiter`` to share with the sender).
+        limiter: the pipeline's one `trio.CapacityLimiter`: every worker job of the publisher
+            borrows from it, and it is passed down to the sender
+            (`trio_rl.transport.Sender.use_limiter`), so the file writes share its budget.
+            Size it from configuration (the run's worker-thread count). Default: the sender's
+            limiter if it was built with one, else a new one of 4 tokens. A sender built with a
+            different limiter raises `ValueError`.
         checkpointer: snapshot on the loop, write in a worker, once per shipped step.
         monitor: receives a `Shipment` per shipped batch.
         release: empties shipped containers and trims the heap (runs in a worker).
@@ -530,7 +546,9 @@ async def open_publisher(
     On exit (or cancellation) the pending release is awaited, shielded, before the nursery
     closes; a release never outlives the block.
     """
-    limiter = trio.CapacityLimiter(4) if limiter is None else limiter
+    if limiter is None:
+        limiter = sender.limiter if sender.limiter is not None else trio.CapacityLimiter(4)
+    sender.use_limiter(limiter)
     async with trio.open_nursery() as nursery:
         publisher = Publisher(
             nursery=nursery,

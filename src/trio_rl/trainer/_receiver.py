@@ -13,6 +13,7 @@ from trio_rl.transport import (
     FileReceiver,
     ReceivedPayload,
     Receiver,
+    TransportTimeoutError,
     ZmqReceiver,
 )
 from trio_rl.wire import MicroBatch, decode
@@ -57,7 +58,16 @@ class BatchReceiver:
         stop_step: iteration ends before this step (``None``: iterate until cancelled).
         thread_threshold: payloads of at least this many bytes are decoded in a worker thread
             so the event loop keeps running; smaller ones inline.
-        limiter: the capacity limiter for decoding threads (default: a private one of 1).
+        limiter: the one capacity limiter of this rank's receiving threads: decoding, payload
+            reads, and the transport's own threads (passed down with
+            `trio_rl.transport.Receiver.use_limiter`). Default: the transport's, if it was
+            given one, else a new one of 1. A transport built with a different limiter raises
+            `ValueError`.
+        timeout: seconds one receive waits for the transport before raising
+            `trio_rl.transport.TransportTimeoutError` (``None``: wait until cancelled). The
+            wait is cancelled through its cancel scope, which every transport's ``receive``
+            survives without losing a payload. For a `FileReceiver`, prefer its own
+            ``timeout`` (it names the file).
         payload_root: where relative payload segment paths (from checkpoints written before
             paths were absolute) resolve; absolute paths are opened as given.
 
@@ -75,14 +85,23 @@ class BatchReceiver:
         thread_threshold: int = DEFAULT_THREAD_THRESHOLD,
         limiter: trio.CapacityLimiter | None = None,
         payload_root: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
     ) -> None:
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
         self._transport = transport
+        self._timeout = timeout
         self._payload_root = payload_root
         # A decoded step whose payload files are still being read (`receive_tensors`).
         self._decoded: tuple[int, list[MicroBatch]] | None = None
         self._stop_step = stop_step
         self._thread_threshold = thread_threshold
-        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        if limiter is None:
+            limiter = (
+                transport.limiter if transport.limiter is not None else trio.CapacityLimiter(1)
+            )
+        transport.use_limiter(limiter)
+        self._limiter = limiter
         # A one-item box, so the decoding thread can take the last reference to the payload.
         self._pending: list[ReceivedPayload] | None = None
 
@@ -97,9 +116,12 @@ class BatchReceiver:
         timeout: float | None = None,
         delete: bool = False,
         use_mmap: bool = False,
+        limiter: trio.CapacityLimiter | None = None,
+        payload_root: str | os.PathLike[str] | None = None,
     ) -> BatchReceiver:
         """A receiver over the filesystem transport (see `FileReceiver`; ``start_step=None``
-        resumes after the last step this rank acknowledged)."""
+        resumes after the last step this rank acknowledged; ``timeout`` is the file wait's).
+        ``limiter`` serves the file reads and the decoding alike."""
         transport = FileReceiver(
             directory,
             rank,
@@ -108,7 +130,7 @@ class BatchReceiver:
             delete=delete,
             use_mmap=use_mmap,
         )
-        return cls(transport, stop_step=stop_step)
+        return cls(transport, stop_step=stop_step, limiter=limiter, payload_root=payload_root)
 
     @classmethod
     def zmq(
@@ -120,10 +142,21 @@ class BatchReceiver:
         hwm: int = 10,
         start_step: int = 0,
         stop_step: int | None = None,
+        timeout: float | None = None,
+        limiter: trio.CapacityLimiter | None = None,
+        payload_root: str | os.PathLike[str] | None = None,
     ) -> BatchReceiver:
-        """A receiver over the ZeroMQ transport (see `ZmqReceiver`)."""
+        """A receiver over the ZeroMQ transport (see `ZmqReceiver`). ``timeout``: seconds one
+        receive waits for its step before raising `trio_rl.transport.TransportTimeoutError`
+        (``None``: until cancelled), as ``files``' ``timeout``."""
         transport = ZmqReceiver(rank, host=host, port=port, hwm=hwm, start_step=start_step)
-        return cls(transport, stop_step=stop_step)
+        return cls(
+            transport,
+            stop_step=stop_step,
+            timeout=timeout,
+            limiter=limiter,
+            payload_root=payload_root,
+        )
 
     @property
     def transport(self) -> Receiver:
@@ -204,7 +237,7 @@ class BatchReceiver:
         if self._decoded is not None:
             return self._decoded
         if self._pending is None:
-            self._pending = [await self._transport.receive()]
+            self._pending = [await self._receive_payload()]
         box = self._pending
         step = box[0].step
         try:
@@ -223,6 +256,17 @@ class BatchReceiver:
         self._pending = None
         self._decoded = (step, micro_batches)
         return self._decoded
+
+    async def _receive_payload(self) -> ReceivedPayload:
+        if self._timeout is None:
+            return await self._transport.receive()
+        with trio.move_on_after(self._timeout):
+            # Cancelling a receive loses nothing (the `Receiver.receive` contract).
+            return await self._transport.receive()
+        raise TransportTimeoutError(
+            f"rank {self.rank}: no payload for step {self._transport.next_step} from "
+            f"{type(self._transport).__name__} after waiting {self._timeout:g} s"
+        )
 
     def __aiter__(self) -> Self:
         return self

@@ -33,6 +33,16 @@ class ReceivedPayload:
     source: str
 
 
+def _check_same_limiter(transport: Sender | Receiver, limiter: trio.CapacityLimiter) -> None:
+    own = transport.limiter
+    if own is not None and own is not limiter:
+        raise ValueError(
+            f"{type(transport).__name__} was given its own CapacityLimiter "
+            f"({own.total_tokens} tokens); pass the pipeline's limiter to it instead (one "
+            "limiter for every worker thread of the pipeline)"
+        )
+
+
 class Sender(trio.abc.AsyncResource):
     """Sends each step's payloads, one per data-parallel rank. Use as ``async with``.
 
@@ -62,6 +72,22 @@ class Sender(trio.abc.AsyncResource):
         After any other error the step may have reached some ranks: send it again (a repeated
         step replaces the earlier one, or is skipped by receivers already past it).
         """
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter | None:
+        """The limiter this transport's worker threads borrow from (``None``: it runs none,
+        or has not been given one yet)."""
+        return None
+
+    def use_limiter(self, limiter: trio.CapacityLimiter) -> None:
+        """Borrow worker threads from ``limiter``, the pipeline's one limiter, from now on.
+
+        The publisher passes its limiter down with this, so the file writes count against the
+        same thread budget as packing, encoding and checkpointing. A transport constructed with
+        a different limiter raises `ValueError` (two budgets is the misconfiguration this
+        catches). The default does nothing: the transport runs no worker threads.
+        """
+        _check_same_limiter(self, limiter)
 
     @abc.abstractmethod
     async def end_stream(self, step: int) -> None:
@@ -112,6 +138,17 @@ class Receiver(trio.abc.AsyncResource):
         next `receive`, of this receiver or, for transports that keep payloads until they are
         acknowledged, of a new receiver of the same rank.
         """
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter | None:
+        """The limiter this transport's worker threads borrow from (``None``: it runs none,
+        or has not been given one yet)."""
+        return None
+
+    def use_limiter(self, limiter: trio.CapacityLimiter) -> None:
+        """Borrow worker threads from ``limiter`` from now on (as `Sender.use_limiter`; the
+        trainer's `BatchReceiver` passes its decoding limiter down with this)."""
+        _check_same_limiter(self, limiter)
 
     async def ack(self, step: int) -> None:
         """Acknowledge that the payload of ``step`` (and every earlier one) was consumed.

@@ -20,17 +20,18 @@ before the thread started (waiting for the limiter) makes the call raise, having
 
 from __future__ import annotations
 
-import logging
-import math
+import functools
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
 
 import trio
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
-from ._errors import EndOfStream, TransportError, TransportIOError, TransportTimeoutError
+from ._errors import EndOfStream, TransportError, TransportIOError
+from ._wait import Wait, timeout_seconds
 
 __all__ = [
     "FileReceiver",
@@ -40,7 +41,7 @@ __all__ = [
     "end_marker_path",
 ]
 
-logger = logging.getLogger("trio_rl.transport")
+T = TypeVar("T")
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
@@ -59,8 +60,6 @@ def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
 
 
 _MMAP_MIN_SIZE = 1 << 20
-#: Seconds between log lines while a receive waits for its step's file.
-_WAIT_LOG_INTERVAL = 60.0
 #: How often one rename retries after readers removed the emptied step directory under it.
 _RENAME_ATTEMPTS = 1000
 
@@ -80,6 +79,10 @@ def _write_file(path: Path, data: Payload, fsync: bool) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+
+
+def _write_payload(payload: Payload, f: BinaryIO) -> None:
+    f.write(payload)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -118,12 +121,19 @@ class FileSender(Sender):
     consumed files and emptied step directories never make a send fail. Any other file
     error raises `TransportIOError` naming the path.
 
+    Besides `send` (payloads already in memory), a step can be *streamed*: `stage` writes one
+    rank's staged file through a callback (the publisher encodes straight into it with
+    `trio_rl.wire.encode_into`, one rank at a time), and `commit` renames every staged file of
+    the step into place, which is the delivery. So the sender never needs a whole step in
+    memory.
+
     Args:
         directory: the shared output directory.
         world_size: the number of trainer ranks.
         fsync: flush each file (and its directory) to disk before the rename is final, so a
             crash never leaves a complete-looking but truncated file.
-        limiter: the capacity limiter for the writer thread (default: a private one of 1).
+        limiter: the capacity limiter for the writer thread. Default: the pipeline's, which
+            the publisher passes down (`use_limiter`); until then a private one of 1.
     """
 
     def __init__(
@@ -139,7 +149,7 @@ class FileSender(Sender):
         self._directory = Path(directory)
         self._world_size = world_size
         self._fsync = fsync
-        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self._threads = _Threads(limiter)
         self._closed = False
         self._stale_end_removed = False
         self._last_step: int | None = None
@@ -152,6 +162,14 @@ class FileSender(Sender):
     @property
     def directory(self) -> Path:
         return self._directory
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter | None:
+        return self._threads.given
+
+    def use_limiter(self, limiter: trio.CapacityLimiter) -> None:
+        super().use_limiter(limiter)
+        self._threads.given = limiter
 
     def _check_open(self) -> None:
         if self._closed:
@@ -178,7 +196,10 @@ class FileSender(Sender):
             raise ValueError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
-        await trio.to_thread.run_sync(self._write_step, step, payloads, limiter=self._limiter)
+        await self._threads.run(self._write_step, step, payloads)
+        self._sent(step)
+
+    def _sent(self, step: int) -> None:
         self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def _staging(self) -> Path:
@@ -196,26 +217,94 @@ class FileSender(Sender):
             self._stale_end_removed = True
         return staging
 
-    def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
-        staging = self._staging()
-        step_dir = batch_path(self._directory, step, 0).parent
-        for rank, payload in enumerate(payloads):
-            final = step_dir / f"rank_{rank}.bin"
-            tmp = staging / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
+    def staged_path(self, step: int, rank: int) -> Path:
+        """Where `stage` writes rank ``rank``'s file of ``step`` before `commit` renames it."""
+        staging = self._directory / "batches" / ".staging"
+        return staging / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
+
+    def stage(self, step: int, rank: int, write: Callable[[BinaryIO], object]) -> int:
+        """Blocking (call it in a worker thread): write rank ``rank``'s file of ``step`` into
+        the staging directory by calling ``write(file)``; return the file's size in bytes.
+
+        Nothing is visible to receivers until `commit`. With ``fsync`` the file is on disk when
+        this returns. On error (of ``write`` or of the file) the staged file is removed and the
+        error propagates (a file error as `TransportIOError` naming the path).
+        """
+        self._check_open()
+        _check_non_negative("step", step)
+        if not 0 <= rank < self._world_size:
+            raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
+        self._staging()
+        tmp = self.staged_path(step, rank)
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+                return f.tell()
+        except BaseException as exc:
             try:
-                try:
-                    _write_file(tmp, payload, self._fsync)
-                except OSError as exc:
-                    raise _io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
-                self._rename_into_step_dir(tmp, final)
-            except BaseException:
-                try:
-                    tmp.unlink(missing_ok=True)
-                except OSError:
-                    pass  # the error being raised says more
-                raise
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the error being raised says more
+            if isinstance(exc, OSError):
+                raise _io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
+            raise
+
+    def unstage(self, step: int) -> None:
+        """Blocking: remove every staged file of ``step`` (a streamed step that will not be
+        committed). Missing files are fine."""
+        for rank in range(self._world_size):
+            path = self.staged_path(step, rank)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _io_error("cannot remove the staged file", path, exc) from exc
+
+    async def commit(self, step: int) -> None:
+        """Deliver a step written with `stage`: rename every rank's staged file into place.
+
+        The delivery guarantee of `send` holds once this returns. Idempotent, so a failed or
+        cancelled commit is retried by calling it again: a rank whose staged file is gone but
+        whose batch file is in place (or which a receiver already acknowledged) was committed
+        before. A rank with neither raises `TransportIOError` naming the staged path.
+
+        Cancellation: as `send`, all or nothing.
+        """
+        self._check_open()
+        _check_non_negative("step", step)
+        await self._threads.run(self._commit_step, step)
+        self._sent(step)
+
+    def _commit_step(self, step: int) -> None:
+        step_dir = batch_path(self._directory, step, 0).parent
+        for rank in range(self._world_size):
+            tmp, final = self.staged_path(step, rank), step_dir / f"rank_{rank}.bin"
+            if not tmp.exists():
+                consumed = _read_step_marker(consumed_marker_path(self._directory, rank))
+                if final.exists() or (consumed is not None and consumed >= step):
+                    continue  # committed by an earlier call
+                raise TransportIOError(
+                    f"step {step} rank {rank}: nothing to commit: no staged file {tmp} "
+                    f"and no batch file {final}",
+                    str(tmp),
+                )
+            self._rename_into_step_dir(tmp, final)
         if self._fsync:
             _fsync_dir(step_dir)
+
+    def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
+        try:
+            for rank, payload in enumerate(payloads):
+                self.stage(step, rank, functools.partial(_write_payload, payload))
+            self._commit_step(step)
+        except BaseException:
+            try:
+                self.unstage(step)
+            except TransportIOError:
+                pass  # the error being raised says more
+            raise
 
     @staticmethod
     def _rename_into_step_dir(tmp: Path, final: Path) -> None:
@@ -256,7 +345,7 @@ class FileSender(Sender):
         _check_non_negative("step", step)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"end_stream({step}): step {self._last_step} was already sent")
-        await trio.to_thread.run_sync(self._write_end, step, limiter=self._limiter)
+        await self._threads.run(self._write_end, step)
         self._ended_at = step
 
     def _write_end(self, step: int) -> None:
@@ -281,11 +370,151 @@ class FileSender(Sender):
         await trio.lowlevel.checkpoint()
 
 
+class _Threads:
+    """A transport's worker threads: the limiter it was given (or adopted from the pipeline
+    with ``use_limiter``), else a private limiter of 1."""
+
+    __slots__ = ("_private", "given")
+
+    def __init__(self, given: trio.CapacityLimiter | None) -> None:
+        self.given = given
+        self._private: trio.CapacityLimiter | None = None
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        if self.given is not None:
+            return self.given
+        if self._private is None:
+            self._private = trio.CapacityLimiter(1)
+        return self._private
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+
+class _RankFiles:
+    """One rank's files under ``<directory>/batches``, read and acknowledged with blocking calls
+    (`FileReceiver` runs each in a worker thread): the on-disk half of the receiver."""
+
+    __slots__ = ("delete", "directory", "rank", "use_mmap")
+
+    def __init__(self, directory: Path, rank: int, *, delete: bool, use_mmap: bool) -> None:
+        self.directory = directory
+        self.rank = rank
+        self.delete = delete
+        self.use_mmap = use_mmap
+
+    @property
+    def end_marker(self) -> Path:
+        return end_marker_path(self.directory)
+
+    @property
+    def consumed_marker(self) -> Path:
+        return consumed_marker_path(self.directory, self.rank)
+
+    def path(self, step: int) -> Path:
+        return batch_path(self.directory, step, self.rank)
+
+    def end_of_stream(self, step: int, end: int) -> EndOfStream:
+        return EndOfStream(
+            f"rank {self.rank}: the stream ended before step {end} ({self.end_marker}); "
+            f"no step {step}",
+            end,
+        )
+
+    def resume_step(self) -> int:
+        acked = _read_step_marker(self.consumed_marker)
+        if acked is not None:
+            if self.delete:
+                # A crash between recording the ack and deleting the file leaves the file.
+                self.delete_file(acked)
+            return acked + 1
+        batches = self.directory / "batches"
+        try:
+            names = os.listdir(batches)
+        except FileNotFoundError:
+            names = []
+        except OSError as exc:
+            raise _io_error("cannot list", batches, exc) from exc
+        steps = sorted(
+            int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()
+        )
+        for step in steps:
+            if self.path(step).exists():
+                return step
+        end = _read_step_marker(self.end_marker)
+        if end is not None:
+            return end
+        raise TransportError(
+            f"rank {self.rank}: start_step=None, but there is no consumer marker "
+            f"{self.consumed_marker}, no batch file for this rank and no end marker under "
+            f"{batches}: nothing to resume from, pass start_step"
+        )
+
+    def read(self, step: int) -> Payload | None:
+        """The payload of ``step``, or None while its file is not there yet."""
+        path = self.path(step)
+        data = self._try_read(path)
+        if data is not None:
+            return data
+        end = _read_step_marker(self.end_marker)
+        if end is None:
+            return None
+        if step >= end:
+            raise self.end_of_stream(step, end)
+        # The marker is written after every earlier step's files: look once more.
+        data = self._try_read(path)
+        if data is None:
+            raise TransportError(
+                f"rank {self.rank}: no batch file {path}, but {self.end_marker} says every "
+                f"step before {end} was sent: the file was removed by someone else"
+            )
+        return data
+
+    def _try_read(self, path: Path) -> Payload | None:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if self.use_mmap and size >= _MMAP_MIN_SIZE:
+                    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _io_error(f"rank {self.rank}: cannot read", path, exc) from exc
+
+    def ack(self, step: int) -> None:
+        marker = self.consumed_marker
+        tmp = marker.with_name(marker.name + ".tmp")
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(str(step).encode("ascii"))
+            os.replace(tmp, marker)
+        except OSError as exc:
+            raise _io_error("cannot record the consumed step in", marker, exc) from exc
+        # Recorded before the deletion, so a crash in between never makes a restart wait for
+        # a deleted file (the leftover file is deleted when resuming).
+        if self.delete:
+            self.delete_file(step)
+
+    def delete_file(self, step: int) -> None:
+        path = self.path(step)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise _io_error("cannot delete", path, exc) from exc
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass  # other ranks' files are still there (or another reader removed it)
+
+
 class FileReceiver(Receiver):
     """Reads rank ``rank``'s payloads, step after step, from ``<directory>/batches``.
 
     Waiting for a step's file polls with exponential backoff, from ``poll_interval`` up to
-    ``max_poll_interval`` seconds.
+    ``max_poll_interval`` seconds, and logs (``trio_rl.transport``, INFO) every 60 s while it
+    waits.
 
     A returned payload stays on disk until it is acknowledged: by `ack`, or implicitly by the
     next `receive` (`BatchReceiver` acks each payload once decoded, right before handing it
@@ -311,7 +540,9 @@ class FileReceiver(Receiver):
             ``bytes`` does, for tens of ms). Only safe if nobody truncates or rewrites a batch
             file *in place* while it is mapped (the sender never does: it renames a new file
             into place); the process would get SIGBUS.
-        limiter: the capacity limiter for reader threads (default: a private one of 1).
+        limiter: the capacity limiter for reader threads. Default: the one `use_limiter`
+            passes down (`BatchReceiver` passes its decoding limiter); until then a private
+            one of 1.
     """
 
     def __init__(
@@ -332,22 +563,27 @@ class FileReceiver(Receiver):
             _check_non_negative("start_step", start_step)
         if not 0 < poll_interval <= max_poll_interval:
             raise ValueError("need 0 < poll_interval <= max_poll_interval")
-        self._directory = Path(directory)
-        self._rank = rank
+        self._files = _RankFiles(Path(directory), rank, delete=delete, use_mmap=use_mmap)
         self._next_step = start_step
-        self._timeout = math.inf if timeout is None else timeout
+        self._timeout = timeout_seconds(timeout)
         self._poll_interval = poll_interval
         self._max_poll_interval = max_poll_interval
-        self._delete = delete
-        self._use_mmap = use_mmap
-        self._limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
+        self._threads = _Threads(limiter)
         self._closed = False
         self._unacked: int | None = None
         self._ended_at: int | None = None
 
     @property
     def rank(self) -> int:
-        return self._rank
+        return self._files.rank
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter | None:
+        return self._threads.given
+
+    def use_limiter(self, limiter: trio.CapacityLimiter) -> None:
+        super().use_limiter(limiter)
+        self._threads.given = limiter
 
     @property
     def next_step(self) -> int:
@@ -363,15 +599,15 @@ class FileReceiver(Receiver):
 
     @property
     def end_marker(self) -> Path:
-        return end_marker_path(self._directory)
+        return self._files.end_marker
 
     @property
     def consumed_marker(self) -> Path:
-        return consumed_marker_path(self._directory, self._rank)
+        return self._files.consumed_marker
 
     def path(self, step: int) -> Path:
         """The file this receiver reads for ``step``."""
-        return batch_path(self._directory, step, self._rank)
+        return self._files.path(step)
 
     async def __aenter__(self) -> FileReceiver:
         await self._resolve()
@@ -379,41 +615,10 @@ class FileReceiver(Receiver):
 
     async def _resolve(self) -> int:
         if self._next_step is None:
-            self._next_step = await trio.to_thread.run_sync(
-                self._resume_step, limiter=self._limiter
-            )
+            self._next_step = await self._threads.run(self._files.resume_step)
         else:
             await trio.lowlevel.checkpoint()
         return self._next_step
-
-    def _resume_step(self) -> int:
-        acked = _read_step_marker(self.consumed_marker)
-        if acked is not None:
-            if self._delete:
-                # A crash between recording the ack and deleting the file leaves the file.
-                self._delete_file(acked)
-            return acked + 1
-        batches = self._directory / "batches"
-        try:
-            names = os.listdir(batches)
-        except FileNotFoundError:
-            names = []
-        except OSError as exc:
-            raise _io_error("cannot list", batches, exc) from exc
-        steps = sorted(
-            int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()
-        )
-        for step in steps:
-            if self.path(step).exists():
-                return step
-        end = _read_step_marker(self.end_marker)
-        if end is not None:
-            return end
-        raise TransportError(
-            f"rank {self._rank}: start_step=None, but there is no consumer marker "
-            f"{self.consumed_marker}, no batch file for this rank and no end marker under "
-            f"{batches}: nothing to resume from, pass start_step"
-        )
 
     async def receive(self) -> ReceivedPayload:
         """Wait for the next step's file and return its bytes (the file stays until acked).
@@ -437,77 +642,22 @@ class FileReceiver(Receiver):
         step = await self._resolve()
         path = self.path(step)
         if self._ended_at is not None and step >= self._ended_at:
-            raise self._end_of_stream(step, self._ended_at)
-        start = trio.current_time()
-        deadline = start + self._timeout
-        next_log = start + _WAIT_LOG_INTERVAL
+            raise self._files.end_of_stream(step, self._ended_at)
+        wait = Wait(self._timeout, f"rank {self.rank}: no batch file {path} for step {step}")
         interval = self._poll_interval
         while True:
             try:
-                data = await trio.to_thread.run_sync(self._read, path, step, limiter=self._limiter)
+                data = await self._threads.run(self._files.read, step)
             except EndOfStream as exc:
                 self._ended_at = exc.step
                 raise
             if data is not None:
                 break
-            now = trio.current_time()
-            if now >= next_log:
-                logger.info(
-                    "rank %d: still waiting for batch file %s (step %d) after %.0f s",
-                    self._rank,
-                    path,
-                    step,
-                    now - start,
-                )
-                next_log = now + _WAIT_LOG_INTERVAL
-            remaining = deadline - now
-            if remaining <= 0:
-                raise TransportTimeoutError(
-                    f"rank {self._rank}: no batch file {path} for step {step} "
-                    f"after waiting {self._timeout:g} s"
-                )
-            await trio.sleep(min(interval, remaining))
+            await trio.sleep(min(interval, wait.remaining()))
             interval = min(interval * 2, self._max_poll_interval)
         self._next_step = step + 1
         self._unacked = step
-        return ReceivedPayload(step=step, rank=self._rank, data=data, source=str(path))
-
-    def _end_of_stream(self, step: int, end: int) -> EndOfStream:
-        return EndOfStream(
-            f"rank {self._rank}: the stream ended before step {end} ({self.end_marker}); "
-            f"no step {step}",
-            end,
-        )
-
-    def _read(self, path: Path, step: int) -> Payload | None:
-        data = self._try_read(path)
-        if data is not None:
-            return data
-        end = _read_step_marker(self.end_marker)
-        if end is None:
-            return None
-        if step >= end:
-            raise self._end_of_stream(step, end)
-        # The marker is written after every earlier step's files: look once more.
-        data = self._try_read(path)
-        if data is None:
-            raise TransportError(
-                f"rank {self._rank}: no batch file {path}, but {self.end_marker} says every "
-                f"step before {end} was sent: the file was removed by someone else"
-            )
-        return data
-
-    def _try_read(self, path: Path) -> Payload | None:
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if self._use_mmap and size >= _MMAP_MIN_SIZE:
-                    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise _io_error(f"rank {self._rank}: cannot read", path, exc) from exc
+        return ReceivedPayload(step=step, rank=self.rank, data=data, source=str(path))
 
     async def ack(self, step: int) -> None:
         """Record ``step`` as consumed (``batches/.consumed/rank_<R>``); with ``delete=True``,
@@ -526,34 +676,9 @@ class FileReceiver(Receiver):
             if self._next_step is not None and step < self._next_step:
                 await trio.lowlevel.checkpoint()
                 return
-            raise ValueError(f"rank {self._rank}: cannot ack step {step}: not received yet")
-        await trio.to_thread.run_sync(self._ack, step, limiter=self._limiter)
+            raise ValueError(f"rank {self.rank}: cannot ack step {step}: not received yet")
+        await self._threads.run(self._files.ack, step)
         self._unacked = None
-
-    def _ack(self, step: int) -> None:
-        marker = self.consumed_marker
-        tmp = marker.with_name(marker.name + ".tmp")
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(str(step).encode("ascii"))
-            os.replace(tmp, marker)
-        except OSError as exc:
-            raise _io_error("cannot record the consumed step in", marker, exc) from exc
-        # Recorded before the deletion, so a crash in between never makes a restart wait for
-        # a deleted file (the leftover file is deleted when resuming).
-        if self._delete:
-            self._delete_file(step)
-
-    def _delete_file(self, step: int) -> None:
-        path = self.path(step)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            raise _io_error("cannot delete", path, exc) from exc
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass  # other ranks' files are still there (or another reader removed it)
 
     async def aclose(self) -> None:
         """Later receives raise `trio.ClosedResourceError`. A payload returned but not yet

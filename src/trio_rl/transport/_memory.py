@@ -20,6 +20,7 @@ import trio
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStream, TransportError
+from ._wait import Wait, timeout_seconds
 
 __all__ = ["MemoryReceiver", "MemorySender"]
 
@@ -78,8 +79,13 @@ class MemorySender(Sender):
     def world_size(self) -> int:
         return self._world_size
 
-    def receiver(self, rank: int, *, start_step: int = 0) -> MemoryReceiver:
+    def receiver(
+        self, rank: int, *, start_step: int = 0, timeout: float | None = None
+    ) -> MemoryReceiver:
         """A receiver of rank ``rank``'s payloads, from ``start_step`` on.
+
+        ``timeout``: seconds one receive waits for its step before raising
+        `TransportTimeoutError` (``None``: until cancelled), as `FileReceiver`'s.
 
         Open one receiver per rank at a time; a new one, opened after the previous one was
         closed, returns first the payload that one received but did not acknowledge.
@@ -88,7 +94,7 @@ class MemorySender(Sender):
             raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
-        return MemoryReceiver(self._lines[rank], rank, start_step)
+        return MemoryReceiver(self._lines[rank], rank, start_step, timeout_seconds(timeout))
 
     def _check_step(self, step: int, what: str) -> None:
         if self._closed:
@@ -154,12 +160,14 @@ class MemoryReceiver(Receiver):
     `receive` (`trio_rl.trainer.BatchReceiver` acks each payload once decoded). A step below
     `next_step` (a re-send) is skipped; a step above it raises `TransportError` (the receiver
     started past the first step sent, or an earlier receiver of the rank consumed steps
-    without acknowledging them).
+    without acknowledging them). While a receive waits it logs (``trio_rl.transport``, INFO)
+    every 60 s; past the receiver's timeout it raises `TransportTimeoutError`.
     """
 
-    def __init__(self, line: _RankLine, rank: int, start_step: int) -> None:
+    def __init__(self, line: _RankLine, rank: int, start_step: int, timeout: float) -> None:
         self._line = line
         self._rank = rank
+        self._timeout = timeout
         self._next_step = max(start_step, line.acked + 1)
         self._closed = False
 
@@ -187,7 +195,8 @@ class MemoryReceiver(Receiver):
 
         First acknowledges the step it returned last. Raises `EndOfStream` at the end of the
         stream (and on every later call), `TransportError` at a step gap or if the sender was
-        closed without ending the stream.
+        closed without ending the stream, `TransportTimeoutError` if nothing came within the
+        receiver's timeout.
 
         Cancellation: safe; a cancelled receive takes nothing off the channel.
         """
@@ -204,9 +213,15 @@ class MemoryReceiver(Receiver):
             item: _Item = line.held
             await trio.lowlevel.checkpoint()
         else:
+            wait = Wait(self._timeout, f"memory rank {self._rank}: no step {self._next_step}")
             while True:
                 try:
-                    item = await line.receive.receive()
+                    got = None
+                    with trio.move_on_after(wait.until_next_event()):
+                        got = await line.receive.receive()
+                    if got is None:
+                        continue  # a log line or the deadline: `until_next_event` says which
+                    item = got
                 except trio.EndOfChannel:
                     raise TransportError(
                         f"memory rank {self._rank}: the sender was closed without ending the "

@@ -1,0 +1,53 @@
+"""The wait every receiver shares: a deadline that fails loudly and a log line every minute."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from ._errors import TransportTimeoutError
+
+logger = logging.getLogger("trio_rl.transport")
+
+#: Seconds between log lines while a receive waits (patched by tests).
+WAIT_LOG_INTERVAL = 60.0
+
+
+class Wait:
+    """One receive's wait for ``what``: `remaining` logs every `WAIT_LOG_INTERVAL` seconds and
+    raises `TransportTimeoutError` once ``timeout`` seconds (``inf``: never) have passed."""
+
+    __slots__ = ("_deadline", "_next_log", "_start", "timeout", "what")
+
+    def __init__(self, timeout: float, what: str) -> None:
+        self.timeout = timeout
+        self.what = what
+        self._start = trio.current_time()
+        self._deadline = self._start + timeout
+        self._next_log = self._start + WAIT_LOG_INTERVAL
+
+    def remaining(self) -> float:
+        """Seconds left before the deadline (> 0), after logging if a minute has passed."""
+        now = trio.current_time()
+        if now >= self._next_log:
+            logger.info("%s: still waiting after %.0f s", self.what, now - self._start)
+            self._next_log = now + WAIT_LOG_INTERVAL
+        left = self._deadline - now
+        if left <= 0:
+            raise TransportTimeoutError(f"{self.what} after waiting {self.timeout:g} s")
+        return left
+
+    def until_next_event(self) -> float:
+        """Seconds to the next log line or the deadline, whichever is first (> 0)."""
+        return min(self.remaining(), max(self._next_log - trio.current_time(), 0.0))
+
+
+def timeout_seconds(timeout: float | None) -> float:
+    """``None`` (wait until cancelled) as ``inf``; a negative or NaN timeout is a `ValueError`."""
+    if timeout is None:
+        return math.inf
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    return float(timeout)

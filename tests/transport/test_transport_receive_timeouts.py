@@ -1,0 +1,59 @@
+"""Every receive path has a deadline: `MemoryReceiver` like `FileReceiver` (timeout and a log
+line while it waits), and `BatchReceiver.zmq` through the receive call's cancel scope."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+
+from trio_rl.trainer import BatchReceiver
+from trio_rl.transport import MemorySender, TransportTimeoutError, _wait, free_port_pair
+from trio_rl.wire import encode
+
+
+async def test_memory_receiver_times_out_and_logs_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_wait, "WAIT_LOG_INTERVAL", 0.05)
+    caplog.set_level(logging.INFO, logger="trio_rl.transport")
+    async with MemorySender(2) as sender:
+        receiver = sender.receiver(1, timeout=0.3)
+        with trio.fail_after(5), pytest.raises(TransportTimeoutError) as info:
+            await receiver.receive()
+        assert "memory rank 1: no step 0 after waiting 0.3 s" in str(info.value)
+        assert receiver.next_step == 0
+        waits = [r for r in caplog.records if "still waiting" in r.getMessage()]
+        assert len(waits) >= 2
+        # nothing was lost: the step sent afterwards is the next one received
+        await sender.send(0, [b"a", b"b"])
+        with trio.fail_after(5):
+            got = await receiver.receive()
+    assert (got.step, got.data) == (0, b"b")
+
+
+async def test_memory_receiver_without_timeout_waits_until_cancelled() -> None:
+    async with MemorySender(1) as sender:
+        receiver = sender.receiver(0)
+        with trio.move_on_after(0.2) as scope:
+            await receiver.receive()
+        assert scope.cancelled_caught
+        with pytest.raises(ValueError, match="timeout"):
+            sender.receiver(0, timeout=-1)
+
+
+async def test_batch_receiver_over_zeromq_times_out_and_loses_nothing() -> None:
+    from trio_rl.transport import ZmqSender
+
+    port = free_port_pair()
+    with trio.fail_after(30):
+        async with BatchReceiver.zmq(0, port=port, timeout=0.3) as receiver:
+            with pytest.raises(TransportTimeoutError) as info:
+                await receiver.receive()
+            assert "rank 0: no payload for step 0" in str(info.value)
+            assert receiver.next_step == 0
+            async with ZmqSender(1, port=port) as sender:
+                await sender.send(0, [encode([])])
+                step, micro_batches = await receiver.receive()
+    assert (step, micro_batches) == (0, [])
