@@ -172,6 +172,11 @@ class ScriptedEngine:
             call._release.set()
 
     @property
+    def requests(self) -> list[GenerateRequest]:
+        """Every request the engine was asked, in the order the calls started."""
+        return [c.request for c in self.calls]
+
+    @property
     def running(self) -> list[Call]:
         """Calls that have started and not ended (including hanging ones)."""
         return [c for c in self.calls if c.running]

@@ -1,0 +1,125 @@
+"""Builders shared by the tests: one version of each (import as ``from builders import ...``).
+
+- :func:`make_sample` and :func:`make_group`: *finished* samples and groups (rewards set,
+  completions filled), as the train, publish and trainer layers receive them;
+- :func:`pending_group`: a group fresh from a :class:`~trio_rl.rollout.GroupFactory`, every
+  sample still PENDING, as the rollout layer runs it;
+- :func:`scripted_engine`: the library's :class:`~trio_rl.testing.ScriptedEngine` scripted to
+  end every call by itself after ``delay`` (virtual) seconds with a finish reason looked up by
+  the request's seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from trio_rl.engines import FinishReason, GenerateRequest
+from trio_rl.rollout import GroupFactory
+from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
+from trio_rl.testing import Fate, ScriptedEngine
+
+__all__ = ["PROMPT", "make_group", "make_sample", "pending_group", "scripted_engine"]
+
+#: The prompt :func:`pending_group` makes groups from by default.
+PROMPT = Prompt(key="q", tokens=(5, 6, 7), label="answer")
+
+# One counter for sample and group indices: unique across every builder call of a test run.
+_index = itertools.count()
+
+
+def make_sample(
+    group_index: int,
+    reward: float,
+    *,
+    version: int = 0,
+    prompt: Sequence[int] = (1, 2, 3),
+    completion: int = 4,
+    status: SampleStatus = SampleStatus.COMPLETED,
+    env_name: str = "default",
+    index: int | None = None,
+) -> Sample:
+    """A finished sample: ``completion`` trained tokens generated at policy ``version``.
+
+    ``reward`` is kept only for a finished ``status`` (None otherwise, as the scorer leaves it).
+    """
+    return Sample(
+        index=next(_index) if index is None else index,
+        group_index=group_index,
+        prompt_tokens=tuple(prompt),
+        completion_tokens=[100 + i for i in range(completion)],
+        logprobs=[-0.5 - i / 10 for i in range(completion)],
+        loss_mask=[True] * completion,
+        reward=reward if status.is_finished else None,
+        status=status,
+        policy_versions=[version],
+        env_name=env_name,
+    )
+
+
+def make_group(
+    rewards: Sequence[float] = (1.0, 0.0),
+    *,
+    group_id: str | None = None,
+    version: int = 0,
+    completion: int = 4,
+    prompt_len: int = 3,
+    env: str = "default",
+    statuses: Sequence[SampleStatus] | None = None,
+) -> Group:
+    """A finished group: one sample per reward, ``completion`` trained tokens each.
+
+    The prompt is ``1..prompt_len``; ``group_id`` defaults to a fresh id; ``statuses`` (one
+    per reward) default to COMPLETED.
+    """
+    gi = next(_index)
+    chosen = list(statuses) if statuses is not None else [SampleStatus.COMPLETED] * len(rewards)
+    prompt = Prompt(key=f"p{gi}", tokens=tuple(range(1, prompt_len + 1)), label="42", env_name=env)
+    samples = [
+        make_sample(
+            gi,
+            reward,
+            version=version,
+            prompt=prompt.tokens,
+            completion=completion,
+            status=status,
+            env_name=env,
+        )
+        for reward, status in zip(rewards, chosen, strict=True)
+    ]
+    return Group(
+        group_id=group_id or new_group_id(),
+        prompt=prompt,
+        samples=samples,
+        policy_version_at_start=version,
+    )
+
+
+def pending_group(
+    size: int = 4,
+    prompt: Prompt = PROMPT,
+    *,
+    seed: int | None = None,
+    routing_keys: bool = False,
+) -> Group:
+    """A group of ``size`` PENDING samples from a fresh :class:`GroupFactory`."""
+    return GroupFactory(group_size=size, seed=seed, routing_keys=routing_keys).make(prompt)
+
+
+def scripted_engine(
+    finish_reasons: Mapping[int | None, FinishReason] | None = None,
+    *,
+    delay: float = 1.0,
+    version: int = 3,
+    tokens: int = 2,
+) -> ScriptedEngine:
+    """An engine whose every call ends by itself after ``delay`` seconds, with ``tokens``
+    completion tokens, stamped with policy ``version``; the finish reason is
+    ``finish_reasons[request.params.seed]`` (default ``stop``). ``engine.requests`` lists what
+    it was asked."""
+    reasons = dict(finish_reasons or {})
+
+    def script(request: GenerateRequest) -> Fate:
+        return Fate(reasons.get(request.params.seed, "stop"), after=delay, tokens=tokens)
+
+    return ScriptedEngine(script, policy_version=version)
