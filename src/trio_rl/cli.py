@@ -120,6 +120,7 @@ class _Flag:
     flag: str
     key: str
     kwargs: dict[str, Any] = attrs.field(factory=dict)
+    note: str = ""
 
     @property
     def dest(self) -> str:
@@ -128,9 +129,11 @@ class _Flag:
 
 _POS_INT, _POS_FLOAT = _positive(int), _positive(float)
 
+_STEPS = "steps this invocation ships, not a total: a resumed run ships this many more; "
+
 _SIMULATE_FLAGS = (
     _Flag("--out", "run.out", {"type": str, "metavar": "DIR"}),
-    _Flag("--steps", "run.steps", {"type": _POS_INT}),
+    _Flag("--steps", "run.steps", {"type": _POS_INT}, _STEPS),
     _Flag("--seed", "run.seed", {"type": int}),
     _Flag("--batch-groups", "rollout.batch_groups", {"type": _POS_INT}),
     _Flag("--group-size", "rollout.group_size", {"type": _POS_INT}),
@@ -146,7 +149,7 @@ _SIMULATE_FLAGS = (
 
 _RUN_FLAGS = (
     _Flag("--out", "run.out", {"type": str, "metavar": "DIR"}),
-    _Flag("--steps", "run.steps", {"type": int}),
+    _Flag("--steps", "run.steps", {"type": int}, _STEPS),
     _Flag("--seed", "run.seed", {"type": int}),
     _Flag("--time-limit", "run.time_limit", {"type": float}),
     _Flag("--stop-at-reward", "run.stop_at_reward", {"type": float}),
@@ -201,7 +204,9 @@ def _add_config_arguments(
             f.flag,
             dest=f.dest,
             default=None,
-            help=f"shorthand for --set {f.key}=... (default {shown})",
+            help=f"{f.note}shorthand for --set {f.key}=... (default {shown})",
+            # the flag's name, not the dest, in the usage (choices show themselves)
+            **({} if "choices" in f.kwargs else {"metavar": f.flag[2:].upper().replace("-", "_")}),
             **f.kwargs,
         )
     p.add_argument("-v", "--verbose", action="store_true", help="log more; tracebacks on errors")
@@ -221,8 +226,8 @@ def _parser() -> argparse.ArgumentParser:
         "asynchronous RL, in-process (needs torch)",
         description="The learning run. --steps is the number of steps this invocation ships "
         "(not a total). The first SIGINT or SIGTERM ends the step in progress, writes "
-        "metrics and the plot and exits 130 / 143; a second exits at once. Per-step lines: "
-        "'reward -' means no sample of the step had a reward (never in the built-in tasks).",
+        "metrics and the plot and exits 130 / 143; a second exits at once. A step line's 'reward (none new)': no group was "
+        "scored since the previous step (it shipped samples queued before).",
     )
     _add_config_arguments(learning, LearnRunConfig, _RUN_FLAGS, resumable=False)
     run = sub.add_parser(
@@ -231,7 +236,8 @@ def _parser() -> argparse.ArgumentParser:
         description="The pipeline on a simulated engine. Every step is checkpointed; run it "
         "again with the same --out and it resumes where it stopped (--steps more steps: "
         "not a total). The first SIGINT or SIGTERM checkpoints the work in progress and "
-        "exits 130 / 143; a second exits at once.",
+        "exits 130 / 143; a second exits at once. A step line's 'reward (none new)': no "
+        "group was scored since the previous step (it shipped samples queued before).",
     )
     _add_config_arguments(run, SimulateConfig, _SIMULATE_FLAGS, resumable=True)
     run.add_argument(
@@ -463,7 +469,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         print(
             f"step {r.step:>3}: shipped {r.effective.samples:>4} samples "
             f"({r.effective.tokens:>8} tokens) from {r.effective.groups:>3} groups | "
-            f"reward {'-' if reward is None else f'{reward:.3f}'} | "
+            f"reward {'(none new)' if reward is None else f'{reward:.3f}'} | "
             f"off-policy max {r.effective.off_policy.max or 0:.0f} | "
             f"{r.ranks} ranks x {r.micro_batches_per_rank} micro-batches, "
             f"{r.payload_bytes / 2**20:.1f} MiB | finalize {r.timings.total * 1e3:.0f} ms",

@@ -301,7 +301,7 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                     reward = rec["reward_mean"]
                     print(
                         f"step {rec['step']:>4}  reward "
-                        f"{'-' if reward is None else f'{reward:.3f}'}"
+                        f"{'(none new)' if reward is None else f'{reward:.3f}'}"
                         f"  policy v{rec['policy_version']:<4} off-policy max "
                         f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
                         f"{rec['samples_per_s']:>6.1f} samples/s  "
