@@ -168,6 +168,12 @@ _RUN_FLAGS = (
 )
 
 
+def _metavar(f: _Flag) -> dict[str, Any]:
+    if "choices" in f.kwargs or "metavar" in f.kwargs:
+        return f.kwargs
+    return {"metavar": f.flag[2:].upper().replace("-", "_"), **f.kwargs}
+
+
 def _add_config_arguments(
     p: argparse.ArgumentParser, schema: type[Any], flags: Sequence[_Flag], resumable: bool
 ) -> None:
@@ -206,8 +212,7 @@ def _add_config_arguments(
             default=None,
             help=f"{f.note}shorthand for --set {f.key}=... (default {shown})",
             # the flag's name, not the dest, in the usage (choices show themselves)
-            **({} if "choices" in f.kwargs else {"metavar": f.flag[2:].upper().replace("-", "_")}),
-            **f.kwargs,
+            **_metavar(f),
         )
     p.add_argument("-v", "--verbose", action="store_true", help="log more; tracebacks on errors")
 
@@ -226,8 +231,9 @@ def _parser() -> argparse.ArgumentParser:
         "asynchronous RL, in-process (needs torch)",
         description="The learning run. --steps is the number of steps this invocation ships "
         "(not a total). The first SIGINT or SIGTERM ends the step in progress, writes "
-        "metrics and the plot and exits 130 / 143; a second exits at once. A step line's 'reward (none new)': no group was "
-        "scored since the previous step (it shipped samples queued before).",
+        "metrics and the plot and exits 130 / 143; a second exits at once. A step line's "
+        "'reward (none new)': no group was scored since the previous step (it shipped "
+        "samples queued before).",
     )
     _add_config_arguments(learning, LearnRunConfig, _RUN_FLAGS, resumable=False)
     run = sub.add_parser(

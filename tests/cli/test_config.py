@@ -64,7 +64,7 @@ def test_later_files_then_overrides_win_and_origins_are_kept(tmp_path: Path) -> 
     ("text", "line", "key", "reason"),
     [
         ("[rollout]\nbatch_groups = [\n", 2, "", "not valid TOML"),
-        ("[run]\nsteps = 3\n\n[rollout]\ngroup_sise = 4\n", 5, "rollout.group_sise", "did you mean"),
+        ("[run]\nsteps = 3\n\n[rollout]\ngroup_sise = 4\n", 5, "rollout.group_sise", "mean"),
         ("[run]\nsteps = 3\n[bogus]\nx = 1\n", 3, "bogus", "unknown section"),
         ('[rollout]\n\ngroup_size = "4"\n', 3, "rollout.group_size", "expected int, got str"),
         ("[run]\nseed = 1\nsteps = 0\n", 3, "run.steps", "must be >= 1, got 0"),
