@@ -7,12 +7,12 @@ This is the only module that knows every layer. It owns, in one nursery hierarch
 * a publisher that finalizes every batch in worker threads and ships it through a
   :class:`~trio_rl.transport.Sender`, writing one checkpoint per shipped step.
 
-The train sink is the one record of work in flight (``docs/accounting.md``): the driver reports
-the groups it discards to it (``on_discard=sink.discard``) and the sink reads the driver's open
-groups when it snapshots (``sink.track_in_flight``). A checkpoint is the sink's state plus the
-source cursor: the queue and every group the rollout layer has open (running, buffered or
-resumed but not started) with its finished members, so a resume continues those groups under the
-same id and regenerates only their missing members.
+The train sink's open-group book is the one record of work in flight (``docs/accounting.md``):
+the driver reports every group it submits, each finished member as it arrives, failed attempts
+and discards to it (``book=sink.book``). A checkpoint is the sink's state plus the source cursor:
+the queue and every group the rollout layer has open (running, buffered or resumed but not
+started) with its finished members, so a resume continues those groups under the same id and
+regenerates only their missing members. Nothing is merged or patched here.
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ class Orchestrator:
         and not yet read), every group the rollout layer holds (its start version bounds the
         versions its requests wrote under) and the current version (new requests write there).
         """
-        live = self.sink.live_payload_versions()  # the sink tracks the driver's groups
+        live = self.sink.live_payload_versions()  # the sink's book holds the driver's groups
         live.add(self.version.value)
         return live
 
@@ -475,8 +475,8 @@ async def open_orchestrator(
             max_staleness=None,
             aborted="recycle",
             on_failure=config.failure,
-            # the sink is the one record of work in flight: the driver reports discards to it
-            on_discard=sink.discard,
+            # the sink's book is the one record of work in flight: the driver reports to it
+            book=sink.book,
             resumed=() if restore is None else restore.resumed,
             policy_version=orch.version,
         ) as driver,
@@ -497,11 +497,9 @@ async def open_orchestrator(
         ) as publisher,
     ):
         orch._driver, orch._publisher = driver, publisher
-        sink.track_in_flight(driver.open_groups)
         if pending is not None:
             publisher.add_pending(*pending)
         try:
             yield orch
         finally:
-            sink.track_in_flight(None)
             orch._driver = orch._publisher = None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -22,6 +22,8 @@ from .payloads import PayloadSegment
 
 __all__ = [
     "Group",
+    "GroupBook",
+    "OpenGroup",
     "PolicyVersion",
     "Prompt",
     "ResumedGroup",
@@ -195,22 +197,84 @@ class Group:
         return any(s.status is SampleStatus.ABORTED for s in self.samples)
 
 
-@attrs.define(slots=True, eq=False)
-class ResumedGroup:
-    """An open group restored from a checkpoint.
+def _sample_list(value: Iterable[Sample]) -> list[Sample]:
+    return list(value)
 
-    It continues with the same ``group_id``, prompt and ``policy_version_at_start``; the members
-    in ``arrived`` are kept and only the ``missing`` ones are generated. Drivers schedule resumed
-    groups before any new prompt. A resumed group with nothing missing dispatches nothing: it is
-    complete as it stands and is scored exactly once with exactly its members.
+
+def _arrived_indices(group: OpenGroup) -> set[int]:
+    return {s.index for s in group.arrived}
+
+
+@attrs.define(slots=True, eq=False)
+class OpenGroup:
+    """A group in progress: the one shape of an open group, from submission to restore.
+
+    The train sink's open-group book holds one per group the rollout layer has opened (the
+    driver reports it through :class:`GroupBook`); a checkpoint saves it as it is (id, prompt,
+    size, start version, arrived members); a restore hands it back to the rollout layer, which
+    continues it under the same ``group_id``, prompt and ``policy_version_at_start``: the members
+    in ``arrived`` (finished: COMPLETED or TRUNCATED) are kept and only the ``missing`` ones are
+    generated. A group with nothing missing dispatches nothing: it is complete as it stands and
+    is scored exactly once with exactly its members.
+
+    The keyword-only fields are the book's live tally of the current attempt, never saved (what
+    they count is settled already, and a resumed group regenerates those members): ``seen``
+    holds the index of every sample that arrived in any status, ``failed`` and ``cancelled``
+    count members that ended without a usable sample, ``aborted`` says one was aborted.
     """
 
     group_id: str
     prompt: Prompt
     group_size: int
-    arrived: list[Sample] = attrs.field(factory=list)
+    arrived: list[Sample] = attrs.field(factory=list, converter=_sample_list)
     policy_version_at_start: PolicyVersion = 0
+    seen: set[int] = attrs.field(
+        default=attrs.Factory(_arrived_indices, takes_self=True), kw_only=True
+    )
+    failed: int = attrs.field(default=0, kw_only=True)
+    cancelled: int = attrs.field(default=0, kw_only=True)
+    aborted: bool = attrs.field(default=False, kw_only=True)
 
     @property
     def missing(self) -> int:
+        """How many members a resume generates: the group size minus the arrived ones."""
         return max(0, self.group_size - len(self.arrived))
+
+    @property
+    def complete(self) -> bool:
+        """Every member of the attempt ended: arrived, failed or cancelled."""
+        return len(self.arrived) + self.failed + self.cancelled >= self.group_size
+
+
+#: The name the rollout layer resumes by: an :class:`OpenGroup` restored from a checkpoint.
+ResumedGroup = OpenGroup
+
+
+class GroupBook(Protocol):
+    """The one owner of work in flight, as the async rollout driver reports to it.
+
+    The train sink's open-group book implements it (``sink.book``); the driver calls it on the
+    event loop, and no method may block or raise for a well-formed report. Every sample of every
+    attempt is dispatched once and settles once in the owner's books:
+
+    * ``group_opened`` -- ``group`` was submitted (new, resumed or retried); a group the book
+      already holds open (a restored one) stays as it is.
+    * ``members_arrived`` -- finished members (COMPLETED or TRUNCATED) of an open group; the
+      book holds them (the same objects: a group reward fills their ``reward`` in place).
+    * ``attempt_failed`` -- the attempt failed (raised): every member of it, held or not yet
+      arrived, settles as failed; the group stays open, empty, for a retry.
+    * ``group_discarded`` -- the group will not reach the consumer (``reason``: ``"failed"``
+      after its last attempt, ``"aborted"``, ``"filtered"``, ``"stale"``); the book settles
+      what it holds and closes it.
+
+    A group that reaches the consumer is closed by the consumer handing it to the owner (the
+    sink's ``add_group``), which scores it exactly once.
+    """
+
+    def group_opened(self, group: Group) -> None: ...
+
+    def members_arrived(self, group: Group, samples: Sequence[Sample]) -> None: ...
+
+    def attempt_failed(self, group: Group) -> None: ...
+
+    def group_discarded(self, group: Group, reason: str) -> None: ...

@@ -13,7 +13,7 @@ from trio_rl import cli
 from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
 from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from trio_rl.publish import Shipment
-from trio_rl.rollout import InMemorySource, engine_generate
+from trio_rl.rollout import FailurePolicy, InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
 from trio_rl.train import PayloadStore
 from trio_rl.trainer import BatchReceiver
@@ -362,3 +362,38 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
     if min(live) > 0:
         assert 0 not in on_disk, "v0 was written in step 1 and swept once nobody could read it"
     assert on_disk, "live versions are kept"
+
+
+async def test_every_retried_attempt_settles_once_in_the_books(tmp_path: Path) -> None:
+    """Issue 9 item 8: a group that fails and is retried books each attempt's samples, members
+    that had already finished included, as failed, once; the successful attempt ships."""
+    inner = engine_generate(_engine(), SamplingParams(max_tokens=64))
+    calls: dict[int, int] = {}
+
+    async def generate(sample: Sample) -> None:
+        calls[sample.index] = calls.get(sample.index, 0) + 1
+        if sample.index % G == G - 1 and calls[sample.index] == 1:
+            await trio.sleep(0.01)  # its siblings finish first: held members of a failed attempt
+            raise RuntimeError(f"first attempt of sample {sample.index} fails")
+        await inner(sample)
+
+    async with (
+        MemorySender(1) as sender,
+        open_orchestrator(
+            _engine(),
+            InMemorySource(_prompts(200)),
+            sender,
+            config=_config(failure=FailurePolicy("retry", max_retries=1)),
+            sample_reward=_reward,
+            generate=generate,
+        ) as orch,
+    ):
+        await orch.run(2)
+        c, sink = orch.sink.counters, orch.sink
+        stats = orch.driver.statistics()
+    assert stats.retried > 0
+    assert stats.failed == 0
+    # every sample of every failed attempt settled once as failed: G per retry
+    assert c.failed == G * stats.retried, (c, stats.retried)
+    assert c.shipped == 2 * T * G
+    assert c.dispatched == c.settled + sink.held

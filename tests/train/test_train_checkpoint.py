@@ -16,11 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from train_helpers import assert_accounted, make_group, make_sample
 
-from trio_rl.samples import Group, Prompt, SampleStatus
+from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus
 from trio_rl.train import (
     CheckpointError,
     CheckpointManager,
-    OpenGroupState,
     PayloadStore,
     PruneMode,
     SinkConfig,
@@ -51,7 +50,7 @@ def state_dicts(state: SinkState) -> dict[str, Any]:
                 g.prompt,
                 g.group_size,
                 g.policy_version_at_start,
-                [attrs.asdict(m) for m in g.members],
+                [attrs.asdict(m) for m in g.arrived],
             )
             for g in state.open_groups
         ],
@@ -257,7 +256,7 @@ def _open_state(members: list[Any], group_size: int, step: int = 1) -> SinkState
         ),
         window=TrainSink(SinkConfig(batch_size=1)).window,
         queued=(),
-        open_groups=(OpenGroupState("full", Prompt("k", (1, 2)), group_size, 0, tuple(members)),),
+        open_groups=(OpenGroup("full", Prompt("k", (1, 2)), group_size, members, 0),),
     )
 
 
@@ -364,16 +363,12 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     group = make_group([1.0, 0.0, 0.25], version=1)
     for s in group.samples:
-        s.payload = store.write_request(
-            1, {"routed_experts": np.ones((7, 1), np.int32)}
-        )
+        s.payload = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
     sink.add_group(group)
     sink.open_group("open", Prompt("k", (1, 2, 3)), 3, 1)
     members = [make_sample(0, r, version=1) for r in (1.0, 0.0)]
     for m in members:
-        m.payload = store.write_request(
-            1, {"routed_experts": np.ones((7, 1), np.int32)}
-        )
+        m.payload = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
         sink.add_member("open", m)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     path = await mgr.save(mgr.snapshot(sink))

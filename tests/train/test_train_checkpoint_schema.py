@@ -319,7 +319,7 @@ def test_the_intact_checkpoint_reencodes_identically_and_resumes() -> None:
     assert _file(RECORDS) == BLOB
     ck = decode_checkpoint(BLOB, _NAME)
     assert len(ck.sink.queued) == 3
-    assert [len(g.members) for g in ck.sink.open_groups] == [2, 0]
+    assert [len(g.arrived) for g in ck.sink.open_groups] == [2, 0]
     for config in _CONFIGS:
         _resume_and_continue(ck, config)
 
@@ -439,7 +439,7 @@ async def test_read_latest_falls_back_on_a_well_checksummed_bad_checkpoint(
 
 def test_member_sample_type_survives_roundtrip() -> None:
     ck = decode_checkpoint(BLOB, _NAME)
-    member = ck.sink.open_groups[0].members[0]
+    member = ck.sink.open_groups[0].arrived[0]
     assert isinstance(member, Sample)
     assert member.payload[0].file == "v1/y.bin"
 

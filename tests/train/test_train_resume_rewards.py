@@ -12,7 +12,8 @@ import attrs
 from train_helpers import make_group
 
 from trio_rl.rollout import GroupFactory
-from trio_rl.train import OpenGroupState, SinkConfig, TrainSink
+from trio_rl.samples import OpenGroup
+from trio_rl.train import SinkConfig, TrainSink
 
 
 def test_a_full_group_without_rewards_is_resumed_not_scored() -> None:
@@ -24,12 +25,12 @@ def test_a_full_group_without_rewards_is_resumed_not_scored() -> None:
     state = attrs.evolve(
         state,
         open_groups=(
-            OpenGroupState(
+            OpenGroup(
                 group_id=group.group_id,
                 prompt=group.prompt,
                 group_size=group.size,
                 policy_version_at_start=0,
-                members=members,
+                arrived=members,
             ),
         ),
         counters=attrs.evolve(state.counters, dispatched=group.size),

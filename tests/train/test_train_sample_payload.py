@@ -103,8 +103,8 @@ async def test_old_checkpoint_file_restores_typed_payload(
     ck = await mgr.load(path)
     assert ck.missing_files == frozenset()
     (og,) = ck.sink.open_groups
-    assert [m.payload for m in og.members] == [m.payload for m in members]
-    assert all("payload" not in m.metadata for m in og.members)
+    assert [m.payload for m in og.arrived] == [m.payload for m in members]
+    assert all("payload" not in m.metadata for m in og.arrived)
     restored = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     (r,) = restored.load_state_dict(ck.sink).resumed
     assert [m.payload for m in r.arrived] == [m.payload for m in members]

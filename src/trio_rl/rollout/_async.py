@@ -18,7 +18,7 @@ import trio
 import trio_util
 
 from ..policy import PolicyVersionCell, as_cell
-from ..samples import Group, PolicyVersion, ResumedGroup
+from ..samples import Group, GroupBook, PolicyVersion, ResumedGroup, Sample
 from ._credits import (
     CreditLedger,
     CreditScheduler,
@@ -36,7 +36,7 @@ from ._errors import (
     SourceExhausted,
 )
 from ._factory import GroupFactory
-from ._group import GroupRunner, pending_samples, run_reporting
+from ._group import GroupRunner, pending_samples
 from ._sources import DataSource
 from ._sync import DynamicFilter
 from ._validate import (
@@ -150,6 +150,7 @@ class AsyncRolloutDriver:
         dynamic_filter: DynamicFilter | None,
         policy_version: PolicyVersion | PolicyVersionCell,
         on_discard: DiscardHook | None = None,
+        book: GroupBook | None = None,
         ledger: CreditLedger | None = None,
     ) -> None:
         self.source = source
@@ -164,6 +165,8 @@ class AsyncRolloutDriver:
         self.on_failure = on_failure
         self.dynamic_filter = dynamic_filter
         self.on_discard = on_discard
+        #: The one owner of work in flight, told of every group's life (see `GroupBook`).
+        self.book = book
         #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
         self.scheduler = CreditScheduler(policy, factory.group_size, ledger=ledger)
         #: The shared policy-version cell (the orchestrator's, when it opened the driver).
@@ -304,6 +307,8 @@ class AsyncRolloutDriver:
         return False
 
     def _discard(self, group: Group, reason: DiscardReason) -> None:
+        if self.book is not None:
+            self.book.group_discarded(group, reason)
         if self.on_discard is not None:
             self.on_discard(group, reason)
 
@@ -401,7 +406,9 @@ class AsyncRolloutDriver:
                 scheduler.submitted(group.group_id, pending_samples(group))
                 self._running[group.group_id] = group
                 self._submitted += 1
-                groups.start_soon(run_reporting, self.runner, group, scheduler)
+                if self.book is not None:
+                    self.book.group_opened(group)
+                groups.start_soon(self._run_group, group)
             dry = (
                 scheduler.ledger.pending_groups == 0
                 and not self._queued
@@ -412,6 +419,25 @@ class AsyncRolloutDriver:
                 self._dry = dry
                 self._changed.set()
             outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
+
+    async def _run_group(self, group: Group) -> None:
+        """One group's task: :func:`~trio_rl.rollout.run_reporting`, with each finished member
+        reported to the book as it arrives (so a checkpoint holds it)."""
+        book, report, gid = self.book, self.scheduler.sample_done, group.group_id
+
+        def sample_done(sample: Sample) -> None:
+            report(gid)
+            if book is not None and sample.status.is_finished:
+                book.members_arrived(group, (sample,))
+
+        status, error = GroupStatus.CANCELLED, None
+        try:
+            await self.runner.run(group, on_sample_done=sample_done)
+            status = GroupStatus.COMPLETED
+        except GroupFailed as exc:
+            status, error = GroupStatus.FAILED, exc
+        finally:
+            self.scheduler.group_done(GroupOutcome(group, status, error))
 
     async def _reap(self, outcome: GroupOutcome) -> None:
         group = outcome.group
@@ -464,6 +490,9 @@ class AsyncRolloutDriver:
         if action == "retry" and tries < self.on_failure.max_retries:
             self._retries[group.group_id] = tries + 1
             self._retried += 1
+            if self.book is not None:
+                # the attempt settles in the books before its samples are reset
+                self.book.attempt_failed(group)
             for sample in group.samples:
                 sample.reset_for_retry()
             self._queued.appendleft(group)
@@ -512,6 +541,7 @@ async def open_async_rollout(
     resumed: Iterable[ResumedGroup] = (),
     policy_version: PolicyVersion | PolicyVersionCell = 0,
     on_discard: DiscardHook | None = None,
+    book: GroupBook | None = None,
     ledger: CreditLedger | None = None,
 ) -> AsyncIterator[AsyncRolloutDriver]:
     """Run a fully-async rollout worker for the duration of the block.
@@ -524,7 +554,10 @@ async def open_async_rollout(
     production pauses. ``policy_version`` is a starting version or the pipeline's shared
     :class:`~trio_rl.policy.PolicyVersionCell`. ``resumed`` groups start before any new
     prompt. ``on_discard`` is told of every finished group that will not reach the consumer
-    (failed and skipped, aborted, filtered, stale), e.g. to book its samples. ``ledger`` is
+    (failed and skipped, aborted, filtered, stale). ``book`` (e.g. the train sink's
+    ``sink.book``) is the one owner of work in flight: it is told of every group the worker
+    submits, every finished member as it arrives, every failed attempt and every discard
+    (:class:`~trio_rl.samples.GroupBook`), so its state is a checkpoint's. ``ledger`` is
     the empty :class:`CreditLedger` the worker's scheduler keeps its books in (default a new
     one); pass your own (a subclass, say) to observe every credit the worker hands out.
 
@@ -567,6 +600,7 @@ async def open_async_rollout(
         dynamic_filter=dynamic_filter,
         policy_version=policy_version,
         on_discard=on_discard,
+        book=book,
         ledger=ledger,
     )
     driver.resume(resumed)

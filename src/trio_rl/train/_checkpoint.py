@@ -166,7 +166,7 @@ def _write_stream(f: BinaryIO, snap: CheckpointSnapshot, name: str) -> None:
                 encode_prompt(og.prompt),
                 og.group_size,
                 og.policy_version_at_start,
-                [encode_sample(m) for m in og.members],
+                [encode_sample(m) for m in og.arrived],
             ]
             body.add(packer.pack(rec))
         except (TypeError, ValueError, OverflowError) as exc:

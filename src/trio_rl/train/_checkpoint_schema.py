@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from ..samples import OpenGroup
 from ._codec import (
     CodecError,
     decode_prompt,
@@ -23,7 +24,7 @@ from ._codec import (
     want_str,
 )
 from ._queue import SinkCounters, SinkWindow
-from ._sink_state import OpenGroupState, SinkState, state_problem
+from ._sink_state import SinkState, state_problem
 
 __all__ = ["Meta", "check_state", "decode_meta", "decode_open_group"]
 
@@ -96,7 +97,7 @@ def decode_meta(obj: object, left: int) -> Meta:
     )
 
 
-def decode_open_group(obj: object, what: str) -> OpenGroupState:
+def decode_open_group(obj: object, what: str) -> OpenGroup:
     """``[group_id, prompt, group_size, start version, [members]]``."""
     gid, prompt, size, start, members = want_list(obj, what, 5)
     group_size = want_int(size, f"{what}.group_size", 1)
@@ -106,12 +107,12 @@ def decode_open_group(obj: object, what: str) -> OpenGroupState:
         raise CodecError(
             f"{what}.members", f"{len(members)} members exceed group_size {group_size}"
         )
-    return OpenGroupState(
+    return OpenGroup(
         group_id=want_str(gid, f"{what}.group_id"),
         prompt=decode_prompt(prompt, f"{what}.prompt"),
         group_size=group_size,
         policy_version_at_start=want_int(start, f"{what}.policy_version_at_start"),
-        members=tuple(decode_sample(m, f"{what}.members[{j}]") for j, m in enumerate(members)),
+        arrived=[decode_sample(m, f"{what}.members[{j}]") for j, m in enumerate(members)],
     )
 
 

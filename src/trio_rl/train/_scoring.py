@@ -76,8 +76,12 @@ def sample_version(sample: Sample, start: PolicyVersion) -> PolicyVersion:
     return min(sample.policy_versions) if sample.policy_versions else start
 
 
-def validate_sample(sample: Sample, where: str) -> None:
-    """Raise :class:`TrainSinkError` if a finished sample cannot be turned into training data."""
+def validate_sample(sample: Sample, where: str, *, rewarded: bool = True) -> None:
+    """Raise :class:`TrainSinkError` if a finished sample cannot be turned into training data.
+
+    ``rewarded=False`` skips the reward checks (a member reported as it arrives: its group
+    reward has not run yet; it is checked again when its group is handed over).
+    """
     n = len(sample.completion_tokens)
     for name in ("logprobs", "loss_mask"):
         got = len(getattr(sample, name))
@@ -86,6 +90,8 @@ def validate_sample(sample: Sample, where: str) -> None:
                 f"{where}, sample {sample.index}: {name} has {got} entries but the completion "
                 f"has {n} tokens"
             )
+    if not rewarded:
+        return
     if sample.status.is_finished and sample.reward is None:
         raise TrainSinkError(f"{where}, sample {sample.index}: finished sample has no reward")
     if sample.status.is_finished and not math.isfinite(sample.reward or 0.0):

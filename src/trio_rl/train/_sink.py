@@ -8,13 +8,13 @@ already detached.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Literal
 
 import trio
 
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample
+from ..samples import Group, PolicyVersion, Prompt, Sample
 from ._queue import (
     Cut,
     DetachedBatch,
@@ -79,9 +79,9 @@ class TrainSink:
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
         self.queue = SampleQueue(config, self._books, step=step)
         self._next_arrival = 0
-        self._opens = OpenBook(self._books)
-        self._open = self._opens.groups  # the same dict: restore clears it in place
-        self._in_flight: Callable[[], Iterable[ResumedGroup]] | None = None
+        #: The open-group book: the one record of work in flight, and the
+        #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
+        self.book = OpenBook(self._books, self._finalize)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -109,42 +109,14 @@ class TrainSink:
     @property
     def held(self) -> int:
         """Samples the sink holds: queued, arrived members of open groups, and in a cut."""
-        return self.queue.held + self._opens.held
-
-    def track_in_flight(self, open_groups: Callable[[], Iterable[ResumedGroup]] | None) -> None:
-        """Make the sink the one record of work in flight: ``open_groups()`` (e.g. the async
-        driver's :meth:`~trio_rl.rollout.AsyncRolloutDriver.open_groups`) lists the groups the
-        rollout layer holds (running, queued, buffered) with their arrived members.
-
-        From then on :meth:`state_dict` saves them as open groups (a group the sink already
-        holds open gains the members it has not seen), their new members counted as
-        dispatched, so ``dispatched == settled + held`` holds in every snapshot; and
-        :meth:`live_payload_versions` protects their payloads. ``None`` stops tracking.
-        """
-        self._in_flight = open_groups
-
-    def discard(self, group: Group, reason: str) -> None:
-        """Book a finished group the rollout layer gave up on, so every sample settles once
-        (the async driver's ``on_discard`` hook). ``"aborted"``: added like any group (aborted
-        members booked cancelled, the rest filtered); ``"failed"``: its missing members are
-        booked failed, and a group the sink holds open (a resumed one) is scored with what it
-        has; any other reason (``"filtered"``, ``"stale"``): its missing members are booked
-        cancelled."""
-        gid = group.group_id if group.group_id in self._open else None
-        lost = group.size - self.arrived(group.group_id)
-        if reason == "aborted":
-            self.add_group(group)
-        elif reason == "failed":
-            self.record_failed(lost, gid)
-        else:
-            self.record_cancelled(lost, gid)
+        return self.queue.held + self.book.held
 
     def open_group_ids(self) -> list[str]:
-        return list(self._open)
+        return list(self.book.groups)
 
     def arrived(self, group_id: str) -> int:
         """How many members of open group ``group_id`` arrived so far (0 if it is not open)."""
-        g = self._open.get(group_id)
+        g = self.book.groups.get(group_id)
         return 0 if g is None else len(g.seen)
 
     def queued_samples(self) -> list[TrainingSample]:
@@ -155,18 +127,17 @@ class TrainSink:
         """Versions whose payload directories a holder the sink knows of may still read.
 
         Queued samples (restored ones included), arrived members and start versions of open groups
-        (in-flight and resumed), samples in a cut, and batches shipped but not yet
-        :meth:`mark_read`. In-flight work the sink was never told about must be added by the
+        (in flight in the rollout layer, or resumed: a start version bounds the versions its
+        requests wrote under), samples in a cut, and batches shipped but not yet
+        :meth:`mark_read`. In-flight work the book was never told about must be added by the
         caller before :meth:`PayloadStore.sweep_orphans`.
         """
         live = self.queue.live_versions()
-        for g in self._open.values():
-            live.add(g.start)
-            live.update(sample_version(m, g.start) for m in g.members)
-        for group in self._in_flight() if self._in_flight is not None else ():
-            # its start version bounds the versions its requests wrote under
-            live.add(group.policy_version_at_start)
-            live.update(v for m in group.arrived for v in m.policy_versions)
+        for g in self.book.groups.values():
+            start = g.policy_version_at_start
+            live.add(start)
+            live.update(sample_version(m, start) for m in g.arrived)
+            live.update(v for m in g.arrived for v in m.policy_versions)
         return live
 
     def mark_read(self, step: int) -> None:
@@ -187,11 +158,11 @@ class TrainSink:
         self, group_id: str, prompt: Prompt, group_size: int, policy_version_at_start: int = 0
     ) -> None:
         """Register a group whose members will arrive one by one (it is a live payload holder)."""
-        self._opens.open(group_id, prompt, group_size, policy_version_at_start)
+        self.book.open(group_id, prompt, group_size, policy_version_at_start)
 
     def add_member(self, group_id: str, sample: Sample) -> None:
         """One member of an open group arrived (in any status); the group finalizes when full."""
-        if self._opens.member(group_id, sample).complete:
+        if self.book.member(group_id, sample).complete:
             self._finalize(group_id)
 
     def add_group(
@@ -203,7 +174,7 @@ class TrainSink:
         ``sequences`` (from :func:`build_sequences`, keyed by sample index) supplies training
         lists already built off the loop; see :meth:`ingest_group`.
         """
-        self._opens.admit(group)
+        self.book.admit(group)
         self._finalize(group.group_id, sequences)
 
     async def ingest_group(
@@ -231,7 +202,7 @@ class TrainSink:
     def _record_lost(
         self, outcome: Literal["failed", "cancelled"], n: int, gid: str | None
     ) -> None:
-        g = self._opens.lose(outcome, n, gid)
+        g = self.book.lose(outcome, n, gid)
         if g is not None and g.complete:
             self._finalize(g.group_id)
 
@@ -239,11 +210,11 @@ class TrainSink:
         self, group_id: str, sequences: Mapping[int, SequenceLists] | None = None
     ) -> None:
         """Score a complete group exactly once with exactly its arrived members."""
-        g = self._opens.close(group_id)
+        g = self.book.close(group_id)
         score = score_group(
             group_id,
-            g.members,
-            start=g.start,
+            g.arrived,
+            start=g.policy_version_at_start,
             aborted=g.aborted,
             is_stale=self._is_stale,
             config=self.config.scoring,
@@ -252,7 +223,7 @@ class TrainSink:
             sequences=sequences,
         )
         self._next_arrival = score.next_arrival
-        self._opens.book_score(score)
+        self.book.book_score(score)
         for ts in score.samples:
             self.queue.enqueue(ts)
 

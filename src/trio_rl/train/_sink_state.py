@@ -8,14 +8,14 @@ import copy
 import itertools
 import logging
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus
+from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus
 from ._errors import TrainSinkError
-from ._queue import SinkBooks, SinkCounters, SinkWindow
+from ._queue import Outcome, SinkBooks, SinkCounters, SinkWindow
 from ._scoring import GroupScore, sample_version, validate_sample
 from ._types import TrainingSample
 
@@ -38,15 +38,8 @@ __all__ = [
 logger = logging.getLogger("trio_rl.train")
 
 
-@attrs.frozen
-class OpenGroupState:
-    """A checkpointed open group: its identity, task and the finished members that arrived."""
-
-    group_id: str
-    prompt: Prompt
-    group_size: int
-    policy_version_at_start: PolicyVersion
-    members: tuple[Sample, ...]
+#: The checkpointed open group is the one open-group record (kept under its old name).
+OpenGroupState = OpenGroup
 
 
 @attrs.frozen
@@ -58,7 +51,7 @@ class SinkState:
     counters: SinkCounters
     window: SinkWindow
     queued: tuple[TrainingSample, ...]
-    open_groups: tuple[OpenGroupState, ...]
+    open_groups: tuple[OpenGroup, ...]
 
 
 @attrs.frozen
@@ -70,7 +63,7 @@ class RestoreReport:
     nothing is dispatched for them.
     """
 
-    resumed: list[ResumedGroup]
+    resumed: list[OpenGroup]
     completed_groups: list[str]
     queued: int
     dropped_queued_missing: int
@@ -80,70 +73,23 @@ class RestoreReport:
 
 
 @attrs.define(slots=True, eq=False)
-class OpenGroup:
-    group_id: str
-    prompt: Prompt
-    group_size: int
-    start: PolicyVersion
-    members: list[Sample] = attrs.field(factory=list)
-    seen: set[int] = attrs.field(factory=set)
-    failed: int = 0
-    cancelled: int = 0
-    aborted: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return len(self.members) + self.failed + self.cancelled >= self.group_size
-
-    def check_new(self, samples: Iterable[Sample]) -> None:
-        """Reject members this group already holds, pending ones and malformed ones."""
-        where = f"group {self.group_id}"
-        for s in samples:
-            if s.index in self.seen:
-                raise TrainSinkError(f"{where}, sample {s.index}: arrived twice")
-            if s.status is SampleStatus.PENDING:
-                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
-            validate_sample(s, where)
-
-    def arrive(self, samples: Iterable[Sample]) -> tuple[int, int]:
-        """Record arrived members; returns how many failed and were cancelled (aborted), which
-        the caller books at once: only finished members are held."""
-        failed = cancelled = 0
-        for s in samples:
-            self.seen.add(s.index)
-            if s.status is SampleStatus.FAILED:
-                failed += 1
-            elif s.status is SampleStatus.ABORTED:
-                cancelled += 1
-                self.aborted = True
-            else:
-                self.members.append(s)
-        self.failed += failed
-        self.cancelled += cancelled
-        return failed, cancelled
-
-    def adopt_rewards(self, group: Group) -> None:
-        """A resumed group's group reward ran over the whole group, restored members included:
-        the rollout layer's reward (same sample index) is the one to score with."""
-        rewards = {s.index: s.reward for s in group.samples if s.index in self.seen}
-        for m in self.members:
-            reward = rewards.get(m.index)
-            if reward is not None:
-                m.reward = reward
-
-
-@attrs.define(slots=True, eq=False)
 class OpenBook:
-    """The sink's open groups and what their arrivals book: every member that arrives is
-    dispatched once, failed and aborted ones settle at once, finished ones are held until the
-    group completes and is scored."""
+    """The sink's open groups and what their arrivals book: the one record of work in flight.
+
+    It is the :class:`~trio_rl.samples.GroupBook` the async driver reports to, and the sink's
+    own member-by-member API books through it. Every member that arrives is dispatched once;
+    failed and aborted ones settle at once; finished ones are held until the group closes:
+    scored (``finalize``, the sink's), or settled by a failed attempt or a discard.
+    """
 
     books: SinkBooks
+    #: Scores a complete group (``TrainSink._finalize``): takes it out with :meth:`close`.
+    finalize: Callable[[str], None]
     groups: dict[str, OpenGroup] = attrs.field(factory=dict)
 
     @property
     def held(self) -> int:
-        return sum(len(g.members) for g in self.groups.values())
+        return sum(len(g.arrived) for g in self.groups.values())
 
     def open(
         self, group_id: str, prompt: Prompt, group_size: int, start: PolicyVersion
@@ -152,7 +98,9 @@ class OpenBook:
             raise TrainSinkError(f"group {group_id}: already open")
         if group_size < 1:
             raise TrainSinkError(f"group {group_id}: group_size must be >= 1, got {group_size}")
-        g = self.groups[group_id] = OpenGroup(group_id, prompt, group_size, start)
+        g = self.groups[group_id] = OpenGroup(
+            group_id, prompt, group_size, policy_version_at_start=start
+        )
         return g
 
     def member(self, group_id: str, sample: Sample) -> OpenGroup:
@@ -160,31 +108,48 @@ class OpenBook:
         g = self.groups.get(group_id)
         if g is None:
             raise TrainSinkError(f"group {group_id}: member {sample.index} for a group not open")
-        g.check_new([sample])
         self.arrive(g, [sample])
         return g
 
     def admit(self, group: Group) -> None:
-        """A finished group arrives whole; members an open group (e.g. resumed) already holds
-        (same sample index) are recognised and not counted twice."""
-        g = self.groups.get(group.group_id)
-        if g is None:
-            g = OpenGroup(
-                group.group_id, group.prompt, max(1, group.size), group.policy_version_at_start
-            )
-        g.adopt_rewards(group)
+        """A finished group arrives whole; members the book already holds for it (same sample
+        index: reported by the driver, or restored) are recognised and not counted twice."""
+        g = self._opened(group)
+        rewards = {s.index: s.reward for s in group.samples if s.index in g.seen}
+        for m in g.arrived:
+            # the group reward ran over the whole group, restored members included
+            if (reward := rewards.get(m.index)) is not None:
+                m.reward = reward
         new = [s for s in group.samples if s.index not in g.seen]
         if len({s.index for s in new}) != len(new):
             raise TrainSinkError(f"group {group.group_id}: duplicate sample indices")
-        g.check_new(new)
-        self.groups[group.group_id] = g
+        for m in g.arrived:
+            if m.reward is None or not math.isfinite(m.reward):
+                validate_sample(m, f"group {g.group_id}")  # names the unrewarded member
         self.arrive(g, new)
 
-    def arrive(self, g: OpenGroup, samples: list[Sample]) -> None:
+    def arrive(self, g: OpenGroup, samples: list[Sample], *, rewarded: bool = True) -> None:
+        """Book new members of ``g`` (any status): dispatched; failed and aborted ones settle.
+        ``rewarded=False``: reported as they finish, before any group reward."""
+        where = f"group {g.group_id}"
+        for s in samples:
+            if s.index in g.seen:
+                raise TrainSinkError(f"{where}, sample {s.index}: arrived twice")
+            if s.status is SampleStatus.PENDING:
+                raise TrainSinkError(f"{where}, sample {s.index}: still pending")
+            validate_sample(s, where, rewarded=rewarded)
         self.books.dispatched(len(samples))
-        failed, cancelled = g.arrive(samples)
-        self.books.book("failed", failed)
-        self.books.book("cancelled", cancelled)
+        for s in samples:
+            g.seen.add(s.index)
+            if s.status is SampleStatus.FAILED:
+                g.failed += 1
+                self.books.book("failed", 1)
+            elif s.status is SampleStatus.ABORTED:
+                g.cancelled += 1
+                g.aborted = True
+                self.books.book("cancelled", 1)
+            else:
+                g.arrived.append(s)
 
     def lose(
         self, outcome: Literal["failed", "cancelled"], n: int, gid: str | None
@@ -205,10 +170,12 @@ class OpenBook:
         """Take a complete group out to be scored; the attempt budget counts every member that
         arrived, stale ones included (defect 2)."""
         g = self.groups.pop(group_id)
-        w = self.books.window
-        n_owed = len(g.members) + g.failed + g.cancelled
-        self.books.window = attrs.evolve(w, attempts=w.attempts + n_owed, groups=w.groups + 1)
+        self._attempts(len(g.arrived) + g.failed + g.cancelled, groups=1)
         return g
+
+    def _attempts(self, n: int, *, groups: int = 0) -> None:
+        w = self.books.window
+        self.books.window = attrs.evolve(w, attempts=w.attempts + n, groups=w.groups + groups)
 
     def book_score(self, score: GroupScore) -> None:
         self.books.book("filtered", score.filtered)
@@ -221,6 +188,56 @@ class OpenBook:
                 reward_sum=w.reward_sum + sum(score.rewards),
                 reward_count=w.reward_count + len(score.rewards),
             )
+
+    # -- GroupBook: what the async driver reports ------------------------------------------
+
+    def _opened(self, group: Group) -> OpenGroup:
+        g = self.groups.get(group.group_id)
+        if g is None:
+            g = self.open(
+                group.group_id, group.prompt, max(1, group.size), group.policy_version_at_start
+            )
+        return g
+
+    def group_opened(self, group: Group) -> None:
+        """``group`` was submitted: opened here unless open already (restored, or a retry).
+        Members arrive only as reported (or when the group is handed over whole)."""
+        self._opened(group)
+
+    def members_arrived(self, group: Group, samples: Sequence[Sample]) -> None:
+        """Finished members of open ``group`` arrived; held (the same objects) until it closes.
+        Never scores: the group reward may not have run yet (the consumer's add_group does)."""
+        g = self._opened(group)
+        self.arrive(g, [s for s in samples if s.index not in g.seen], rewarded=False)
+
+    def attempt_failed(self, group: Group) -> None:
+        """The attempt raised: each of its samples settles failed (held members included, before
+        the driver resets them for the retry), counted in the attempt budget; the group stays
+        open and empty."""
+        g = self._opened(group)
+        self._settle(g, group, "failed")
+        g.arrived, g.seen, g.failed, g.cancelled, g.aborted = [], set(), 0, 0, False
+
+    def group_discarded(self, group: Group, reason: str) -> None:
+        """``group`` will not reach the consumer. ``"aborted"``: scored like any group (aborted
+        members cancelled, the rest filtered); ``"failed"`` (its last attempt), ``"filtered"``,
+        ``"stale"``: every member settles under that outcome and the group closes."""
+        if reason == "aborted":
+            self.admit(group)
+            self.finalize(group.group_id)
+            return
+        outcome: Outcome = (
+            reason if reason in ("failed", "filtered", "stale") else "cancelled"  # type: ignore[assignment]
+        )
+        g = self._opened(group)
+        self._settle(g, group, outcome)
+        del self.groups[group.group_id]
+
+    def _settle(self, g: OpenGroup, group: Group, outcome: Outcome) -> None:
+        unseen = [s for s in group.samples if s.index not in g.seen]
+        self.books.dispatched(len(unseen))
+        self.books.book(outcome, len(g.arrived) + len(unseen))
+        self._attempts(len(g.arrived) + len(unseen) + g.failed + g.cancelled)
 
 
 def copy_sample(s: Sample) -> Sample:
@@ -247,46 +264,26 @@ def snapshot_sink(sink: TrainSink) -> SinkState:
     Containers are copied. Queued samples are shared, not copied: once queued, the library
     never mutates a training sample (post-selection pruning works on copies), so sharing them
     costs nothing and cannot tear. Callers must not mutate queued or shipped samples in place
-    while a save of an earlier snapshot is still running. Members of open groups are copied
-    with their lists. Samples in a cut are saved as queued. Groups in flight in the rollout
-    layer (see :meth:`TrainSink.track_in_flight`) are saved as open groups.
+    while a save of an earlier snapshot is still running. Samples in a cut are saved as queued.
+    Every open group of the book (the rollout layer's work in flight included: the driver
+    reports it there) is saved as it is, its arrived members copied with their lists.
     """
-    open_groups = {
-        g.group_id: OpenGroupState(
-            group_id=g.group_id,
-            prompt=g.prompt,
-            group_size=g.group_size,
-            policy_version_at_start=g.start,
-            members=tuple(copy_sample(m) for m in g.members),
-        )
-        for g in sink._open.values()
-    }
-    # Work in flight (see track_in_flight): members the sink has not seen yet are saved as
-    # arrived and count as dispatched; on restore the sink holds them, and they settle
-    # exactly once like any other arrival.
-    added = 0
-    for group in sink._in_flight() if sink._in_flight is not None else ():
-        held = open_groups.get(group.group_id)
-        seen = set() if held is None else {m.index for m in held.members}
-        new = tuple(copy_sample(m) for m in group.arrived if m.index not in seen)
-        added += len(new)
-        open_groups[group.group_id] = OpenGroupState(
-            group_id=group.group_id,
-            prompt=group.prompt,
-            group_size=group.group_size,
-            policy_version_at_start=group.policy_version_at_start,
-            members=(*(() if held is None else held.members), *new),
-        )
-    counters = sink._books.counters
-    if added:
-        counters = attrs.evolve(counters, dispatched=counters.dispatched + added)
     return SinkState(
         step=sink.queue.step,
         next_arrival=sink._next_arrival,
-        counters=counters,
+        counters=sink._books.counters,
         window=sink._books.window,
         queued=sink.queue.saved(),
-        open_groups=tuple(open_groups.values()),
+        open_groups=tuple(
+            OpenGroup(
+                g.group_id,
+                g.prompt,
+                g.group_size,
+                [copy_sample(m) for m in g.arrived],
+                g.policy_version_at_start,
+            )
+            for g in sink.book.groups.values()
+        ),
     )
 
 
@@ -296,9 +293,11 @@ def restore_sink(
     """Replace the sink's state with a checkpoint's.
 
     Queued samples come back first in the queue (stale ones and those naming a file in
-    ``missing_files`` are dropped and logged). Open groups keep their id, prompt and fresh
-    members; members dropped (stale or missing files) are regenerated like any missing one.
-    An open group whose fresh members already fill it is scored now and dispatches nothing.
+    ``missing_files`` are dropped and logged). Open groups go back into the book with their id,
+    prompt and fresh members; members dropped (stale or missing files) are regenerated like any
+    missing one. An open group whose fresh members already fill it is scored now and dispatches
+    nothing; the others are the report's ``resumed``: the book's own records, which the rollout
+    layer continues.
 
     A state that breaks the sink's invariants (see :func:`state_problem`) raises
     :class:`TrainSinkError` naming the field, and the sink is left unchanged.
@@ -310,34 +309,34 @@ def restore_sink(
     sink._next_arrival = state.next_arrival
     sink._books.counters = state.counters
     sink._books.window = state.window
-    sink._open.clear()
+    book = sink.book
+    book.groups.clear()
     missing = set(missing_files)
     q_missing = q_stale = m_missing = m_stale = 0
     for ts in state.queued:
         if missing and any(seg.file in missing for seg in ts.payload or ()):
             q_missing += 1
-        elif sink._is_stale(ts.policy_version):
+        elif sink.queue.is_stale(ts.policy_version):
             q_stale += 1
         else:
             sink.queue.enqueue(ts)
             sink._next_arrival = max(sink._next_arrival, ts.arrival + 1)
-    sink._book("filtered", q_missing)
-    sink._book("stale", q_stale)
-    resumed: list[ResumedGroup] = []
+    sink._books.book("filtered", q_missing)
+    sink._books.book("stale", q_stale)
+    resumed: list[OpenGroup] = []
     completed: list[str] = []
     for og in state.open_groups:
         fresh: list[Sample] = []
-        for m in og.members:
+        for m in og.arrived:
             if missing and sample_files(m) & missing:
                 m_missing += 1
-            elif sink._is_stale(sample_version(m, og.policy_version_at_start)):
+            elif sink.queue.is_stale(sample_version(m, og.policy_version_at_start)):
                 m_stale += 1
             else:
                 fresh.append(copy_sample(m))
-        g = OpenGroup(og.group_id, og.prompt, og.group_size, og.policy_version_at_start)
-        g.members = fresh
-        g.seen = {m.index for m in fresh}
-        sink._open[og.group_id] = g
+        g = book.groups[og.group_id] = OpenGroup(
+            og.group_id, og.prompt, og.group_size, fresh, og.policy_version_at_start
+        )
         # A full group is scored now only when every member has its reward; otherwise its
         # group reward had not run at the checkpoint, and it goes back to the rollout layer,
         # which dispatches nothing for it and only runs the reward.
@@ -345,17 +344,9 @@ def restore_sink(
             completed.append(og.group_id)
             sink._finalize(og.group_id)
         else:
-            resumed.append(
-                ResumedGroup(
-                    group_id=og.group_id,
-                    prompt=og.prompt,
-                    group_size=og.group_size,
-                    arrived=[copy_sample(m) for m in fresh],
-                    policy_version_at_start=og.policy_version_at_start,
-                )
-            )
-    sink._book("filtered", m_missing)
-    sink._book("stale", m_stale)
+            resumed.append(g)
+    sink._books.book("filtered", m_missing)
+    sink._books.book("stale", m_stale)
     if q_missing or q_stale or m_missing or m_stale:
         logger.warning(
             "restore: dropped %d queued samples with missing payload files, %d stale queued "
@@ -419,7 +410,7 @@ def state_problem(state: SinkState) -> tuple[str, str] | None:
         if og.policy_version_at_start < 0:
             return f"{where}.policy_version_at_start", "negative version"
         seen: set[int] = set()
-        for j, m in enumerate(og.members):
+        for j, m in enumerate(og.arrived):
             if m.index in seen:
                 return f"{where}.members[{j}].index", f"duplicate sample index {m.index}"
             seen.add(m.index)
@@ -430,7 +421,7 @@ def state_problem(state: SinkState) -> tuple[str, str] | None:
             versions = m.policy_versions
             if any(v < 0 for v in versions) or any(b < a for a, b in itertools.pairwise(versions)):
                 return f"{where}.members[{j}].policy_versions", f"{versions} out of order"
-        held += len(og.members)
+        held += len(og.arrived)
     if c.dispatched != c.settled + held:
         return (
             "counters.dispatched",
@@ -449,6 +440,6 @@ def payload_files_of_state(state: SinkState) -> set[str]:
     for ts in state.queued:
         files.update(seg.file for seg in ts.payload or ())
     for og in state.open_groups:
-        for m in og.members:
+        for m in og.arrived:
             files |= sample_files(m)
     return files
