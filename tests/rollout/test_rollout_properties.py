@@ -139,14 +139,19 @@ def test_sync_driver_invariants(
             for s in x.samples
         )
         stats = batch.statistics
+        # every group of the call is accounted for exactly once (kept ones included)
         assert (
-            stats.submitted
+            stats.submitted + stats.carried_in
             == stats.accepted
             + stats.failed
             + stats.surplus
             + stats.cancelled
+            + stats.partial
             + sum(stats.filtered.values())
         )
+        if not partial:
+            assert stats.partial == 0
+            assert not driver.held_groups()
         if not partial:
             assert stats.recycled == 0
 

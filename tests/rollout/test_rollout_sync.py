@@ -31,6 +31,8 @@ def make_driver(
     policy: SubmissionPolicy | None = None,
     **kwargs: object,
 ) -> SyncRolloutDriver:
+    # miles' own scheduler tests run with over_sampling_batch_size=1; so do these
+    kwargs.setdefault("groups_per_admission", 1)
     return SyncRolloutDriver(
         src if src is not None else source(100),
         GroupFactory(group_size=G),
@@ -183,6 +185,8 @@ async def test_exhausted_source_raises_or_returns_partial(
 async def test_leftovers_are_cancelled_and_recycled_with_partial_rollouts(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """The puppet ignores the abort: after ``abort_timeout`` the straggler is cancelled and
+    its prompt recycled (test_rollout_partial.py covers generate functions that stop)."""
     puppet = Puppet(auto_delay=1)
     puppet.hold(*group_samples(1))  # group 1 straggles
     src = source(10)
@@ -289,3 +293,38 @@ async def test_one_call_at_a_time() -> None:
         with pytest.raises(RolloutError, match="already running"):
             await driver.generate(1)
         nursery.cancel_scope.cancel()
+
+
+async def test_over_sampling_defaults_to_t_groups_per_admission() -> None:
+    """Reference: O defaults to T. With T = 2, a filter drop reopens room for one group, and
+    the admission fetches O = 2 (O = 1 would fetch one)."""
+
+    def drop_group_0(group: Group) -> str | None:
+        return "zero" if group.group_index == 0 else None
+
+    for per_admission, started in ((None, [0, 1, 2, 3]), (1, [0, 1, 2])):
+        puppet = Puppet()
+        driver = make_driver(
+            puppet, groups_per_admission=per_admission, dynamic_filter=drop_group_0
+        )
+        assert driver.groups_per_admission == per_admission
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(Run(driver, 2))
+            await trio.testing.wait_all_tasks_blocked()
+            assert puppet.started_groups() == [0, 1]
+            puppet.finish(*group_samples(0))
+            await trio.testing.wait_all_tasks_blocked()
+            assert puppet.started_groups() == started
+            nursery.cancel_scope.cancel()
+
+
+async def test_over_sampling_below_t_still_fills_the_batch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Unlike the reference (which asserts O >= T) a smaller O is allowed: the budget keeps
+    admitting until T groups are pending, so O only sets the chunk size."""
+    puppet = Puppet(auto_delay=1)
+    driver = make_driver(puppet, groups_per_admission=1)
+    batch = await driver.generate(5)
+    assert len(batch.groups) == 5
+    assert batch.statistics.submitted == 5  # no overshoot at all with O = 1

@@ -1,5 +1,6 @@
 """Inference engines: the ``Engine`` protocol and its implementations."""
 
+from ._abort import AbortSignal as AbortSignal
 from ._distributions import DISTRIBUTIONS as DISTRIBUTIONS
 from ._distributions import CorrelatedTokens as CorrelatedTokens
 from ._distributions import Draw as Draw

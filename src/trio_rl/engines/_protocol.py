@@ -7,6 +7,7 @@ from typing import Literal, Protocol, runtime_checkable
 import attrs
 
 from ..samples import PolicyVersion
+from ._abort import AbortSignal
 from ._validate import non_negative_finite, open_unit, optional_int, positive_int
 
 __all__ = ["Completion", "Engine", "FinishReason", "GenerateRequest", "SamplingParams"]
@@ -31,6 +32,13 @@ class SamplingParams:
 
 @attrs.frozen
 class GenerateRequest:
+    """One completion to generate: the prompt as token ids and how to sample it.
+
+    A request that continues a partial generation carries the prompt *and* the tokens
+    generated so far as ``prompt_tokens`` (and ``max_tokens`` reduced by their count); engines
+    need no other notion of continuation.
+    """
+
     prompt_tokens: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     #: Cache-affinity key: requests with the same key go to the same server.
@@ -41,10 +49,23 @@ class GenerateRequest:
     #: Real engines ignore it; :class:`~trio_rl.engines.SimulatedEngine` keys its random draws
     #: on it, so what a sample gets does not depend on the order requests arrive in.
     sample_index: int | None = None
+    #: Soft stop. Once this signal is set the engine ends the request and *returns* what it
+    #: generated so far with finish reason ``abort`` (possibly no tokens), instead of raising
+    #: ``Cancelled``: the partial generation can be continued later. See each engine for how
+    #: much of the partial output it can return.
+    abort: AbortSignal | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
 class Completion:
+    """What an engine generated for one request.
+
+    ``tokens`` and ``logprobs`` (under the sampling distribution) align one to one.
+    ``finish_reason`` is ``stop``, ``length`` or ``abort``; an ``abort`` completion (from
+    :attr:`GenerateRequest.abort` or the engine giving up) holds the partial output, which may
+    be empty.
+    """
+
     tokens: list[int]
     logprobs: list[float]
     finish_reason: FinishReason

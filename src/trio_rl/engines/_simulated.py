@@ -11,6 +11,7 @@ import trio
 
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
+from ._abort import stop_scope
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
 from ._errors import SimulatedEngineFailure
 from ._protocol import Completion, FinishReason, GenerateRequest
@@ -99,6 +100,11 @@ class SimulatedEngine:
     ``params.max_tokens`` caps the tokens (finish reason ``length``). For wall-time
     distributions it caps only the reported tokens, not the time. The completion is stamped with
     the policy version current when the request got its slot.
+
+    **Abort** (:attr:`GenerateRequest.abort`): the request leaves its slot (or the queue) at
+    once and returns the tokens decoded so far, in proportion to the decode time it spent
+    (none if it never got a slot), with finish reason ``abort``. A continuation (prompt plus
+    those tokens) draws its length afresh, like any request for that prompt.
 
     **Cancellation**: a cancelled request releases its slot (or its place in the queue) at once
     and ``Cancelled`` propagates; it counts in ``requests_cancelled``.
@@ -228,22 +234,27 @@ class SimulatedEngine:
 
         self._in_flight += 1
         self._started += 1
+        version = self.version.value
+        started: float | None = None
         try:
-            async with self._semaphore:
-                self._occupy(+1)
-                try:
-                    version = self.version.value
-                    if hang:
-                        await trio.sleep_forever()
-                    if fail:
-                        await trio.sleep(duration * fail_at)
-                        raise SimulatedEngineFailure(
-                            f"injected failure (failure_rate={self.failure_rate}) for request "
-                            f"{request.request_id!r} after {duration * fail_at:.3f}s"
-                        )
-                    await trio.sleep(duration)
-                finally:
-                    self._occupy(-1)
+            with stop_scope(request.abort) as stop:
+                async with self._semaphore:
+                    self._occupy(+1)
+                    started = trio.current_time()
+                    try:
+                        version = self.version.value
+                        if hang:
+                            await trio.sleep_forever()
+                        if fail:
+                            await trio.sleep(duration * fail_at)
+                            raise SimulatedEngineFailure(
+                                f"injected failure (failure_rate={self.failure_rate}) for "
+                                f"request {request.request_id!r} after "
+                                f"{duration * fail_at:.3f}s"
+                            )
+                        await trio.sleep(duration)
+                    finally:
+                        self._occupy(-1)
         except trio.Cancelled:
             self._cancelled += 1
             raise
@@ -252,6 +263,14 @@ class SimulatedEngine:
             raise
         finally:
             self._in_flight -= 1
+        if stop.cancelled_caught:
+            # aborted: the tokens decoded so far, in proportion to the decode time spent
+            finish = "abort"
+            if started is None or duration <= 0:
+                n_tokens = 0
+            else:
+                spent = (trio.current_time() - started) / duration
+                n_tokens = min(n_tokens, int(n_tokens * spent))
         self._done += 1
         self._tokens += n_tokens
         return Completion(

@@ -23,7 +23,10 @@ class GroupFactory:
     index and a fresh :func:`~trio_rl.samples.new_group_id`. With ``seed`` set, sample ``i`` of
     a group gets seed ``seed + i`` (the same seed set for every group and every retry, for
     reproducibility). With ``routing_keys`` on, every sample gets its own uuid routing key,
-    kept across retries for cache affinity. The counters are saved by :meth:`state`.
+    kept across retries for cache affinity. A recycled prompt carries its group's keys in
+    ``prompt.metadata["routing_keys"]`` (see :func:`~trio_rl.rollout.recycled_prompt`):
+    sample ``i`` of the group made from it gets key ``i`` back, whether ``routing_keys`` is on
+    or not. The counters are saved by :meth:`state`.
     """
 
     group_size: int = attrs.field(validator=positive_int)
@@ -32,13 +35,25 @@ class GroupFactory:
     next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
     next_group_index: int = attrs.field(default=0, validator=non_negative_int)
 
+    def _routing_key(self, prompt: Prompt, position: int) -> str | None:
+        kept = prompt.metadata.get("routing_keys")
+        if isinstance(kept, list | tuple) and position < len(kept):
+            key = kept[position]
+            if key is None or isinstance(key, str):
+                return key
+            raise DataSourceError(
+                f"prompt {prompt.key!r}: metadata field 'routing_keys[{position}]' = {key!r} "
+                "is not a string or null"
+            )
+        return uuid.uuid4().hex if self.routing_keys else None
+
     def _sample(self, prompt: Prompt, group_index: int, position: int) -> Sample:
         sample = Sample(
             index=self.next_sample_index,
             group_index=group_index,
             prompt_tokens=prompt.tokens,
             seed=None if self.seed is None else self.seed + position,
-            routing_key=uuid.uuid4().hex if self.routing_keys else None,
+            routing_key=self._routing_key(prompt, position),
             label=prompt.label,
             env_name=prompt.env_name,
             metadata={"prompt_key": prompt.key},

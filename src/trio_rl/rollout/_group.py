@@ -8,6 +8,7 @@ builds the default generate function on top of an :class:`~trio_rl.engines.Engin
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -16,7 +17,7 @@ from typing import TypeVar
 import attrs
 import trio
 
-from ..engines import Engine, GenerateRequest, SamplingParams
+from ..engines import AbortSignal, Engine, GenerateRequest, SamplingParams
 from ..samples import Group, Sample, SampleStatus
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailed
@@ -27,8 +28,10 @@ __all__ = [
     "GroupRewardFn",
     "GroupRunner",
     "SampleRewardFn",
+    "current_abort",
     "engine_generate",
     "pending_samples",
+    "reopen_aborted",
     "run_group",
     "run_reporting",
 ]
@@ -41,6 +44,24 @@ SampleRewardFn = Callable[[Sample], float | Awaitable[float]]
 #: Scores a whole group after every sample finished; sync or async; returns one reward per
 #: sample, in group order.
 GroupRewardFn = Callable[[Group], Sequence[float] | Awaitable[Sequence[float]]]
+
+#: The abort event of the group being run (set by `run_group` for its sample tasks).
+_ABORT: contextvars.ContextVar[AbortSignal | None] = contextvars.ContextVar(
+    "trio_rl_rollout_abort", default=None
+)
+
+
+def current_abort() -> AbortSignal | None:
+    """The soft-stop signal of the group this task generates for, or None.
+
+    A driver sets it (the sync driver with ``partial_rollouts``, once its batch is full) to ask
+    every running sample to stop and keep what it has: a generate function should end its
+    engine call and record the partial output with status ABORTED. `engine_generate` passes it
+    to the engine as :attr:`GenerateRequest.abort`; custom generate functions read it here and
+    wrap their waits in ``signal.scope()``.
+    """
+    return _ABORT.get()
+
 
 _STATUS_BY_FINISH = {
     "stop": SampleStatus.COMPLETED,
@@ -59,24 +80,50 @@ def engine_generate(
 
     The sample's seed (if set) overrides ``params.seed`` and its routing key is passed along.
     The completion's tokens and logprobs are appended (loss mask True), its policy version is
-    appended to ``sample.policy_versions``, and the finish reason sets the status: ``stop`` ->
-    COMPLETED, ``length`` -> TRUNCATED, ``abort`` -> ABORTED. ``timeout`` (seconds) bounds each
-    engine call; expiry raises ``trio.TooSlowError``, which fails the sample. Without it the
-    call is bounded only by the engine's own deadline (``OpenAICompatibleEngine`` has one) or
-    by ``GroupRunner.sample_timeout``; set one of them in production. On cancellation
-    the engine call is abandoned and the sample is left untouched.
+    appended to ``sample.policy_versions`` (not for an aborted call that produced no token),
+    and the finish reason sets the status: ``stop`` -> COMPLETED, ``length`` -> TRUNCATED,
+    ``abort`` -> ABORTED.
+
+    **Continuation.** A sample that already holds completion tokens (a partial rollout stopped
+    by an abort and reopened) is continued: the request's prompt is the prompt plus those
+    tokens and ``max_tokens`` is what is left of ``params.max_tokens`` (none left: TRUNCATED
+    without a call). The new span is appended, so ``policy_versions`` gets one entry per span.
+
+    **Abort.** The driver's abort event (:func:`current_abort`) travels as
+    :attr:`GenerateRequest.abort`: the engine returns its partial output with finish reason
+    ``abort``. A sample whose abort is already set when it starts is marked ABORTED without a
+    call.
+
+    ``timeout`` (seconds) bounds each engine call; expiry raises ``trio.TooSlowError``, which
+    fails the sample. Without it the call is bounded only by the engine's own deadline
+    (``OpenAICompatibleEngine`` has one) or by ``GroupRunner.sample_timeout``; set one of them
+    in production. On cancellation the engine call is abandoned and the sample is left
+    untouched.
     """
     check_timeout("engine_generate", "timeout", timeout)
     base = params if params is not None else SamplingParams()
 
     async def generate(sample: Sample) -> None:
-        sample_params = base if sample.seed is None else attrs.evolve(base, seed=sample.seed)
+        abort = _ABORT.get()
+        if abort is not None and abort.is_set():
+            sample.status = SampleStatus.ABORTED
+            return
+        done = len(sample.completion_tokens)
+        left = base.max_tokens - done
+        if left < 1:
+            sample.status = SampleStatus.TRUNCATED
+            return
+        sample_params = base
+        if sample.seed is not None or done:
+            seed = base.seed if sample.seed is None else sample.seed
+            sample_params = attrs.evolve(base, seed=seed, max_tokens=left)
         request = GenerateRequest(
-            prompt_tokens=sample.prompt_tokens,
+            prompt_tokens=sample.prompt_tokens + tuple(sample.completion_tokens),
             params=sample_params,
             routing_key=sample.routing_key,
             request_id=f"{sample.index}-{uuid.uuid4().hex[:12]}",
             sample_index=sample.index,
+            abort=abort,
         )
         if timeout is None:
             completion = await engine.generate(request)
@@ -86,7 +133,8 @@ def engine_generate(
         sample.completion_tokens.extend(completion.tokens)
         sample.logprobs.extend(completion.logprobs)
         sample.loss_mask.extend([True] * len(completion.tokens))
-        sample.policy_versions.append(completion.policy_version)
+        if completion.tokens or completion.finish_reason != "abort":
+            sample.policy_versions.append(completion.policy_version)
         sample.status = _STATUS_BY_FINISH[completion.finish_reason]
 
     return generate
@@ -114,6 +162,7 @@ async def run_group(
     sample_reward: SampleRewardFn | None = None,
     group_reward: GroupRewardFn | None = None,
     sample_timeout: float | None = None,
+    abort: AbortSignal | None = None,
 ) -> Group:
     """Generate and score one group; return it (the same object, filled in place).
 
@@ -134,6 +183,11 @@ async def run_group(
     failure as ``__cause__`` and all failures in ``.failures``. Siblings' cancellations are not
     failures, and no ``ExceptionGroup`` escapes. A failing group reward raises
     :class:`GroupFailed` too. Group reward does not run on failure.
+
+    ``abort`` is the soft stop: the sample tasks see it as :func:`current_abort` (and
+    `engine_generate` hands it to the engine), so once it is set they end with what they have
+    (ABORTED, partial output kept) and the group returns normally, without a group reward.
+    None keeps the signal of the calling task (what `run_reporting` set).
 
     Cancellation from outside: the sample tasks are cancelled and settled (each calls
     ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
@@ -157,9 +211,15 @@ async def run_group(
                 on_sample_done(sample)
 
     if to_run:
-        async with trio.open_nursery() as nursery:
-            for sample in to_run:
-                nursery.start_soon(sample_task, sample, nursery.cancel_scope)
+        # the sample tasks inherit this task's context, the signal included
+        token = _ABORT.set(abort) if abort is not None else None
+        try:
+            async with trio.open_nursery() as nursery:
+                for sample in to_run:
+                    nursery.start_soon(sample_task, sample, nursery.cancel_scope)
+        finally:
+            if token is not None:
+                _ABORT.reset(token)
     if failures:
         error = GroupFailed(group, failures)
         raise error from failures[0][1]
@@ -208,8 +268,17 @@ class GroupRunner:
         )
 
 
-async def run_reporting(runner: GroupRunner, group: Group, scheduler: CreditScheduler) -> None:
+async def run_reporting(
+    runner: GroupRunner,
+    group: Group,
+    scheduler: CreditScheduler,
+    abort: AbortSignal | None = None,
+) -> None:
     """Run ``group`` and report everything to ``scheduler``; the drivers' group task.
+
+    ``abort`` (the soft stop of partial rollouts) is set as :func:`current_abort` for this
+    task, so the runner's sample tasks inherit it; any object with ``run(group,
+    on_sample_done=...)`` can be the runner.
 
     Each started sample reports :class:`SampleDone` in its ``finally``; then, in this task's
     ``finally``, one :class:`GroupDone` carries the outcome: COMPLETED, FAILED (with the
@@ -221,6 +290,8 @@ async def run_reporting(runner: GroupRunner, group: Group, scheduler: CreditSche
     report = scheduler.sample_done
     status = GroupStatus.CANCELLED
     error: GroupFailed | None = None
+    if abort is not None:
+        _ABORT.set(abort)  # this task's own context: nothing outside it sees the signal
     try:
         await runner.run(group, on_sample_done=lambda _sample: report(group_id))
         status = GroupStatus.COMPLETED
@@ -233,3 +304,19 @@ async def run_reporting(runner: GroupRunner, group: Group, scheduler: CreditSche
 def pending_samples(group: Group) -> int:
     """The number of samples :func:`run_group` would generate: the credits the group takes."""
     return sum(1 for s in group.samples if s.status is SampleStatus.PENDING)
+
+
+def reopen_aborted(group: Group) -> int:
+    """Make the ABORTED samples of a kept partial group PENDING again, keeping their output.
+
+    Their tokens, logprobs, loss mask, policy versions and metadata stay, so `engine_generate`
+    continues each one from where it stopped; the reward is cleared. Returns how many samples
+    were reopened (the credits the group takes when it is submitted again).
+    """
+    reopened = 0
+    for sample in group.samples:
+        if sample.status is SampleStatus.ABORTED:
+            sample.status = SampleStatus.PENDING
+            sample.reward = None
+            reopened += 1
+    return reopened

@@ -9,19 +9,27 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 import trio
 
-from ..samples import Group, PolicyVersion, ResumedGroup
-from ._credits import CreditScheduler, GroupGranularity, GroupStatus, SubmissionPolicy
+from ..engines import AbortSignal
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup
+from ._credits import (
+    CreditScheduler,
+    GroupGranularity,
+    GroupOutcome,
+    GroupStatus,
+    SubmissionPolicy,
+)
 from ._errors import FailureBudgetExceeded, RolloutError, SourceExhausted
 from ._factory import GroupFactory
-from ._group import GroupRunner, pending_samples, run_reporting
+from ._group import GroupRunner, pending_samples, reopen_aborted, run_reporting
 from ._sources import DataSource
-from ._validate import check_int, check_optional_int
+from ._validate import check_int, check_optional_int, check_timeout
 
 __all__ = [
     "DynamicFilter",
     "RolloutBatch",
     "SyncBatchStatistics",
     "SyncRolloutDriver",
+    "recycled_prompt",
     "reject_aborted",
 ]
 
@@ -40,10 +48,14 @@ def reject_aborted(group: Group) -> str | None:
 class SyncBatchStatistics:
     """What happened while one batch was produced.
 
-    ``submitted`` groups were started; ``accepted`` passed the filter and are in the batch;
+    ``submitted`` groups were started (continued partial groups included); ``accepted`` passed
+    the filter and are in the batch (``carried_in`` of them finished during an earlier call);
     ``filtered`` counts drops by reason; ``failed`` groups raised (and were replaced);
-    ``surplus`` finished after the batch was full (discarded); ``cancelled`` were still
-    running when the batch was full; ``recycled`` prompts went back to the source.
+    ``surplus`` finished and passed the filter after the batch was full (kept for the next call
+    with ``partial_rollouts``, else discarded); ``partial`` were stopped by the abort with their
+    partial generations kept for the next call; ``cancelled`` were still running when the batch
+    was full and were cancelled (no abort, or it timed out); ``recycled`` prompts of cancelled
+    groups went back to the source.
     """
 
     submitted: int = 0
@@ -53,6 +65,8 @@ class SyncBatchStatistics:
     surplus: int = 0
     cancelled: int = 0
     recycled: int = 0
+    partial: int = 0
+    carried_in: int = 0
 
 
 @attrs.frozen
@@ -70,17 +84,48 @@ class RolloutBatch:
         return len(self.groups)
 
 
+def recycled_prompt(group: Group) -> Prompt:
+    """``group``'s prompt, carrying its samples' routing keys for the group made from it again.
+
+    The keys ride in ``prompt.metadata["routing_keys"]`` (plain strings, so they survive the
+    source's saved state); :meth:`GroupFactory.make` gives them back to the new samples by
+    position, so a recycled group returns to the engines that cache its prefixes.
+    """
+    keys = [s.routing_key for s in group.samples]
+    if all(k is None for k in keys):
+        return group.prompt
+    return attrs.evolve(group.prompt, metadata={**group.prompt.metadata, "routing_keys": keys})
+
+
 class SyncRolloutDriver:
     """Produces batches of exactly ``T`` accepted groups, one call at a time.
 
-    Each :meth:`generate` call uses a fresh :class:`CreditScheduler` (nothing carries over
-    between calls) with budget ``B = T - accepted``. Every admission fetches
-    ``groups_per_admission`` groups (the reference's over-sampling batch size O; 1 keeps the
-    budget tight, larger values over-sample to absorb filter drops). Finished groups go through
-    the ``dynamic_filter``; a failed group is logged, counted and replaced by a new prompt
-    (``max_failures`` per call, default 100, bounds this, so an engine that always fails cannot
-    eat the whole source: one more failure raises :class:`FailureBudgetExceeded`; ``None``
-    removes the bound). Resumed groups (:meth:`resume`) are started before any new prompt.
+    Each :meth:`generate` call uses a fresh :class:`CreditScheduler` with budget
+    ``B = T - accepted``. Every admission fetches ``groups_per_admission`` groups (the
+    reference's over-sampling batch size O; default ``None`` is T, as in the reference).
+    Unlike the reference, an O below T is allowed: the budget still admits groups until B are
+    pending, so a smaller O only fetches in smaller chunks (tighter, less overshoot) and never
+    under-fills a batch. Finished groups go through the ``dynamic_filter``; a failed group is
+    logged, counted and replaced by a new prompt (``max_failures`` per call, default 100,
+    bounds this, so an engine that always fails cannot eat the whole source: one more failure
+    raises :class:`FailureBudgetExceeded`; ``None`` removes the bound).
+
+    **Partial rollouts** (``partial_rollouts=True``, the reference's ``--partial-rollout``).
+    Once the batch is full the driver does not cancel the leftovers: it sets their abort event
+    (:func:`~trio_rl.rollout.current_abort`, :attr:`GenerateRequest.abort`), and each engine
+    returns what it generated so far (finish reason ``abort``). Within ``abort_timeout``
+    seconds every leftover settles: a group that finished anyway (or any surplus) is kept
+    whole for the next call, which takes it into its batch first; a group stopped part-way is
+    kept with its partial samples (tokens, logprobs, the policy version of each span;
+    ``metadata["start_rollout_id"]`` stamps the call it started in, and the group keeps its
+    ``policy_version_at_start``) and the next call continues its ABORTED samples from where
+    they stopped before any new prompt. Groups still running at ``abort_timeout`` (a generate
+    function that ignores the abort) are cancelled and their prompts recycled, routing keys
+    kept. Without partial rollouts leftovers are cancelled and surplus is discarded, as in the
+    reference. :meth:`held_groups` lists what is kept between calls.
+
+    Resumed groups (:meth:`resume`) are started after the kept partial groups and before any
+    new prompt.
     """
 
     def __init__(
@@ -90,13 +135,16 @@ class SyncRolloutDriver:
         runner: GroupRunner,
         *,
         policy: SubmissionPolicy | None = None,
-        groups_per_admission: int = 1,
+        groups_per_admission: int | None = None,
         dynamic_filter: DynamicFilter | None = None,
         partial_rollouts: bool = False,
+        abort_timeout: float = 30.0,
         max_failures: int | None = 100,
     ) -> None:
-        check_int("SyncRolloutDriver", "groups_per_admission", groups_per_admission, minimum=1)
-        check_optional_int("SyncRolloutDriver", "max_failures", max_failures, minimum=0)
+        where = "SyncRolloutDriver"
+        check_optional_int(where, "groups_per_admission", groups_per_admission, minimum=1)
+        check_optional_int(where, "max_failures", max_failures, minimum=0)
+        check_timeout(where, "abort_timeout", abort_timeout)
         self.source = source
         self.factory = factory
         self.runner = runner
@@ -104,8 +152,15 @@ class SyncRolloutDriver:
         self.groups_per_admission = groups_per_admission
         self.dynamic_filter = dynamic_filter
         self.partial_rollouts = partial_rollouts
+        self.abort_timeout = abort_timeout
         self.max_failures = max_failures
         self._resumed: deque[ResumedGroup] = deque()
+        #: Finished groups kept from an earlier call (partial rollouts), oldest first.
+        self._finished: deque[Group] = deque()
+        #: Groups stopped part-way by an abort, continued by the next call.
+        self._partial: deque[Group] = deque()
+        #: How many calls have started (the reference's rollout id of the current call).
+        self.rollout_id = -1
         #: The scheduler of the call in progress (None between calls); for inspection.
         self.scheduler: CreditScheduler | None = None
 
@@ -113,7 +168,15 @@ class SyncRolloutDriver:
         """Queue resumed groups; the next :meth:`generate` starts them before new prompts."""
         self._resumed.extend(groups)
 
+    def held_groups(self) -> list[Group]:
+        """The groups kept for the next call: finished ones, then partial ones (not copies)."""
+        return [*self._finished, *self._partial]
+
     def _next_group(self, policy_version: PolicyVersion) -> Group | None:
+        if self._partial:
+            group = self._partial.popleft()
+            reopen_aborted(group)
+            return group
         if self._resumed:
             return self.factory.resume(self._resumed.popleft())
         try:
@@ -121,6 +184,12 @@ class SyncRolloutDriver:
         except SourceExhausted:
             return None
         return self.factory.make(prompt, policy_version)
+
+    def _keep_partial(self, group: Group) -> None:
+        for sample in group.samples:
+            if sample.completion_tokens:
+                sample.metadata.setdefault("start_rollout_id", self.rollout_id)
+        self._partial.append(group)
 
     async def generate(
         self,
@@ -134,37 +203,48 @@ class SyncRolloutDriver:
         When the source runs dry before that, raise :class:`SourceExhausted` (after every
         started group has finished), or return the accepted groups as a partial batch
         (``complete=False``) with ``allow_partial``. Once the batch is full, groups still
-        running are cancelled; with ``partial_rollouts`` their prompts go back to the source.
+        running are aborted and kept (``partial_rollouts``) or cancelled (see the class
+        docstring).
 
         Any other error (a failing source or filter, ``max_failures`` exceeded) cancels the
         running groups, gives the prompts of the groups accepted so far back to the source, and
         propagates unwrapped. On cancellation every group started by this call is cancelled
-        and settled before ``trio.Cancelled`` propagates; nothing keeps running.
+        and settled before ``trio.Cancelled`` propagates; nothing keeps running, and groups
+        kept from an earlier call stay kept.
         """
         check_int("SyncRolloutDriver.generate", "batch_size", batch_size, minimum=1)
         if self.scheduler is not None:
             raise RolloutError("generate() is already running on this driver (one call at a time)")
+        per_admission = self.groups_per_admission or batch_size
         scheduler = CreditScheduler(self.policy, self.factory.group_size)
         self.scheduler = scheduler
+        self.rollout_id += 1
         accepted: list[Group] = []
+        while self._finished and len(accepted) < batch_size:
+            accepted.append(self._finished.popleft())
+        carried_in = len(accepted)
         filtered: Counter[str] = Counter()
         submitted = failed = surplus = 0
         dry = False
         fatal: Exception | None = None
+        abort = AbortSignal()
+        settled: list[GroupOutcome] = []
         try:
             async with trio.open_nursery() as nursery:
                 try:
                     while len(accepted) < batch_size and fatal is None:
                         budget = batch_size - len(accepted)
                         while not dry and scheduler.admits(budget):
-                            for _ in range(self.groups_per_admission):
+                            for _ in range(per_admission):
                                 group = self._next_group(policy_version)
                                 if group is None:
                                     dry = True
                                     break
                                 scheduler.submitted(group.group_id, pending_samples(group))
                                 submitted += 1
-                                nursery.start_soon(run_reporting, self.runner, group, scheduler)
+                                nursery.start_soon(
+                                    run_reporting, self.runner, group, scheduler, abort
+                                )
                         if scheduler.ledger.pending_groups == 0:
                             break  # dry and nothing left to wait for
                         for outcome in await scheduler.wait_for_progress():
@@ -192,24 +272,48 @@ class SyncRolloutDriver:
                             elif len(accepted) < batch_size:
                                 accepted.append(outcome.group)
                             else:
-                                surplus += 1
+                                settled.append(outcome)
+                    if fatal is None and self.partial_rollouts:
+                        # the soft stop: engines return their partial output, groups settle
+                        abort.set()
+                        with trio.move_on_after(self.abort_timeout):
+                            while scheduler.ledger.pending_groups:
+                                settled.extend(await scheduler.wait_for_progress())
                 except Exception as exc:  # raised below, outside the nursery: unwrapped
                     fatal = exc
                 nursery.cancel_scope.cancel()  # leftovers: cancelled and settled on exit
-            cancelled = recycled = 0
-            for outcome in scheduler.poll():
-                if outcome.status is GroupStatus.CANCELLED:
-                    cancelled += 1
-                    if self.partial_rollouts:
-                        self.source.recycle(outcome.group.prompt)
-                        recycled += 1
-                else:
-                    surplus += 1
+            settled.extend(scheduler.poll())
             scheduler.ledger.check()
             if fatal is not None:
                 for group in accepted:  # accepted work is not lost: its prompts go back
-                    self.source.recycle(group.prompt)
+                    self.source.recycle(recycled_prompt(group))
                 raise fatal
+            cancelled = recycled = partial = 0
+            for outcome in settled:
+                group = outcome.group
+                if outcome.status is GroupStatus.CANCELLED:
+                    cancelled += 1
+                    if self.partial_rollouts:
+                        self.source.recycle(recycled_prompt(group))
+                        recycled += 1
+                elif outcome.status is GroupStatus.FAILED:
+                    failed += 1
+                    logger.error(
+                        "rollout group %s failed after the batch was full",
+                        outcome.group_id,
+                        exc_info=outcome.error,
+                    )
+                elif abort.is_set() and group.has_aborted:
+                    self._keep_partial(group)
+                    partial += 1
+                else:
+                    reason = self.dynamic_filter(group) if self.dynamic_filter else None
+                    if reason is not None:
+                        filtered[reason] += 1
+                        continue
+                    surplus += 1
+                    if self.partial_rollouts:
+                        self._finished.append(group)
         finally:
             scheduler.close()
             self.scheduler = None
@@ -221,6 +325,8 @@ class SyncRolloutDriver:
             surplus=surplus,
             cancelled=cancelled,
             recycled=recycled,
+            partial=partial,
+            carried_in=carried_in,
         )
         accepted.sort(key=lambda g: g.first_index)
         if len(accepted) < batch_size:
