@@ -1,0 +1,20 @@
+"""Operations tools: ``trio-rl inspect``, ``trio-rl plot``, the live console display and the
+metrics sinks (JSONL, TensorBoard, Weights & Biases, Prometheus), all fed the same records.
+
+Imports no optional dependency at import time: each adapter imports its package when built
+and raises :class:`MissingExtraError` naming the extra when it is absent.
+"""
+
+from ._errors import InspectError as InspectError
+from ._errors import MetricsFileError as MetricsFileError
+from ._errors import MissingExtraError as MissingExtraError
+from ._errors import ToolsError as ToolsError
+from .console import ConsoleDisplay as ConsoleDisplay
+from .metrics import FIELDS as FIELDS
+from .metrics import FanOut as FanOut
+from .metrics import JsonlSink as JsonlSink
+from .metrics import MetricsSink as MetricsSink
+from .metrics import PrometheusSink as PrometheusSink
+from .metrics import TensorBoardSink as TensorBoardSink
+from .metrics import WandbSink as WandbSink
+from .metrics import read_metrics as read_metrics

@@ -1,0 +1,278 @@
+"""Metrics sinks: one record per shipped step, written to JSONL and any number of adapters.
+
+A record is a flat ``dict`` with at least ``"step"``; :data:`FIELDS` lists the standard fields
+(what the learning run writes to ``metrics.jsonl``). Every sink takes the same records:
+:class:`JsonlSink` (the single source of truth: ``trio-rl plot`` and ``trio-rl inspect`` read
+it), :class:`~trio_rl.tools.console.ConsoleDisplay`, and the optional adapters
+:class:`TensorBoardSink` (``trio-rl[tensorboard]``), :class:`WandbSink` (``trio-rl[wandb]``)
+and :class:`PrometheusSink` (``trio-rl[prometheus]``). :class:`FanOut` feeds several.
+
+Sinks are synchronous and may block on I/O (a file write, a W&B queue): from trio, call
+``write`` in a worker thread (``trio.to_thread.run_sync``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ._errors import MetricsFileError, MissingExtraError
+
+__all__ = [
+    "FIELDS",
+    "FanOut",
+    "JsonlSink",
+    "MetricsSink",
+    "PrometheusSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "numeric_fields",
+    "read_metrics",
+]
+
+#: The standard fields of a metrics record and what they mean. Records may hold more; the
+#: adapters export every numeric field, the console and the plots use these.
+FIELDS: Mapping[str, str] = {
+    "step": "the shipped step (batch) the record describes",
+    "reward_mean": "mean reward of the samples scored for this step (null if none)",
+    "reward_count": "samples scored (shipped or pruned) for this step",
+    "samples": "samples shipped in this step's batch",
+    "tokens": "tokens shipped in this step's batch",
+    "samples_per_s": "samples scored per second since the previous step",
+    "tokens_per_s": "tokens shipped per second since the previous step",
+    "slot_occupancy": "busy fraction of the engine's decode slots since the previous step",
+    "loop_lag_p95_ms": "95th percentile of the event loop's scheduling lag (ms)",
+    "queue_depth": "training samples queued in the sink after the step shipped",
+    "off_policy_max": "largest off-policy lag (versions) of a shipped sample",
+    "policy_version": "the policy version current when the step shipped",
+    "stale": "samples dropped as too stale for this step",
+    "pruned": "samples pruned (zero advantage) for this step",
+    "policy_wait_s": "seconds the ship gate waited for the policy version",
+    "wall_s": "seconds since the run started",
+}
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Where metrics records go: ``write`` one record per step, ``close`` once at the end."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def numeric_fields(record: Mapping[str, Any]) -> dict[str, float]:
+    """The record's finite numeric fields (bools and nulls left out), as floats."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def _step_of(record: Mapping[str, Any]) -> int:
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"a metrics record needs an int 'step', got {step!r}")
+    return step
+
+
+class JsonlSink:
+    """Appends each record as one JSON line to ``path`` (created with its directory).
+
+    Each line is written with one ``write`` call and flushed, so a reader tailing the file
+    sees whole lines; ``fsync`` also forces each line to disk.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        _step_of(record)
+        self._file.write(json.dumps(dict(record), allow_nan=False) + "\n")
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file, in order.
+
+    A last line without its newline is a write in progress (a run still writing, or killed
+    mid-line) and is left out; any other line that is not a JSON object with an int ``step``
+    raises :class:`MetricsFileError` naming the file, the line and its byte offset.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise MetricsFileError(str(p), 0, 0, f"cannot read: {exc.strerror or exc}") from exc
+    records: list[dict[str, Any]] = []
+    offset = 0
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        start, offset = offset, offset + len(raw) + 1
+        if number == len(lines):
+            break  # after the last newline: empty, or a line still being written
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise MetricsFileError(str(p), number, start, f"not JSON ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise MetricsFileError(str(p), number, start, "not a JSON object")
+        try:
+            _step_of(obj)
+        except ValueError as exc:
+            raise MetricsFileError(str(p), number, start, str(exc)) from exc
+        records.append(obj)
+    return records
+
+
+class FanOut:
+    """Writes every record to each of ``sinks`` in order; ``close`` closes them all (the first
+    error is raised after every sink was asked to close)."""
+
+    def __init__(self, sinks: Iterable[MetricsSink]) -> None:
+        self.sinks: Sequence[MetricsSink] = tuple(sinks)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        errors: list[Exception] = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+class TensorBoardSink:
+    """Every numeric field as a TensorBoard scalar ``<prefix>/<field>`` at the record's step.
+
+    Uses ``tensorboardX`` (``trio-rl[tensorboard]``), or ``torch.utils.tensorboard`` when only
+    the ``tensorboard`` package is installed.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str], *, prefix: str = "trio_rl") -> None:
+        module: Any = None
+        for name in ("tensorboardX", "torch.utils.tensorboard"):
+            try:
+                module = importlib.import_module(name)
+                break
+            except ImportError:
+                continue
+        if module is None:
+            raise MissingExtraError("the TensorBoard sink", "tensorboardX", "tensorboard")
+        self.logdir = Path(logdir)
+        self._prefix = prefix
+        self._writer = module.SummaryWriter(logdir=str(self.logdir))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = _step_of(record)
+        for key, value in numeric_fields(record).items():
+            if key != "step":
+                self._writer.add_scalar(f"{self._prefix}/{key}", value, global_step=step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """Every numeric field logged to a Weights & Biases run at the record's step.
+
+    ``init`` is passed to ``wandb.init`` (``project``, ``name``, ``config``, ``dir``, ``mode``;
+    ``WANDB_MODE=offline`` writes the run locally for ``wandb sync``). Needs
+    ``trio-rl[wandb]``.
+    """
+
+    def __init__(self, **init: Any) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise MissingExtraError("the Weights & Biases sink", "wandb", "wandb") from None
+        self._wandb = wandb
+        self._run = wandb.init(**init)
+
+    @property
+    def run(self) -> Any:
+        """The ``wandb`` run (its ``dir``, ``id``, ...)."""
+        return self._run
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        step = _step_of(record)
+        values = numeric_fields(record)
+        values.pop("step", None)
+        self._run.log(values, step=step)
+
+    def close(self) -> None:
+        """Finish the run; when no other W&B run is active, also shut wandb's service down:
+        ``finish`` can return before the service has written the run file (seen offline)."""
+        self._run.finish()
+        if self._wandb.run is None:
+            self._wandb.teardown()
+
+
+class PrometheusSink:
+    """Serves the latest record's numeric fields as Prometheus gauges ``<prefix>_<field>`` on
+    ``http://<host>:<port>/metrics`` (port 0 picks a free one: see :attr:`port`).
+
+    A registry of its own (not the process-global one), so several sinks and tests coexist.
+    The HTTP server runs in a daemon thread until :meth:`close`. Needs
+    ``trio-rl[prometheus]``.
+    """
+
+    def __init__(self, port: int = 0, *, host: str = "127.0.0.1", prefix: str = "trio_rl") -> None:
+        try:
+            import prometheus_client
+        except ImportError:
+            raise MissingExtraError(
+                "the Prometheus endpoint", "prometheus_client", "prometheus"
+            ) from None
+        self._prom = prometheus_client
+        self._registry = prometheus_client.CollectorRegistry()
+        self._prefix = prefix
+        self._gauges: dict[str, Any] = {}
+        self._server, self._thread = prometheus_client.start_http_server(
+            port, addr=host, registry=self._registry
+        )
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        """The port the endpoint listens on."""
+        return int(self._server.server_port)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        _step_of(record)
+        for key, value in numeric_fields(record).items():
+            gauge = self._gauges.get(key)
+            if gauge is None:
+                name = f"{self._prefix}_{''.join(c if c.isalnum() else '_' for c in key)}"
+                doc = FIELDS.get(key, f"the metrics record's {key!r} field")
+                gauge = self._prom.Gauge(name, doc, registry=self._registry)
+                self._gauges[key] = gauge
+            gauge.set(value)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,216 @@
+"""Metrics sinks: the JSONL file, TensorBoard, Weights & Biases (offline) and a Prometheus
+endpoint scraped over real HTTP, all fed the same records."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from trio_rl.errors import TrioRLError
+from trio_rl.tools import (
+    FanOut,
+    JsonlSink,
+    MetricsFileError,
+    MetricsSink,
+    MissingExtraError,
+    PrometheusSink,
+    TensorBoardSink,
+    WandbSink,
+    read_metrics,
+)
+from trio_rl.tools.console import ConsoleDisplay
+
+RECORDS: list[dict[str, Any]] = [
+    {
+        "step": s,
+        "reward_mean": 0.1 * s,
+        "samples_per_s": 100.0 + s,
+        "slot_occupancy": 0.5,
+        "loop_lag_p95_ms": 1.5,
+        "queue_depth": 3 * s,
+        "off_policy_max": 1,
+        "reward_none": None,
+        "flag": True,
+        "note": "text",
+    }
+    for s in (1, 2, 3)
+]
+
+
+def test_every_sink_is_a_metrics_sink(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    assert isinstance(sink, MetricsSink)
+    assert isinstance(ConsoleDisplay(plain=True), MetricsSink)
+    sink.close()
+
+
+def test_jsonl_round_trip_and_a_torn_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for r in RECORDS:
+        sink.write(r)
+    sink.close()
+    assert read_metrics(path) == RECORDS
+    # a writer killed mid-line: the partial line is not a record (yet)
+    with path.open("a") as f:
+        f.write('{"step": 4, "rew')
+    assert read_metrics(path) == RECORDS
+
+
+def test_a_bad_line_names_file_line_and_offset(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    first = json.dumps(RECORDS[0]) + "\n"
+    path.write_text(first + "[1, 2]\n")
+    with pytest.raises(MetricsFileError) as caught:
+        read_metrics(path)
+    assert caught.value.line == 2
+    assert caught.value.offset == len(first.encode())
+    assert str(path) in str(caught.value)
+    path.write_text(first + '{"reward_mean": 1}\n')
+    with pytest.raises(MetricsFileError, match=r"line 2 .*'step'"):
+        read_metrics(path)
+    path.write_text("not json\n")
+    with pytest.raises(MetricsFileError, match="line 1 \\(byte offset 0\\): not JSON"):
+        read_metrics(path)
+
+
+def test_a_record_without_a_step_is_refused(tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    with pytest.raises(ValueError, match="'step'"):
+        sink.write({"reward_mean": 1.0})
+    sink.close()
+
+
+def _tf_events(logdir: Path) -> list[bytes]:
+    """The records of the TFRecord event files under ``logdir`` (length, crc, data, crc)."""
+    out = []
+    for file in sorted(logdir.glob("events.out.tfevents.*")):
+        data = file.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack_from("<Q", data, pos)
+            out.append(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+    return out
+
+
+def test_tensorboard_scalars_at_each_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboardX")  # the `tensorboard` extra; CI's test group installs it
+    from tensorboardX.proto.event_pb2 import Event
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    for r in RECORDS:
+        sink.write(r)
+    sink.close()
+    scalars: dict[str, dict[int, float]] = {}
+    for raw in _tf_events(tmp_path / "tb"):
+        event = Event.FromString(raw)
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    assert scalars["trio_rl/reward_mean"] == pytest.approx({1: 0.1, 2: 0.2, 3: 0.3})
+    assert scalars["trio_rl/queue_depth"] == {1: 3.0, 2: 6.0, 3: 9.0}
+    # non-numeric, null and boolean fields are not scalars; the step is the x axis
+    assert not {"trio_rl/note", "trio_rl/flag", "trio_rl/reward_none", "trio_rl/step"} & set(
+        scalars
+    )
+
+
+def _wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
+    """The history rows of an offline ``.wandb`` file: a 7-byte header, then LevelDB-log
+    records (crc32c u32, length u16, type u8; 1 full, 2 first, 3 middle, 4 last) in 32 KiB
+    blocks, each a ``Record`` protobuf."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, part, rows = 7, b"", {}
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer too short for a record header
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack_from("<IHB", data, pos)
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        part = chunk if kind in (1, 2) else part + chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(part)
+        if record.WhichOneof("record_type") == "history":
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            rows[record.history.step.num] = items
+    return rows
+
+
+def test_wandb_offline_run_gets_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")  # the `wandb` extra; CI's test group installs it
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink(project="trio-rl-test", dir=str(tmp_path), config={"group_size": 8})
+    run_dir = Path(sink.run.dir).parent
+    for r in RECORDS:
+        sink.write(r)
+    sink.close()
+    (run_file,) = run_dir.glob("*.wandb")  # what `wandb sync` uploads
+    rows = _wandb_history(run_file)
+    assert sorted(rows) == [1, 2, 3]
+    for r in RECORDS:
+        row = rows[r["step"]]
+        assert row["_step"] == r["step"]
+        assert row["reward_mean"] == pytest.approx(r["reward_mean"])
+        assert row["queue_depth"] == r["queue_depth"]
+        assert not {"note", "flag", "reward_none", "step"} & set(row)
+
+
+def test_prometheus_endpoint_over_http(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")  # the `prometheus` extra; CI installs it
+    sink = PrometheusSink(port=0)
+    url = f"http://127.0.0.1:{sink.port}/metrics"
+    try:
+        sink.write(RECORDS[0])
+        sink.write(RECORDS[1])
+        body = httpx.get(url, timeout=10).text
+    finally:
+        sink.close()
+    assert "trio_rl_reward_mean 0.2\n" in body
+    assert "trio_rl_queue_depth 6.0\n" in body
+    assert "trio_rl_step 2.0\n" in body
+    assert "# HELP trio_rl_slot_occupancy busy fraction" in body
+    assert "trio_rl_note" not in body
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url, timeout=5)
+
+
+def test_fan_out_feeds_every_sink(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    sink = FanOut([JsonlSink(a), JsonlSink(b)])
+    for r in RECORDS:
+        sink.write(r)
+    sink.close()
+    assert read_metrics(a) == read_metrics(b) == RECORDS
+
+
+@pytest.mark.parametrize(
+    ("module", "build", "extra"),
+    [
+        ("tensorboardX", lambda p: TensorBoardSink(p), "tensorboard"),
+        ("wandb", lambda p: WandbSink(dir=str(p)), "wandb"),
+        ("prometheus_client", lambda p: PrometheusSink(), "prometheus"),
+    ],
+)
+def test_a_missing_extra_is_one_clear_error(
+    module: str, build: Any, extra: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(MissingExtraError, match=f"trio-rl\\[{extra}\\]") as caught:
+        build(tmp_path)
+    assert isinstance(caught.value, TrioRLError)

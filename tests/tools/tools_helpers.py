@@ -1,0 +1,58 @@
+"""Real run directories for the tools' tests, made by the library's own commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+_LEARN = (
+    "import sys, torch, trio; torch.set_num_threads(1); "
+    "from trio_rl.learn import LearnConfig, run_learning; "
+    "trio.run(run_learning, LearnConfig(out=sys.argv[1], steps=4, batch_groups=2, "
+    "group_size=8, verbose=False, plot=False))"
+)
+
+
+def simulate(out: Path, steps: int = 2) -> Path:
+    """``trio-rl simulate`` for ``steps`` steps into ``out`` (checkpoints, trainer logs)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_rl", "simulate", "--steps", str(steps), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def learn(out: Path) -> Path:
+    """A short learning run into ``out`` (run.json, metrics.jsonl, weights/, batches/)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LEARN, str(out)], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def trio_rl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The real ``trio-rl`` command (``python -m trio_rl``) once the CLI has the subcommand;
+    until then the tool's own module entry point, which prints errors the same way."""
+    if args[0] in _wired():
+        cmd = [sys.executable, "-m", "trio_rl", *args]
+    else:
+        cmd = [sys.executable, "-m", f"trio_rl.tools.{args[0]}_cmd", *args[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+_WIRED: set[str] | None = None
+
+
+def _wired() -> set[str]:
+    global _WIRED
+    if _WIRED is None:
+        done = subprocess.run(
+            [sys.executable, "-m", "trio_rl", "--help"], capture_output=True, text=True, timeout=60
+        )
+        _WIRED = {c for c in ("inspect", "plot") if c in done.stdout}
+    return _WIRED
