@@ -6,25 +6,19 @@ with ``rich`` installed (``trio-rl[console]``), a live table of the latest steps
 place; otherwise (output not a terminal, ``plain=True`` or ``--plain``, or no ``rich``) each
 record is one plain line, fit for a log file or ``tail -f``. A field a record lacks shows ``-``.
 
-``python -m trio_rl.tools.console RUN_DIR_OR_METRICS_FILE [--follow] [--plain]`` shows a
-run's ``metrics.jsonl`` (``--follow``: keep showing lines as the run appends them).
+``trio-rl watch RUN_DIR [--follow] [--plain]`` (:mod:`trio_rl.tools.watch_cmd`) shows a run's
+``metrics.jsonl`` through this display.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import IO, Any
 
-from ..errors import TrioRLError
-from .metrics import read_metrics
-
-__all__ = ["COLUMNS", "ConsoleDisplay", "format_line", "main"]
+__all__ = ["COLUMNS", "ConsoleDisplay", "format_line"]
 
 
 def _num(fmt: str) -> Callable[[Any], str]:
@@ -107,44 +101,3 @@ class ConsoleDisplay:
         if self._live is not None:
             self._live.stop()
             self._live = None
-
-
-def _metrics_path(path: Path) -> Path:
-    return path / "metrics.jsonl" if path.is_dir() else path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m trio_rl.tools.console",
-        description="Show a run's metrics.jsonl as the live console display.",
-    )
-    parser.add_argument("path", type=Path, help="a run directory or its metrics.jsonl")
-    parser.add_argument("--plain", action="store_true", help="plain lines, never the table")
-    parser.add_argument(
-        "--follow", action="store_true", help="keep showing records as the run appends them"
-    )
-    parser.add_argument("--interval", type=float, default=0.5, help="--follow poll seconds")
-    args = parser.parse_args(argv)
-    path = _metrics_path(args.path)
-    display = ConsoleDisplay(plain=True if args.plain else None)
-    shown = 0
-    try:
-        while True:
-            records = read_metrics(path)
-            for record in records[shown:]:
-                display.write(record)
-            shown = len(records)
-            if not args.follow:
-                return 0
-            time.sleep(args.interval)
-    except TrioRLError as exc:
-        print(f"trio-rl: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        display.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,68 @@
+"""``trio-rl watch RUN_DIR``: a run's ``metrics.jsonl`` through the live console display.
+
+``--follow`` keeps showing records as the run appends them (until interrupted); ``--plain``
+prints plain lines even on a terminal. Also ``python -m trio_rl.tools.watch_cmd``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import TrioRLError
+from .console import ConsoleDisplay
+from .metrics import read_metrics
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``watch`` subcommand's arguments."""
+    parser.add_argument("path", type=Path, help="a run directory or its metrics.jsonl")
+    parser.add_argument("--plain", action="store_true", help="plain lines, never the table")
+    parser.add_argument(
+        "--follow", action="store_true", help="keep showing records as the run appends them"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.5, help="seconds between polls with --follow"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Show the records; with ``--follow`` poll for more until interrupted (then 130). A
+    damaged line raises :class:`~trio_rl.tools.MetricsFileError` after the lines before it."""
+    path = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
+    display = ConsoleDisplay(plain=True if args.plain else None)
+    shown = 0
+    try:
+        while True:
+            records = read_metrics(path)
+            for record in records[shown:]:
+                display.write(record)
+            shown = len(records)
+            if not args.follow:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        display.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trio_rl.tools.watch_cmd``: errors are one line on stderr, status 1."""
+    parser = argparse.ArgumentParser(prog="trio-rl watch", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except TrioRLError as exc:
+        print(f"trio-rl: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

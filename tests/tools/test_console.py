@@ -1,0 +1,127 @@
+"""The live console display: plain lines off a terminal, a rich table on one."""
+
+from __future__ import annotations
+
+import io
+import json
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from trio_rl.tools import JsonlSink, MissingExtraError
+from trio_rl.tools.console import ConsoleDisplay, format_line
+
+RECORD = {
+    "step": 3,
+    "reward_mean": 0.5161,
+    "samples_per_s": 812.04,
+    "slot_occupancy": 0.874,
+    "loop_lag_p95_ms": 1.234,
+    "queue_depth": 34,
+    "off_policy_max": 1,
+}
+LINE = (
+    "step 3 | reward 0.516 | samples/s 812.0 | slots 87% | lag p95 ms 1.2 | queue 34 | off-policy 1"
+)
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plain_lines_off_a_terminal() -> None:
+    out = io.StringIO()
+    display = ConsoleDisplay(out)
+    assert display.plain
+    display.write(RECORD)
+    display.write({"step": 4, "reward_mean": None})
+    display.close()
+    assert out.getvalue().splitlines() == [
+        LINE,
+        "step 4 | reward - | samples/s - | slots - | lag p95 ms - | queue - | off-policy -",
+    ]
+    assert format_line(RECORD) == LINE
+
+
+def test_a_live_table_on_a_terminal() -> None:
+    pytest.importorskip("rich")  # the `console` extra; CI's test group installs it
+    out = _Tty()
+    display = ConsoleDisplay(out)
+    assert not display.plain
+    display.write(RECORD)
+    display.write({**RECORD, "step": 4, "reward_mean": 0.75})
+    display.close()
+    text = out.getvalue()
+    assert "\x1b[" in text  # drawn with terminal control sequences, redrawn in place
+    for title in ("step", "reward", "samples/s", "slots", "lag p95 ms", "queue", "off-policy"):
+        assert title in text
+    assert "0.516" in text
+    assert "0.750" in text
+    assert "87%" in text
+
+
+def test_plain_is_forced_on_a_terminal_too() -> None:
+    out = _Tty()
+    display = ConsoleDisplay(out, plain=True)
+    display.write(RECORD)
+    display.close()
+    assert out.getvalue() == LINE + "\n"
+
+
+def test_the_table_without_rich_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a)
+    )
+    with pytest.raises(MissingExtraError, match=r"trio-rl\[console\]"):
+        ConsoleDisplay(_Tty(), plain=False)
+    assert ConsoleDisplay(_Tty()).plain  # undecided: falls back to plain lines
+
+
+def _readline(stream: IO[str], timeout: float) -> str:
+    # the next record comes after we append it, so nothing is left in the reader's buffer
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready, f"no line within {timeout} s"
+    return stream.readline()
+
+
+def test_following_a_run_that_appends(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    sink.write(RECORD)
+    cmd = [sys.executable, "-m", "trio_rl.tools.watch_cmd", str(tmp_path), "--follow"]
+    with subprocess.Popen(
+        [*cmd, "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            # stdout is a pipe, not a terminal: plain lines, one per record, as they arrive
+            assert _readline(proc.stdout, 30).rstrip("\n") == LINE
+            sink.write({**RECORD, "step": 4})
+            assert _readline(proc.stdout, 30).startswith("step 4 | reward 0.516")
+        finally:
+            sink.close()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+
+
+def test_a_damaged_metrics_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORD) + "\n{oops\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_rl.tools.watch_cmd", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stdout == LINE + "\n" or done.stdout == ""
+    (err,) = done.stderr.strip().splitlines()
+    assert "metrics.jsonl: line 2 (byte offset" in err
