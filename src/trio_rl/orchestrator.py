@@ -94,7 +94,9 @@ class OrchestratorConfig:
     (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
     ``submission`` (``"sample"``: sample backfill; ``"group"``: group granularity).
     ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
-    least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit.
+    least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit and
+    ``staleness`` the version a sample is judged by: ``"group_start"`` (default, prime-rl's
+    rule) or ``"oldest_token"`` (see :class:`~trio_rl.train.SinkConfig`).
     """
 
     batch_groups: int = attrs.field(default=8, validator=_at_least(1))
@@ -103,6 +105,9 @@ class OrchestratorConfig:
     submission: Literal["sample", "group"] = "sample"
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
     max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
+    staleness: Literal["group_start", "oldest_token"] = attrs.field(
+        default="group_start", validator=attrs.validators.in_(("group_start", "oldest_token"))
+    )
     seq_len: int = attrs.field(default=8192, validator=_at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
@@ -405,6 +410,7 @@ async def open_orchestrator(
         SinkConfig(
             batch_size=config.batch_groups * config.group_size,
             max_off_policy_steps=config.max_off_policy_steps,
+            staleness=config.staleness,
         )
     )
     manager = (

@@ -298,8 +298,9 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
 
 
 async def test_defect2_stale_members_count_in_the_attempt_budget(tmp_path: Path) -> None:
-    # batch 5, m = 2: min fresh version = 2; members at v2 are fresh now, stale from batch 6
-    cfg = SinkConfig(batch_size=2, max_off_policy_steps=2)
+    # batch 5, m = 2: min fresh version = 2; members at v2 are fresh now, stale from batch 6.
+    # Judged per token: the group started at v2, but its members regenerated at v5 are fresh.
+    cfg = SinkConfig(batch_size=2, max_off_policy_steps=2, staleness="oldest_token")
     sink = TrainSink(cfg, step=5)
     sink.open_group("g", Prompt("k", (1, 2)), 4, policy_version_at_start=2)
     old = [make_sample(0, r, version=2) for r in (1.0, 0.0)]

@@ -17,7 +17,7 @@ import trio
 
 from ..samples import PolicyVersion
 from ._errors import TrainSinkError
-from ._scoring import PruneResult, ScoringConfig, prune_detached
+from ._scoring import STALENESS_RULES, PruneResult, ScoringConfig, StalenessRule, prune_detached
 from ._types import TrainingSample
 
 __all__ = [
@@ -56,7 +56,12 @@ def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: 
 class SinkConfig:
     """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set.
 
-    ``max_off_policy_steps=None`` disables the staleness filter.
+    ``max_off_policy_steps=None`` disables the staleness filter. ``staleness`` says which
+    version a sample is judged by: ``"group_start"`` (default, prime-rl's rule) the version its
+    group started with; ``"oldest_token"`` the oldest version behind any of its tokens (keeps
+    the samples of a group that started old but was generated, or continued, under newer
+    weights). Either way batch ``S`` drops a sample judged at ``v < (S - 1) -
+    max_off_policy_steps``.
     """
 
     batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
@@ -64,6 +69,14 @@ class SinkConfig:
     max_off_policy_steps: int | None = 8
     prune: PruneMode = PruneMode.BEFORE_QUEUE
     scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
+    staleness: StalenessRule = attrs.field(default="group_start")
+
+    @staleness.validator
+    def _check_staleness(self, _: attrs.Attribute[str], value: str) -> None:
+        if value not in STALENESS_RULES:
+            raise TrainSinkError(
+                f"SinkConfig.staleness must be one of {list(STALENESS_RULES)}, got {value!r}"
+            )
 
     def __attrs_post_init__(self) -> None:
         if (self.batch_size is None) == (self.token_batch_size is None):

@@ -6,6 +6,7 @@ import itertools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
 
 import attrs
 
@@ -24,6 +25,8 @@ __all__ = [
     "build_sequence",
     "build_sequences",
     "prune_zero_advantages",
+    "STALENESS_RULES",
+    "StalenessRule",
     "sample_version",
     "score_group",
     "to_training_sample",
@@ -68,11 +71,25 @@ def grpo_advantages(
     return [c / (std + eps) for c in centred]
 
 
-def sample_version(sample: Sample, start: PolicyVersion) -> PolicyVersion:
-    """The version a sample is judged by: the oldest version behind any of its tokens.
+#: Which version a finished sample is judged stale by (:attr:`SinkConfig.staleness`).
+#: ``"group_start"`` (the default, prime-rl's rule): its group's ``policy_version_at_start``,
+#: the version the group started with. ``"oldest_token"``: the oldest version behind any of its
+#: tokens (never older than the start, so it keeps samples the reference rule drops).
+StalenessRule = Literal["group_start", "oldest_token"]
 
-    A sample with no recorded version falls back to its group's start version.
+STALENESS_RULES: tuple[StalenessRule, ...] = ("group_start", "oldest_token")
+
+
+def sample_version(
+    sample: Sample, start: PolicyVersion, rule: StalenessRule = "oldest_token"
+) -> PolicyVersion:
+    """The version a sample is judged by under ``rule`` (see :data:`StalenessRule`).
+
+    ``"oldest_token"``: the oldest version behind any of its tokens; a sample with no recorded
+    version falls back to its group's start version. ``"group_start"``: ``start``.
     """
+    if rule == "group_start":
+        return start
     return min(sample.policy_versions) if sample.policy_versions else start
 
 
@@ -203,20 +220,22 @@ def score_group(
     aborted: bool,
     is_stale: Callable[[PolicyVersion], bool],
     config: ScoringConfig,
+    rule: StalenessRule = "group_start",
     prune_before_queue: bool,
     arrival: int,
     sequences: Mapping[int, SequenceLists] | None = None,
 ) -> GroupScore:
     """Score a complete group's finished members (pure: books nothing itself).
 
-    A group holding an aborted member is rejected as a whole (all filtered). Stale members are
+    A group holding an aborted member is rejected as a whole (all filtered). Stale members
+    (judged by ``rule``: the group's ``start`` by default, see :data:`StalenessRule`) are
     dropped; the fresh ones get GRPO advantages over their rewards. A member without a trained
     token is filtered; with ``prune_before_queue`` one whose trained tokens all carry zero
     advantage is pruned (it still takes an arrival number).
     """
     if aborted:
         return GroupScore([], len(finished), 0, 0, [], arrival)
-    fresh = [s for s in finished if not is_stale(sample_version(s, start))]
+    fresh = [s for s in finished if not is_stale(sample_version(s, start, rule))]
     stale = len(finished) - len(fresh)
     rewards = [float(s.reward or 0.0) for s in fresh]
     advs = grpo_advantages(rewards, normalize_std=config.normalize_std, eps=config.eps)
@@ -231,7 +250,7 @@ def score_group(
             a,
             temperature=config.temperature_for(s.env_name),
             group_id=group_id,
-            version=sample_version(s, start),
+            version=sample_version(s, start, rule),
             arrival=arrival,
             sequence=None if sequences is None else sequences.get(s.index),
         )

@@ -218,6 +218,7 @@ class TrainSink:
             aborted=g.aborted,
             is_stale=self._is_stale,
             config=self.config.scoring,
+            rule=self.config.staleness,
             prune_before_queue=self.config.prune is PruneMode.BEFORE_QUEUE,
             arrival=self._next_arrival,
             sequences=sequences,

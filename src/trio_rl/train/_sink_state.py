@@ -330,7 +330,9 @@ def restore_sink(
         for m in og.arrived:
             if missing and sample_files(m) & missing:
                 m_missing += 1
-            elif sink.queue.is_stale(sample_version(m, og.policy_version_at_start)):
+            elif sink.queue.is_stale(
+                sample_version(m, og.policy_version_at_start, sink.config.staleness)
+            ):
                 m_stale += 1
             else:
                 fresh.append(copy_sample(m))
