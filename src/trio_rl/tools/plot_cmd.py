@@ -75,6 +75,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
         raise MissingExtraError("trio-rl plot", "matplotlib", "learn") from None
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 7), dpi=100)
     axes = fig.subplots(2, 2, sharex=True).flatten()
@@ -84,6 +85,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
         ax.grid(alpha=0.3)
     for ax in axes[2:]:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
 
     steps, values = _series(records, "reward_mean")
     if steps:

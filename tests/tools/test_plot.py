@@ -1,0 +1,87 @@
+"""``trio-rl plot``: the standard figures from a real learning run's metrics.jsonl, as PNG."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tools_helpers import learn, trio_rl
+
+from trio_rl.tools import InspectError, MissingExtraError, read_metrics
+from trio_rl.tools.plot_cmd import PANELS, build_figure, write_figure
+
+pytest.importorskip("matplotlib")  # in the test dependency group: never skipped in CI
+
+
+@pytest.fixture(scope="module")
+def learn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return learn(tmp_path_factory.mktemp("learn") / "run")
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_the_panels_of_a_learning_run(learn_run: Path) -> None:
+    records = read_metrics(learn_run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    fig = build_figure(records)
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == list(PANELS)
+    reward, throughput, _, lag = axes
+    (line,) = reward.get_lines()
+    assert list(line.get_xdata()) == [1, 2, 3, 4]
+    assert list(line.get_ydata()) == pytest.approx([r["reward_mean"] for r in records])
+    assert len(throughput.get_lines()) == 1
+    assert {ln.get_label() for ln in lag.get_lines()} == {
+        "loop lag p95 (ms)",
+        "off-policy lag max (versions)",
+    }
+
+
+def test_a_panel_without_its_fields_says_so() -> None:
+    fig = build_figure([{"step": 1, "reward_mean": 0.5}, {"step": 2, "reward_mean": 0.6}])
+    occupancy = fig.get_axes()[2]
+    assert occupancy.get_lines() == []
+    assert [t.get_text() for t in occupancy.texts] == ["no slot_occupancy in metrics.jsonl"]
+    full = build_figure([{"step": 1, "reward_mean": 0.5, "slot_occupancy": 0.9}])
+    (line,) = full.get_axes()[2].get_lines()
+    assert list(line.get_ydata()) == [0.9]
+
+
+def test_the_command_writes_a_png(learn_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "figure.png"
+    done = trio_rl("plot", str(learn_run), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(str(out))
+    assert _png_size(out) == (1000, 700)
+    # the default target sits next to the metrics
+    default = write_figure(learn_run)
+    assert default == learn_run / "metrics.png"
+    assert _png_size(default) == (1000, 700)
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    done = trio_rl("plot", str(tmp_path))
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{tmp_path / 'metrics.jsonl'}: no metrics file" in line
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n" + "{bad\n")
+    done = trio_rl("plot", str(tmp_path))
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "metrics.jsonl: line 2 (byte offset 12)" in line
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(InspectError, match="no records yet"):
+        write_figure(tmp_path)
+
+
+def test_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(MissingExtraError, match=r"trio-rl\[learn\]"):
+        build_figure([{"step": 1}])
