@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from wire_reference import REF_DECODER, micro_batches, minimal
+from wire_reference import REF_DECODER, codec_backend, micro_batches, minimal, pytest_generate_tests  # noqa: F401 (both backends)
 
 from trio_rl.wire import (
     MicroBatch,

@@ -19,7 +19,14 @@ import msgspec
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from wire_reference import REF_DECODER, REF_ENCODER, micro_batches, minimal
+from wire_reference import (  # noqa: F401 (both backends)
+    REF_DECODER,
+    REF_ENCODER,
+    codec_backend,
+    micro_batches,
+    minimal,
+    pytest_generate_tests,
+)
 
 from conftest import scaled
 from trio_rl.wire import MicroBatch, RoutedExperts, WireFormatError, decode, encode

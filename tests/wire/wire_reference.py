@@ -6,10 +6,12 @@ Also Hypothesis strategies for micro-batches with values at every encoding bound
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import attrs
 import msgspec
+import pytest
 from hypothesis import strategies as st
 
 from trio_rl.wire import (
@@ -19,6 +21,7 @@ from trio_rl.wire import (
     PayloadSegment,
     RoutedExperts,
     SamplingMask,
+    _accel,
 )
 
 
@@ -193,3 +196,35 @@ def minimal(**overrides: Any) -> MicroBatch:
     }
     fields.update(overrides)
     return MicroBatch(**fields)
+
+
+# --- both codec backends -------------------------------------------------------------------
+# A wire test module that imports ``codec_backend`` and ``pytest_generate_tests`` from here
+# runs each test twice: with msgspec as the codec's accelerator, and on msgpack alone (the
+# baseline, as without msgspec installed). Both must give the same bytes and values. Tests
+# decorated with ``accelerated_only`` (the speed goals) run with msgspec only.
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def accelerated_only(test: F) -> F:
+    test.accelerated_only = True  # type: ignore[attr-defined]
+    return test
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "codec_backend" in metafunc.fixturenames:
+        only = getattr(metafunc.function, "accelerated_only", False)
+        metafunc.parametrize(
+            "codec_backend", ["msgspec"] if only else ["msgspec", "msgpack"], indirect=True
+        )
+
+
+@pytest.fixture(autouse=True)
+def codec_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    enabled = _accel.ENABLED
+    _accel.ENABLED = request.param == "msgspec"
+    try:
+        yield request.param
+    finally:
+        _accel.ENABLED = enabled

@@ -27,6 +27,11 @@ from ._errors import WireFormatError
 from ._records import MicroBatch
 from ._schema import MICRO_BATCH, ListOf, Optional, Record, Scalar, Spec
 
+try:
+    from . import _accel
+except ImportError:  # msgspec is optional: msgpack alone is the baseline
+    _accel = None  # type: ignore[assignment]
+
 __all__ = ["decode"]
 
 # msgpack's C unpacker refuses containers nested deeper than this (counting the payload's own
@@ -85,6 +90,8 @@ def decode(data: bytes | bytearray | memoryview, *, source: str | None = None) -
     and synchronous; decoding a large payload is CPU work for a worker thread.
     """
     try:
+        if _accel is not None and _accel.ENABLED:
+            return _accel.typed_decode(data)
         return _decode_fast(data)
     except Exception:
         # Includes MemoryError: a corrupt header can claim more items than any real payload;
@@ -198,8 +205,10 @@ class _Reader:
         return out
 
 
-class _Walker:
-    """The careful pass: walks the bytes, checking each value against the schema."""
+class _Scanner:
+    """The careful pass's byte level: reads headers and skips values of any type, checking
+    only that they are well-formed MessagePack, and reports where they are not
+    (:class:`WireFormatError` with the offset and the current micro-batch and field)."""
 
     def __init__(self, data: bytes | bytearray | memoryview, source: str | None) -> None:
         self.buf = bytes(data)
@@ -397,6 +406,11 @@ class _Walker:
                 "bytes remain",
             )
         return n, pos + header
+
+
+class _Walker(_Scanner):
+    """The careful pass: walks the bytes, checking each value against the schema, and builds
+    what msgpack could not."""
 
     def plain_scalars(self, pos: int, n: int, kind: Scalar) -> tuple[int, int]:
         """Skip the leading run of list items that are plainly valid (numbers, bools, ASCII str).
