@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from trio_rl.engines import Completion, Engine, GenerateRequest
+from trio_rl.engines import AbortSignal, Completion, Engine, GenerateRequest
 from trio_rl.rollout import GroupFailed, GroupRunner, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
 from trio_rl.testing import Fate, ScriptedEngine, ScriptedFailure
@@ -142,3 +142,29 @@ async def test_fail_together_refuses_a_call_not_held() -> None:
         engine.settle(call)
         with pytest.raises(ValueError, match="not waiting"):
             engine.fail_together([call])
+
+
+async def test_a_waiting_call_honours_the_abort_signal_and_a_hang_ignores_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    engine = ScriptedEngine(lambda r: Fate("stop"))  # held until settled
+    abort = AbortSignal()
+    results: dict[str, Completion] = {}
+
+    async def one(name: str) -> None:
+        results[name] = await engine.generate(GenerateRequest((1,), abort=abort))
+
+    with trio.move_on_after(100) as hung:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "held")
+            nursery.start_soon(one, "hang")
+            await trio.testing.wait_all_tasks_blocked()
+            engine.settle(engine.held[1], "hang")
+            await trio.testing.wait_all_tasks_blocked()  # now hanging, past its wait
+            abort.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert results["held"].finish_reason == "abort"
+            assert results["held"].tokens == []
+            assert [c.outcome for c in engine.calls] == ["abort", None]
+    assert hung.cancelled_caught  # the hang only ends by cancellation
+    assert engine.calls[1].outcome == "cancelled"

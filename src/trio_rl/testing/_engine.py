@@ -92,7 +92,10 @@ class ScriptedEngine:
     weight update.
 
     On cancellation a call records outcome ``"cancelled"`` and lets ``Cancelled`` propagate,
-    like a real engine abandoning the request.
+    like a real engine abandoning the request. When the request's abort signal
+    (:attr:`~trio_rl.engines.GenerateRequest.abort`, the soft stop of partial rollouts) is set
+    while the call waits, it returns an empty completion with finish reason ``abort``; a call
+    settled as ``hang`` ignores the signal.
     """
 
     def __init__(
@@ -113,16 +116,27 @@ class ScriptedEngine:
         self.calls.append(call)
         outcome: Outcome = "cancelled"
         try:
-            if fate.after is None:
-                await call._release.wait()
-            else:
-                with trio.move_on_after(fate.after):
-                    await call._release.wait()
             final = fate
-            if call._forced is not None:
-                final = call._forced
-                if not call._at_once:
-                    await trio.sleep(final.after or 0.0)
+            # A driver's soft stop (request.abort) ends the wait like a real engine: the call
+            # returns what it has (nothing) with finish reason ``abort``. A ``hang`` ignores it.
+            with request.abort.scope() if request.abort is not None else trio.CancelScope() as stop:
+                if fate.after is None:
+                    await call._release.wait()
+                else:
+                    with trio.move_on_after(fate.after):
+                        await call._release.wait()
+                if call._forced is not None:
+                    final = call._forced
+                    if not call._at_once:
+                        await trio.sleep(final.after or 0.0)
+            if stop.cancelled_caught:
+                outcome = "abort"
+                return Completion(
+                    tokens=[],
+                    logprobs=[],
+                    finish_reason="abort",
+                    policy_version=self.policy_version,
+                )
             if final.kind == "hang":
                 await trio.sleep_forever()
             if final.kind == "raise":

@@ -331,6 +331,7 @@ async def _sync_body(world: World) -> None:
     )
     world.ledger = lambda: driver.scheduler.ledger if driver.scheduler is not None else None
     state: dict[str, Any] = {"done": False, "calls": 0}
+    handed_out: set[str] = set()
 
     async def consumer() -> None:
         try:
@@ -355,11 +356,21 @@ async def _sync_body(world: World) -> None:
                     Invariant.SYNC_BATCH_SHAPE,
                     f"partial batch of {len(groups)} while prompts remain",
                 )
-                world.check(
-                    all(gr.first_index >= first for gr in groups),
-                    Invariant.SYNC_BATCH_SHAPE,
-                    "a group started by an earlier call was carried over",
-                )
+                if partial:
+                    # Partial rollouts keep finished and part-way groups for the next call.
+                    again = [gr.group_id for gr in groups if gr.group_id in handed_out]
+                    world.check(
+                        not again,
+                        Invariant.SYNC_BATCH_SHAPE,
+                        f"group {again[:1]} was handed out by an earlier call",
+                    )
+                else:
+                    world.check(
+                        all(gr.first_index >= first for gr in groups),
+                        Invariant.SYNC_BATCH_SHAPE,
+                        "a group started by an earlier call was carried over",
+                    )
+                handed_out.update(gr.group_id for gr in groups)
                 if filtering:
                     world.check(
                         not any(gr.has_aborted for gr in groups),
@@ -382,7 +393,16 @@ async def _sync_body(world: World) -> None:
     def awake() -> None:
         if state["done"] or driver.scheduler is None:
             return
-        world.check_awake(budget=world.last_budget(), group_size=g, may_submit=not source.exhausted)
+        # Once the batch is full, partial rollouts set the abort signal and wait for the
+        # leftovers to settle: no more submissions in this call.
+        stopping = any(
+            c.request.abort is not None and c.request.abort.is_set() for c in world.engine.running
+        )
+        world.check_awake(
+            budget=world.last_budget(),
+            group_size=g,
+            may_submit=not source.exhausted and not stopping,
+        )
 
     baseline = live_tasks()
     async with trio.open_nursery() as harness:

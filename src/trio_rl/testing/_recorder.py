@@ -86,6 +86,10 @@ class GroupRecord:
     ended_at: float | None = None
     ended: bool = False
     outcome: str | None = None
+    #: The group object the runner was given (a driver may submit it again, continued).
+    group: Group | None = None
+    #: Its PENDING samples when it ended.
+    pending_at_end: int = 0
 
     @property
     def returned(self) -> int:
@@ -159,6 +163,7 @@ class CreditRecorder:
             samples={s.index: SampleRecord(s.index) for s in pending},
             started_at=trio.current_time(),
             runs=1 if previous is None else previous.runs + 1,
+            group=group,
         )
         self.groups[group.group_id] = record
         for s in pending:
@@ -196,6 +201,8 @@ class CreditRecorder:
         record.ended = True
         record.ended_at = trio.current_time()
         record.outcome = outcome
+        if record.group is not None:
+            record.pending_at_end = _pending(record.group)
         self.trace.log(f"group {_short(record.group_id)} ended: {outcome}")
         for entry in record.samples.values():
             self.check(
@@ -221,7 +228,12 @@ class CreditRecorder:
             return True
         if isinstance(ledger, TrackingLedger):
             return ledger.opens.get(group_id, 0) > record.runs
-        return False
+        # A plain ledger: an ended group submitted again (a kept partial group continued) has
+        # more PENDING samples than it ended with, and the ledger holds exactly those.
+        if not record.ended or record.group is None:
+            return False
+        now = _pending(record.group)
+        return now > record.pending_at_end and ledger.pending().get(group_id) == now
 
     def truth(self) -> tuple[int, int]:
         """``(credits in flight, pending groups)`` according to the book.
@@ -278,6 +290,10 @@ class CreditRecorder:
                 Invariant.ADMISSION_FOLLOWS_RULE,
                 f"policy answered {admitted} for {view}; the rule says {expected}",
             )
+
+
+def _pending(group: Group) -> int:
+    return sum(1 for s in group.samples if s.status is SampleStatus.PENDING)
 
 
 def _short(group_id: str) -> str:
