@@ -42,6 +42,7 @@ from ._codec import (
     encode_training_sample,
 )
 from ._errors import CheckpointError
+from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
 from ._sink import TrainSink
 from ._sink_state import SinkState, payload_files_of_state
 
@@ -68,12 +69,6 @@ _NAME = re.compile(r"^step_(\d+)\.ckpt$")
 _TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.tmp$")
 _FLUSH = 8 << 20
 _OUTBOX = re.compile(r"^outbox_step_(\d+)\.bin$")
-_OUTBOX_MAGIC = b"TRIORLOB"
-_OUTBOX_VERSION = 1
-_OUTBOX_END = b"OBOXEND!"
-_OUTBOX_HEADER = struct.Struct("<8sHHQ")
-_OUTBOX_TRAILER = struct.Struct("<I8s")
-_U64 = struct.Struct("<Q")
 
 
 @attrs.frozen
@@ -99,14 +94,6 @@ class Checkpoint:
     cursor: Any
     sink: SinkState
     missing_files: frozenset[str] = frozenset()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Body:
@@ -206,7 +193,7 @@ def write_checkpoint(path: str | os.PathLike[str], snap: CheckpointSnapshot) -> 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return target
 
 
@@ -528,8 +515,8 @@ class CheckpointManager:
         for f in files:
             os.replace(f, aside / f.name)
             self._written.discard(f)
-        _fsync_dir(aside)
-        _fsync_dir(self.directory)
+        fsync_dir(aside)
+        fsync_dir(self.directory)
         logger.warning("moved %d checkpoint file(s) (%s) to %s", len(files), why, aside)
         return aside
 
@@ -538,66 +525,14 @@ class CheckpointManager:
     def write_outbox(self, step: int, payloads: Sequence[bytes | bytearray | memoryview]) -> Path:
         """Blocking: write step ``step``'s payloads (one per rank) atomically and durably."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.outbox_path(step)
-        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-        crc = 0
-        try:
-            with open(tmp, "wb") as f:
-                head = _OUTBOX_HEADER.pack(_OUTBOX_MAGIC, _OUTBOX_VERSION, len(payloads), step)
-                f.write(head)
-                crc = zlib.crc32(head, crc)
-                for payload in payloads:
-                    size = _U64.pack(memoryview(payload).nbytes)
-                    f.write(size)
-                    f.write(payload)
-                    crc = zlib.crc32(payload, zlib.crc32(size, crc))
-                f.write(_OUTBOX_TRAILER.pack(crc, _OUTBOX_END))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.directory)
-        return target
+        return write_outbox_file(self.outbox_path(step), step, payloads)
 
     def read_outbox(self, step: int) -> list[bytes] | None:
         """Blocking: step ``step``'s pending payloads, or None when it has no outbox file.
 
         A truncated or corrupt outbox raises `CheckpointError` naming the file and offset.
         """
-        path = self.outbox_path(step)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        name = str(path)
-        end = len(data) - _OUTBOX_TRAILER.size
-        if end < _OUTBOX_HEADER.size:
-            raise CheckpointError(name, f"outbox truncated ({len(data)} bytes)")
-        crc, tail = _OUTBOX_TRAILER.unpack_from(data, end)
-        if tail != _OUTBOX_END:
-            raise CheckpointError(name, f"outbox truncated: no end marker at byte {end + 4}")
-        if zlib.crc32(memoryview(data)[:end]) != crc:
-            raise CheckpointError(name, "outbox checksum mismatch (corrupt)")
-        magic, version, ranks, got_step = _OUTBOX_HEADER.unpack_from(data, 0)
-        if magic != _OUTBOX_MAGIC or version != _OUTBOX_VERSION or got_step != step:
-            raise CheckpointError(
-                name, f"not an outbox of step {step} (magic {magic!r}, version {version})"
-            )
-        pos, out = _OUTBOX_HEADER.size, []
-        for rank in range(ranks):
-            if pos + _U64.size > end:
-                raise CheckpointError(name, f"outbox rank {rank}: truncated at byte {pos}")
-            (size,) = _U64.unpack_from(data, pos)
-            pos += _U64.size
-            if pos + size > end:
-                raise CheckpointError(name, f"outbox rank {rank}: truncated at byte {pos}")
-            out.append(data[pos : pos + size])
-            pos += size
-        if pos != end:
-            raise CheckpointError(name, f"outbox: {end - pos} stray bytes at byte {pos}")
-        return out
+        return read_outbox_file(self.outbox_path(step), step)
 
     def clear_outbox(self, step: int) -> None:
         """Blocking: step ``step``'s delivery is confirmed; forget its payload bytes."""
