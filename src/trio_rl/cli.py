@@ -229,13 +229,21 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="the learning run (the main job): a tiny model learns a verifiable task under "
         "asynchronous RL, in-process (needs torch)",
-        description="The learning run. --steps is the number of steps this invocation ships "
-        "(not a total). The first SIGINT or SIGTERM ends the step in progress, writes "
-        "metrics and the plot and exits 130 / 143; a second exits at once. A step line's "
+        description="The learning run. Run it again with the same --out and it resumes (the "
+        "in-process trainer's model and optimizer, the policy version and the orchestrator's "
+        "checkpoint); --steps is the number of steps this invocation ships (not a total). The "
+        "first SIGINT or SIGTERM ends the step in progress, checkpoints and exits 130 / 143; "
+        "a second exits at once. A step line's "
         "'reward (none new)': no group was scored since the previous step (it shipped "
         "samples queued before).",
     )
-    _add_config_arguments(learning, LearnRunConfig, _RUN_FLAGS, resumable=False)
+    _add_config_arguments(learning, LearnRunConfig, _RUN_FLAGS, resumable=True)
+    learning.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: move the checkpoints in --out aside (checkpoints.old-<time>/) and "
+        "remove the earlier run's weights, batches and trainer state",
+    )
     run = sub.add_parser(
         "simulate",
         help="a simulated rollout run: throughput, backfill and fault injection without a model",
@@ -653,7 +661,7 @@ def _hint(failure: BaseException, message: str) -> str:
     if isinstance(failure, CheckpointError) and "unusable" in message:
         return "; pass --fresh to move them aside and start over"
     if isinstance(failure, CheckpointError):
-        return "; inspect it with `trio-rl inspect`, or pass --fresh to move the checkpoints aside"
+        return "; pass --fresh to move the run's checkpoints aside and start over"
     if any(getattr(c, "errno", None) == errno.EADDRINUSE for c in chain) or (
         "Address already in use" in message
     ):
@@ -725,7 +733,10 @@ def _main(args: argparse.Namespace) -> int:
                 'the in-process trainer has one rank; set trainer.mode = "torchrun"',
             )
         if learn_cfg.run.out is not None:
-            _check_out(Path(learn_cfg.run.out))
+            out = Path(learn_cfg.run.out)
+            _check_out(out)
+            if not args.fresh and any((out / "checkpoints").glob("step_*.ckpt")):
+                check_resume(LearnRunConfig, learn_cfg, out, args.allow_change)
         if importlib.util.find_spec("torch") is None:
             raise RuntimeError(
                 "the learning run needs torch (pip install 'trio-rl[learn]'; on a CPU machine "
@@ -738,7 +749,7 @@ def _main(args: argparse.Namespace) -> int:
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
         torch.set_num_threads(learn_cfg.run.threads)
-        config = learn.config_from_file(learn_cfg)
+        config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         return trio.run(_run_learning, config, learn_cfg)
     if args.command == "simulate":
         cfg, _ = load(SimulateConfig, args.configs, _overrides(args, _SIMULATE_FLAGS))
@@ -776,13 +787,19 @@ async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
         watcher.cancel_scope.cancel()
     if not stop.signals:
         return 0
-    last = result.metrics[-1]["step"] if result.metrics else 0
-    stop.report(
-        f"after step {last}: saved {config.out / 'metrics.jsonl'} ({len(result.metrics)} steps)"
-        f", the trainer's weights in {config.out / 'weights'} and {config.out / STORED_FILE}; "
-        f"the learning run does not resume: `trio-rl run {config.out / STORED_FILE}` starts "
-        "the same run over"
-    )
+    out = config.out
+    last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
+    if result.checkpoint is not None:
+        saved = (
+            f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
+            f"and {out / STORED_FILE}; resume with: trio-rl run --out {out}"
+        )
+    else:
+        saved = (
+            f"saved {out / 'metrics.jsonl'} and the weights in {out / 'weights'}; the "
+            f"{config.trainer_mode} trainer does not resume: `trio-rl run --out {out}` starts over"
+        )
+    stop.report(f"after step {last}: {saved}")
     return stop.status
 
 

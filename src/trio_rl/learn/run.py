@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -28,8 +29,9 @@ from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource
 from ..samples import PolicyVersion
-from ..trainer import BatchReceiver
-from ..transport import FileReceiver, FileSender, free_port_pair
+from ..train import CheckpointError
+from ..transport import EndOfStream, FileReceiver, FileSender, free_port_pair
+from ..wire import decode
 from ._model import CharTransformer, ModelConfig
 from ._task import EOS, TASKS, Tokenizer, make_prompts
 from ._trainer import GRPOTrainer, StepStats, TrainerConfig
@@ -44,6 +46,8 @@ RUN_FILE = "run.json"
 #: Written at the end of a run with the last shipped step: the torchrun trainer job stops there.
 STOP_FILE = "STOP"
 METRICS_FILE = "metrics.jsonl"
+#: The in-process trainer's model and optimizer after its last step (``torch.save``).
+TRAINER_STATE = "trainer/state.pt"
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -94,6 +98,9 @@ class LearnConfig:
     threads: int = attrs.field(default=4, validator=_at_least(1))
     #: fsync every batch file.
     fsync: bool = False
+    #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
+    #: moves its checkpoints aside and starts over.
+    resume: bool = True
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -112,6 +119,12 @@ class LearnResult:
     #: ``converged`` (every group pruned for ``converged_after`` batches: no signal left) or
     #: ``signal`` (the ``stop`` event of :func:`run_learning` was set).
     stopped: str = "steps"
+    #: The checkpoint saved at a stop (``stopped == "signal"``, in-process trainer), else None.
+    checkpoint: Path | None = None
+    #: The last step the trainer trained (and saved, in-process), this run or before.
+    trained_through: int = 0
+    #: The step this run resumed at (None: a new run).
+    resumed_at: int | None = None
 
 
 def build_model(config: LearnConfig) -> tuple[CharTransformer, Tokenizer]:
@@ -148,35 +161,92 @@ def _train_and_publish(
     trainer: GRPOTrainer, step: int, micro_batches: Any, weights: Path, keep: int
 ) -> StepStats:
     stats = trainer.train_step(step, micro_batches)
+    # The trainer's state first: a published version is never ahead of the saved state, so a
+    # resumed engine's weights (the state's) are never older than a version already reported.
+    _save_trainer_state(weights.parent, step, trainer)
     publish_weights(weights, step, trainer.model.state_dict(), keep=keep, meta={"step": step})
     return stats
 
 
+def _save_trainer_state(out: Path, step: int, trainer: GRPOTrainer) -> None:
+    path = out / TRAINER_STATE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    state = {
+        "step": step,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+    }
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_trainer_state(out: Path) -> dict[str, Any] | None:
+    """The in-process trainer's last saved state, or None; a damaged file is a
+    `CheckpointError` naming it."""
+    path = out / TRAINER_STATE
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+        step = state["step"]
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: a non-negative integer expected, got {step!r}")
+        if "model" not in state or "optimizer" not in state:
+            raise ValueError("the model or the optimizer state is missing")
+    except Exception as exc:  # torch.load raises many types for a damaged file
+        raise CheckpointError(str(path), f"the trainer state is damaged: {exc}") from exc
+    return dict(state)
+
+
+def _resumable(out: Path, config: LearnConfig) -> bool:
+    return (
+        config.resume
+        and config.trainer_mode == "inprocess"
+        and any((out / "checkpoints").glob("step_*.ckpt"))
+    )
+
+
 async def _train_inprocess(
-    config: LearnConfig, model: torch.nn.Module, stats: list[StepStats]
+    config: LearnConfig,
+    model: torch.nn.Module,
+    stats: list[StepStats],
+    state: dict[str, Any] | None = None,
 ) -> None:
     trainer = GRPOTrainer(model, config.trainer)
+    start = 1
+    if state is not None:  # the model already holds state["model"]
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
     limiter = trio.CapacityLimiter(1)
-    receiver = BatchReceiver(
-        FileReceiver(
-            config.out, 0, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
-        )
+    transport = FileReceiver(
+        config.out, 0, start_step=start, delete=True, poll_interval=0.002, max_poll_interval=0.02
     )
-    async with receiver:
-        async for step, micro_batches in receiver:
+    async with transport:
+        while True:
+            try:
+                got = await transport.receive()
+            except EndOfStream:
+                return  # the source ran dry: every step was shipped
             if config.trainer_delay:
                 await trio.sleep(config.trainer_delay)
-            stats.append(
-                await trio.to_thread.run_sync(
-                    _train_and_publish,
-                    trainer,
-                    step,
-                    micro_batches,
-                    config.out / "weights",
-                    config.weights_keep,
-                    limiter=limiter,
+            # Decoded, trained, saved and only then acknowledged (deleting the file), shielded:
+            # a step taken from the transport is trained exactly once, across stops and
+            # crashes (a crash before the ack leaves the file for the resumed trainer).
+            with trio.CancelScope(shield=True):
+                micro_batches = await trio.to_thread.run_sync(decode, got.data, limiter=limiter)
+                stats.append(
+                    await trio.to_thread.run_sync(
+                        _train_and_publish,
+                        trainer,
+                        got.step,
+                        micro_batches,
+                        config.out / "weights",
+                        config.weights_keep,
+                        limiter=limiter,
+                    )
                 )
-            )
+                await transport.ack(got.step)
 
 
 async def _run_torchrun(config: LearnConfig, done: trio.Event) -> None:
@@ -256,9 +326,14 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
     out = config.out
     # The learning run does not resume: a previous run's weights would be taken for new
     # versions, its batch files for this run's steps.
-    await trio.to_thread.run_sync(_prepare_run_directory, out, config)
+    resuming = await trio.to_thread.run_sync(_resumable, out, config)
+    await trio.to_thread.run_sync(_prepare_run_directory, out, config, resuming)
+    state = await trio.to_thread.run_sync(_load_trainer_state, out) if resuming else None
+    trained = 0 if state is None else int(state["step"])
     trainer_done = trio.Event()
     model, _ = build_model(config)
+    if state is not None:
+        model.load_state_dict(state["model"])
     task = TASKS[config.task]
     engine_model = copy.deepcopy(model).eval()
     prompts = make_prompts(task, config.prompts, config.seed)
@@ -274,12 +349,17 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
         seq_len=1024,
     )
     metrics: list[dict[str, Any]] = []
+    earlier = await trio.to_thread.run_sync(_earlier_metrics, out) if resuming else []
+    checkpoint: Path | None = None
+    resumed_at: int | None = None
     trainer_steps: list[StepStats] = []
     lags: list[float] = []
-    started = time.perf_counter()
+    begun = time.perf_counter()
+    # a resumed run's records continue the earlier wall clock (rates are differences of it)
+    started = begun - (earlier[-1].get("wall_s", 0.0) if earlier else 0.0)
     metrics_path = out / METRICS_FILE
     send, receive = trio.open_memory_channel[Shipment](64)
-    version = [0]
+    version = [trained]
 
     def set_version(v: PolicyVersion) -> None:
         version[0] = v
@@ -319,6 +399,7 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
             max_len=engine_model.cfg.max_len,
             limiter=trio.CapacityLimiter(1),
             seed=config.seed,
+            policy_version=trained,
         ) as engine,
         open_orchestrator(
             engine,
@@ -328,20 +409,36 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
             sample_reward=task.reward(),
             monitor=send,
             limiter=trio.CapacityLimiter(config.threads),
+            checkpoint_dir=out / "checkpoints" if config.trainer_mode == "inprocess" else None,
+            resume=resuming,
         ) as orch,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(consume, receive)
         nursery.start_soon(_probe_loop_lag, lags)
         nursery.start_soon(
-            lambda: watch_weights(out / "weights", [engine], set_version, poll_interval=0.005)
+            lambda: watch_weights(
+                out / "weights", [engine], set_version, current=trained, poll_interval=0.005
+            )
         )
         if config.trainer_mode == "inprocess":
             if config.ranks != 1:
                 raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
-            nursery.start_soon(_train_inprocess, config, model, trainer_steps)
+            nursery.start_soon(_train_inprocess, config, model, trainer_steps, state)
         elif config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
+        if trained > orch.policy_version:
+            orch.set_policy_version(trained)  # the engine serves the trainer's saved state
+        if resuming:
+            resumed_at = orch.step
+            if config.verbose:
+                r = orch.restore
+                print(
+                    f"resumed at step {orch.step}: trainer state of step {trained}, "
+                    f"{0 if r is None else r.queued} queued samples, "
+                    f"{0 if r is None else len(r.resumed)} open groups continue",
+                    flush=True,
+                )
         if config.verbose:
             print(
                 f"learning run: task {config.task!r} ({task.description}), "
@@ -350,7 +447,7 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                 f"trainer {config.trainer_mode} x{config.ranks}, run directory {out}",
                 flush=True,
             )
-        deadline = None if config.time_limit is None else started + config.time_limit
+        deadline = None if config.time_limit is None else begun + config.time_limit
         rewards: list[float] = []
         stopped = "steps"
         for _ in range(config.steps):
@@ -394,6 +491,9 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
             ):
                 stopped = "reward"
                 break
+        if stopped == "signal" and config.trainer_mode == "inprocess":
+            # the groups finished since the last shipped step are saved, not regenerated
+            checkpoint = await orch.save_checkpoint()
         counters = attrs.asdict(orch.sink.counters)
         # an external trainer job trains up to the last shipped step, then exits by itself
         await trio.to_thread.run_sync((out / STOP_FILE).write_text, str(orch.sink.step - 1))
@@ -411,21 +511,54 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                 "the metrics consumer did not drain within 5 s; %s may lack steps", metrics_path
             )
         nursery.cancel_scope.cancel()
-    wall = time.perf_counter() - started
+    wall = time.perf_counter() - begun
     if config.plot and metrics:
-        await trio.to_thread.run_sync(write_plot, metrics, out / "plot.png", config.task)
+        await trio.to_thread.run_sync(write_plot, earlier + metrics, out / "plot.png", config.task)
     if config.verbose:
         print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
-    return LearnResult(metrics, counters, trainer_steps, wall, out, stopped)
+    return LearnResult(
+        metrics,
+        counters,
+        trainer_steps,
+        wall,
+        out,
+        stopped,
+        checkpoint=checkpoint,
+        trained_through=trainer_steps[-1].step if trainer_steps else trained,
+        resumed_at=resumed_at,
+    )
 
 
-def _prepare_run_directory(out: Path, config: LearnConfig) -> None:
+def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("weights", "batches"):
-        shutil.rmtree(out / name, ignore_errors=True)
     (out / STOP_FILE).unlink(missing_ok=True)
     (out / RUN_FILE).write_text(json.dumps(config.to_json(), indent=1))
+    if resuming:
+        return
+    # A new run: an earlier run's weights would be taken for new versions, its batch files for
+    # this run's steps (its checkpoints are moved aside by the orchestrator, never deleted).
+    for name in ("weights", "batches"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    if (out / TRAINER_STATE).exists():  # set aside like the checkpoints, never deleted
+        (out / TRAINER_STATE).replace(out / f"{TRAINER_STATE}.old-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / METRICS_FILE).write_text("")
+
+
+def _earlier_metrics(out: Path) -> list[dict[str, Any]]:
+    """The records of the run being resumed (a torn last line is dropped)."""
+    records = []
+    try:
+        lines = (out / METRICS_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def _append(path: Path, line: str) -> None:

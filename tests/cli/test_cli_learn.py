@@ -1,0 +1,154 @@
+"""`trio-rl run` (the learning run) as an operator drives it: real signals on a real
+subprocess, a resume that continues the trainer and the orchestrator, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
+
+
+def _cmd(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "trio_rl", "run", QUICK, "--out", str(out), *args]
+
+
+def _start(out: Path, steps: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        _cmd(out, "--steps", str(steps)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_step(proc: subprocess.Popen[str], step: int, deadline: float = 90) -> None:
+    assert proc.stdout is not None
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        assert line, f"the run ended before step {step}"
+        if re.match(rf"step\s+{step}\s", line):
+            return
+    pytest.fail(f"no step {step} within {deadline} s")
+
+
+def _steps(out: Path) -> list[int]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "run"
+    proc = _start(out, 10_000)
+    try:
+        _wait_for_step(proc, 2)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr
+    name = signal.Signals(signum).name
+    last = stderr.strip().splitlines()[-1]
+    m = re.fullmatch(
+        rf"trio-rl: stopped by {name} after step (\d+): saved (\S+\.ckpt), the trainer's state "
+        rf"of step (\d+) and \S+config\.toml; resume with: trio-rl run --out {re.escape(str(out))}",
+        last,
+    )
+    assert m is not None, last
+    stopped_after, trained = int(m.group(1)), int(m.group(3))
+    assert Path(m.group(2)).is_file()
+    assert 1 <= trained <= stopped_after
+    assert _steps(out) == list(range(1, stopped_after + 1))
+
+    resumed = subprocess.run(_cmd(out, "--steps", "2"), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed at step {stopped_after + 1}: trainer state of step {trained}" in (
+        resumed.stdout
+    )
+    # every step once, the earlier ones kept; the trainer went on from its saved step
+    assert _steps(out) == list(range(1, stopped_after + 3))
+    versions = [json.loads(line)["policy_version"] for line in
+                (out / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    assert versions[stopped_after] >= trained  # the resumed engine serves the saved model
+
+
+def test_a_second_signal_exits_the_learning_run_at_once(tmp_path: Path) -> None:
+    proc = _start(tmp_path / "run", 10_000)
+    try:
+        _wait_for_step(proc, 1)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last == "trio-rl: SIGTERM again: exiting now" or last.startswith(
+        "trio-rl: stopped by SIGTERM"
+    ), stderr
+
+
+def test_a_damaged_trainer_state_is_one_line_and_nothing_is_lost(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(out, "--steps", "3"), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    state = out / "trainer" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    kept = {p: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    done = subprocess.run(_cmd(out, "--steps", "2"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"trio-rl: error: checkpoint {state}: the trainer state is damaged"
+    )
+    assert "--fresh" in done.stderr
+    assert {p: p.read_bytes() for p in (out / "checkpoints").iterdir()} == kept
+    assert _steps(out) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--steps", "0"], "--steps: run.steps: must be >= 1, got 0"),
+        (["--lr", "-1"], "--lr: trainer.lr: must be a finite number > 0"),
+        (["--ranks", "2"], "--ranks: trainer.ranks: the in-process trainer has one rank"),
+        (["--set", "rollout.group_size=1"], "--set: rollout.group_size: must be >= 2"),
+    ],
+)
+def test_bad_learning_run_knobs_are_one_line_exit_2(
+    tmp_path: Path, args: list[str], needle: str
+) -> None:
+    done = subprocess.run(_cmd(tmp_path / "run", *args), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == f"trio-rl: error: {needle}" + done.stderr.split(needle, 1)[1]
+    assert done.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_below_a_regular_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for command in (
+        _cmd(blocker / "run", "--steps", "1"),
+        [sys.executable, "-m", "trio_rl", "simulate", "--out", str(blocker / "run")],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr == (
+            f"trio-rl: error: --out {blocker / 'run'}: {blocker} is a regular file, not a "
+            "directory; pass a directory\n"
+        )
+    assert blocker.read_text() == "not a directory"
