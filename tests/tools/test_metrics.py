@@ -214,3 +214,96 @@ def test_a_missing_extra_is_one_clear_error(
     with pytest.raises(MissingExtraError, match=f"trio-rl\\[{extra}\\]") as caught:
         build(tmp_path)
     assert isinstance(caught.value, TrioRLError)
+
+
+async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
+    """Shipments of a real orchestrator run -> step_record -> open_sinks (JSONL, console,
+    Prometheus): the file, the console and the endpoint all show the same steps."""
+    pytest.importorskip("prometheus_client")
+    import io
+
+    import trio
+
+    from trio_rl.engines import SamplingParams, SimulatedEngine
+    from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
+    from trio_rl.publish import Shipment
+    from trio_rl.rollout import InMemorySource
+    from trio_rl.samples import Prompt, Sample
+    from trio_rl.tools import open_sinks, step_record
+    from trio_rl.trainer import BatchReceiver
+    from trio_rl.transport import MemorySender
+
+    console = io.StringIO()
+    sinks = open_sinks(tmp_path, stream=console, prometheus_port=0)
+    (prometheus,) = [s for s in sinks.sinks if isinstance(s, PrometheusSink)]
+    engine = SimulatedEngine(distribution="long-cot", slots=16, seed=3, seconds_per_token=1e-7)
+    config = OrchestratorConfig(
+        batch_groups=2,
+        group_size=4,
+        max_async_level=1000,
+        max_off_policy_steps=None,
+        sampling=SamplingParams(max_tokens=64),
+    )
+    send, receive = trio.open_memory_channel[Shipment](8)
+    started = trio.current_time()
+
+    def reward(sample: Sample) -> float:
+        return float(sample.index % 4)
+
+    async def consume() -> None:
+        last = started
+        async with receive:
+            async for shipment in receive:
+                now = trio.current_time()
+                rec = step_record(
+                    shipment.record,
+                    wall_s=now - started,
+                    interval_s=now - last,
+                    policy_version=orch.policy_version,
+                    slot_occupancy=engine.statistics().occupancy,
+                    queue_depth=orch.sink.queued,
+                )
+                last = now
+                await trio.to_thread.run_sync(sinks.write, rec)
+
+    async def rank() -> None:
+        async with BatchReceiver(sender.receiver(0, start_step=1), stop_step=4) as batches:
+            async for _ in batches:
+                pass
+
+    sender = MemorySender(1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rank)
+            async with (
+                sender,
+                open_orchestrator(
+                    engine,
+                    InMemorySource([Prompt(key=f"k{i}", tokens=(i, 7)) for i in range(50)]),
+                    sender,
+                    config=config,
+                    sample_reward=reward,
+                    monitor=send,
+                ) as orch,
+            ):
+                nursery.start_soon(consume)
+                await orch.run(3)
+                await send.aclose()
+    async with httpx.AsyncClient() as client:
+        got = await client.get(f"http://127.0.0.1:{prometheus.port}/metrics", timeout=10)
+    body = got.text
+    sinks.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["samples"] == 8
+        assert 0.0 < r["slot_occupancy"] <= 1.0
+        assert r["queue_depth"] >= 0
+        assert r["reward_mean"] == pytest.approx(1.5)
+    assert [line.split(" | ")[0] for line in console.getvalue().splitlines()] == [
+        "step 1",
+        "step 2",
+        "step 3",
+    ]
+    assert "trio_rl_step 3.0\n" in body
+    assert f"trio_rl_queue_depth {float(records[-1]['queue_depth'])}\n" in body

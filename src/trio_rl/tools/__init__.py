@@ -17,4 +17,7 @@ from .metrics import MetricsSink as MetricsSink
 from .metrics import PrometheusSink as PrometheusSink
 from .metrics import TensorBoardSink as TensorBoardSink
 from .metrics import WandbSink as WandbSink
+from .metrics import numeric_fields as numeric_fields
+from .metrics import open_sinks as open_sinks
 from .metrics import read_metrics as read_metrics
+from .metrics import step_record as step_record

@@ -19,8 +19,9 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
+from ..publish import ShipRecord
 from ._errors import MetricsFileError, MissingExtraError
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "numeric_fields",
+    "open_sinks",
     "read_metrics",
+    "step_record",
 ]
 
 #: The standard fields of a metrics record and what they mean. Records may hold more; the
@@ -276,3 +279,80 @@ class PrometheusSink:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+def step_record(
+    record: ShipRecord,
+    *,
+    wall_s: float,
+    interval_s: float,
+    loop_lag_p95_ms: float | None = None,
+    policy_version: int | None = None,
+    slot_occupancy: float | None = None,
+    queue_depth: int | None = None,
+) -> dict[str, Any]:
+    """The standard metrics record (:data:`FIELDS`) of one shipped step.
+
+    ``record`` is the publisher's :class:`~trio_rl.publish.ShipRecord` (``Shipment.record``);
+    ``wall_s`` the seconds since the run started and ``interval_s`` since the previous step
+    shipped (rates are per that interval). The others are what the caller measures: the event
+    loop's lag, the current policy version, the engine's slot occupancy over the interval and
+    the sink's queue (``orch.sink.queued``). Fields left ``None`` are written as null.
+    """
+    dt = max(interval_s, 1e-9)
+    off_policy = record.effective.off_policy.max
+    return {
+        "step": record.step,
+        "reward_mean": record.all.reward_mean,
+        "reward_count": record.all.reward_count,
+        "samples": record.effective.samples,
+        "tokens": record.effective.tokens,
+        "samples_per_s": round(record.all.reward_count / dt, 2),
+        "tokens_per_s": round(record.effective.tokens / dt, 1),
+        "slot_occupancy": slot_occupancy,
+        "loop_lag_p95_ms": loop_lag_p95_ms,
+        "queue_depth": queue_depth,
+        "off_policy_max": 0 if off_policy is None else off_policy,
+        "policy_version": policy_version,
+        "stale": int(record.counters.get("stale", 0)),
+        "pruned": int(record.counters.get("pruned", 0)),
+        "policy_wait_s": round(record.policy_wait, 4),
+        "wall_s": round(wall_s, 3),
+    }
+
+
+def open_sinks(
+    run_dir: str | os.PathLike[str],
+    *,
+    console: bool = True,
+    plain: bool | None = None,
+    stream: IO[str] | None = None,
+    tensorboard: bool = False,
+    wandb: Mapping[str, Any] | None = None,
+    prometheus_port: int | None = None,
+) -> FanOut:
+    """Every sink a run writes to: ``<run_dir>/metrics.jsonl`` always; the console display
+    (``console``, ``plain``, ``stream`` as for :class:`~trio_rl.tools.console.ConsoleDisplay`);
+    TensorBoard under ``<run_dir>/tensorboard``; a W&B run (``wandb``: ``wandb.init``
+    arguments, its ``dir`` defaulting to the run directory); a Prometheus endpoint on
+    ``prometheus_port`` (0: a free port). A sink whose extra is missing raises
+    :class:`MissingExtraError` after the ones already opened are closed.
+    """
+    from .console import ConsoleDisplay
+
+    root = Path(run_dir)
+    sinks: list[MetricsSink] = []
+    try:
+        sinks.append(JsonlSink(root / "metrics.jsonl"))
+        if console:
+            sinks.append(ConsoleDisplay(stream, plain=plain))
+        if tensorboard:
+            sinks.append(TensorBoardSink(root / "tensorboard"))
+        if wandb is not None:
+            sinks.append(WandbSink(**{"dir": str(root), **wandb}))
+        if prometheus_port is not None:
+            sinks.append(PrometheusSink(prometheus_port))
+    except BaseException:
+        FanOut(sinks).close()
+        raise
+    return FanOut(sinks)
