@@ -6,44 +6,43 @@ What runs where (docs/publish.md, "What runs where"):
   the policy-wait snapshot, settling the batch with the sink (which books the outcome, reads
   and resets its metrics window and advances the step), the counter snapshot and the
   checkpoint snapshot;
-- in worker threads, through one shared `trio.CapacityLimiter`: pruning after selection,
-  packing, the metrics over the shipped cohort, MessagePack encoding, the file writes (pass
-  ``publisher.limiter`` to the `FileSender`), the checkpoint write and the deferred
-  memory release.
+- in worker threads, through the pipeline's one `trio.CapacityLimiter` (passed down to the
+  sender too): pruning after selection, packing, the metrics over the shipped cohort,
+  MessagePack encoding (streamed rank by rank into a staging sender's files, see
+  `_encoding`), the file writes, the outbox and checkpoint writes and the deferred memory
+  release.
 
-Nothing the loop still mutates is handed to a worker: the batch is detached first.
+Nothing the loop still mutates is handed to a worker: the batch is detached first. The
+publisher's jobs live in three parts: this module cuts and reports, `_encoding` holds a step's
+encoded payloads, `_delivery` makes booked steps durable and gets them delivered exactly once.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
-from typing import Any, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 import trio
 
 from ..train import (
-    CheckpointManager,
-    CheckpointSnapshot,
     Cut,
-    DetachedBatch,
     PruneResult,
     SinkConfig,
     SinkCounters,
     SinkWindow,
-    TrainBatch,
     TrainingSample,
-    TrainSink,
 )
 from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
+from ._delivery import Checkpointer, Delivery, Outbox, SinkCheckpointer
+from ._encoding import Encoded, Encoder, encode_step
 from ._errors import MonitorTimeoutError, PublishError
 from ._metrics import ShipRecord, ShipTimings, ThreadStats, attempt_stats, cohort_stats
 from ._release import Container, DeferredRelease, ReleaseFn, release_containers
+from ._workers import Workers
 
 __all__ = [
     "BatchSource",
@@ -58,13 +57,8 @@ __all__ = [
     "open_publisher",
 ]
 
-T = TypeVar("T")
-SnapshotT = TypeVar("SnapshotT")
-
 #: Packs the shipped samples into one list of micro-batches per data-parallel rank (pure, sync).
 Packer: TypeAlias = Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]
-#: One rank's MessagePack payload for its micro-batches (default `trio_rl.wire.encode`).
-Encoder: TypeAlias = Callable[[Sequence[MicroBatch]], Payload]
 
 
 class BatchSource(Protocol):
@@ -94,56 +88,6 @@ class BatchSource(Protocol):
         selection in a worker, then settle, or requeue when the block is left unsettled."""
 
 
-class Checkpointer(Protocol[SnapshotT]):
-    """Checkpointing split in two: an owned snapshot on the loop, the write in a worker."""
-
-    def snapshot(self, step: int) -> SnapshotT:
-        """Owned copy of the state right after batch ``step`` was booked. On the event loop."""
-
-    def write(self, snapshot: SnapshotT) -> object:
-        """Serialize and write atomically. In a worker thread."""
-
-
-@runtime_checkable
-class Outbox(Protocol):
-    """Durable storage of a step's payload bytes until its delivery is confirmed.
-
-    A checkpointer that also implements this makes shipping exactly-once as the trainer sees
-    it (see `Publisher.publish`). Both methods block and run in a worker thread.
-    """
-
-    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> object:
-        """Write ``payloads`` of ``step`` atomically and durably (before its checkpoint)."""
-
-    def clear_outbox(self, step: int) -> None:
-        """The delivery of ``step`` is confirmed: delete its payload bytes."""
-
-
-@attrs.frozen
-class SinkCheckpointer:
-    """A `Checkpointer` over `trio_rl.train.CheckpointManager`: the sink's state, plus the
-    data-source ``cursor`` and ``progress`` read on the loop when the snapshot is taken."""
-
-    manager: CheckpointManager
-    sink: TrainSink
-    cursor: Callable[[], Any] = attrs.field(default=lambda: None)
-    progress: Callable[[], Mapping[str, Any]] = attrs.field(default=dict)
-
-    def snapshot(self, step: int) -> CheckpointSnapshot:
-        return self.manager.snapshot(
-            self.sink, step=step, cursor=self.cursor(), progress=self.progress()
-        )
-
-    def write(self, snapshot: CheckpointSnapshot) -> Path:
-        return self.manager.write(snapshot)
-
-    def write_outbox(self, step: int, payloads: Sequence[Payload]) -> Path:
-        return self.manager.write_outbox(step, payloads)
-
-    def clear_outbox(self, step: int) -> None:
-        self.manager.clear_outbox(step)
-
-
 @attrs.frozen
 class Shipment:
     """What a monitor receives per shipped batch: the record and its *own* list of the shipped
@@ -155,17 +99,6 @@ class Shipment:
 
 #: A sync callback (called on the loop; keep it short) or a channel (awaited with a deadline).
 Monitor: TypeAlias = "Callable[[Shipment], None] | trio.MemorySendChannel[Shipment]"
-
-
-def _encode_ranks(encode: Encoder, grid: Sequence[Sequence[MicroBatch]]) -> list[Payload]:
-    # Runs in a worker. One rank at a time, checking for cancellation in between; the wire
-    # encoder packs one micro-batch (one field list) per C call, so the loop gets the GIL back
-    # between calls instead of waiting for a whole payload.
-    payloads: list[Payload] = []
-    for rank_batches in grid:
-        trio.from_thread.check_cancelled()
-        payloads.append(encode(rank_batches))
-    return payloads
 
 
 def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> None:
@@ -182,6 +115,66 @@ def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> Non
         )
 
 
+@attrs.frozen
+class _Booked:
+    """A batch the sink booked as shipped, with everything its record and release need."""
+
+    step: int
+    started: float
+    timings: dict[str, float]
+    samples: list[TrainingSample]
+    detached: list[TrainingSample]
+    encoded: Encoded
+    grid: list[list[MicroBatch]]
+    pruned: PruneResult | None
+    all_stats: Any
+    effective: Any
+    counters: dict[str, Any]
+    policy_wait: float
+
+    def containers(self, *, pending: bool) -> list[Container]:
+        """What the deferred release empties (a pending step's bytes are kept: re-sent)."""
+        containers: list[Container] = [self.samples, self.detached, *self.grid, self.grid]
+        if not pending:
+            containers += self.encoded.containers()
+        if self.pruned is not None:
+            containers += [self.pruned.kept, self.pruned.pruned]
+        return containers
+
+    def record(self, threads: ThreadStats) -> ShipRecord:
+        grid = self.grid
+        return ShipRecord(
+            step=self.step,
+            all=self.all_stats,
+            effective=self.effective,
+            counters=self.counters,
+            policy_wait=self.policy_wait,
+            ranks=len(grid),
+            micro_batches_per_rank=len(grid[0]) if grid else 0,
+            payload_bytes=self.encoded.nbytes,
+            timings=ShipTimings(total=time.perf_counter() - self.started, **self.timings),
+            threads=threads,
+        )
+
+
+async def deliver_to_monitor(monitor: Monitor | None, shipment: Shipment, patience: float) -> None:
+    """Hand ``shipment`` to a callback, or to a channel within ``patience`` seconds (else
+    `MonitorTimeoutError`). Cancellation: a channel send that raises `trio.Cancelled` did not
+    deliver the shipment."""
+    if monitor is None:
+        return
+    if isinstance(monitor, trio.MemorySendChannel):
+        with trio.move_on_after(patience) as scope:
+            await monitor.send(shipment)
+        if scope.cancelled_caught:
+            raise MonitorTimeoutError(
+                f"step {shipment.record.step}: the monitor channel did not accept the "
+                f"record within {patience:g} s"
+            )
+    else:
+        monitor(shipment)
+
+
 @attrs.define(eq=False, kw_only=True)
 class Publisher:
     """Ships the train sink's batches. Create it with `open_publisher` (its fields are
@@ -193,25 +186,34 @@ class Publisher:
 
     _nursery: trio.Nursery
     sink: BatchSource
-    sender: Sender
     _pack: Packer
     _encode: Encoder
-    limiter: trio.CapacityLimiter
-    _checkpointer: Checkpointer[Any] | None
+    _workers: Workers
+    _delivery: Delivery
     _monitor: Monitor | None
     _release: DeferredRelease
-    send_timeout: float
     monitor_timeout: float
     _policy_wait: float = attrs.field(default=0.0, init=False)
-    _pending: dict[int, list[Payload]] = attrs.field(factory=dict, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     _closed: bool = attrs.field(default=False, init=False)
-    _busy: int = attrs.field(default=0, init=False)
 
     @property
     def step(self) -> int:
         """The step of the next batch (the sink's)."""
         return self.sink.step
+
+    @property
+    def sender(self) -> Sender:
+        return self._delivery.sender
+
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        """The pipeline's one limiter (the sender borrows from it too)."""
+        return self._workers.limiter
+
+    @property
+    def send_timeout(self) -> float:
+        return self._delivery.send_timeout
 
     @property
     def release(self) -> DeferredRelease:
@@ -232,19 +234,6 @@ class Publisher:
             raise ValueError(f"policy wait must be >= 0 seconds, got {seconds!r}")
         self._policy_wait += seconds
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(self._job, fn, *args, limiter=self.limiter)
-
-    def _job(self, fn: Callable[..., T], *args: Any) -> T:
-        # In the worker, holding its token: how many threads are busy now (this one included).
-        self._busy = max(self._busy, self.limiter.borrowed_tokens)
-        return fn(*args)
-
-    def _threads(self) -> ThreadStats:
-        # Read and reset on the loop, with the record.
-        busy, self._busy = self._busy, 0
-        return ThreadStats(limit=int(self.limiter.total_tokens), busy_max=busy)
-
     async def publish(self, *, force: bool = False) -> ShipRecord | None:
         """Cut the sink's next batch and ship it; return its record.
 
@@ -255,10 +244,11 @@ class Publisher:
         Steps still pending (see `resend_pending`) are re-sent first.
 
         Without a checkpointer: on cancellation or error before the send completed, the batch
-        goes back to the sink's queue (pruned samples stay booked as pruned) and the step is
-        unchanged; a worker job already running finishes first (workers are never abandoned;
-        encoding stops at its next cancellation check). Once the send completed the batch is
-        booked and the step advances.
+        goes back to the sink's queue (pruned samples stay booked as pruned), a step streamed
+        into the sender's staging area is removed from it, and the step is unchanged; a worker
+        job already running finishes first (workers are never abandoned; encoding stops at its
+        next cancellation check). Once the send completed the batch is booked and the step
+        advances.
 
         With a checkpointer, a step is *durable before it is visible*: once encoded, the batch is
         booked (the step advances), the snapshot is taken, and then, shielded, the payload bytes
@@ -274,20 +264,23 @@ class Publisher:
         async with self._lock:
             if self._closed:
                 raise trio.ClosedResourceError("publish() called on a closed publisher")
-            await self._resend_pending()
+            await self._delivery.resend_pending()
             if not (self.sink.ready() or (force and self.sink.queued)):
                 return None
-            return await self._ship(force)
+            booked = await self._cut_and_book(force)
+            return None if booked is None else await self._deliver_booked(booked)
 
-    async def _ship(self, force: bool) -> ShipRecord | None:
+    async def _cut_and_book(self, force: bool) -> _Booked | None:
+        # Cut, pack, measure and encode in workers; book with the sink (without a checkpointer,
+        # only once the send completed). Leaving the cut before `settle` requeues the batch.
         started = time.perf_counter()
         timings: dict[str, float] = {}
         policy_wait = 0.0
-        batch: TrainBatch | None = None
+        encoded: Encoded | None = None
+        booked = False
         try:
-            # The sink's cut: leaving this block before `settle` requeues the batch.
             async with self.sink.cut(force=force, limiter=self.limiter) as cut:
-                step, detached, pruned = cut.step, cut.detached, cut.pruned
+                step, pruned = cut.step, cut.pruned
                 if pruned is not None:
                     timings["prune"] = cut.prune_seconds
                     if not pruned.kept:
@@ -296,142 +289,102 @@ class Publisher:
                 samples = list(cut.samples)
 
                 mark = time.perf_counter()
-                grid = await self._run(self._pack, samples)
+                grid = await self._workers.run(self._pack, samples)
                 timings["pack"] = time.perf_counter() - mark
                 _check_grid(grid, self.sender.world_size, step)
 
                 mark = time.perf_counter()
-                effective = await self._run(cohort_stats, samples, step)
+                effective = await self._workers.run(cohort_stats, samples, step)
                 timings["metrics"] = time.perf_counter() - mark
                 # Read-and-reset with no await since the worker returned: a wait that completed
                 # while the metrics were computed is reported now, a later one next time.
                 policy_wait, self._policy_wait = self._policy_wait, 0.0
 
                 mark = time.perf_counter()
-                payloads = await self._run(_encode_ranks, self._encode, grid)
-                if self._checkpointer is None:
-                    await self._send(step, payloads)
-                    timings["send"] = time.perf_counter() - mark
+                encoded = await encode_step(self._workers, self._encode, self.sender, grid, step)
+                if self._delivery.checkpointer is None:
+                    await self._delivery.send(encoded)
+                timings["send"] = time.perf_counter() - mark
                 batch = cut.settle()
+                booked = True
         except BaseException:
-            if batch is None:
+            if not booked:
                 self._policy_wait += policy_wait  # not reported: keep it for the next record
+                if encoded is not None:
+                    with trio.CancelScope(shield=True):
+                        await self._workers.run(encoded.discard)
             raise
-
-        # Booked. Everything up to the send is sync or shielded.
-        # the window the sink read and reset (scalars: constant time, fine on the loop)
-        all_stats = attempt_stats(batch.window if batch.window is not None else SinkWindow())
-        counters = attrs.asdict(self.sink.counters)
-        if self._checkpointer is not None:
-            # Durable before visible: the outbox (this step's exact bytes) and the checkpoint
-            # that covers this step are on disk before any rank can see the step, so a resumed
-            # run re-sends these bytes instead of regenerating the step. Shielded: a cancellation
-            # arriving now must not leave a booked step without its checkpoint.
-            snapshot = self._checkpointer.snapshot(step)
-            encoded = time.perf_counter() - mark
-            mark = time.perf_counter()
-            with trio.CancelScope(shield=True):
-                await self._run(self._make_durable, step, snapshot, payloads)
-            timings["checkpoint"] = time.perf_counter() - mark
-            del snapshot
-            self._pending[step] = list(payloads)
-            mark = time.perf_counter()
-            # A failure or cancellation here does not requeue (the books say shipped): the
-            # step stays pending and is re-sent, identical, before the next step. The monitor
-            # follows the books, so it sees the step either way (shielded when the send failed).
-            finish = functools.partial(
-                self._finish, step, started, timings, samples, detached, payloads, grid, pruned,
-                all_stats, effective, counters, policy_wait,
-            )  # fmt: skip
-            try:
-                await self._send(step, payloads)
-                await self._confirm(step)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await finish()
-                raise
-            timings["send"] = encoded + time.perf_counter() - mark
-            return await finish()
-        timings["checkpoint"] = 0.0
-        return await self._finish(
-            step, started, timings, samples, detached, payloads, grid, pruned,
-            all_stats, effective, counters, policy_wait,
-        )  # fmt: skip
-
-    async def _finish(
-        self,
-        step: int,
-        started: float,
-        timings: dict[str, float],
-        samples: list[TrainingSample],
-        detached: DetachedBatch,
-        payloads: list[Payload],
-        grid: list[list[MicroBatch]],
-        pruned: PruneResult | None,
-        all_stats: Any,
-        effective: Any,
-        counters: dict[str, Any],
-        policy_wait: float,
-    ) -> ShipRecord:
-        # A booked step: schedule its memory release, then tell the monitor.
-        monitor_copy = list(samples)
-        ranks, per_rank = len(grid), len(grid[0]) if grid else 0
-        payload_bytes = sum(len(p) for p in payloads)
-        mark = time.perf_counter()
-        containers: list[Container] = [samples, detached.samples, payloads, *grid, grid]
-        if pruned is not None:
-            containers += [pruned.kept, pruned.pruned]
-        await self._schedule_release(containers)
-        timings["release_wait"] = time.perf_counter() - mark
-        record = ShipRecord(
+        # Booked. The window the sink read and reset (scalars: constant time, fine on the loop).
+        return _Booked(
             step=step,
-            all=all_stats,
+            started=started,
+            timings=timings,
+            samples=samples,
+            detached=cut.detached.samples,
+            encoded=encoded,
+            grid=grid,
+            pruned=pruned,
+            all_stats=attempt_stats(batch.window if batch.window is not None else SinkWindow()),
             effective=effective,
-            counters=counters,
+            counters=attrs.asdict(self.sink.counters),
             policy_wait=policy_wait,
-            ranks=ranks,
-            micro_batches_per_rank=per_rank,
-            payload_bytes=payload_bytes,
-            timings=ShipTimings(total=time.perf_counter() - started, **timings),
-            threads=self._threads(),
         )
-        await self._deliver(Shipment(record=record, samples=monitor_copy))
-        return record
 
-    def _make_durable(self, step: int, snapshot: Any, payloads: Sequence[Payload]) -> None:
-        # In a worker: the outbox first, then the checkpoint that books the step as shipped.
-        checkpointer = self._checkpointer
-        assert checkpointer is not None
-        outbox: object = checkpointer
-        if isinstance(outbox, Outbox):
-            outbox.write_outbox(step, payloads)
-        checkpointer.write(snapshot)
-
-    async def _send(self, step: int, payloads: Sequence[Payload]) -> None:
-        with trio.move_on_after(self.send_timeout) as send_scope:
-            await self.sender.send(step, payloads)
-        if send_scope.cancelled_caught:
-            raise PublishError(
-                f"step {step}: sending did not finish within {self.send_timeout:g} s"
-            )
-
-    async def _confirm(self, step: int) -> None:
-        self._pending.pop(step, None)
-        outbox: object = self._checkpointer
-        if isinstance(outbox, Outbox):
+    async def _deliver_booked(self, booked: _Booked) -> ShipRecord:
+        checkpointer = self._delivery.checkpointer
+        if checkpointer is None:
+            booked.timings["checkpoint"] = 0.0
+            return await self._finish(booked)
+        # Durable before visible: the outbox (this step's exact bytes) and the checkpoint that
+        # covers this step are on disk before any rank can see the step, so a resumed run
+        # re-sends these bytes instead of regenerating the step. Shielded: a cancellation
+        # arriving now must not leave a booked step without its checkpoint.
+        snapshot = checkpointer.snapshot(booked.step)
+        mark = time.perf_counter()
+        with trio.CancelScope(shield=True):
+            await self._workers.run(self._delivery.make_durable, snapshot, booked.encoded)
+        booked.timings["checkpoint"] = time.perf_counter() - mark
+        del snapshot
+        mark = time.perf_counter()
+        # A failure or cancellation here does not requeue (the books say shipped): the step
+        # stays pending and is re-sent, identical, before the next step. The monitor follows
+        # the books, so it sees the step either way (shielded when the send failed).
+        try:
+            await self._delivery.send_durable(booked.encoded)
+        except BaseException:
             with trio.CancelScope(shield=True):
-                await self._run(outbox.clear_outbox, step)
+                await self._finish(booked)
+            raise
+        booked.timings["send"] += time.perf_counter() - mark
+        return await self._finish(booked)
+
+    async def _finish(self, booked: _Booked) -> ShipRecord:
+        # A booked step: schedule its memory release, then tell the monitor.
+        monitor_copy = list(booked.samples)
+        mark = time.perf_counter()
+        containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
+        if self._closed:
+            # The nursery may be gone: release here (shielded: it must happen exactly once).
+            await self._release.run_now(containers)
+        else:
+            await self._release.schedule(self._nursery, containers)
+        booked.timings["release_wait"] = time.perf_counter() - mark
+        record = booked.record(self._workers.stats())
+        await deliver_to_monitor(
+            self._monitor, Shipment(record, monitor_copy), self.monitor_timeout
+        )
+        return record
 
     @property
     def pending_steps(self) -> list[int]:
         """Steps booked as shipped whose delivery is not confirmed yet (re-sent first)."""
-        return sorted(self._pending)
+        return self._delivery.pending_steps
 
     def add_pending(self, step: int, payloads: Sequence[Payload]) -> None:
         """Adopt a step already booked and checkpointed whose delivery was not confirmed (e.g.
         read back from its outbox on resume): it is re-sent, these exact bytes, before the next
         batch. Sync; call on the loop."""
-        self._pending[step] = list(payloads)
+        self._delivery.add_pending(step, payloads)
 
     async def resend_pending(self) -> list[int]:
         """Send every pending step again, in order, with its identical bytes; return them.
@@ -440,15 +393,7 @@ class Publisher:
         their outbox files stay on disk for a resumed run).
         """
         async with self._lock:
-            return await self._resend_pending()
-
-    async def _resend_pending(self) -> list[int]:
-        done = []
-        for step in sorted(self._pending):
-            await self._send(step, self._pending[step])
-            await self._confirm(step)
-            done.append(step)
-        return done
+            return await self._delivery.resend_pending()
 
     async def save_checkpoint(self) -> object | None:
         """Write a checkpoint of the state as it is now, between publications; return what the
@@ -459,38 +404,10 @@ class Publisher:
         now. It waits for a publication in progress to finish first. Shielded: a cancellation
         arriving meanwhile lands after the checkpoint is written.
         """
-        if self._checkpointer is None:
-            return None
-        written: object = None
         with trio.CancelScope(shield=True):
             async with self._lock:
-                snapshot = self._checkpointer.snapshot(self.sink.step - 1)
-                written = await self._run(self._checkpointer.write, snapshot)
+                written = await self._delivery.checkpoint_now(self.sink.step - 1)
         return written
-
-    async def _schedule_release(self, containers: list[Container]) -> None:
-        if self._closed:
-            # The nursery may be gone: release here (shielded: it must happen exactly once).
-            await self._release.wait()
-            with trio.CancelScope(shield=True):
-                await self._run(self._release.release, containers)
-            return
-        await self._release.schedule(self._nursery, containers)
-
-    async def _deliver(self, shipment: Shipment) -> None:
-        monitor = self._monitor
-        if monitor is None:
-            return
-        if isinstance(monitor, trio.MemorySendChannel):
-            with trio.move_on_after(self.monitor_timeout) as scope:
-                await monitor.send(shipment)
-            if scope.cancelled_caught:
-                raise MonitorTimeoutError(
-                    f"step {shipment.record.step}: the monitor channel did not accept the "
-                    f"record within {self.monitor_timeout:g} s"
-                )
-        else:
-            monitor(shipment)
 
     async def aclose(self) -> None:
         """Stop accepting batches and wait for the pending release. Idempotent.
@@ -530,7 +447,10 @@ async def open_publisher(
         sender: where payloads go; its ``world_size`` must match the packer's rank count.
         pack: samples -> one list of micro-batches per rank (runs in a worker).
         encode: one rank's MessagePack payload (default `trio_rl.wire.encode`, which packs one
-            micro-batch at a time; runs in a worker).
+            micro-batch at a time; runs in a worker). With the default and a sender that can
+            stage (`trio_rl.transport.StagingSender`, e.g. `FileSender`), each rank is instead
+            streamed through `trio_rl.wire.encode_into` into its staged file, one rank at a
+            time, so the publisher never holds a whole step's payloads.
         limiter: the pipeline's one `trio.CapacityLimiter`: every worker job of the publisher
             borrows from it, and it is passed down to the sender
             (`trio_rl.transport.Sender.use_limiter`), so the file writes share its budget.
@@ -550,17 +470,21 @@ async def open_publisher(
         limiter = sender.limiter if sender.limiter is not None else trio.CapacityLimiter(4)
     sender.use_limiter(limiter)
     async with trio.open_nursery() as nursery:
+        workers = Workers(limiter)
         publisher = Publisher(
             nursery=nursery,
             sink=sink,
-            sender=sender,
             pack=pack,
             encode=encode,
-            limiter=limiter,
-            checkpointer=checkpointer,
+            workers=workers,
+            delivery=Delivery(
+                sender=sender,
+                checkpointer=checkpointer,
+                workers=workers,
+                send_timeout=send_timeout,
+            ),
             monitor=monitor,
             release=DeferredRelease(limiter, release, release_timeout),
-            send_timeout=send_timeout,
             monitor_timeout=monitor_timeout,
         )
         try:

@@ -125,6 +125,13 @@ class DeferredRelease:
             )
         self._pending = None
 
+    async def run_now(self, containers: Sequence[Container]) -> None:
+        """Wait for the pending release, then release ``containers`` here, in a worker
+        (shielded: it happens exactly once), for when no nursery is left to schedule it in."""
+        await self.wait()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self.release, containers, limiter=self.limiter)
+
     async def schedule(self, nursery: trio.Nursery, containers: Sequence[Container]) -> None:
         """Wait for the previous release, then release ``containers`` in a worker thread.
 

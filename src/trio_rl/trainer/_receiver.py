@@ -34,6 +34,22 @@ def _decode_and_release(box: list[ReceivedPayload]) -> list[MicroBatch]:
     return micro_batches
 
 
+def _read_tensors(
+    micro_batches: list[MicroBatch], lo: int, hi: int | None, root: str | os.PathLike[str] | None
+) -> list[TrainerTensors]:
+    return [to_torch(mb, read_payload_arrays(mb, lo=lo, hi=hi, root=root)) for mb in micro_batches]
+
+
+def _share_limiter(
+    transport: Receiver, limiter: trio.CapacityLimiter | None
+) -> trio.CapacityLimiter:
+    # One limiter for the decoding and the transport (ValueError if it has another one).
+    if limiter is None:
+        limiter = transport.limiter if transport.limiter is not None else trio.CapacityLimiter(1)
+    transport.use_limiter(limiter)
+    return limiter
+
+
 class BatchReceiver:
     """Receives and decodes one trainer rank's micro-batches, step after step.
 
@@ -58,16 +74,12 @@ class BatchReceiver:
         stop_step: iteration ends before this step (``None``: iterate until cancelled).
         thread_threshold: payloads of at least this many bytes are decoded in a worker thread
             so the event loop keeps running; smaller ones inline.
-        limiter: the one capacity limiter of this rank's receiving threads: decoding, payload
-            reads, and the transport's own threads (passed down with
-            `trio_rl.transport.Receiver.use_limiter`). Default: the transport's, if it was
-            given one, else a new one of 1. A transport built with a different limiter raises
-            `ValueError`.
-        timeout: seconds one receive waits for the transport before raising
-            `trio_rl.transport.TransportTimeoutError` (``None``: wait until cancelled). The
-            wait is cancelled through its cancel scope, which every transport's ``receive``
-            survives without losing a payload. For a `FileReceiver`, prefer its own
-            ``timeout`` (it names the file).
+        limiter: the one limiter of the rank's receiving threads (decoding, payload reads, and
+            the transport's, passed down with `trio_rl.transport.Receiver.use_limiter`).
+            Default: the transport's if it has one, else a new one of 1.
+        timeout: seconds one receive waits for the transport, through its cancel scope (which
+            loses no payload), before raising `trio_rl.transport.TransportTimeoutError`
+            (``None``: until cancelled). A `FileReceiver`'s own ``timeout`` names the file.
         payload_root: where relative payload segment paths (from checkpoints written before
             paths were absolute) resolve; absolute paths are opened as given.
 
@@ -96,12 +108,7 @@ class BatchReceiver:
         self._decoded: tuple[int, list[MicroBatch]] | None = None
         self._stop_step = stop_step
         self._thread_threshold = thread_threshold
-        if limiter is None:
-            limiter = (
-                transport.limiter if transport.limiter is not None else trio.CapacityLimiter(1)
-            )
-        transport.use_limiter(limiter)
-        self._limiter = limiter
+        self._limiter = _share_limiter(transport, limiter)
         # A one-item box, so the decoding thread can take the last reference to the payload.
         self._pending: list[ReceivedPayload] | None = None
 
@@ -146,9 +153,7 @@ class BatchReceiver:
         limiter: trio.CapacityLimiter | None = None,
         payload_root: str | os.PathLike[str] | None = None,
     ) -> BatchReceiver:
-        """A receiver over the ZeroMQ transport (see `ZmqReceiver`). ``timeout``: seconds one
-        receive waits for its step before raising `trio_rl.transport.TransportTimeoutError`
-        (``None``: until cancelled), as ``files``' ``timeout``."""
+        """A receiver over the ZeroMQ transport (see `ZmqReceiver`); ``timeout`` as ``files``'."""
         transport = ZmqReceiver(rank, host=host, port=port, hwm=hwm, start_step=start_step)
         return cls(
             transport,
@@ -188,10 +193,14 @@ class BatchReceiver:
         or still held by the transport (on disk) for a new receiver.
         """
         step, micro_batches = await self._decode_next()
-        self._decoded = None
+        await self._settle(step)
+        return step, micro_batches
+
+    async def _settle(self, step: int) -> None:
+        # Done with the decoded step: forget it and acknowledge it (shielded).
+        self._decoded = self._pending = None
         with trio.CancelScope(shield=True):
             await self._transport.ack(step)
-        return step, micro_batches
 
     async def receive_tensors(
         self, *, lo: int = 0, hi: int | None = None
@@ -210,23 +219,15 @@ class BatchReceiver:
         """
         step, micro_batches = await self._decode_next()
         root = self._payload_root
-
-        def read() -> list[TrainerTensors]:
-            return [
-                to_torch(mb, read_payload_arrays(mb, lo=lo, hi=hi, root=root))
-                for mb in micro_batches
-            ]
-
         try:
-            tensors = await trio.to_thread.run_sync(read, limiter=self._limiter)
+            tensors = await trio.to_thread.run_sync(
+                _read_tensors, micro_batches, lo, hi, root, limiter=self._limiter
+            )
         except Exception:
-            self._decoded = None
-            with trio.CancelScope(shield=True):
-                await self._transport.ack(step)
+            await self._settle(step)
             raise
-        self._decoded = None
+        await self._settle(step)
         with trio.CancelScope(shield=True):
-            await self._transport.ack(step)
             await trio.to_thread.run_sync(
                 release_payload_files, micro_batches, root, limiter=self._limiter
             )
@@ -249,9 +250,7 @@ class BatchReceiver:
                 micro_batches = _decode_and_release(box)
         except Exception:
             # The error is this payload's delivery: forget it, so the next receive moves on.
-            self._pending = None
-            with trio.CancelScope(shield=True):
-                await self._transport.ack(step)
+            await self._settle(step)
             raise
         self._pending = None
         self._decoded = (step, micro_batches)

@@ -7,13 +7,13 @@ A transport moves opaque payload bytes, one per (step, rank); it knows nothing o
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Callable, Sequence
+from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import trio
 
-__all__ = ["Payload", "ReceivedPayload", "Receiver", "Sender"]
+__all__ = ["Payload", "ReceivedPayload", "Receiver", "Sender", "StagingSender"]
 
 #: What a sender accepts and a receiver returns: any contiguous bytes-like buffer.
 Payload: TypeAlias = bytes | bytearray | memoryview
@@ -168,3 +168,33 @@ class Receiver(trio.abc.AsyncResource):
 
         Cancellation: closing always completes (what it must wait for is shielded).
         """
+
+
+@runtime_checkable
+class StagingSender(Protocol):
+    """A sender that can take a step one rank at a time (`FileSender` is one).
+
+    The publisher streams each rank's encoding straight into `stage` and then `commit`s the
+    step, so it never holds more than one rank's encoding buffer.
+    """
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def can_stage(self) -> bool:
+        """Whether to use `stage` + `commit` for a step (else `Sender.send`)."""
+
+    def stage(self, step: int, rank: int, write: Callable[[BinaryIO], object]) -> int:
+        """Blocking: write rank ``rank``'s payload of ``step`` through ``write(file)``, out of
+        receivers' sight; return its size in bytes."""
+
+    def open_staged(self, step: int, rank: int) -> Payload:
+        """Blocking: the staged bytes of rank ``rank``, before `commit` (e.g. memory-mapped)."""
+
+    def unstage(self, step: int) -> None:
+        """Blocking: drop every staged file of ``step`` (it will not be committed)."""
+
+    async def commit(self, step: int) -> None:
+        """Deliver the staged step, with `Sender.send`'s delivery and cancellation guarantees;
+        idempotent (call again after a failure)."""

@@ -113,6 +113,44 @@ def _read_step_marker(path: Path) -> int | None:
     return step
 
 
+def _rename_into_step_dir(tmp: Path, final: Path) -> None:
+    # Renames ``tmp`` to ``final``, making the step directory again if readers removed it.
+    for _ in range(_RENAME_ATTEMPTS):
+        try:
+            os.mkdir(final.parent)
+        except FileExistsError:
+            pass  # a file in its place makes the rename fail (NotADirectoryError)
+        except OSError as exc:
+            raise _io_error("cannot create the step directory", final.parent, exc) from exc
+        try:
+            os.replace(tmp, final)
+            return
+        except FileNotFoundError as exc:
+            if not tmp.exists():
+                raise _io_error(f"the staged file vanished before {final}:", tmp, exc) from exc
+            # A reader removed the emptied step directory after our mkdir: make it again.
+        except OSError as exc:
+            raise _io_error(f"cannot rename {tmp} to", final, exc) from exc
+    raise TransportIOError(
+        f"cannot rename {tmp} to {final}: the step directory was removed "
+        f"{_RENAME_ATTEMPTS} times in a row",
+        str(final),
+    )
+
+
+def _write_end_marker(directory: Path, staging: Callable[[], Path], step: int, fsync: bool) -> None:
+    end = end_marker_path(directory)
+    tmp = staging() / f"END.{os.getpid()}.tmp"
+    try:
+        _write_file(tmp, str(step).encode("ascii"), fsync)
+        os.replace(tmp, end)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _io_error("cannot write the end marker", end, exc) from exc
+    if fsync:
+        _fsync_dir(end.parent)
+
+
 class FileSender(Sender):
     """Writes each step's payloads as ``<directory>/batches/step_<S>/rank_<R>.bin``.
 
@@ -217,6 +255,12 @@ class FileSender(Sender):
             self._stale_end_removed = True
         return staging
 
+    @property
+    def can_stage(self) -> bool:
+        """Whether a step may be delivered by `stage` + `commit` instead of `send`: true unless
+        a subclass overrides `send` (a hook around delivery), which then stays the one path."""
+        return type(self).send is FileSender.send
+
     def staged_path(self, step: int, rank: int) -> Path:
         """Where `stage` writes rank ``rank``'s file of ``step`` before `commit` renames it."""
         staging = self._directory / "batches" / ".staging"
@@ -251,6 +295,20 @@ class FileSender(Sender):
             if isinstance(exc, OSError):
                 raise _io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
             raise
+
+    def open_staged(self, step: int, rank: int) -> Payload:
+        """Blocking: rank ``rank``'s staged bytes of ``step`` (memory-mapped when not empty, so
+        reading them back does not copy them onto the heap). `TransportIOError` if absent."""
+        path = self.staged_path(step, rank)
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return b""
+                return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        except OSError as exc:
+            raise _io_error(
+                f"step {step} rank {rank}: cannot read the staged file", path, exc
+            ) from exc
 
     def unstage(self, step: int) -> None:
         """Blocking: remove every staged file of ``step`` (a streamed step that will not be
@@ -290,7 +348,7 @@ class FileSender(Sender):
                     f"and no batch file {final}",
                     str(tmp),
                 )
-            self._rename_into_step_dir(tmp, final)
+            _rename_into_step_dir(tmp, final)
         if self._fsync:
             _fsync_dir(step_dir)
 
@@ -305,30 +363,6 @@ class FileSender(Sender):
             except TransportIOError:
                 pass  # the error being raised says more
             raise
-
-    @staticmethod
-    def _rename_into_step_dir(tmp: Path, final: Path) -> None:
-        for _ in range(_RENAME_ATTEMPTS):
-            try:
-                os.mkdir(final.parent)
-            except FileExistsError:
-                pass  # a file in its place makes the rename fail (NotADirectoryError)
-            except OSError as exc:
-                raise _io_error("cannot create the step directory", final.parent, exc) from exc
-            try:
-                os.replace(tmp, final)
-                return
-            except FileNotFoundError as exc:
-                if not tmp.exists():
-                    raise _io_error(f"the staged file vanished before {final}:", tmp, exc) from exc
-                # A reader removed the emptied step directory after our mkdir: make it again.
-            except OSError as exc:
-                raise _io_error(f"cannot rename {tmp} to", final, exc) from exc
-        raise TransportIOError(
-            f"cannot rename {tmp} to {final}: the step directory was removed "
-            f"{_RENAME_ATTEMPTS} times in a row",
-            str(final),
-        )
 
     async def end_stream(self, step: int) -> None:
         """Write the end marker ``batches/END`` holding ``step``: no step ``>= step`` will come.
@@ -345,21 +379,10 @@ class FileSender(Sender):
         _check_non_negative("step", step)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"end_stream({step}): step {self._last_step} was already sent")
-        await self._threads.run(self._write_end, step)
+        await self._threads.run(
+            _write_end_marker, self._directory, self._staging, step, self._fsync
+        )
         self._ended_at = step
-
-    def _write_end(self, step: int) -> None:
-        staging = self._staging()
-        end = end_marker_path(self._directory)
-        tmp = staging / f"END.{os.getpid()}.tmp"
-        try:
-            _write_file(tmp, str(step).encode("ascii"), self._fsync)
-            os.replace(tmp, end)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise _io_error("cannot write the end marker", end, exc) from exc
-        if self._fsync:
-            _fsync_dir(end.parent)
 
     async def aclose(self) -> None:
         """Nothing to release but the name; later sends raise `trio.ClosedResourceError`.
