@@ -85,3 +85,20 @@ def test_without_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"trio-rl\[learn\]"):
         build_figure([{"step": 1}])
+
+
+def test_inspect_reads_the_same_learning_run(learn_run: Path) -> None:
+    """(Here to share the learning run.) run.json, metrics.jsonl and weights/ summarised."""
+    done = trio_rl("inspect", str(learn_run), "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["run"]["steps"] == 4
+    assert data["run"]["group_size"] == 8
+    metrics = data["metrics"]
+    assert metrics["records"] == 4
+    assert metrics["steps"] == "1..4"
+    assert metrics["samples"] == sum(
+        r["samples"] for r in read_metrics(learn_run / "metrics.jsonl")
+    )
+    published = sorted(int(p.name.removeprefix("step_")) for p in (learn_run / "weights").iterdir())
+    assert data["weights"]["versions"] == published
