@@ -165,6 +165,7 @@ _RUN_FLAGS = (
     _Flag("--epochs", "trainer.epochs", {"type": int}),
     _Flag("--trainer-delay", "trainer.delay", {"type": float}),
     _Flag("--no-plot", "metrics.plot", {"action": "store_const", "const": False}),
+    _Flag("--plain", "metrics.display", {"action": "store_const", "const": "plain"}),
 )
 
 

@@ -148,7 +148,13 @@ class Metrics:
     """What a person watches: the per-step console lines, ``metrics.jsonl`` (always written) and
     the plot."""
 
-    console: bool = option(True, "print one line per step", may_change=True)
+    console: bool = option(True, "show every step", may_change=True)
+    display: Literal["auto", "plain", "table"] = option(
+        "auto",
+        "auto: a live table on a terminal with `rich` installed, else one plain line per step "
+        "(fit for a log file); plain; table",
+        may_change=True,
+    )
     plot: bool = option(True, "draw `plot.png` into the run directory at the end", may_change=True)
 
 

@@ -9,6 +9,7 @@ writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import math
@@ -98,6 +99,10 @@ class LearnConfig:
     threads: int = attrs.field(default=4, validator=_at_least(1))
     #: fsync every batch file.
     fsync: bool = False
+    #: Per-step display (with ``verbose``): ``"plain"`` lines, ``"table"`` the live console
+    #: table of :mod:`trio_rl.tools.console` (needs ``rich``), ``"auto"`` the table on a
+    #: terminal with ``rich`` installed, else plain lines.
+    display: Literal["auto", "plain", "table"] = "plain"
     #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
     #: moves its checkpoints aside and starts over.
     resume: bool = True
@@ -372,12 +377,18 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
         async with receive:
             async for shipment in receive:
                 rec = _record(shipment, lags, started, last_wall, version[0])
+                # what waits behind the step: samples queued in the sink, groups the rollout
+                # layer holds open (read when the record arrives, just after the ship)
+                rec["queue_depth"] = orch.sink.queued
+                rec["open_groups"] = orch.held_groups
                 lags.clear()
                 last_wall = rec["wall_s"]
                 metrics.append(rec)
                 line = json.dumps(rec) + "\n"
                 await trio.to_thread.run_sync(_append, metrics_path, line)
-                if config.verbose:
+                if display is not None:
+                    display.write(rec)
+                elif config.verbose:
                     reward = rec["reward_mean"]
                     print(
                         f"step {rec['step']:>4}  reward "
@@ -390,6 +401,7 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                     )
         drained.set()
 
+    display = _open_display(config)
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
@@ -512,6 +524,8 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
             )
         nursery.cancel_scope.cancel()
     wall = time.perf_counter() - begun
+    if display is not None:
+        display.close()
     if config.plot and metrics:
         await trio.to_thread.run_sync(write_plot, earlier + metrics, out / "plot.png", config.task)
     if config.verbose:
@@ -542,6 +556,19 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
     if (out / TRAINER_STATE).exists():  # set aside like the checkpoints, never deleted
         (out / TRAINER_STATE).replace(out / f"{TRAINER_STATE}.old-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / METRICS_FILE).write_text("")
+
+
+def _open_display(config: LearnConfig) -> Any:
+    """The live console table, when asked for and possible; None: plain lines."""
+    if not config.verbose or config.display == "plain":
+        return None
+    if config.display == "auto" and not (
+        sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
+    ):
+        return None
+    from ..tools.console import ConsoleDisplay
+
+    return ConsoleDisplay(plain=False)
 
 
 def _earlier_metrics(out: Path) -> list[dict[str, Any]]:
