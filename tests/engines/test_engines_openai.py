@@ -16,7 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_rl.engines import (
+    AbortSignal,
     Engine,
+    EngineConfigError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -180,14 +182,15 @@ def test_satisfies_engine_protocol() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"base_urls": []}, "at least one server"),
-        ({"base_urls": "localhost:8000"}, "not an http"),
+        ({"base_urls": []}, r"base_urls must be at least one http\(s\):// URL"),
+        ({"base_urls": "localhost:8000"}, r"base_urls must be an http\(s\):// URL"),
         ({"base_urls": "http://x", "timeout": 0}, "timeout must be > 0"),
         ({"base_urls": "http://x", "max_attempts": 0}, "max_attempts must be > 0"),
     ],
 )
 def test_bad_configuration_is_rejected(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    # the shared engine validators: EngineConfigError (a ValueError) naming class and field
+    with pytest.raises(EngineConfigError, match=match):
         OpenAICompatibleEngine(**kwargs)
 
 
@@ -384,6 +387,32 @@ async def test_cancellation_aborts_on_the_server_that_had_the_request(
     assert busy.aborts == [{"rid": "req-9"}]
     assert idle.aborts == []
     assert idle.requests == []
+
+
+async def test_abort_returns_an_abort_completion_and_aborts_engine_side(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(hang=True)
+    signal = AbortSignal()
+    async with engine(server.url) as e:
+        e.set_policy_version(4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_set_later, signal, 0.2)
+            with trio.fail_after(5):
+                completion = await e.generate(attrs.evolve(req(7), abort=signal))
+        assert completion.finish_reason == "abort"
+        assert completion.tokens == []
+        assert completion.policy_version == 4
+        assert server.aborts == [{"rid": "req-7"}]
+        # a signal already set stops the next request before it is answered
+        with trio.fail_after(5):
+            again = await e.generate(attrs.evolve(req(8), abort=signal))
+        assert again.finish_reason == "abort"
+
+
+async def _set_later(signal: AbortSignal, delay: float) -> None:
+    await trio.sleep(delay)
+    signal.set()
 
 
 async def test_cancellation_without_abort_path_sends_nothing(

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
 from trio_rl.engines import (
+    AbortSignal,
     EngineConfigError,
     EngineRequestError,
     EngineResponseError,
@@ -298,7 +300,7 @@ async def test_cancelling_every_sample_closes_the_http_request(
             assert state.requests, "the request never reached the server"
             # the batch task drops its HTTP request (vLLM aborts on disconnect) long before
             # the 3 s answer
-            nursery = engine._nursery
+            nursery = engine._batcher.nursery
             assert nursery is not None
             with trio.fail_after(1):
                 while nursery.child_tasks:  # noqa: ASYNC110 - no event marks a task's end
@@ -317,3 +319,45 @@ async def test_a_request_after_its_batch_was_abandoned_starts_a_new_one(
             # same prompt and settings while the abandoned batch would still be gathering
             completion = await engine.generate(second)
     assert completion.tokens == [2, EOS]
+
+
+async def test_abort_returns_at_once_and_closes_the_request_once_every_sample_left(
+    stand_in: tuple[StandIn, str],
+) -> None:
+    """vLLM's non-streaming answer has no partial output: an aborted sample returns an empty
+    ``abort`` completion at once; its siblings still get theirs; when every sample of the HTTP
+    request was aborted the request is closed (vLLM aborts on disconnect)."""
+    state, url = stand_in
+    state.delay = 0.5
+    one_signal, all_signal = AbortSignal(), AbortSignal()
+    with trio.fail_after(10):
+        async with open_vllm_engine(url, gather_window=0) as engine:
+            first, second = _group((5,), [1, 2])
+            requests = [attrs.evolve(first, abort=one_signal), second]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_set_after, one_signal, 0.1)
+                start = trio.current_time()
+                out = await _generate_all(engine, requests)
+            assert out[0].finish_reason == "abort"
+            assert out[0].tokens == []
+            assert out[1].finish_reason != "abort"
+            assert out[1].tokens
+            # every sample aborted: the batch task ends long before the 3 s answer
+            state.delay = 3.0
+            group = [attrs.evolve(r, abort=all_signal) for r in _group((6,), [1, 2])]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_set_after, all_signal, 0.1)
+                start = trio.current_time()
+                out = await _generate_all(engine, group)
+            assert [c.finish_reason for c in out] == ["abort", "abort"]
+            assert trio.current_time() - start < 2
+            nursery_ = engine._batcher.nursery
+            assert nursery_ is not None
+            with trio.fail_after(1):
+                while nursery_.child_tasks:  # noqa: ASYNC110 - no event marks a task's end
+                    await trio.sleep(0.01)
+
+
+async def _set_after(signal: AbortSignal, delay: float) -> None:
+    await trio.sleep(delay)
+    signal.set()

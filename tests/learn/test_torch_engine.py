@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 import trio
 
 from trio_rl.engines import (
+    AbortSignal,
     EngineError,
     GenerateRequest,
     SamplingParams,
@@ -225,3 +227,43 @@ async def test_top_p_samples_from_the_nucleus_and_reports_its_logprobs(
     for c in done:
         for token, lp in zip(c.tokens, c.logprobs, strict=True):
             assert lp == pytest.approx(expected[token], abs=1e-5)
+
+
+async def test_an_aborted_row_returns_its_tokens_and_a_continuation_decodes_on() -> None:
+    """Partial rollouts: the abort ends one row between decode steps with the tokens it has
+    (finish reason ``abort``); its siblings run on; prompt + partial tokens continues it."""
+    slow = _SlowModel(_model(max_len=64))
+    signal = AbortSignal()
+    results: dict[int, Any] = {}
+
+    async def one(engine: TorchEngine, i: int, abort: AbortSignal | None) -> None:
+        request = attrs.evolve(_request("ab=", i, max_tokens=40, temperature=0.0), abort=abort)
+        results[i] = await engine.generate(request)
+
+    with trio.fail_after(30):
+        async with TorchEngine.open(slow, eos_token_id=EOS, max_len=64) as engine:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, engine, 0, signal)
+                nursery.start_soon(one, engine, 1, None)
+                await trio.sleep(0.1)
+                signal.set()
+            partial, whole = results[0], results[1]
+            assert partial.finish_reason == "abort"
+            assert 1 <= len(partial.tokens) < len(whole.tokens)
+            assert len(partial.logprobs) == len(partial.tokens)
+            # greedy: the same row decoded on from its partial output gives the whole answer
+            prompt = TASK.tokenizer.encode("ab=")
+            rest = await engine.generate(
+                GenerateRequest(
+                    prompt_tokens=tuple(prompt) + tuple(partial.tokens),
+                    params=SamplingParams(max_tokens=40 - len(partial.tokens), temperature=0.0),
+                )
+            )
+    assert partial.tokens + rest.tokens == whole.tokens
+    assert rest.finish_reason == whole.finish_reason
+    assert partial.logprobs + rest.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+    # an abort set before the request arrives ends it with no tokens
+    async with TorchEngine.open(_model(), eos_token_id=EOS, max_len=64) as engine:
+        early = await engine.generate(attrs.evolve(_request("ab=", 5), abort=signal))
+    assert early.finish_reason == "abort"
+    assert early.tokens == []

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from types import TracebackType
 
 import trio
 
@@ -38,26 +37,41 @@ class AbortSignal:
         for scope in self._scopes:
             scope.cancel()
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[trio.CancelScope]:
+    def scope(self) -> StopScope:
         """A cancel scope that this signal cancels; already cancelled if the signal is set."""
-        scope = trio.CancelScope()
-        if self._set:
-            scope.cancel()
-        self._scopes.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._scopes.discard(scope)
+        return StopScope(self)
 
 
-@contextlib.contextmanager
-def stop_scope(signal: AbortSignal | None) -> Iterator[trio.CancelScope]:
+class StopScope:
+    """``with`` block of :meth:`AbortSignal.scope`: a ``trio.CancelScope`` registered with the
+    signal while it is open. ``__exit__`` is typed to swallow (it swallows the signal's own
+    cancellation), so type checkers see that code after the block is reachable."""
+
+    __slots__ = ("_scope", "_signal")
+
+    def __init__(self, signal: AbortSignal | None) -> None:
+        self._signal = signal
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> trio.CancelScope:
+        signal = self._signal
+        if signal is not None:
+            if signal._set:
+                self._scope.cancel()
+            signal._scopes.add(self._scope)
+        return self._scope.__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._signal is not None:
+            self._signal._scopes.discard(self._scope)
+        return bool(self._scope.__exit__(exc_type, exc, tb))
+
+
+def stop_scope(signal: AbortSignal | None) -> StopScope:
     """``signal.scope()``, or a scope nothing cancels when there is no signal."""
-    if signal is None:
-        with trio.CancelScope() as scope:
-            yield scope
-    else:
-        with signal.scope() as scope:
-            yield scope
+    return StopScope(signal)

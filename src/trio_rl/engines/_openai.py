@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -17,6 +16,7 @@ import trio
 
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
+from ._abort import stop_scope
 from ._errors import (
     EngineRequestError,
     EngineResponseError,
@@ -24,6 +24,7 @@ from ._errors import (
     EngineTransportError,
 )
 from ._protocol import Completion, FinishReason, GenerateRequest
+from ._validate import http_urls, non_negative, positive
 
 __all__ = ["OpenAICompatibleEngine", "parse_completion_response"]
 
@@ -36,24 +37,6 @@ _TOKEN_PREFIX = "token_id:"
 def _urls(value: str | Sequence[str]) -> tuple[str, ...]:
     urls = (value,) if isinstance(value, str) else tuple(value)
     return tuple(u.rstrip("/") for u in urls)
-
-
-def _non_empty(instance: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
-    if not value:
-        raise ValueError("OpenAICompatibleEngine.base_urls must name at least one server")
-    for url in value:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"OpenAICompatibleEngine.base_urls: {url!r} is not an http(s):// URL")
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not (value > 0 and not math.isnan(value)):
-        raise ValueError(f"OpenAICompatibleEngine.{attribute.name} must be > 0, got {value!r}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"OpenAICompatibleEngine.{attribute.name} must be >= 0, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -188,6 +171,12 @@ class OpenAICompatibleEngine:
     ``version_field`` of the response; the header ``version_header``; else the version last set
     with :meth:`set_policy_version` (0 at first).
 
+    **Abort** (:attr:`GenerateRequest.abort`): the request is dropped and aborted server-side
+    as on cancellation, and the call returns a completion with no tokens and finish reason
+    ``abort``. The non-streaming answer is never read, so the tokens the server generated for
+    it are lost (SGLang would return them in the aborted answer, but the connection is closed
+    first); a continuation starts again from the tokens the sample had before this request.
+
     **Cancellation.** If the call is cancelled (or times out) while a request is outstanding,
     the engine posts ``{"rid": <request id>}`` to ``abort_path`` of that server (SGLang's
     ``/abort_request``; set ``abort_path=None`` for vLLM, which aborts on disconnect) in a
@@ -195,15 +184,15 @@ class OpenAICompatibleEngine:
     Then ``Cancelled`` propagates.
     """
 
-    base_urls: tuple[str, ...] = attrs.field(converter=_urls, validator=_non_empty)
+    base_urls: tuple[str, ...] = attrs.field(converter=_urls, validator=http_urls)
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=_positive)
-    max_attempts: int = attrs.field(default=4, validator=_positive)
-    backoff: float = attrs.field(default=0.25, validator=_non_negative)
-    max_backoff: float = attrs.field(default=8.0, validator=_non_negative)
+    timeout: float = attrs.field(default=600.0, validator=positive)
+    max_attempts: int = attrs.field(default=4, validator=positive)
+    backoff: float = attrs.field(default=0.25, validator=non_negative)
+    max_backoff: float = attrs.field(default=8.0, validator=non_negative)
     completions_path: str = "/v1/completions"
     abort_path: str | None = "/abort_request"
-    abort_timeout: float = attrs.field(default=2.0, validator=_positive)
+    abort_timeout: float = attrs.field(default=2.0, validator=positive)
     request_id_field: str | None = "rid"
     version_field: str | None = "policy_version"
     version_header: str | None = "x-policy-version"
@@ -295,13 +284,20 @@ class OpenAICompatibleEngine:
             )
         rid = request.request_id or uuid.uuid4().hex
         body = self._body(request, rid)
-        try:
-            with trio.fail_after(self.timeout):
-                return await self._with_retries(client, request, rid, body)
-        except trio.TooSlowError:
-            raise EngineTimeoutError(
-                f"request {rid!r} did not finish within {self.timeout}s"
-            ) from None
+        completion: Completion | None = None
+        with stop_scope(request.abort):
+            try:
+                with trio.fail_after(self.timeout):
+                    completion = await self._with_retries(client, request, rid, body)
+            except trio.TooSlowError:
+                raise EngineTimeoutError(
+                    f"request {rid!r} did not finish within {self.timeout}s"
+                ) from None
+        if completion is not None:
+            return completion
+        # aborted: the server-side abort was posted on the way out of _post; a non-streaming
+        # answer has no partial output to return
+        return Completion([], [], "abort", self.version.value)
 
     async def _with_retries(
         self, client: httpx.AsyncClient, request: GenerateRequest, rid: str, body: dict[str, Any]

@@ -7,6 +7,7 @@ torch is an optional extra: this module imports it only when an engine is opened
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import random
 from collections.abc import AsyncIterator
@@ -19,9 +20,9 @@ import trio
 
 from ..policy import PolicyVersionCell, as_cell
 from ..samples import PolicyVersion
-from ._errors import EngineError
+from ._batching import PendingRow, RequestBatcher
+from ._errors import EngineConfigError, EngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
-from ._rows import PendingRow as _Row
 
 if TYPE_CHECKING:
     import torch
@@ -46,12 +47,6 @@ class TorchEngineStatistics:
     weight_loads: int
 
 
-@attrs.define(slots=True, eq=False)
-class _Batch:
-    key: tuple[Any, ...]
-    rows: list[_Row] = attrs.field(factory=list)
-
-
 def _sample(
     torch: Any, logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,16 +68,89 @@ def _sample(
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
+def _decode(
+    model: Any,
+    rows: list[PendingRow],
+    version: PolicyVersion,
+    *,
+    eos: int,
+    rng: random.Random,
+    counts: dict[str, int],
+) -> list[Completion | None]:
+    """Worker thread: decode ``rows`` (one prompt) step by step until all are finished.
+
+    Rows abandoned or aborted by their callers leave before the next step; an abandoned row
+    gets None, an aborted one its tokens so far with finish reason ``abort``.
+    """
+    import torch
+
+    first = rows[0].request
+    params = first.params
+    n = len(rows)
+    seeds = [r.request.params.seed for r in rows]
+    # One generator per batch, seeded by its rows' seeds: a group decoded together (as the
+    # group runner submits it) samples the same tokens on every run.
+    gen = torch.Generator()
+    if any(seed is None for seed in seeds):
+        gen.manual_seed(rng.getrandbits(63))
+    else:
+        gen.manual_seed(hash(tuple(seeds)) & (2**63 - 1))
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    finish: list[FinishReason | None] = [None] * n
+    active = list(range(n))
+    x = torch.tensor([first.prompt_tokens] * n, dtype=torch.int64)
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            trio.from_thread.check_cancelled()
+            keep = [j for j, i in enumerate(active) if not (rows[i].abandoned or rows[i].aborted)]
+            if len(keep) < len(active):
+                for i in active:
+                    if rows[i].abandoned or rows[i].aborted:
+                        finish[i] = "abort"
+                active = [active[j] for j in keep]
+                x = x[keep]
+            if not active:
+                break
+            logits = model(x)[:, -1].float()
+            counts["decode_steps"] += 1
+            step_tokens, step_logprobs = _sample(
+                torch, logits, params.temperature, params.top_p, gen
+            )
+            for i, tok, lp in zip(
+                active, step_tokens.tolist(), step_logprobs.tolist(), strict=True
+            ):
+                tokens[i].append(tok)
+                logprobs[i].append(lp)
+                if tok == eos:
+                    finish[i] = "stop"
+            x = torch.cat([x, step_tokens[:, None]], dim=1)
+            running = (step_tokens != eos).nonzero()[:, 0]
+            if len(running) < len(active):
+                active = [active[j] for j in running.tolist()]
+                x = x[running]
+    return [
+        None
+        if rows[i].abandoned
+        else Completion(tokens[i], logprobs[i], finish[i] or "length", version)
+        for i in range(n)
+    ]
+
+
 class TorchEngine:
     """An :class:`~trio_rl.engines.Engine` over an in-process causal LM (``model(ids [B, T]) ->
     logits [B, T, V]``), opened with ``async with TorchEngine.open(model, eos_token_id=...)``.
 
     Concurrent requests for the same prompt and sampling settings (the ``n`` samples of a
-    group) that arrive within ``gather_window`` seconds are generated together as one batch;
-    each batch decodes in a worker thread (``trio.to_thread.run_sync`` under ``limiter``),
-    without a KV cache (the models here are tiny). A batch samples from one generator seeded by
-    its rows' ``params.seed`` values, so a group decoded together gets the same tokens on every
-    run with the same weights.
+    group) that arrive within ``gather_window`` seconds are generated together as one batch
+    (:class:`~trio_rl.engines._batching.RequestBatcher`); each batch decodes in a worker thread
+    (``trio.to_thread.run_sync`` under ``limiter``), without a KV cache (the models here are
+    tiny). A batch samples from one generator seeded by its rows' ``params.seed`` values, so a
+    group decoded together gets the same tokens on every run with the same weights.
+
+    **Abort** (:attr:`GenerateRequest.abort`): the row is ended before the next decode step and
+    returns the tokens decoded so far with finish reason ``abort``. A continuation request
+    (prompt plus those tokens) decodes on from there.
 
     Cancelling a request marks its row abandoned: the decode thread drops it before the next
     decode step and stops when no row is left. Closing the engine stops every batch between two
@@ -106,20 +174,24 @@ class TorchEngine:
         seed: int = 0,
     ) -> None:
         if max_batch < 1:
-            raise ValueError(f"TorchEngine.max_batch must be >= 1, got {max_batch}")
+            raise EngineConfigError(f"TorchEngine.max_batch must be >= 1, got {max_batch}")
         if gather_window < 0:
-            raise ValueError(f"TorchEngine.gather_window must be >= 0, got {gather_window}")
+            raise EngineConfigError(f"TorchEngine.gather_window must be >= 0, got {gather_window}")
         self._model = model
         self._eos = eos_token_id
         self._max_len = max_len
-        self._max_batch = max_batch
-        self._window = gather_window
         self.limiter = limiter if limiter is not None else trio.CapacityLimiter(1)
         #: The policy-version cell this engine stamps (pass the pipeline's to share it).
         self.version = as_cell(policy_version)
         self._rng = random.Random(seed)
-        self._gathering: dict[tuple[Any, ...], _Batch] = {}
-        self._nursery: trio.Nursery | None = None
+        self._batcher = RequestBatcher(
+            "TorchEngine",
+            self._run_rows,
+            lambda: self.version.value,
+            window=gather_window,
+            max_rows=max_batch,
+            abort_waits=True,
+        )
         self._counts = dict.fromkeys(
             ("requests", "completions", "abandoned", "tokens", "batches", "decode_steps"), 0
         )
@@ -136,11 +208,11 @@ class TorchEngine:
         """
         engine = cls(model, **kwargs)
         async with trio.open_nursery() as nursery:
-            engine._nursery = nursery
+            engine._batcher.nursery = nursery
             try:
                 yield engine
             finally:
-                engine._nursery = None
+                engine._batcher.nursery = None
                 nursery.cancel_scope.cancel()
 
     @property
@@ -159,13 +231,14 @@ class TorchEngine:
         )
 
     async def generate(self, request: GenerateRequest) -> Completion:
-        """Generate one completion; see the class docstring for batching and cancellation.
+        """Generate one completion; see the class docstring for batching, abort and
+        cancellation (the row is dropped and `trio.Cancelled` propagates).
 
         Raises ``trio.ClosedResourceError`` outside :meth:`open`
         and :class:`~trio_rl.engines.EngineError` when the prompt is empty or too long for the
         model, or when the decode thread fails.
         """
-        if self._nursery is None:
+        if self._batcher.nursery is None:
             raise trio.ClosedResourceError("TorchEngine used outside TorchEngine.open()")
         if not request.prompt_tokens:
             raise EngineError(f"request {request.request_id!r}: empty prompt")
@@ -176,54 +249,30 @@ class TorchEngine:
                 f"max_tokens {p.max_tokens} exceed the model's max_len {self._max_len}"
             )
         self._counts["requests"] += 1
-        row = _Row(request)
-        key = (request.prompt_tokens, p.max_tokens, p.temperature, p.top_p)
-        batch = self._gathering.get(key)
-        if batch is None or len(batch.rows) >= self._max_batch:
-            batch = _Batch(key)
-            self._gathering[key] = batch
-            self._nursery.start_soon(self._run_batch, batch)
-        batch.rows.append(row)
         try:
-            await row.done.wait()
-        except BaseException:
-            row.abandoned = True
+            return await self._batcher.submit(request)
+        except trio.Cancelled:
             self._counts["abandoned"] += 1
             raise
-        if isinstance(row.error, trio.ClosedResourceError):
-            raise row.error
-        if row.error is not None:
-            raise EngineError(
-                f"request {request.request_id!r}: the decode thread failed: {row.error!r}"
-            ) from row.error
-        assert row.completion is not None
-        return row.completion
-
-    async def _run_batch(self, batch: _Batch) -> None:
-        try:
-            await trio.sleep(self._window)  # let the rest of the group join
-        except trio.Cancelled:
-            closed = trio.ClosedResourceError("TorchEngine closed before the batch ran")
-            self._fail(batch.rows, closed)
+        except (trio.ClosedResourceError, EngineError):
             raise
-        finally:
-            if self._gathering.get(batch.key) is batch:
-                del self._gathering[batch.key]
-        rows = [r for r in batch.rows if not r.abandoned]
-        if not rows:
-            return
+        except Exception as exc:
+            raise EngineError(
+                f"request {request.request_id!r}: the decode thread failed: {exc!r}"
+            ) from exc
+
+    async def _run_rows(self, rows: list[PendingRow]) -> None:
         model, version = self._model, self.version.value
         self._running += 1
         self._counts["batches"] += 1
         try:
+            decode = functools.partial(_decode, eos=self._eos, rng=self._rng, counts=self._counts)
             results = await trio.to_thread.run_sync(
-                self._decode, model, rows, version, limiter=self.limiter
+                decode, model, rows, version, limiter=self.limiter
             )
-        except trio.Cancelled:
-            self._fail(rows, trio.ClosedResourceError("TorchEngine closed during generation"))
-            raise
         except Exception as exc:
-            self._fail(rows, exc)
+            for r in rows:
+                r.error = exc
             return
         finally:
             self._running -= 1
@@ -232,79 +281,6 @@ class TorchEngine:
             if completion is not None:
                 self._counts["completions"] += 1
                 self._counts["tokens"] += len(completion.tokens)
-            r.done.set()
-
-    @staticmethod
-    def _fail(rows: list[_Row], error: BaseException) -> None:
-        for r in rows:
-            r.error = error
-            r.done.set()
-
-    def _decode(
-        self, model: Any, rows: list[_Row], version: PolicyVersion
-    ) -> list[Completion | None]:
-        """Worker thread: decode ``rows`` (one prompt) step by step until all are finished."""
-        import torch
-
-        first = rows[0].request
-        params = first.params
-        n = len(rows)
-        seeds = [r.request.params.seed for r in rows]
-        # One generator per batch, seeded by its rows' seeds: a group decoded together (as the
-        # group runner submits it) samples the same tokens on every run.
-        gen = torch.Generator()
-        if any(seed is None for seed in seeds):
-            gen.manual_seed(self._rng.getrandbits(63))
-        else:
-            gen.manual_seed(hash(tuple(seeds)) & (2**63 - 1))
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        finish: list[FinishReason | None] = [None] * n
-        active = list(range(n))
-        x = torch.tensor([first.prompt_tokens] * n, dtype=torch.int64)
-        with torch.no_grad():
-            for _ in range(params.max_tokens):
-                trio.from_thread.check_cancelled()
-                if any(rows[i].abandoned for i in active):
-                    keep = [j for j, i in enumerate(active) if not rows[i].abandoned]
-                    for i in active:
-                        if rows[i].abandoned:
-                            finish[i] = "abort"
-                    active = [active[j] for j in keep]
-                    x = x[keep]
-                if not active:
-                    break
-                logits = model(x)[:, -1].float()
-                self._counts["decode_steps"] += 1
-                step_tokens, step_logprobs = _sample(
-                    torch, logits, params.temperature, params.top_p, gen
-                )
-                for i, tok, lp in zip(
-                    active, step_tokens.tolist(), step_logprobs.tolist(), strict=True
-                ):
-                    tokens[i].append(tok)
-                    logprobs[i].append(lp)
-                    if tok == self._eos:
-                        finish[i] = "stop"
-                x = torch.cat([x, step_tokens[:, None]], dim=1)
-                running = (step_tokens != self._eos).nonzero()[:, 0]
-                if len(running) < len(active):
-                    active = [active[j] for j in running.tolist()]
-                    x = x[running]
-        out: list[Completion | None] = []
-        for i in range(n):
-            if rows[i].abandoned:
-                out.append(None)
-                continue
-            out.append(
-                Completion(
-                    tokens=tokens[i],
-                    logprobs=logprobs[i],
-                    finish_reason=finish[i] or "length",
-                    policy_version=version,
-                )
-            )
-        return out
 
     async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None:
         """Load the safetensors weights at ``path`` (a file, or a directory holding

@@ -70,3 +70,15 @@ def probability(instance: object, attribute: attrs.Attribute[Any], value: object
 def open_unit(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not (_is_number(value) and 0.0 < value <= 1.0):  # type: ignore[operator]
         _fail(instance, attribute, value, "in (0, 1]")
+
+
+def http_urls(
+    instance: object, attribute: attrs.Attribute[Any], value: str | tuple[str, ...]
+) -> None:
+    """One ``http(s)://`` URL, or a non-empty tuple of them."""
+    urls = (value,) if isinstance(value, str) else value
+    if not urls:
+        _fail(instance, attribute, value, "at least one http(s):// URL")
+    for url in urls:
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            _fail(instance, attribute, url, "an http(s):// URL")

@@ -24,8 +24,9 @@ import trio
 
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
+from ._batching import PendingRow as _Row
+from ._batching import RequestBatcher
 from ._errors import (
-    EngineConfigError,
     EngineError,
     EngineRequestError,
     EngineResponseError,
@@ -34,7 +35,7 @@ from ._errors import (
 )
 from ._openai import parse_completion_response
 from ._protocol import Completion, GenerateRequest
-from ._rows import PendingRow as _Row
+from ._validate import http_urls
 from ._validate import non_negative as _non_negative
 from ._validate import positive as _positive
 
@@ -43,13 +44,6 @@ __all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
 
 def _url(value: str) -> str:
     return value.rstrip("/")
-
-
-def _http_url(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not value.startswith(("http://", "https://")):
-        raise EngineConfigError(
-            f"{type(instance).__name__}.{attribute.name}: {value!r} is not an http(s):// URL"
-        )
 
 
 @attrs.define(slots=True, eq=False)
@@ -63,7 +57,7 @@ class VLLMAdmin:
     :class:`EngineTransportError`; each message names the URL.
     """
 
-    base_url: str = attrs.field(converter=_url, validator=_http_url)
+    base_url: str = attrs.field(converter=_url, validator=http_urls)
     timeout: float = attrs.field(default=60.0, validator=_positive)
     headers: Mapping[str, str] = attrs.field(factory=dict)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
@@ -182,13 +176,6 @@ class VLLMAdmin:
         await self._call("POST", "/reset_prefix_cache")
 
 
-@attrs.define(slots=True, eq=False)
-class _Batch:
-    key: tuple[Any, ...]
-    rows: list[_Row] = attrs.field(factory=list)
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-
-
 def _seed_runs(rows: list[_Row]) -> list[list[_Row]]:
     """Rows split into runs of consecutive seeds (vLLM gives sample ``i`` of a request with
     ``seed`` s and ``n`` k the seed ``s + i``), so a sample's tokens depend on its own seed only.
@@ -226,11 +213,16 @@ class VLLMEngine:
     runs entirely on the new weights; one in flight during a reload is reported as the older
     version (never fresher than it is).
 
+    **Abort** (:attr:`GenerateRequest.abort`): the sample is dropped like a cancelled one and
+    returns at once with no tokens and finish reason ``abort``: a non-streaming answer carries
+    no partial output, so the aborted span is lost and a continuation starts again from the
+    tokens the sample had before this request.
+
     **Cancellation.** A cancelled caller's sample is dropped; when every sample of an HTTP
     request is dropped the request is closed, which makes vLLM abort it.
     """
 
-    base_url: str = attrs.field(converter=_url, validator=_http_url)
+    base_url: str = attrs.field(converter=_url, validator=http_urls)
     model: str = "default"
     timeout: float = attrs.field(default=600.0, validator=_positive)
     admin_timeout: float = attrs.field(default=60.0, validator=_positive)
@@ -242,14 +234,24 @@ class VLLMEngine:
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
-    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
-    _gathering: dict[tuple[Any, ...], _Batch] = attrs.field(init=False, factory=dict)
+    _batcher: RequestBatcher = attrs.field(init=False)
     #: The policy-version cell this engine stamps; pass the pipeline's to share it.
     version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
     _counts: dict[str, int] = attrs.field(
         init=False,
         factory=lambda: {"requests": 0, "http_requests": 0, "tokens": 0, "weight_loads": 0},
     )
+
+    @_batcher.default
+    def _make_batcher(self) -> RequestBatcher:
+        return RequestBatcher(
+            "VLLMEngine",
+            self._run_rows,
+            lambda: self.version.value,
+            window=self.gather_window,
+            max_rows=self.max_n,
+            abort_waits=False,
+        )
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -283,55 +285,19 @@ class VLLMEngine:
         self._counts["weight_loads"] += 1
 
     async def generate(self, request: GenerateRequest) -> Completion:
-        """One completion; see the class docstring for batching, errors and cancellation."""
-        if self._nursery is None:
+        """One completion; see the class docstring for batching, errors, abort and
+        cancellation (the sample is dropped and `trio.Cancelled` propagates)."""
+        if self._batcher.nursery is None:
             raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
         if not request.prompt_tokens:
             raise EngineError(f"request {request.request_id!r}: empty prompt")
         self._counts["requests"] += 1
-        p = request.params
-        key = (request.prompt_tokens, p.max_tokens, p.temperature, p.top_p)
-        batch = self._gathering.get(key)
-        if batch is None or len(batch.rows) >= self.max_n:
-            batch = _Batch(key)
-            self._gathering[key] = batch
-            self._nursery.start_soon(self._run_batch, batch)
-        row = _Row(request)
-        batch.rows.append(row)
-        try:
-            await row.done.wait()
-        except BaseException:
-            row.abandoned = True
-            if all(r.abandoned for r in batch.rows):
-                # a later request for the same prompt must not join a cancelled batch
-                if self._gathering.get(batch.key) is batch:
-                    del self._gathering[batch.key]
-                batch.scope.cancel()
-            raise
-        if row.error is not None:
-            raise row.error
-        assert row.completion is not None
-        return row.completion
+        return await self._batcher.submit(request)
 
-    async def _run_batch(self, batch: _Batch) -> None:
-        try:
-            with batch.scope:
-                await trio.sleep(self.gather_window)
-                if self._gathering.get(batch.key) is batch:
-                    del self._gathering[batch.key]
-                async with trio.open_nursery() as nursery:
-                    for run in _seed_runs([r for r in batch.rows if not r.abandoned]):
-                        nursery.start_soon(self._run_request, run)
-        finally:
-            if self._gathering.get(batch.key) is batch:
-                del self._gathering[batch.key]
-            for r in batch.rows:
-                if not r.done.is_set():
-                    if r.error is None and r.completion is None:
-                        r.error = trio.ClosedResourceError(
-                            "VLLMEngine closed before the request ran"
-                        )
-                    r.done.set()
+    async def _run_rows(self, rows: list[_Row]) -> None:
+        async with trio.open_nursery() as nursery:
+            for run in _seed_runs(rows):
+                nursery.start_soon(self._run_request, run)
 
     async def _run_request(self, rows: list[_Row]) -> None:
         first = rows[0].request
@@ -377,8 +343,6 @@ class VLLMEngine:
         except (EngineError, trio.ClosedResourceError) as exc:
             for r in rows:
                 r.error = exc
-        for r in rows:
-            r.done.set()
 
     async def _post(self, url: str, rid: str, body: dict[str, Any], where: str) -> Any:
         client = self._client
@@ -433,9 +397,9 @@ async def open_vllm_engine(base_url: str, **kwargs: Any) -> AsyncIterator[VLLMEn
         VLLMAdmin(engine.base_url, timeout=engine.admin_timeout) as admin,
         trio.open_nursery() as nursery,
     ):
-        engine._client, engine._admin, engine._nursery = client, admin, nursery
+        engine._client, engine._admin, engine._batcher.nursery = client, admin, nursery
         try:
             yield engine
         finally:
-            engine._nursery = engine._client = engine._admin = None
+            engine._batcher.nursery = engine._client = engine._admin = None
             nursery.cancel_scope.cancel()
