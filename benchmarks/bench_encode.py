@@ -12,7 +12,10 @@ micro-batches:
 - ``#3811 BytesIO``     header + each item's msgspec encoding into BytesIO (reference "after")
 
 and the figures the reference quoted. Then encode/decode throughput for a binary-dominated and
-a list-dominated payload. msgspec columns need msgspec (a test dependency).
+a list-dominated payload, for trio-rl's codec with msgspec as its accelerator (the default when
+msgspec is installed), on msgpack alone (the baseline), and for msgspec itself (the reference's
+typed encoder and decoder). Repetitions are interleaved; each figure is the median and the
+spread (min-max) over them. msgspec columns need msgspec (a test dependency).
 
     python benchmarks/bench_encode.py [--trials 3] [--list-mib 16]
 """
@@ -21,13 +24,14 @@ import argparse
 import gc
 import io
 import os
+import statistics
 import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trio_rl.wire import MicroBatch, RoutedExperts, decode, encode, encode_into
+from trio_rl.wire import MicroBatch, RoutedExperts, _accel, decode, encode, encode_into
 
 try:
     import msgspec
@@ -177,15 +181,39 @@ def peak_mib(fn: Callable[[], object], trials: int) -> float:
     return worst / MiB
 
 
-def best_seconds(fn: Callable[[], object], trials: int) -> float:
-    """Best CPU time (user + system) of ``fn``: robust on a machine shared with other jobs."""
-    best = float("inf")
+def cpu_seconds(fn: Callable[[], object]) -> float:
+    """CPU time (user + system) of one call: robust on a machine shared with other jobs."""
+    gc.collect()
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def baseline(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with trio-rl's codec on msgpack alone (the msgspec accelerator off)."""
+
+    def run() -> object:
+        enabled = _accel.ENABLED
+        _accel.ENABLED = False
+        try:
+            return fn()
+        finally:
+            _accel.ENABLED = enabled
+
+    return run
+
+
+def interleaved(fns: dict[str, Callable[[], object]], trials: int) -> dict[str, list[float]]:
+    """CPU seconds of each function over ``trials`` rounds, one call of each per round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(trials):
-        gc.collect()
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
+        for name, fn in fns.items():
+            times[name].append(cpu_seconds(fn))
+    return times
+
+
+def summary(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
 def memory_row(name: str, sizes: list[int], trials: int, path: str) -> list[float]:
@@ -208,27 +236,39 @@ def memory_row(name: str, sizes: list[int], trials: int, path: str) -> list[floa
     return [*row, REFERENCE_BEFORE[name], REFERENCE_AFTER[name]]
 
 
-def throughput_row(mbs: list[MicroBatch], trials: int, path: str) -> tuple[list[float], float]:
+def throughput(
+    mbs: list[MicroBatch], trials: int, path: str
+) -> tuple[float, dict[str, list[float]], dict[str, float]]:
+    """Encoded size (MiB), MiB per CPU second of each codec, and encode peaks (MiB)."""
     data = encode(mbs)
+    assert baseline(lambda: encode(mbs))() == data, "the backends disagree"
     size = len(data) / MiB
 
     def into_file() -> int:
         with open(path, "wb") as f:
             return encode_into(mbs, f)
 
-    row = [
-        size,
-        size / best_seconds(lambda: encode(mbs), trials),
-        size / best_seconds(into_file, trials),
-        size / best_seconds(lambda: decode(data), trials),
-    ]
+    fns: dict[str, Callable[[], object]] = {"encode": lambda: encode(mbs)}
     if msgspec is not None:
         ref = to_ref(mbs)
+        assert msgspec_whole(ref) == data, "not byte-identical to the reference"
         enc = msgspec.msgpack.Encoder()
         dec = msgspec.msgpack.Decoder(list[type(ref[0])])  # type: ignore[misc]
-        row.append(size / best_seconds(lambda: enc.encode(ref), trials))
-        row.append(size / best_seconds(lambda: dec.decode(data), trials))
-    return row, peak_mib(lambda: encode(mbs), 1)
+        fns["msgspec enc"] = lambda: enc.encode(ref)
+    fns["encode_into"] = into_file
+    fns["encode msgpack"] = baseline(lambda: encode(mbs))
+    fns["decode"] = lambda: decode(data)
+    if msgspec is not None:
+        fns["msgspec dec"] = lambda: dec.decode(data)
+    fns["decode msgpack"] = baseline(lambda: decode(data))
+    rates = {name: [size / t for t in ts] for name, ts in interleaved(fns, trials).items()}
+    peaks = {
+        "encode": peak_mib(lambda: encode(mbs), 1),
+        "encode msgpack": peak_mib(baseline(lambda: encode(mbs)), 1),
+    }
+    if msgspec is not None:
+        peaks["msgspec"] = peak_mib(lambda: enc.encode(ref), 1)
+    return size, rates, peaks
 
 
 def main() -> None:
@@ -257,12 +297,12 @@ def main() -> None:
             print(f"{name:<15}" + "".join(f"{v:>18.1f}" for v in row))
 
         print()
-        print(f"Throughput (best of {args.trials}), MiB of encoded payload per CPU second")
+        print(
+            f"Throughput, MiB of encoded payload per CPU second: median [min-max] over "
+            f"{args.trials} interleaved repetitions ('msgpack': trio-rl's codec without the "
+            f"msgspec accelerator{'' if _accel.ENABLED else '; accelerator disabled'})"
+        )
         tokens = args.list_mib * MiB // 47  # ~47 encoded bytes per token over the 9 streams
-        head = ["size MiB", "encode", "encode_into", "decode"]
-        if msgspec is not None:
-            head += ["msgspec enc", "msgspec dec"]
-        print(f"{'payload':<20}" + "".join(f"{c:>14}" for c in head))
         payloads = {
             "binary 64 MiB x1": lambda: [micro_batch(64 * MiB)],
             f"lists ~{args.list_mib} MiB x4": lambda: [
@@ -270,9 +310,20 @@ def main() -> None:
             ],
         }
         for name, build in payloads.items():
-            row, peak = throughput_row(build(), args.trials, path)
-            print(f"{name:<20}" + "".join(f"{v:>14.1f}" for v in row))
-            print(f"{'':<20}  encode peak {peak:.1f} MiB for {row[0]:.1f} MiB of payload")
+            size, rates, peaks = throughput(build(), args.trials, path)
+            print(f"{name} ({size:.1f} MiB):")
+            for codec, values in rates.items():
+                print(f"  {codec:<16}{summary(values):>22}")
+            if msgspec is not None:
+                for op in ("enc", "dec"):
+                    ours = statistics.median(rates[f"{op}ode"])
+                    ref = statistics.median(rates[f"msgspec {op}"])
+                    print(f"  {op}ode / msgspec {op}: {ours / ref:.2f}x (medians)")
+            print(
+                "  encode peak MiB: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items())
+                + f" (for {size:.1f} MiB of payload)"
+            )
 
 
 if __name__ == "__main__":

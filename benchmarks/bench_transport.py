@@ -20,6 +20,7 @@ in production). Each received payload is checked (length, head and tail bytes).
 
     python benchmarks/bench_transport.py                 # 16 x 64 MiB, well under a minute
     python benchmarks/bench_transport.py --repeat 3 --fsync
+    python benchmarks/bench_transport.py --repeat 5 --zmq-only   # the ZeroMQ goal (trio/threads)
 """
 
 from __future__ import annotations
@@ -231,6 +232,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--fsync", action="store_true", help="fsync each file (default off)")
+    parser.add_argument("--zmq-only", action="store_true", help="skip the file transport rows")
     args = parser.parse_args()
     size = args.size_mib << 20
     n = args.messages
@@ -242,16 +244,22 @@ def main() -> None:
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     rows: dict[str, list[tuple[float, str]]] = {}
-    for _ in range(args.repeat):
+    ratios: list[float] = []
+    for rep in range(args.repeat):
         beat = trio.run(idle_heartbeat)
         rows.setdefault("(idle loop, no transfer: lag baseline)", []).append((0.0, beat.summary()))
-        t = bench_blocking_threads(payloads, n, args.hwm, args.window)
-        rows.setdefault("zmq blocking threads (pyzmq)", []).append((total_gb / t, "n/a"))
-        t, beat = trio.run(bench_trio_zmq, payloads, n, args.hwm, args.window)
+        # Alternate which ZeroMQ mode goes first: the machine's load drifts between runs.
+        for mode in ("threads", "trio") if rep % 2 == 0 else ("trio", "threads"):
+            if mode == "threads":
+                t_threads = bench_blocking_threads(payloads, n, args.hwm, args.window)
+            else:
+                t_trio, beat = trio.run(bench_trio_zmq, payloads, n, args.hwm, args.window)
+        rows.setdefault("zmq blocking threads (pyzmq)", []).append((total_gb / t_threads, "n/a"))
         rows.setdefault("zmq trio (ZmqSender/Receiver)", []).append(
-            (total_gb / t, beat.summary())
+            (total_gb / t_trio, beat.summary())
         )
-        for use_mmap in (False, True):
+        ratios.append(t_threads / t_trio)
+        for use_mmap in () if args.zmq_only else (False, True):
             t, beat = trio.run(bench_trio_files, payloads, n, args.window, args.fsync, use_mmap)
             name = "files trio (FileSender/Receiver" + (", use_mmap)" if use_mmap else ")")
             rows.setdefault(name, []).append((total_gb / t, beat.summary()))
@@ -261,6 +269,12 @@ def main() -> None:
         lags = " | ".join(lag for _, lag in results)
         med = statistics.median(r for r, _ in results)
         print(f"{name:46} {rates:16} (med {med:.2f})  {lags}")
+    print(
+        "zmq trio / blocking threads, per run: "
+        + " ".join(f"{r:.2f}" for r in ratios)
+        + f"  (median {statistics.median(ratios):.2f}x, "
+        f"spread {min(ratios):.2f}-{max(ratios):.2f})"
+    )
 
 
 if __name__ == "__main__":
