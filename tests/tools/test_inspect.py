@@ -14,9 +14,8 @@ import pytest
 import trio
 from tools_helpers import simulate, trio_rl
 
-from trio_rl.errors import CheckpointError, WireFormatError
-from trio_rl.tools import InspectError
-from trio_rl.tools.inspect_cmd import inspect_path
+from trio_rl.errors import CheckpointError, TrioRLError, WireFormatError
+from trio_rl.tools.inspect_cmd import inspect_path, render
 from trio_rl.train import CheckpointManager, read_checkpoint
 from trio_rl.transport import FileSender, batch_path
 from trio_rl.wire import MicroBatch, PayloadSegment, encode
@@ -35,6 +34,20 @@ def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> st
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+def _data(path: Path) -> dict[str, object]:
+    """In process, what ``--json`` prints (the subprocess tests cover the command itself)."""
+    data = json.loads(json.dumps(inspect_path(path).data, default=str))
+    assert isinstance(data, dict)
+    return data
+
+
+def _error(path: Path, *needles: str) -> None:
+    with pytest.raises(TrioRLError) as caught:
+        inspect_path(path)
+    for needle in needles:
+        assert needle in str(caught.value), str(caught.value)
 
 
 def _json(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
@@ -79,7 +92,7 @@ def test_the_text_summary_reads_as_sections(sim_run: Path) -> None:
 
 def test_a_checkpoint_file(sim_run: Path) -> None:
     path = sim_run / "checkpoints" / "step_00000001.ckpt"
-    data = _json(trio_rl("inspect", str(path), "--json"))
+    data = _data(path)
     ckpt = read_checkpoint(path)
     assert data["kind"] == "checkpoint"
     assert data["step"] == 1
@@ -118,13 +131,13 @@ def test_damaged_checkpoints_are_one_line_naming_file_and_place(
 
     truncated = tmp_path / "step_00000003.ckpt"
     truncated.write_bytes(good.read_bytes()[:-7])
-    _one_line_error(trio_rl("inspect", str(truncated)), str(truncated), "truncated")
+    _error(truncated, str(truncated), "truncated")
 
     bad_field = tmp_path / "step_00000004.ckpt"
     _rewrite_body(good, bad_field, lambda meta: meta.__setitem__("n_queued", "three"))
     with pytest.raises(CheckpointError):
         read_checkpoint(bad_field)
-    _one_line_error(trio_rl("inspect", str(bad_field)), str(bad_field), "n_queued", "byte offset")
+    _error(bad_field, str(bad_field), "n_queued", "byte offset 16")
 
 
 def test_a_run_directory_with_a_damaged_checkpoint(sim_run: Path, tmp_path: Path) -> None:
@@ -182,11 +195,11 @@ def test_a_batch_file_written_by_the_file_sender(tmp_path: Path) -> None:
     assert data["env_names"] == ["math"]
     assert data["optional_fields"] == ["payload"]
     assert data["payload_files"] == {"referenced": 2, "missing": [str(missing)]}
-    text = trio_rl("inspect", str(path)).stdout
+    text = "\n".join(render(inspect_path(path).data)) + "\n"
     assert "micro batches: 2\n" in text
     assert f'missing: 1 ["{missing}"]' in text
     # the run directory around it lists the pending file
-    run = _json(trio_rl("inspect", str(tmp_path), "--json"))
+    run = _data(tmp_path)
     assert run["batches"]["pending"]["step 7 rank 0"]["tokens"] == 16
 
 
@@ -194,10 +207,10 @@ def test_damaged_batch_files_name_file_offset_and_field(tmp_path: Path) -> None:
     payload = encode(_micro_batches(tmp_path / "x", tmp_path / "y"))
     truncated = tmp_path / "rank_0.bin"
     truncated.write_bytes(payload[:-5])
-    line = _one_line_error(trio_rl("inspect", str(truncated)), str(truncated), "byte offset")
     with pytest.raises(WireFormatError) as caught:
         inspect_path(truncated)
-    assert f"byte offset {caught.value.offset}" in line
+    assert caught.value.source == str(truncated)
+    assert f"byte offset {caught.value.offset}" in str(caught.value)
 
     # a loss mask of ints: well-formed MessagePack, the wrong type in one field
     fields = [
@@ -221,7 +234,7 @@ def test_damaged_batch_files_name_file_offset_and_field(tmp_path: Path) -> None:
 def test_an_outbox_written_by_the_checkpoint_manager(tmp_path: Path) -> None:
     payload = encode(_micro_batches(tmp_path / "x", tmp_path / "y"))
     path = CheckpointManager(tmp_path).write_outbox(3, [payload, payload])
-    data = _json(trio_rl("inspect", str(path), "--json"))
+    data = _data(path)
     assert data["kind"] == "outbox"
     assert data["step"] == 3
     assert sorted(data["ranks"]) == ["rank 0", "rank 1"]
@@ -229,12 +242,10 @@ def test_an_outbox_written_by_the_checkpoint_manager(tmp_path: Path) -> None:
     damaged = tmp_path / "copy" / path.name
     damaged.parent.mkdir()
     damaged.write_bytes(path.read_bytes()[:-3])
-    _one_line_error(trio_rl("inspect", str(damaged)), str(damaged), "outbox")
+    _error(damaged, str(damaged), "outbox")
 
 
 def test_paths_that_are_not_runs(tmp_path: Path) -> None:
     _one_line_error(trio_rl("inspect", str(tmp_path)), str(tmp_path), "not a run directory")
     gone = tmp_path / "nope"
-    _one_line_error(trio_rl("inspect", str(gone)), str(gone), "no such file")
-    with pytest.raises(InspectError):
-        inspect_path(gone)
+    _error(gone, str(gone), "no such file")
