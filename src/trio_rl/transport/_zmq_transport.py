@@ -144,6 +144,10 @@ class ZmqSender(Sender):
         return frozenset(self._ready_ranks)
 
     async def __aenter__(self) -> ZmqSender:
+        """Bind both sockets; `TransportError` if a port is taken.
+
+        Cancellation: a checkpoint on entry; if it raises `trio.Cancelled` nothing was bound.
+        """
         await trio.lowlevel.checkpoint()
         if self._closed or self._ctx is not None:
             raise RuntimeError("a ZmqSender can be entered only once")
@@ -367,6 +371,10 @@ class ZmqReceiver(Receiver):
         return _endpoint(self._host, self._port)
 
     async def __aenter__(self) -> ZmqReceiver:
+        """Subscribe, connect and start the READY task (the sender may come up later).
+
+        Cancellation: a checkpoint on entry; if it raises `trio.Cancelled` nothing was opened.
+        """
         await trio.lowlevel.checkpoint()
         if self._closed or self._ctx is not None:
             raise RuntimeError("a ZmqReceiver can be entered only once")
