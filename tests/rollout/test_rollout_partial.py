@@ -172,6 +172,14 @@ async def test_group_finishing_during_the_abort_is_kept_not_lost(
     assert first.statistics.cancelled == 0
     assert [g.group_index for g in driver.held_groups()] == [1, 2]
 
+    # a call cancelled part-way takes nothing away from what is kept
+    with trio.move_on_after(0.5):
+        await driver.generate(2)
+    assert [g.group_index for g in driver.held_groups()] == [1, 2]
+    held2 = driver.held_groups()[1]
+    assert [s.status for s in held2.samples] == [SampleStatus.ABORTED] * G
+    assert [s.completion_tokens for s in held2.samples] == [[1], [1]]
+
     second = await driver.generate(2)
     assert [g.group_index for g in second.groups] == [1, 2]
     assert second.statistics.carried_in == 1
@@ -179,8 +187,8 @@ async def test_group_finishing_during_the_abort_is_kept_not_lost(
     assert second.statistics.submitted == 3
     group2 = second.groups[1]
     assert [s.completion_tokens for s in group2.samples] == [[1, 2], [1, 2]]
-    assert all(starts[s.index] == 2 for s in group2.samples)
-    assert src.take().key == "p5"  # no prompt went back to the source
+    assert all(starts[s.index] == 3 for s in group2.samples)  # the cancelled call started it too
+    assert src.take().key == "p7"  # no prompt went back to the source
 
 
 async def test_surplus_of_the_main_loop_is_kept_for_the_next_call(

@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from ..engines import AbortSignal
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup
+from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, SampleStatus
 from ._credits import (
     CreditScheduler,
     GroupGranularity,
@@ -172,10 +172,11 @@ class SyncRolloutDriver:
         """The groups kept for the next call: finished ones, then partial ones (not copies)."""
         return [*self._finished, *self._partial]
 
-    def _next_group(self, policy_version: PolicyVersion) -> Group | None:
+    def _next_group(self, policy_version: PolicyVersion, continued: list[Group]) -> Group | None:
         if self._partial:
             group = self._partial.popleft()
             reopen_aborted(group)
+            continued.append(group)
             return group
         if self._resumed:
             return self.factory.resume(self._resumed.popleft())
@@ -184,6 +185,18 @@ class SyncRolloutDriver:
         except SourceExhausted:
             return None
         return self.factory.make(prompt, policy_version)
+
+    def _restore(self, carried: list[Group], continued: list[Group], accepted: list[Group]) -> None:
+        """A call that ends abnormally gives back what it took from the kept groups."""
+        self._finished.extendleft(reversed(carried))
+        taken = {id(g) for g in accepted}
+        for group in reversed(continued):
+            if id(group) in taken:
+                continue
+            for sample in group.samples:  # untouched by the cancelled call: keep as it was
+                if sample.status is SampleStatus.PENDING:
+                    sample.status = SampleStatus.ABORTED
+            self._partial.appendleft(group)
 
     def _keep_partial(self, group: Group) -> None:
         for sample in group.samples:
@@ -209,8 +222,9 @@ class SyncRolloutDriver:
         Any other error (a failing source or filter, ``max_failures`` exceeded) cancels the
         running groups, gives the prompts of the groups accepted so far back to the source, and
         propagates unwrapped. On cancellation every group started by this call is cancelled
-        and settled before ``trio.Cancelled`` propagates; nothing keeps running, and groups
-        kept from an earlier call stay kept.
+        and settled before ``trio.Cancelled`` propagates; nothing keeps running. After either,
+        the groups kept from an earlier call are kept again (a continued partial group with
+        the output it had; work it gained during the call is lost).
         """
         check_int("SyncRolloutDriver.generate", "batch_size", batch_size, minimum=1)
         if self.scheduler is not None:
@@ -223,6 +237,9 @@ class SyncRolloutDriver:
         while self._finished and len(accepted) < batch_size:
             accepted.append(self._finished.popleft())
         carried_in = len(accepted)
+        carried = list(accepted)
+        continued: list[Group] = []
+        returned = False
         filtered: Counter[str] = Counter()
         submitted = failed = surplus = 0
         dry = False
@@ -236,7 +253,7 @@ class SyncRolloutDriver:
                         budget = batch_size - len(accepted)
                         while not dry and scheduler.admits(budget):
                             for _ in range(per_admission):
-                                group = self._next_group(policy_version)
+                                group = self._next_group(policy_version, continued)
                                 if group is None:
                                     dry = True
                                     break
@@ -285,9 +302,10 @@ class SyncRolloutDriver:
             settled.extend(scheduler.poll())
             scheduler.ledger.check()
             if fatal is not None:
-                for group in accepted:  # accepted work is not lost: its prompts go back
+                for group in accepted[carried_in:]:  # accepted work is not lost: prompts go back
                     self.source.recycle(recycled_prompt(group))
                 raise fatal
+            returned = True
             cancelled = recycled = partial = 0
             for outcome in settled:
                 group = outcome.group
@@ -315,6 +333,8 @@ class SyncRolloutDriver:
                     if self.partial_rollouts:
                         self._finished.append(group)
         finally:
+            if not returned:
+                self._restore(carried, continued, accepted[carried_in:])
             scheduler.close()
             self.scheduler = None
         stats = SyncBatchStatistics(
