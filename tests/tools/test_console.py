@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from tools_helpers import extra
 
 from trio_rl.tools import JsonlSink, MissingExtraError
 from trio_rl.tools.console import ConsoleDisplay, format_line
@@ -50,7 +51,7 @@ def test_plain_lines_off_a_terminal() -> None:
 
 
 def test_a_live_table_on_a_terminal() -> None:
-    pytest.importorskip("rich")  # the `console` extra; CI's test group installs it
+    extra("rich")  # the `console` extra; CI's test group installs it
     out = _Tty()
     display = ConsoleDisplay(out)
     assert not display.plain

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tools_helpers import extra
 
 from trio_rl.errors import TrioRLError
 from trio_rl.tools import (
@@ -101,7 +102,7 @@ def _tf_events(logdir: Path) -> list[bytes]:
 
 
 def test_tensorboard_scalars_at_each_step(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboardX")  # the `tensorboard` extra; CI's test group installs it
+    extra("tensorboardX")  # the `tensorboard` extra; CI's test group installs it
     from tensorboardX.proto.event_pb2 import Event
 
     sink = TensorBoardSink(tmp_path / "tb")
@@ -151,7 +152,7 @@ def _wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
 
 
 def test_wandb_offline_run_gets_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("wandb")  # the `wandb` extra; CI's test group installs it
+    extra("wandb")  # the `wandb` extra; CI's test group installs it
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = WandbSink(project="trio-rl-test", dir=str(tmp_path), config={"group_size": 8})
@@ -171,7 +172,7 @@ def test_wandb_offline_run_gets_every_step(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_prometheus_endpoint_over_http(tmp_path: Path) -> None:
-    pytest.importorskip("prometheus_client")  # the `prometheus` extra; CI installs it
+    extra("prometheus_client")  # the `prometheus` extra; CI installs it
     sink = PrometheusSink(port=0)
     url = f"http://127.0.0.1:{sink.port}/metrics"
     try:
@@ -219,7 +220,7 @@ def test_a_missing_extra_is_one_clear_error(
 async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
     """Shipments of a real orchestrator run -> step_record -> open_sinks (JSONL, console,
     Prometheus): the file, the console and the endpoint all show the same steps."""
-    pytest.importorskip("prometheus_client")
+    extra("prometheus_client")
     import io
 
     import trio

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tools_helpers import learn, trio_rl
+from tools_helpers import extra, learn, trio_rl
 
 from trio_rl.tools import InspectError, MissingExtraError, read_metrics
 from trio_rl.tools.plot_cmd import PANELS, build_figure, write_figure
 
-pytest.importorskip("matplotlib")  # in the test dependency group: never skipped in CI
+extra("matplotlib")  # in the test dependency group: never skipped in CI
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 _LEARN = (
     "import sys, torch, trio; torch.set_num_threads(1); "
@@ -56,3 +61,12 @@ def _wired() -> set[str]:
         )
         _WIRED = {c for c in ("inspect", "plot") if c in done.stdout}
     return _WIRED
+
+
+def extra(module: str) -> Any:
+    """Import an optional extra's package for a test. Locally a missing one skips the test; in
+    CI (``CI`` set, as .ci/run has it) the test dependency group installs it, so a missing one
+    fails instead of passing by skipping."""
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

@@ -12,6 +12,7 @@ record is one plain line, fit for a log file or ``tail -f``. A field a record la
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from collections import deque
@@ -72,17 +73,15 @@ class ConsoleDisplay:
         self._recent: deque[Mapping[str, Any]] = deque(maxlen=rows)
         self._live: Any = None
         if not plain:
-            from rich.console import Console
-            from rich.live import Live
-
-            console = Console(file=self.stream, force_terminal=True)
-            self._live = Live(self._table(), console=console, auto_refresh=False)
+            # imported by name: type-checking does not need the optional extra installed
+            rich_console = importlib.import_module("rich.console")
+            rich_live = importlib.import_module("rich.live")
+            console = rich_console.Console(file=self.stream, force_terminal=True)
+            self._live = rich_live.Live(self._table(), console=console, auto_refresh=False)
             self._live.start()
 
     def _table(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title="trio-rl", expand=False)
+        table = importlib.import_module("rich.table").Table(title="trio-rl", expand=False)
         for _, title, _ in COLUMNS:
             table.add_column(title, justify="right")
         for record in self._recent:

@@ -209,7 +209,7 @@ class WandbSink:
 
     def __init__(self, **init: Any) -> None:
         try:
-            import wandb
+            wandb = importlib.import_module("wandb")
         except ImportError:
             raise MissingExtraError("the Weights & Biases sink", "wandb", "wandb") from None
         self._wandb = wandb
@@ -245,7 +245,7 @@ class PrometheusSink:
 
     def __init__(self, port: int = 0, *, host: str = "127.0.0.1", prefix: str = "trio_rl") -> None:
         try:
-            import prometheus_client
+            prometheus_client = importlib.import_module("prometheus_client")
         except ImportError:
             raise MissingExtraError(
                 "the Prometheus endpoint", "prometheus_client", "prometheus"
