@@ -47,8 +47,8 @@ def test_catches_buffer_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
     original = AsyncRolloutDriver.__init__
 
     def unbounded(self: AsyncRolloutDriver, *args: Any, **kwargs: Any) -> None:
+        kwargs["buffer_capacity"] = 1_000_000  # BUG: backpressure never applies
         original(self, *args, **kwargs)
-        self.buffer_capacity = 1_000_000  # BUG: backpressure never applies
 
     monkeypatch.setattr(AsyncRolloutDriver, "__init__", unbounded)
     error = _hunt()

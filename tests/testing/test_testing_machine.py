@@ -1,10 +1,15 @@
-"""The stateful credit-protocol machine passes the library and catches the planted bugs.
+"""The stateful machines pass the library and catch the planted bugs.
 
-The bugs are the credit-loop ones of test_testing_catches_bugs.py; each is caught with the
-same invariant, and Hypothesis shrinks the rule sequence to a short one.
+The bugs are those of test_testing_catches_bugs.py (credit loop) and
+test_testing_catches_async_bugs.py (fully-async driver); each is caught with the same
+invariant, and Hypothesis shrinks the rule sequence to a short one.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from hypothesis import Phase, settings
@@ -18,11 +23,12 @@ from test_testing_catches_bugs import (
 )
 
 from conftest import scaled
-from trio_rl.rollout import engine_generate
+from trio_rl.rollout import AsyncRolloutDriver, engine_generate
 from trio_rl.testing import (
     Invariant,
     InvariantViolation,
     RolloutSubject,
+    async_driver_test,
     credit_protocol_machine,
     credit_protocol_test,
 )
@@ -90,3 +96,41 @@ def test_machine_catches_planted_bug(
     notes = "\n".join(getattr(error, "__notes__", []))
     assert "state = CreditProtocol()" in notes, notes  # Hypothesis printed the shrunk rules
     assert len(error.steps) <= most_steps, str(error)
+
+
+test_library_async_driver = async_driver_test(RolloutSubject(max_steps=scaled(16)))
+
+
+def _hunt_async() -> InvariantViolation:
+    with pytest.raises(InvariantViolation) as info:
+        async_driver_test(RolloutSubject(), settings_=HUNT)()
+    error = info.value
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert "state = AsyncDriver()" in notes, notes
+    return error
+
+
+def test_async_machine_catches_submission_while_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    @contextlib.asynccontextmanager
+    async def ignore_pause(self: AsyncRolloutDriver) -> AsyncIterator[None]:
+        yield  # BUG: the worker is never told
+
+    monkeypatch.setattr(AsyncRolloutDriver, "paused", ignore_pause)
+    error = _hunt_async()
+    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, str(error)
+    assert "submitted while paused" in error.detail
+    assert len(error.steps) <= 12, str(error)
+
+
+def test_async_machine_catches_buffer_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = AsyncRolloutDriver.__init__
+
+    def unbounded(self: AsyncRolloutDriver, *args: Any, **kwargs: Any) -> None:
+        kwargs["buffer_capacity"] = 1_000_000  # BUG: backpressure never applies
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncRolloutDriver, "__init__", unbounded)
+    error = _hunt_async()
+    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, str(error)
+    assert "buffer holds" in error.detail
+    assert len(error.steps) <= 12, str(error)

@@ -13,6 +13,10 @@ from ._errors import InvariantViolation as InvariantViolation
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError
 from ._errors import ScriptedFailure as ScriptedFailure
+from ._machine import AsyncDriverMachine as AsyncDriverMachine
+from ._machine import CreditProtocolMachine as CreditProtocolMachine
+from ._machine import async_driver_machine as async_driver_machine
+from ._machine import async_driver_test as async_driver_test
 from ._machine import credit_protocol_machine as credit_protocol_machine
 from ._machine import credit_protocol_test as credit_protocol_test
 from ._properties import async_driver_property as async_driver_property
