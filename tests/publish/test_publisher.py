@@ -19,7 +19,6 @@ from trio_rl.publish import (
     Shipment,
     ShipRecord,
     SinkCheckpointer,
-    cohort_stats,
     open_publisher,
 )
 from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
@@ -293,14 +292,14 @@ async def test_policy_wait_completed_during_the_metrics_is_reported_with_that_ba
 
     in_metrics = threading.Event()
     proceed = threading.Event()
-    real = cohort_stats
+    real = publisher_module.batch_stats
 
-    def slow_stats(samples: Sequence[TrainingSample], step: int) -> Any:
+    def slow_stats(samples: Sequence[TrainingSample], *args: Any) -> Any:
         in_metrics.set()
         proceed.wait(10)
-        return real(samples, step)
+        return real(samples, *args)
 
-    monkeypatch.setattr(publisher_module, "cohort_stats", slow_stats)
+    monkeypatch.setattr(publisher_module, "batch_stats", slow_stats)
     sink = make_sink(batch_size=2, groups=2)
     send, receive = trio.open_memory_channel[Shipment](0)
     records: list[ShipRecord] = []

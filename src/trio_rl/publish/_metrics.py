@@ -7,6 +7,7 @@ frozen value, so a monitor can keep it as long as it likes.
 
 from __future__ import annotations
 
+import enum
 import math
 import types
 from collections import Counter
@@ -17,15 +18,30 @@ import attrs
 from ..train import SinkWindow, TrainingSample
 
 __all__ = [
+    "DISCARD_WARN_ABOVE",
+    "TRAINABLE_WARN_AT",
+    "Annotation",
     "AttemptStats",
     "CohortStats",
     "Distribution",
+    "SelectionStats",
+    "ShipWarning",
+    "WarningKind",
     "ShipRecord",
     "ShipTimings",
     "ThreadStats",
+    "annotate",
     "attempt_stats",
+    "batch_stats",
     "cohort_stats",
+    "selection_stats",
+    "ship_warnings",
 ]
+
+#: A batch whose selected samples are at most this fraction trainable gets a warning.
+TRAINABLE_WARN_AT = 0.10
+#: A window in which more than this fraction of attempts was discarded gets a warning.
+DISCARD_WARN_ABOVE = 0.50
 
 
 def _frozen_mapping(value: Mapping[str, int]) -> Mapping[str, int]:
@@ -99,8 +115,20 @@ class AttemptStats:
     reward_count: int
     shipped_tokens: int
 
+    @property
+    def discarded(self) -> int:
+        """Attempts that will never train: stale, failed, pruned (no signal) and filtered."""
+        return sum(self.outcomes.get(k, 0) for k in ("stale", "failed", "pruned", "filtered"))
+
+    @property
+    def discarded_fraction(self) -> float | None:
+        return self.discarded / self.attempts if self.attempts else None
+
     def items(self, prefix: str) -> Iterable[tuple[str, float]]:
         yield f"{prefix}/attempts", float(self.attempts)
+        yield f"{prefix}/discarded", float(self.discarded)
+        if self.discarded_fraction is not None:
+            yield f"{prefix}/discarded_fraction", self.discarded_fraction
         yield f"{prefix}/groups", float(self.groups)
         for outcome, count in sorted(self.outcomes.items()):
             yield f"{prefix}/outcome/{outcome}", float(count)
@@ -133,6 +161,70 @@ class CohortStats:
         yield from self.off_policy.items(f"{prefix}/off_policy")
         for env, count in sorted(self.samples_by_env.items()):
             yield f"{prefix}/env/{env}", float(count)
+
+
+@attrs.frozen
+class SelectionStats:
+    """The batch as selected, before post-selection pruning (with pruning before the queue, the
+    shipped cohort itself): how much of it can train.
+
+    A sample is *trainable* when some trained token has a nonzero advantage; a *zero-length*
+    sample has no trained (completion) token at all.
+    """
+
+    selected: int
+    trainable: int
+    zero_length: int
+    completion_lengths: Distribution
+
+    @property
+    def trainable_fraction(self) -> float | None:
+        return self.trainable / self.selected if self.selected else None
+
+    def items(self, prefix: str) -> Iterable[tuple[str, float]]:
+        yield f"{prefix}/samples", float(self.selected)
+        yield f"{prefix}/trainable", float(self.trainable)
+        if self.trainable_fraction is not None:
+            yield f"{prefix}/trainable_fraction", self.trainable_fraction
+        yield f"{prefix}/zero_length", float(self.zero_length)
+        yield from self.completion_lengths.items(f"{prefix}/completion_length")
+
+
+class WarningKind(enum.Enum):
+    """What a `ShipWarning` is about (the reference's publication warnings)."""
+
+    #: At most `TRAINABLE_WARN_AT` of the selected samples can train.
+    LOW_TRAINABLE = "low_trainable"
+    #: More than `DISCARD_WARN_ABOVE` of the window's attempts were discarded.
+    HIGH_DISCARD = "high_discard"
+    #: Some selected samples have no completion tokens.
+    ZERO_LENGTH = "zero_length"
+
+
+@attrs.frozen
+class ShipWarning:
+    """A problem with a shipped batch worth a look (logged at WARNING, kept on the record)."""
+
+    kind: WarningKind
+    message: str
+
+
+@attrs.frozen
+class Annotation:
+    """One shipped sample, stamped with the step and time it shipped (the reference's
+    ``stamp_batch`` annotation), for monitors that keep per-sample records."""
+
+    step: int
+    shipped_at: float
+    group_id: str
+    sample_index: int
+    env_name: str
+    policy_version: int
+    trace_id: str | None
+    branch_index: int | None
+    #: Mean advantage over the trained tokens (None without advantages or trained tokens).
+    advantage: float | None
+    trained_tokens: int
 
 
 @attrs.frozen
@@ -177,12 +269,18 @@ class ShipRecord:
     payload_bytes: int
     timings: ShipTimings
     threads: ThreadStats = ThreadStats()
+    selection: SelectionStats | None = None
+    warnings: tuple[ShipWarning, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
         """Flat scalar keys (``train/all/...``, ``train/effective/...``, ``time/...``)."""
         out: dict[str, float] = {"step": float(self.step)}
         out.update(self.all.items("train/all"))
         out.update(self.effective.items("train/effective"))
+        if self.selection is not None:
+            out.update(self.selection.items("train/selected"))
+        for warning in self.warnings:
+            out[f"warnings/{warning.kind.value}"] = 1.0
         for name, value in sorted(self.counters.items()):
             out[f"counters/{name}"] = float(value)
         out["time/wait_for_policy"] = self.policy_wait
@@ -230,4 +328,98 @@ def cohort_stats(samples: Sequence[TrainingSample], step: int) -> CohortStats:
         advantages=Distribution.of(advantages),
         off_policy=Distribution.of(max(0, (step - 1) - s.policy_version) for s in samples),
         samples_by_env=Counter(sample.env_name for sample in samples),
+    )
+
+
+def _trained(sample: TrainingSample) -> tuple[int, float | None, bool]:
+    # (trained tokens, mean advantage over them, some trained token has a nonzero advantage)
+    trained = sum(sample.mask)
+    if sample.advantages is None or not trained:
+        return trained, None, False
+    values = [a for a, m in zip(sample.advantages, sample.mask, strict=False) if m]
+    return trained, math.fsum(values) / len(values), any(a != 0.0 for a in values)
+
+
+def selection_stats(selected: Sequence[TrainingSample]) -> SelectionStats:
+    """Trainability of the selected batch. CPU work: call it in a worker."""
+    trained = [_trained(sample) for sample in selected]
+    return SelectionStats(
+        selected=len(selected),
+        trainable=sum(1 for _, _, live in trained if live),
+        zero_length=sum(1 for n, _, _ in trained if n == 0),
+        completion_lengths=Distribution.of(n for n, _, _ in trained),
+    )
+
+
+def annotate(samples: Sequence[TrainingSample], step: int, shipped_at: float) -> list[Annotation]:
+    """One `Annotation` per shipped sample. CPU work: call it in a worker."""
+    out = []
+    for sample in samples:
+        trained, advantage, _ = _trained(sample)
+        out.append(
+            Annotation(
+                step=step,
+                shipped_at=shipped_at,
+                group_id=sample.group_id,
+                sample_index=sample.sample_index,
+                env_name=sample.env_name,
+                policy_version=sample.policy_version,
+                trace_id=sample.trace_id,
+                branch_index=sample.branch_index,
+                advantage=advantage,
+                trained_tokens=trained,
+            )
+        )
+    return out
+
+
+def ship_warnings(
+    step: int, selection: SelectionStats | None, attempts: AttemptStats
+) -> tuple[ShipWarning, ...]:
+    """The reference's publication warnings for batch ``step`` (scalars: constant time)."""
+    warnings: list[ShipWarning] = []
+    if selection is not None and selection.selected:
+        fraction = selection.trainable / selection.selected
+        if fraction <= TRAINABLE_WARN_AT:
+            warnings.append(
+                ShipWarning(
+                    WarningKind.LOW_TRAINABLE,
+                    f"step {step}: only {selection.trainable} of {selection.selected} selected "
+                    f"samples ({fraction:.0%}) have a nonzero advantage (at most "
+                    f"{TRAINABLE_WARN_AT:.0%}): rewards may carry no signal",
+                )
+            )
+        if selection.zero_length:
+            warnings.append(
+                ShipWarning(
+                    WarningKind.ZERO_LENGTH,
+                    f"step {step}: {selection.zero_length} of {selection.selected} selected "
+                    "samples have no completion tokens",
+                )
+            )
+    discarded = attempts.discarded_fraction
+    if discarded is not None and discarded > DISCARD_WARN_ABOVE:
+        warnings.append(
+            ShipWarning(
+                WarningKind.HIGH_DISCARD,
+                f"step {step}: {attempts.discarded} of {attempts.attempts} attempts of the "
+                f"window ({discarded:.0%}) were discarded (stale, failed, pruned or filtered; "
+                f"more than {DISCARD_WARN_ABOVE:.0%})",
+            )
+        )
+    return tuple(warnings)
+
+
+def batch_stats(
+    samples: Sequence[TrainingSample],
+    selected: Sequence[TrainingSample],
+    step: int,
+    shipped_at: float,
+) -> tuple[CohortStats, SelectionStats, list[Annotation]]:
+    """Every statistic of batch ``step`` that walks its samples, in one worker job: the shipped
+    cohort, the selection before post-selection pruning, and the per-sample annotations."""
+    return (
+        cohort_stats(samples, step),
+        selection_stats(selected),
+        annotate(samples, step, shipped_at),
     )

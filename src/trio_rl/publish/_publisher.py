@@ -19,6 +19,7 @@ encoded payloads, `_delivery` makes booked steps durable and gets them delivered
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -40,9 +41,22 @@ from ..wire import MicroBatch, encode
 from ._delivery import Checkpointer, Delivery, Outbox, SinkCheckpointer
 from ._encoding import Encoded, Encoder, encode_step
 from ._errors import MonitorTimeoutError, PublishError
-from ._metrics import ShipRecord, ShipTimings, ThreadStats, attempt_stats, cohort_stats
+from ._metrics import (
+    Annotation,
+    AttemptStats,
+    CohortStats,
+    SelectionStats,
+    ShipRecord,
+    ShipTimings,
+    ThreadStats,
+    attempt_stats,
+    batch_stats,
+    ship_warnings,
+)
 from ._release import Container, DeferredRelease, ReleaseFn, release_containers
 from ._workers import Workers
+
+logger = logging.getLogger("trio_rl.publish")
 
 __all__ = [
     "BatchSource",
@@ -95,6 +109,8 @@ class Shipment:
 
     record: ShipRecord
     samples: list[TrainingSample]
+    #: One per shipped sample, in order (`Annotation`).
+    annotations: list[Annotation] = attrs.field(factory=list)
 
 
 #: A sync callback (called on the loop; keep it short) or a channel (awaited with a deadline).
@@ -127,8 +143,10 @@ class _Booked:
     encoded: Encoded
     grid: list[list[MicroBatch]]
     pruned: PruneResult | None
-    all_stats: Any
-    effective: Any
+    all_stats: AttemptStats
+    effective: CohortStats
+    selection: SelectionStats
+    annotations: list[Annotation]
     counters: dict[str, Any]
     policy_wait: float
 
@@ -154,7 +172,14 @@ class _Booked:
             payload_bytes=self.encoded.nbytes,
             timings=ShipTimings(total=time.perf_counter() - self.started, **self.timings),
             threads=threads,
+            selection=self.selection,
+            warnings=ship_warnings(self.step, self.selection, self.all_stats),
         )
+
+
+def _log_warnings(record: ShipRecord) -> None:
+    for warning in record.warnings:
+        logger.warning("%s", warning.message)
 
 
 async def deliver_to_monitor(monitor: Monitor | None, shipment: Shipment, patience: float) -> None:
@@ -294,7 +319,9 @@ class Publisher:
                 _check_grid(grid, self.sender.world_size, step)
 
                 mark = time.perf_counter()
-                effective = await self._workers.run(cohort_stats, samples, step)
+                effective, selection, annotations = await self._workers.run(
+                    batch_stats, samples, cut.detached.samples, step, time.time()
+                )
                 timings["metrics"] = time.perf_counter() - mark
                 # Read-and-reset with no await since the worker returned: a wait that completed
                 # while the metrics were computed is reported now, a later one next time.
@@ -326,6 +353,8 @@ class Publisher:
             pruned=pruned,
             all_stats=attempt_stats(batch.window if batch.window is not None else SinkWindow()),
             effective=effective,
+            selection=selection,
+            annotations=annotations,
             counters=attrs.asdict(self.sink.counters),
             policy_wait=policy_wait,
         )
@@ -370,9 +399,9 @@ class Publisher:
             await self._release.schedule(self._nursery, containers)
         booked.timings["release_wait"] = time.perf_counter() - mark
         record = booked.record(self._workers.stats())
-        await deliver_to_monitor(
-            self._monitor, Shipment(record, monitor_copy), self.monitor_timeout
-        )
+        _log_warnings(record)
+        shipment = Shipment(record, monitor_copy, booked.annotations)
+        await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
         return record
 
     @property
