@@ -15,6 +15,7 @@ import trio
 from tools_helpers import simulate, trio_rl
 
 from trio_rl.errors import CheckpointError, TrioRLError, WireFormatError
+from trio_rl.tools import JsonlSink
 from trio_rl.tools.inspect_cmd import inspect_path, render
 from trio_rl.train import CheckpointManager, read_checkpoint
 from trio_rl.transport import FileSender, batch_path
@@ -249,3 +250,20 @@ def test_paths_that_are_not_runs(tmp_path: Path) -> None:
     _one_line_error(trio_rl("inspect", str(tmp_path)), str(tmp_path), "not a run directory")
     gone = tmp_path / "nope"
     _error(gone, str(gone), "no such file")
+
+
+def test_a_metrics_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (1, 2, 3):
+        sink.write({"step": step, "samples": 8, "tokens": 100, "reward_mean": step / 10})
+    sink.close()
+    data = _data(path)
+    assert data["kind"] == "metrics file"
+    assert data["records"] == 3
+    assert data["steps"] == "1..3"
+    assert data["samples"] == 24
+    assert data["last"] == {"step": 3, "reward_mean": 0.3}
+    with path.open("a") as f:
+        f.write('"just a string"\n')
+    _error(path, str(path), "line 4", "not a JSON object")
