@@ -97,6 +97,26 @@ def recycled_prompt(group: Group) -> Prompt:
     return attrs.evolve(group.prompt, metadata={**group.prompt.metadata, "routing_keys": keys})
 
 
+def _give_back(
+    finished: deque[Group],
+    partial: deque[Group],
+    carried: list[Group],
+    continued: list[Group],
+    accepted: list[Group],
+) -> None:
+    """A call that ends abnormally gives back what it took from the kept groups: the finished
+    ones it carried in, and the partial ones it continued (unless they made the batch)."""
+    finished.extendleft(reversed(carried))
+    taken = {id(g) for g in accepted}
+    for group in reversed(continued):
+        if id(group) in taken:
+            continue
+        for sample in group.samples:  # untouched by the cancelled call: keep as it was
+            if sample.status is SampleStatus.PENDING:
+                sample.status = SampleStatus.ABORTED
+        partial.appendleft(group)
+
+
 class SyncRolloutDriver:
     """Produces batches of exactly ``T`` accepted groups, one call at a time.
 
@@ -110,19 +130,14 @@ class SyncRolloutDriver:
     bounds this, so an engine that always fails cannot eat the whole source: one more failure
     raises :class:`FailureBudgetExceeded`; ``None`` removes the bound).
 
-    **Partial rollouts** (``partial_rollouts=True``, the reference's ``--partial-rollout``).
-    Once the batch is full the driver does not cancel the leftovers: it sets their abort event
-    (:func:`~trio_rl.rollout.current_abort`, :attr:`GenerateRequest.abort`), and each engine
-    returns what it generated so far (finish reason ``abort``). Within ``abort_timeout``
-    seconds every leftover settles: a group that finished anyway (or any surplus) is kept
-    whole for the next call, which takes it into its batch first; a group stopped part-way is
-    kept with its partial samples (tokens, logprobs, the policy version of each span;
-    ``metadata["start_rollout_id"]`` stamps the call it started in, and the group keeps its
-    ``policy_version_at_start``) and the next call continues its ABORTED samples from where
-    they stopped before any new prompt. Groups still running at ``abort_timeout`` (a generate
-    function that ignores the abort) are cancelled and their prompts recycled, routing keys
-    kept. Without partial rollouts leftovers are cancelled and surplus is discarded, as in the
-    reference. :meth:`held_groups` lists what is kept between calls.
+    **Partial rollouts** (``partial_rollouts=True``, the reference's ``--partial-rollout``):
+    once the batch is full the leftovers are aborted, not cancelled (an :class:`AbortSignal`
+    seen as :func:`~trio_rl.rollout.current_abort`); engines return their partial output.
+    Groups stopped part-way are kept (``metadata["start_rollout_id"]`` stamped) and continued
+    by the next call before any new prompt; groups that finish anyway and surplus are kept
+    whole and fill the next batch first (:meth:`held_groups`). Groups still running after
+    ``abort_timeout`` seconds are cancelled and their prompts recycled. Without it leftovers
+    are cancelled and surplus discarded, as in the reference. Details: docs/rollout.md.
 
     Resumed groups (:meth:`resume`) are started after the kept partial groups and before any
     new prompt.
@@ -185,18 +200,6 @@ class SyncRolloutDriver:
         except SourceExhausted:
             return None
         return self.factory.make(prompt, policy_version)
-
-    def _restore(self, carried: list[Group], continued: list[Group], accepted: list[Group]) -> None:
-        """A call that ends abnormally gives back what it took from the kept groups."""
-        self._finished.extendleft(reversed(carried))
-        taken = {id(g) for g in accepted}
-        for group in reversed(continued):
-            if id(group) in taken:
-                continue
-            for sample in group.samples:  # untouched by the cancelled call: keep as it was
-                if sample.status is SampleStatus.PENDING:
-                    sample.status = SampleStatus.ABORTED
-            self._partial.appendleft(group)
 
     def _keep_partial(self, group: Group) -> None:
         for sample in group.samples:
@@ -334,7 +337,7 @@ class SyncRolloutDriver:
                         self._finished.append(group)
         finally:
             if not returned:
-                self._restore(carried, continued, accepted[carried_in:])
+                _give_back(self._finished, self._partial, carried, continued, accepted)
             scheduler.close()
             self.scheduler = None
         stats = SyncBatchStatistics(
