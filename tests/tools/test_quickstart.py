@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from trio_rl.tools.inspect_cmd import inspect_path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
@@ -31,6 +34,7 @@ def test_every_python_block_runs_verbatim(tmp_path: Path) -> None:
         done = subprocess.run(
             [sys.executable, "-c", code],
             cwd=tmp_path,
+            env={**os.environ, "TMPDIR": str(tmp_path)},  # its run directory lands here
             capture_output=True,
             text=True,
             timeout=180,
@@ -42,3 +46,9 @@ def test_every_python_block_runs_verbatim(tmp_path: Path) -> None:
             assert len(rewards) == 12, done.stdout
             # the policy learns: the last steps beat chance (1/8) clearly
             assert max(rewards[-4:]) > 0.3, rewards
+            # and what it points to: trio-rl inspect on the run directory it left
+            run_dir = Path(re.findall(r"run directory: (\S+)", done.stdout)[0])
+            assert run_dir.parent == tmp_path
+            summary = inspect_path(run_dir).data
+            assert summary["checkpoints"]["newest"]["step"] == 12
+            assert summary["checkpoints"]["newest"]["counters"]["shipped"] == 12 * 4 * 8
