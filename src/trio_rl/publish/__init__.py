@@ -8,8 +8,6 @@ file and checkpoint writes, memory release) runs in worker threads through one s
 from ._errors import MonitorTimeoutError as MonitorTimeoutError
 from ._errors import PublishError as PublishError
 from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
-from ._metrics import DISCARD_WARN_ABOVE as DISCARD_WARN_ABOVE
-from ._metrics import TRAINABLE_WARN_AT as TRAINABLE_WARN_AT
 from ._metrics import Annotation as Annotation
 from ._metrics import AttemptStats as AttemptStats
 from ._metrics import CohortStats as CohortStats

@@ -174,8 +174,8 @@ class Receiver(trio.abc.AsyncResource):
 class StagingSender(Protocol):
     """A sender that can take a step one rank at a time (`FileSender` is one).
 
-    The publisher streams each rank's encoding straight into `stage` and then `commit`s the
-    step, so it never holds more than one rank's encoding buffer.
+    The publisher streams each rank's encoding straight into `stage`, then calls `commit` for
+    the step, so it never holds more than one rank's encoding buffer.
     """
 
     @property
