@@ -112,3 +112,24 @@ def test_the_batch_receiver_passes_its_limiter_down_to_the_file_receiver(tmp_pat
     assert receiver.transport.limiter is own
     with pytest.raises(ValueError, match="one limiter"):
         BatchReceiver(FileReceiver(tmp_path, 0, limiter=own), limiter=limiter)
+
+
+async def test_the_orchestrators_limiter_reaches_the_file_sender(tmp_path: Path) -> None:
+    # End to end as the CLI opens a run: a FileSender built without a limiter, the run's
+    # limiter (sized by configuration) given to open_orchestrator.
+    from trio_rl.engines import SimulatedEngine
+    from trio_rl.orchestrator import open_orchestrator
+    from trio_rl.rollout import InMemorySource
+    from trio_rl.samples import Prompt
+
+    limiter = trio.CapacityLimiter(3)
+    engine = SimulatedEngine(slots=4, seed=1, seconds_per_token=1e-7)
+    source = InMemorySource([Prompt(key=f"p{i}", tokens=(i, 1)) for i in range(4)])
+    with trio.fail_after(20):
+        async with (
+            FileSender(tmp_path, world_size=1, fsync=False) as sender,
+            open_orchestrator(engine, source, sender, limiter=limiter) as orch,
+        ):
+            assert orch.limiter is limiter
+            assert orch.publisher.limiter is limiter
+            assert sender.limiter is limiter
