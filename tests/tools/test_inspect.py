@@ -257,13 +257,15 @@ def test_a_metrics_file(tmp_path: Path) -> None:
     sink = JsonlSink(path)
     for step in (1, 2, 3):
         sink.write({"step": step, "samples": 8, "tokens": 100, "reward_mean": step / 10})
+    sink.write({"step": 4, "samples": None, "reward_mean": None})  # null counts nothing
     sink.close()
     data = _data(path)
     assert data["kind"] == "metrics file"
-    assert data["records"] == 3
-    assert data["steps"] == "1..3"
+    assert data["records"] == 4
+    assert data["steps"] == "1..4"
     assert data["samples"] == 24
-    assert data["last"] == {"step": 3, "reward_mean": 0.3}
+    assert data["tokens"] == 300
+    assert data["last"] == {"step": 4, "reward_mean": None}
     with path.open("a") as f:
         f.write('"just a string"\n')
-    _error(path, str(path), "line 4", "not a JSON object")
+    _error(path, str(path), "line 5", "not a JSON object")

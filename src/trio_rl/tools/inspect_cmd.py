@@ -160,7 +160,8 @@ def inspect_outbox(path: Path) -> dict[str, Any]:
         raise InspectError(str(path), "an outbox file must be named outbox_step_<N>.bin")
     step = int(m.group(1))
     payloads = CheckpointManager(path.parent).read_outbox(step)
-    assert payloads is not None  # the file exists: we just read its magic
+    if payloads is None:
+        raise InspectError(str(path), "no such file or directory")
     ranks = {}
     for rank, data in enumerate(payloads):
         source = f"{path} rank {rank}"
@@ -194,13 +195,18 @@ def _inspect_file(path: Path) -> dict[str, Any]:
     return inspect_batch(path)
 
 
+def _count(value: Any) -> int:
+    # a field a record lacks, or holds as null, counts nothing
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _metrics_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"records": len(records)}
     if records:
         last = records[-1]
         out["steps"] = _versions(int(r["step"]) for r in records)
-        out["samples"] = sum(int(r.get("samples", 0)) for r in records)
-        out["tokens"] = sum(int(r.get("tokens", 0)) for r in records)
+        out["samples"] = sum(_count(r.get("samples")) for r in records)
+        out["tokens"] = sum(_count(r.get("tokens")) for r in records)
         out["last"] = {
             k: last[k]
             for k in ("step", "reward_mean", "samples_per_s", "policy_version", "wall_s")
@@ -223,7 +229,7 @@ def _steps_in(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path
 def _trainer_log(path: Path) -> dict[str, Any]:
     steps: list[int] = []
     torn = 0
-    for line in path.read_text(errors="replace").splitlines():
+    for line in _read(path).decode(errors="replace").splitlines():
         try:
             steps.append(int(json.loads(line)["step"]))
         except (ValueError, KeyError, TypeError):
@@ -259,8 +265,8 @@ def inspect_run_directory(path: Path) -> Summary:
     run_file = path / "run.json"
     if run_file.is_file():
         try:
-            config = json.loads(run_file.read_text())
-        except (OSError, ValueError) as exc:
+            config = json.loads(_read(run_file))
+        except (InspectError, ValueError) as exc:
             damage.append(InspectError(str(run_file), f"not a JSON run description ({exc})"))
             out["run"] = "DAMAGED"
         else:
@@ -291,7 +297,7 @@ def inspect_run_directory(path: Path) -> Summary:
         }
     logs = _steps_in(path / "trainer", re.compile(r"^rank_(\d+)\.jsonl$"))
     if logs:
-        out["trainer"] = {f"rank {r}": _trainer_log(p) for r, p in logs}
+        out["trainer"] = {f"rank {r}": _guarded(damage, _trainer_log, p) for r, p in logs}
     return Summary(out, tuple(damage))
 
 
@@ -328,10 +334,12 @@ def _batches(run: Path, damage: list[TrioRLError]) -> dict[str, Any]:
     out["pending"] = pending or "none (every batch was read)"
     end = end_marker_path(run)
     if end.is_file():
-        out["end_of_stream"] = end.read_text().strip()
+        out["end_of_stream"] = _read(end).decode(errors="replace").strip()
     consumed = _steps_in(root / ".consumed", re.compile(r"^rank_(\d+)$"))
     if consumed:
-        out["consumed"] = {f"rank {r}": p.read_text().strip() for r, p in consumed}
+        out["consumed"] = {
+            f"rank {r}": _read(p).decode(errors="replace").strip() for r, p in consumed
+        }
     return out
 
 
