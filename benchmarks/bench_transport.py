@@ -3,7 +3,8 @@
 Side by side in one run, the same payloads (default sixteen 64 MiB payloads, one rank):
 
 - ``zmq blocking threads``: plain pyzmq, PUB in a sender thread, SUB in a receiver thread,
-  the same frames as the transport (``[topic, payload]``, ``copy=False``);
+  the same frames as the transport (``[topic, payload]``, ``copy=False``), one context (the
+  goal's baseline); and the same with a context per side, as two processes have;
 - ``zmq trio``: `ZmqSender` -> `ZmqReceiver` in one trio loop (``trio_rl``'s
   NOBLOCK + fd-wait integration, no thread per message), with a 5 ms heartbeat measuring
   event-loop lag during the transfer;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import tempfile
@@ -46,6 +48,11 @@ from trio_rl.transport import (
     ZmqSender,
     rank_topic,
 )
+
+
+def process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def free_port_pair() -> int:
@@ -101,13 +108,18 @@ class Heartbeat:
         return f"{p(0.5):.1f} / {p(0.95):.1f} / {lags[-1] * 1000:.1f}"
 
 
-def bench_blocking_threads(payloads: list[bytes], n: int, hwm: int, window: int) -> float:
+def bench_blocking_threads(
+    payloads: list[bytes], n: int, hwm: int, window: int, contexts: int = 1
+) -> float:
+    """Plain pyzmq; ``contexts=2`` gives each side its own context (and zmq I/O thread), as
+    two processes have and as the trio transport's sender and receiver have."""
     port = free_port_pair()
     ctx = zmq.Context()
+    sub_ctx = zmq.Context() if contexts == 2 else ctx
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, hwm)
     pub.bind(f"tcp://127.0.0.1:{port}")
-    sub = ctx.socket(zmq.SUB)
+    sub = sub_ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, hwm)
     sub.setsockopt(zmq.SUBSCRIBE, rank_topic(0))
     sub.connect(f"tcp://127.0.0.1:{port}")
@@ -138,6 +150,8 @@ def bench_blocking_threads(payloads: list[bytes], n: int, hwm: int, window: int)
     pub.close(linger=0)
     sub.close(linger=0)
     ctx.term()
+    if sub_ctx is not ctx:
+        sub_ctx.term()
     return elapsed
 
 
@@ -245,16 +259,23 @@ def main() -> None:
     )
     rows: dict[str, list[tuple[float, str]]] = {}
     ratios: list[float] = []
+    cpu_per_gb: dict[str, list[float]] = {"threads": [], "threads, 2 contexts": [], "trio": []}
+    modes = list(cpu_per_gb)
     for rep in range(args.repeat):
         beat = trio.run(idle_heartbeat)
         rows.setdefault("(idle loop, no transfer: lag baseline)", []).append((0.0, beat.summary()))
         # Alternate which ZeroMQ mode goes first: the machine's load drifts between runs.
-        for mode in ("threads", "trio") if rep % 2 == 0 else ("trio", "threads"):
+        for mode in modes if rep % 2 == 0 else modes[::-1]:
+            cpu_start = process_cpu()
             if mode == "threads":
                 t_threads = bench_blocking_threads(payloads, n, args.hwm, args.window)
+            elif mode == "threads, 2 contexts":
+                t_two = bench_blocking_threads(payloads, n, args.hwm, args.window, contexts=2)
             else:
                 t_trio, beat = trio.run(bench_trio_zmq, payloads, n, args.hwm, args.window)
+            cpu_per_gb[mode].append((process_cpu() - cpu_start) / total_gb)
         rows.setdefault("zmq blocking threads (pyzmq)", []).append((total_gb / t_threads, "n/a"))
+        rows.setdefault("zmq blocking threads, 2 contexts", []).append((total_gb / t_two, "n/a"))
         rows.setdefault("zmq trio (ZmqSender/Receiver)", []).append(
             (total_gb / t_trio, beat.summary())
         )
@@ -274,6 +295,14 @@ def main() -> None:
         + " ".join(f"{r:.2f}" for r in ratios)
         + f"  (median {statistics.median(ratios):.2f}x, "
         f"spread {min(ratios):.2f}-{max(ratios):.2f})"
+    )
+    print(
+        "zmq process CPU seconds per GB moved (all threads, zmq's I/O threads included), "
+        "median [min-max]: "
+        + ", ".join(
+            f"{mode} {statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+            for mode, v in cpu_per_gb.items()
+        )
     )
 
 
