@@ -54,6 +54,16 @@ def test_a_panel_without_its_fields_says_so() -> None:
     assert list(line.get_ydata()) == [0.9]
 
 
+def test_throughput_is_scored_samples_over_a_window() -> None:
+    records = [
+        {"step": 1, "wall_s": 1.0, "reward_count": 10},
+        {"step": 2, "wall_s": 2.0, "samples": 30},  # no reward_count: what shipped
+        {"step": 3, "wall_s": 4.0, "reward_count": None},  # null: nothing scored
+    ]
+    (line,) = build_figure(records).get_axes()[1].get_lines()
+    assert list(line.get_ydata()) == pytest.approx([10.0, 20.0, 10.0])
+
+
 def test_the_command_writes_a_png(learn_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "figure.png"
     done = trio_rl("plot", str(learn_run), "--out", str(out))

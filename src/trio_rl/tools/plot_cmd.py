@@ -37,6 +37,15 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], 
     return steps, values
 
 
+def _scored(record: Mapping[str, Any]) -> int:
+    """Samples scored for a record's step (records without the count: what was shipped)."""
+    for key in ("reward_count", "samples"):
+        value = record.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
 def _throughput(records: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
     """Samples scored per second over the last ``_WINDOW`` steps (needs ``wall_s``); records
     without ``wall_s`` fall back to their own ``samples_per_s``."""
@@ -47,9 +56,7 @@ def _throughput(records: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[f
         first = max(0, i - _WINDOW + 1)
         before = float(records[first - 1]["wall_s"]) if first else 0.0
         elapsed = max(float(r["wall_s"]) - before, 1e-9)
-        scored = sum(
-            int(m.get("reward_count", m.get("samples", 0))) for m in records[first : i + 1]
-        )
+        scored = sum(_scored(m) for m in records[first : i + 1])
         steps.append(int(r["step"]))
         rates.append(scored / elapsed)
     return steps, rates
