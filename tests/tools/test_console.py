@@ -48,6 +48,10 @@ def test_plain_lines_off_a_terminal() -> None:
         "step 4 | reward - | samples/s - | slots - | lag p95 ms - | queue - | off-policy -",
     ]
     assert format_line(RECORD) == LINE
+    assert format_line({"step": 5.0, "queue_depth": 7.5}).split(" | ")[::5] == [
+        "step 5",
+        "queue 7.5",
+    ]
 
 
 def test_a_live_table_on_a_terminal() -> None:

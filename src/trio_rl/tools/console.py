@@ -26,6 +26,8 @@ def _num(fmt: str) -> Callable[[Any], str]:
     def render(value: Any) -> str:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return "-"
+        if fmt == "d" and isinstance(value, float):
+            return format(value, "g")  # a count written as a float: show it, not fail
         return format(value, fmt)
 
     return render
