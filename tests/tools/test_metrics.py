@@ -81,6 +81,14 @@ def test_a_bad_line_names_file_line_and_offset(tmp_path: Path) -> None:
         read_metrics(path)
 
 
+def test_nan_and_infinity_are_written_as_null(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path)
+    sink.write({"step": 1, "ratio": float("nan"), "lag": float("inf"), "ok": 1.5})
+    sink.close()
+    assert read_metrics(path) == [{"step": 1, "ratio": None, "lag": None, "ok": 1.5}]
+
+
 def test_a_record_without_a_step_is_refused(tmp_path: Path) -> None:
     sink = JsonlSink(tmp_path / "m.jsonl")
     with pytest.raises(ValueError, match="'step'"):

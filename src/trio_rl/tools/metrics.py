@@ -91,7 +91,8 @@ class JsonlSink:
     """Appends each record as one JSON line to ``path`` (created with its directory).
 
     Each line is written with one ``write`` call and flushed, so a reader tailing the file
-    sees whole lines; ``fsync`` also forces each line to disk.
+    sees whole lines; ``fsync`` also forces each line to disk. A NaN or infinite value is
+    written as null (JSON has neither).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
@@ -102,7 +103,12 @@ class JsonlSink:
 
     def write(self, record: Mapping[str, Any]) -> None:
         _step_of(record)
-        self._file.write(json.dumps(dict(record), allow_nan=False) + "\n")
+        # JSON has no NaN or infinity: such a value is written as null (no value this step)
+        clean = {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in record.items()
+        }
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
         if self._fsync:
             os.fsync(self._file.fileno())
