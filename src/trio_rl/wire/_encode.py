@@ -271,9 +271,19 @@ def encode_into(micro_batches: Sequence[MicroBatch], out: Writable) -> int:
     memory. On error (:class:`WireEncodeError`) ``out`` may hold a partial payload. Pure and
     synchronous; meant for worker threads.
     """
-    stream = _FastStream(out) if _accel is not None and _accel.ENABLED else _Stream(out)
+    fast = _accel is not None and _accel.ENABLED
+    stream = _FastStream(out) if fast else _Stream(out)
     stream.write_raw(array_header(len(micro_batches)))
     for index, mb in enumerate(micro_batches):
+        if fast and not _direct_bin_bytes((mb,)):
+            # Nothing to stream: one msgspec call for the whole micro-batch.
+            try:
+                whole = _accel.encoder.encode(_values(mb))
+            except Exception:
+                pass  # what msgspec refuses, or an error to name: packed value by value
+            else:
+                stream.write_raw(whole)
+                continue
         try:
             _pack_micro_batch(stream, mb)
         except (TypeError, ValueError, OverflowError, AttributeError) as exc:
