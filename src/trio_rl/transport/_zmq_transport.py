@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import socket
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -40,14 +39,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStream, TransportError, TransportTimeoutError
+from ._wait import Wait, timeout_seconds
 from ._zmq import ZmqSocket
 
 __all__ = ["end_topic", "free_port_pair", "ZmqReceiver", "ZmqSender", "rank_topic", "step_topic"]
 
 logger = logging.getLogger("trio_rl.transport")
-
-#: Seconds between log lines while a receive waits for its step.
-_WAIT_LOG_INTERVAL = 60.0
 
 
 def rank_topic(rank: int) -> bytes:
@@ -333,8 +330,6 @@ class ZmqReceiver(Receiver):
         start_step: int = 0,
         timeout: float | None = None,
     ) -> None:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 or None, got {timeout}")
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         if start_step < 0:
@@ -348,7 +343,7 @@ class ZmqReceiver(Receiver):
         self._end_topic = end_topic(rank)
         self._ended_at: int | None = None
         self._next_step = start_step
-        self._timeout = math.inf if timeout is None else timeout
+        self._timeout = timeout_seconds(timeout)
         self._ctx: zmq.Context[Any] | None = None
         self._sub: ZmqSocket | None = None
         self._monitor: ZmqSocket | None = None
@@ -457,10 +452,9 @@ class ZmqReceiver(Receiver):
             raise EndOfStream(
                 f"{source}: the stream ended before step {self._ended_at}", self._ended_at
             )
-        start = trio.current_time()
-        deadline = start + self._timeout
+        wait = Wait(self._timeout, f"{source}: no message from the sender")
         while True:
-            frames = await self._next_message(sub, start, deadline, source)
+            frames = await self._next_message(sub, wait)
             topic = frames[0].bytes
             if len(frames) == 2 and topic == self._end_topic:
                 self._check_end(frames[1].bytes, step, source)
@@ -486,24 +480,11 @@ class ZmqReceiver(Receiver):
         self._next_step = step + 1
         return ReceivedPayload(step=step, rank=self._rank, data=frames[1].buffer, source=source)
 
-    async def _next_message(
-        self, sub: ZmqSocket, start: float, deadline: float, source: str
-    ) -> list[zmq.Frame]:
+    async def _next_message(self, sub: ZmqSocket, wait: Wait) -> list[zmq.Frame]:
         while True:
-            now = trio.current_time()
-            if now >= deadline:
-                raise TransportTimeoutError(
-                    f"{source}: no message after waiting {self._timeout:g} s"
-                )
             # A cancelled receive takes nothing off the socket, so waking up to log is free.
-            with trio.move_on_at(min(deadline, now + _WAIT_LOG_INTERVAL)):
+            with trio.move_on_after(wait.until_next_event()):
                 return await sub.recv_multipart(copy=False)
-            if trio.current_time() < deadline:
-                logger.info(
-                    "%s: still waiting for the sender after %.0f s",
-                    source,
-                    trio.current_time() - start,
-                )
 
     def _check_end(self, raw: bytes, step: int, source: str) -> NoReturn:
         try:
