@@ -281,3 +281,28 @@ def test_list_heavy_encode_and_decode_keep_pace_with_msgspec() -> None:
     # Generous bounds (the machine is shared): msgpack alone is ~6x behind on encode.
     assert _cpu_best(lambda: encode(mbs)) < 1.5 * _cpu_best(lambda: REF_ENCODER.encode(refs))
     assert _cpu_best(lambda: decode(data)) < 1.3 * _cpu_best(lambda: REF_DECODER.decode(data))
+
+
+def test_encode_into_holds_about_one_micro_batch_of_lists(tmp_path: object) -> None:
+    n = 20_000
+    mbs = [
+        minimal(
+            input_ids=list(range(n)),
+            advantages=[i * 0.5 for i in range(n)],
+            inference_logprobs=[-0.1] * n,
+            temperatures=[1.0] * n,
+            env_names=["env"] * n,
+        )
+        for _ in range(4)
+    ]
+    one = len(encode(mbs[:1]))
+    path = tmp_path / "rank_0.bin"  # type: ignore[operator]
+    with open(path, "wb") as f:
+        tracemalloc.start()
+        try:
+            encode_into(mbs, f)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 2 * one, f"peak {peak} B for micro-batches of {one} B"
+    assert path.read_bytes() == encode(mbs) == reference_encode(mbs)

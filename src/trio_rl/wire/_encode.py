@@ -283,6 +283,7 @@ def encode_into(micro_batches: Sequence[MicroBatch], out: Writable) -> int:
                 pass  # what msgspec refuses, or an error to name: packed value by value
             else:
                 stream.write_raw(whole)
+                del whole  # before the next micro-batch's buffer is built
                 continue
         try:
             _pack_micro_batch(stream, mb)
