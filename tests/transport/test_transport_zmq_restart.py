@@ -8,11 +8,13 @@ import logging
 import signal
 import subprocess
 import sys
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 import trio
 import zmq
+from zmq_restart_sender import payload
 
 from trio_rl.transport import (
     EndOfStream,
@@ -27,50 +29,59 @@ from trio_rl.transport import (
 
 SENDER = Path(__file__).with_name("zmq_restart_sender.py")
 
-
-def expected(step: int) -> bytes:
-    return f"step {step} ".encode() * 1000
+WORLD = 2
 
 
 async def start_sender(port: int, start: int, stop: int, *, end: bool) -> trio.Process:
-    args = [sys.executable, str(SENDER), str(port), str(start), str(stop), "0.05"]
+    args = [sys.executable, str(SENDER), str(port), str(WORLD), str(start), str(stop), "0.05"]
     return await trio.lowlevel.open_process(
         [*args, "--end"] if end else args, stdout=subprocess.DEVNULL
     )
 
 
-async def receive_all(rx: ZmqReceiver, got: list[int]) -> None:
+async def receive_all(rx: ZmqReceiver, got: list[int], ends: list[int], eight: trio.Event) -> None:
+    """Receive until the end of the stream, checking each payload; set ``eight`` at 8 steps."""
     while True:
-        item = await rx.receive()
-        assert bytes(item.data) == expected(item.step)
+        try:
+            item = await rx.receive()
+        except EndOfStream as end:
+            ends.append(end.step)
+            return
+        assert bytes(item.data) == payload(item.step, rx.rank)
         got.append(item.step)
+        if len(got) == 8:
+            eight.set()
 
 
-async def test_a_receiver_survives_a_sigkilled_and_restarted_sender_process() -> None:
+async def test_receivers_survive_a_sigkilled_and_restarted_sender_process() -> None:
     port, steps = free_port_pair(), 30
-    got: list[int] = []
+    got: list[list[int]] = [[] for _ in range(WORLD)]
+    ends: list[int] = []
     first = second = None
     try:
         with trio.fail_after(60):
-            async with ZmqReceiver(0, port=port, timeout=30) as rx:
-                first = await start_sender(port, 0, steps, end=False)
-                while len(got) < 8:
-                    item = await rx.receive()
-                    assert bytes(item.data) == expected(item.step)
-                    got.append(item.step)
-                first.send_signal(signal.SIGKILL)
-                assert await first.wait() == -signal.SIGKILL
-                # The restarted sender resumes from an older checkpoint: steps 4.. come again.
-                second = await start_sender(port, 4, steps, end=True)
-                with pytest.raises(EndOfStream) as info:
-                    await receive_all(rx, got)
-                assert info.value.step == steps
+            async with AsyncExitStack() as stack:
+                receivers = [
+                    await stack.enter_async_context(ZmqReceiver(r, port=port, timeout=30))
+                    for r in range(WORLD)
+                ]
+                eight = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    for rx in receivers:
+                        nursery.start_soon(receive_all, rx, got[rx.rank], ends, eight)
+                    first = await start_sender(port, 0, steps, end=False)
+                    await eight.wait()
+                    first.send_signal(signal.SIGKILL)
+                    assert await first.wait() == -signal.SIGKILL
+                    # The restarted sender resumes from an older checkpoint: steps 4.. again.
+                    second = await start_sender(port, 4, steps, end=True)
                 assert await second.wait() == 0
     finally:
         for proc in (first, second):
             if proc is not None and proc.returncode is None:
                 proc.kill()
-    assert got == list(range(steps))
+    assert got == [list(range(steps))] * WORLD
+    assert ends == [steps] * WORLD
 
 
 async def test_the_step_travels_in_the_topic_frame_and_a_gap_is_reported() -> None:

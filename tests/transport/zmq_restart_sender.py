@@ -1,8 +1,9 @@
 """A ZeroMQ sender process for the restart test: sends steps ``start..stop-1`` to one rank.
 
-    python zmq_restart_sender.py PORT START STOP INTERVAL [--end]
+    python zmq_restart_sender.py PORT WORLD START STOP INTERVAL [--end]
 
-Prints ``sent S`` after each step (flushed), then, with ``--end``, ends the stream at STOP.
+Sends rank R ``payload(S, R)``; prints ``sent S`` after each step (flushed), then, with
+``--end``, ends the stream at STOP.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import trio
 from trio_rl.transport import ZmqSender
 
 
-def payload(step: int) -> bytes:
-    return f"step {step} ".encode() * 1000
+def payload(step: int, rank: int) -> bytes:
+    return f"step {step} rank {rank} ".encode() * 1000
 
 
-async def main(port: int, start: int, stop: int, interval: float, end: bool) -> None:
-    async with ZmqSender(1, port=port, ready_timeout=20, linger=5) as sender:
+async def main(port: int, world: int, start: int, stop: int, interval: float, end: bool) -> None:
+    async with ZmqSender(world, port=port, ready_timeout=20, linger=5) as sender:
         for step in range(start, stop):
-            await sender.send(step, [payload(step)])
+            await sender.send(step, [payload(step, rank) for rank in range(world)])
             print(f"sent {step}", flush=True)
             await trio.sleep(interval)
         if end:
@@ -30,5 +31,5 @@ async def main(port: int, start: int, stop: int, interval: float, end: bool) -> 
 
 
 if __name__ == "__main__":
-    port, start, stop = (int(a) for a in sys.argv[1:4])
-    trio.run(main, port, start, stop, float(sys.argv[4]), "--end" in sys.argv[5:])
+    port, world, start, stop = (int(a) for a in sys.argv[1:5])
+    trio.run(main, port, world, start, stop, float(sys.argv[5]), "--end" in sys.argv[6:])
