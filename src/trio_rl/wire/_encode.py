@@ -303,7 +303,8 @@ def _direct_bin_bytes(micro_batches: Sequence[MicroBatch]) -> int:
                 bins.append(mb.routed_experts.data)
             if mb.sampling_mask is not None:
                 bins += [mb.sampling_mask.ids, mb.sampling_mask.counts]
-            total += sum(n for n in map(len, bins) if n >= _DIRECT_BIN)
+            sizes = [memoryview(b).nbytes for b in bins]  # bytes, whatever the item format
+            total += sum(n for n in sizes if n >= _DIRECT_BIN)
         except (AttributeError, TypeError):
             pass  # encode_into reports it
     return total
