@@ -8,17 +8,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "trio_rl"
 LIMIT = 250
 
-# "module:Class" -> why it may stay over the limit for now. Each is owned by another engineer
-# and scheduled for a split (issue 11); remove the entry when the class shrinks.
-EXCEPTIONS: dict[str, str] = {
-    "rollout/_async.py:AsyncRolloutDriver": "the async driver; split pending (issue 11)",
-    "publish/_publisher.py:Publisher": "the publisher's ship pipeline; split pending (issue 11)",
-    "train/_checkpoint.py:CheckpointManager": "checkpoint I/O and retention; split pending",
-    "transport/_files.py:FileReceiver": "the file transport's receive path; split pending",
-    "engines/_torch.py:TorchEngine": "the torch engine (optional extra); split pending",
-    "wire/_decode.py:_Walker": "one recursive-descent decoder over the wire format: its methods "
-    "are the grammar's productions and share the cursor",
-}
+# "module:Class" -> why it may stay over the limit. Empty since issue 11's splits; an entry needs
+# a reason a reviewer would accept.
+EXCEPTIONS: dict[str, str] = {}
 
 
 def class_sizes() -> dict[str, int]:
