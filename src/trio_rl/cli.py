@@ -652,13 +652,15 @@ class _UsageError(Exception):
     """A bad command line the parser cannot see (e.g. ``--out`` below a regular file): exit 2."""
 
 
-def _hint(failure: BaseException, message: str) -> str:
+def _hint(failure: BaseException, message: str, command: str) -> str:
     """What to do about ``failure``, appended to its one line."""
     chain: list[BaseException] = []
     cause: BaseException | None = failure
     while cause is not None and len(chain) < 8:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
+    if command not in ("run", "simulate"):
+        return ""  # inspect, plot: the message is the finding
     if isinstance(failure, CheckpointError) and "unusable" in message:
         return "; pass --fresh to move them aside and start over"
     if isinstance(failure, CheckpointError):
@@ -697,7 +699,8 @@ def _report(args: argparse.Namespace, exc: BaseException) -> int:
     if isinstance(failure, ConfigError | _UsageError):
         print(f"trio-rl: error: {message}", file=sys.stderr)
         return 2
-    print(f"trio-rl: error: {message}{_hint(failure, message)}", file=sys.stderr)
+    hint = _hint(failure, message, str(getattr(args, "command", "")))
+    print(f"trio-rl: error: {message}{hint}", file=sys.stderr)
     return 1
 
 

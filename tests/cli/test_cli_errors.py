@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,48 @@ def test_a_run_never_deletes_checkpoints_it_did_not_write(tmp_path: Path) -> Non
         "step_00000006.ckpt",
         "step_00000007.ckpt",
     ]
+
+
+def _trio_rl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _LAUNCH, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_port_in_use_is_one_line_exit_1_and_v_adds_the_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--out", str(tmp_path / "run"), "--transport", "zmq", "--port", str(port)]
+        done = _run(*args, "--steps", "1", *_SMALL)
+        verbose = _run(*args, "--steps", "1", *_SMALL, "-v")
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr
+    assert "Address already in use" in done.stderr
+    assert "pick another port (--port, or 0 for a free pair)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert verbose.returncode == 1
+    assert "Traceback" in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1] == done.stderr.strip()
+
+
+def test_inspect_and_plot_are_subcommands_and_a_damaged_checkpoint_is_one_line(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    assert _run("--out", str(out), "--steps", "2", *_SMALL).returncode == 0
+    (ckpt, *_) = sorted((out / "checkpoints").glob("step_*.ckpt"))
+    good = _trio_rl("inspect", str(ckpt))
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.strip()
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])
+    bad = _trio_rl("inspect", str(ckpt))
+    assert bad.returncode == 1
+    assert bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("trio-rl: error: ")
+    assert str(ckpt) in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert "plot" in _trio_rl("--help").stdout
