@@ -48,7 +48,7 @@ from .config import (
     to_toml,
 )
 from .engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
-from .errors import EngineTransportError
+from .errors import EngineTransportError, TrioRLError
 from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orchestrator
 from .publish import Shipment
 from .rollout import InMemorySource
@@ -648,7 +648,7 @@ def _one_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-class _UsageError(Exception):
+class _UsageError(TrioRLError, ValueError):
     """A bad command line the parser cannot see (e.g. ``--out`` below a regular file): exit 2."""
 
 

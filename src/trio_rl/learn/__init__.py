@@ -1,15 +1,13 @@
 """The learning run: a tiny torch policy that visibly learns under asynchronous RL.
 
 This package imports torch (an optional extra); nothing in the library imports it except the
-CLI. ``python -m trio_rl.learn`` runs :func:`main`; the CLI's default ``trio-rl run`` calls
-:func:`run_learning` the same way.
+CLI, whose ``trio-rl run`` (``python -m trio_rl run``) builds a :class:`LearnConfig` from its
+configuration (:func:`config_from_file`) and calls :func:`run_learning`.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import LearnRunConfig
@@ -76,10 +74,3 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         threads=config.publish.threads,
         fsync=config.transport.fsync,
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m trio_rl.learn ARGS``: the same as ``trio-rl run ARGS``."""
-    from ..cli import main as cli_main
-
-    return cli_main(["run", *(sys.argv[1:] if argv is None else argv)])

@@ -1,7 +1,12 @@
-"""``python -m trio_rl.learn``: the learning run (see :func:`trio_rl.learn.main`)."""
+"""``python -m trio_rl.learn`` moved to ``trio-rl run`` (``python -m trio_rl run``), which
+reads configuration files and handles signals; this module only says so (the learning run
+is a layer below the command line and does not import it)."""
 
 import sys
 
-from . import main
-
-sys.exit(main())
+print(
+    "python -m trio_rl.learn is now `trio-rl run` (or `python -m trio_rl run`), with the same "
+    "options; see `trio-rl run --help`",
+    file=sys.stderr,
+)
+sys.exit(2)
