@@ -787,7 +787,9 @@ async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
     async with trio.open_nursery() as watcher:
         await watcher.start(_stop_on_signals, stop)
         await trio.to_thread.run_sync(_store_learning_config, file_config, config.out)
-        result = await learn.run_learning(config, stop=stop.event)
+        result = await learn.run_learning(
+            config, stop=stop.event, display=_open_display(file_config.metrics.display)
+        )
         watcher.cancel_scope.cancel()
     if not stop.signals:
         return 0
@@ -805,6 +807,20 @@ async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
         )
     stop.report(f"after step {last}: {saved}")
     return stop.status
+
+
+def _open_display(kind: str) -> Any:
+    """The live console table of `trio_rl.tools.console` for ``metrics.display`` ``table``, or
+    ``auto`` on a terminal with ``rich`` installed; None: the run prints plain lines."""
+    if kind == "plain":
+        return None
+    if kind == "auto" and not (
+        sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
+    ):
+        return None
+    from .tools.console import ConsoleDisplay
+
+    return ConsoleDisplay(plain=False)
 
 
 def _store_learning_config(file_config: LearnRunConfig, out: Path) -> None:

@@ -69,7 +69,6 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         converged_after=run.converged_after,
         prompts=rollout.prompts,
         verbose=config.metrics.console,
-        display=config.metrics.display,
         plot=config.metrics.plot,
         threads=config.publish.threads,
         fsync=config.transport.fsync,

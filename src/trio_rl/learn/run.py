@@ -9,7 +9,6 @@ writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 import math
@@ -17,9 +16,9 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import torch
@@ -99,10 +98,6 @@ class LearnConfig:
     threads: int = attrs.field(default=4, validator=_at_least(1))
     #: fsync every batch file.
     fsync: bool = False
-    #: Per-step display (with ``verbose``): ``"plain"`` lines, ``"table"`` the live console
-    #: table of :mod:`trio_rl.tools.console` (needs ``rich``), ``"auto"`` the table on a
-    #: terminal with ``rich`` installed, else plain lines.
-    display: Literal["auto", "plain", "table"] = "plain"
     #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
     #: moves its checkpoints aside and starts over.
     resume: bool = True
@@ -313,12 +308,24 @@ def _record(
     }
 
 
-async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -> LearnResult:
+class Display(Protocol):
+    """Shows each step's record (e.g. :class:`trio_rl.tools.console.ConsoleDisplay`)."""
+
+    def write(self, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+async def run_learning(
+    config: LearnConfig, *, stop: trio.Event | None = None, display: Display | None = None
+) -> LearnResult:
     """Run the learning run described by ``config``; return its metrics.
 
     ``stop``: once set, the step in progress is cancelled (its groups are settled as the
     orchestrator closes) and the run ends as after its last step (``stopped == "signal"``):
     metrics, plot and ``STOP`` are written, the trainer and the transports are closed.
+    ``display`` (with ``config.verbose``) shows each step's record instead of the plain line;
+    it is closed at the end.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
     and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
@@ -386,7 +393,7 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                 metrics.append(rec)
                 line = json.dumps(rec) + "\n"
                 await trio.to_thread.run_sync(_append, metrics_path, line)
-                if display is not None:
+                if display is not None and config.verbose:
                     display.write(rec)
                 elif config.verbose:
                     reward = rec["reward_mean"]
@@ -401,7 +408,6 @@ async def run_learning(config: LearnConfig, *, stop: trio.Event | None = None) -
                     )
         drained.set()
 
-    display = _open_display(config)
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
@@ -556,19 +562,6 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
     if (out / TRAINER_STATE).exists():  # set aside like the checkpoints, never deleted
         (out / TRAINER_STATE).replace(out / f"{TRAINER_STATE}.old-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / METRICS_FILE).write_text("")
-
-
-def _open_display(config: LearnConfig) -> Any:
-    """The live console table, when asked for and possible; None: plain lines."""
-    if not config.verbose or config.display == "plain":
-        return None
-    if config.display == "auto" and not (
-        sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
-    ):
-        return None
-    from ..tools.console import ConsoleDisplay
-
-    return ConsoleDisplay(plain=False)
 
 
 def _earlier_metrics(out: Path) -> list[dict[str, Any]]:
