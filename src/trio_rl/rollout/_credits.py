@@ -11,14 +11,15 @@ The pieces, from the bottom up:
   group may start, and ``counts_samples`` says whether a sample completion is progress that is
   worth waking the driver for. :class:`GroupGranularity` and :class:`SampleBackfill` are the two
   reference policies; write your own by implementing the protocol.
-- :class:`CreditScheduler` ties a policy and a ledger to **one** trio memory channel. Sample tasks
-  report :class:`SampleDone` and group tasks :class:`GroupDone` on it with a synchronous
-  ``send_nowait`` (safe in a ``finally``, even while being cancelled), so a wake-up can never be
-  lost; the driver applies events to the ledger only when it drains the channel, and it drains
-  everything queued before it decides again.
+- :class:`CreditScheduler` ties a policy and a ledger to the driver's wake-up. Sample tasks
+  report a finished sample and group tasks a finished group with a synchronous call (safe in a
+  ``finally``, even while being cancelled) that updates the ledger at once and, if that is
+  progress for the policy, wakes the driver; the wake-ups of one scheduling round are batched
+  into one (a flag and at most one ``trio.Event`` per wait), so a wake-up can never be lost and
+  the ledger is always current when the driver decides.
 
-Credits are conserved per group: when a group's :class:`GroupDone` is applied, every credit of
-that group that no :class:`SampleDone` returned (samples that never started) comes back with it.
+Credits are conserved per group: when a group's end is reported, every credit of that group
+that no finished sample returned (samples that never started) comes back with it.
 There is no "reset the counter when nothing is pending" repair: with ``P`` empty the count is
 zero by construction, and :meth:`CreditLedger.check` reports it if it ever is not.
 """
@@ -26,7 +27,6 @@ zero by construction, and :meth:`CreditLedger.check` reports it if it ever is no
 from __future__ import annotations
 
 import enum
-import math
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -188,7 +188,8 @@ class CreditLedger:
     """Credits in flight and, per pending group, its number of unfinished samples.
 
     Invariant (checked by :meth:`check`): ``in_flight == sum(pending().values())``, so no
-    pending group means no credit in flight. Mutated only by the driver, between awaits.
+    pending group means no credit in flight. Mutated on the event loop only: by the driver, and
+    by reporting tasks through :class:`CreditScheduler` (synchronously, never across an await).
     """
 
     in_flight: int = 0
@@ -277,7 +278,7 @@ class SchedulerStatistics:
 
 
 class CreditScheduler:
-    """A policy, a ledger and one event channel; the driver's side of admission.
+    """A policy, a ledger and the driver's wake-up; the driver's side of admission.
 
     Typical driver loop::
 
@@ -289,11 +290,12 @@ class CreditScheduler:
             for outcome in await scheduler.wait_for_progress():
                 ...                               # reap finished groups
 
-    ``sample_done``, ``group_done`` and ``nudge`` are synchronous and never block (the channel is
-    unbounded; it holds at most one event per credit plus one per group), so they are safe in a
-    ``finally`` while the calling task is being cancelled. The scheduler must outlive every
-    task that reports to it: close it (:meth:`close`) only after the nursery running the
-    groups has exited.
+    ``sample_done``, ``group_done`` and ``nudge`` are synchronous and never block, so they are
+    safe in a ``finally`` while the calling task is being cancelled. Each applies its report to
+    the ledger at once (one dict update for a sample: no event object, no channel) and marks
+    progress; a driver blocked in :meth:`wait_for_progress` is woken once however many reports
+    arrive before it runs. The scheduler must outlive every task that reports to it: close it
+    (:meth:`close`) only after the nursery running the groups has exited.
 
     ``ledger`` is the (empty) ledger to keep the books in, default a new :class:`CreditLedger`;
     pass one, e.g. a subclass that also records what it is told, to observe the driver's
@@ -312,9 +314,14 @@ class CreditScheduler:
         self.policy = policy
         self.group_size = group_size
         self.ledger = ledger if ledger is not None else CreditLedger()
-        send, receive = trio.open_memory_channel[CreditEvent](math.inf)
-        self._send = send
-        self._receive = receive
+        self._counts_samples = bool(policy.counts_samples)
+        #: A sample finished (policy counting samples) since the driver last looked.
+        self._progress = False
+        #: A nudge since the driver last looked (finished groups wait in ``_done``).
+        self._nudged = False
+        #: The event the driver waits on, while it waits (set at most once per wait).
+        self._wakeup: trio.Event | None = None
+        self._closed = False
         self._admitted = 0
         self._decisions = 0
         self._sample_events = 0
@@ -324,89 +331,108 @@ class CreditScheduler:
 
     # -- reporting side (called by group and sample tasks) -----------------------------
 
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            wakeup.set()
+
     def sample_done(self, group_id: str) -> None:
-        """Report that one sample of ``group_id`` finished (whatever its outcome)."""
-        self._send.send_nowait(SampleDone(group_id))
+        """Report that one sample of ``group_id`` finished (whatever its outcome).
+
+        Its credit comes back at once; raises ``trio.ClosedResourceError`` after :meth:`close`
+        and :class:`CreditError` for a group that is not pending or returns too many credits.
+        """
+        if self._closed:
+            raise trio.ClosedResourceError("the credit scheduler is closed")
+        self.ledger.sample_done(group_id)
+        self._sample_events += 1
+        if self._counts_samples:
+            self._progress = True
+            wakeup = self._wakeup
+            if wakeup is not None:
+                self._wakeup = None
+                wakeup.set()
 
     def group_done(self, outcome: GroupOutcome) -> None:
-        """Report that a group task ended (after all its samples reported)."""
-        self._send.send_nowait(GroupDone(outcome))
+        """Report that a group task ended (after all its samples reported): the group leaves the
+        ledger with its unreturned credits, and the outcome is handed to the driver."""
+        if self._closed:
+            raise trio.ClosedResourceError("the credit scheduler is closed")
+        self.ledger.close(outcome.group_id)
+        self._group_events += 1
+        self._done.append(outcome)
+        self._wake()
 
     def nudge(self, reason: str = "") -> None:
         """Wake a driver waiting in :meth:`wait_for_progress` without any completion."""
-        self._send.send_nowait(Nudge(reason))
+        if self._closed:
+            raise trio.ClosedResourceError("the credit scheduler is closed")
+        self._nudged = True
+        self._wake()
 
     # -- driver side -------------------------------------------------------------------
 
     @property
     def queued(self) -> int:
-        """Events reported but not applied yet (0 at every decision of a correct driver)."""
-        return self._receive.statistics().current_buffer_used
+        """Reports not yet applied to the ledger: always 0, reports are applied as they come
+        (kept for the harness, which checks it at every decision)."""
+        return 0
 
     def view(self, budget: int) -> CreditView:
         return self.ledger.view(self.group_size, budget)
 
     def admits(self, budget: int) -> bool:
-        """Ask the policy whether one more group may start under a budget of ``budget`` groups."""
+        """Ask the policy whether one more group may start under a budget of ``budget`` groups.
+
+        A refusal clears the sample progress seen so far (the reference's ``has_capacity``
+        clears its event the same way): it was already in the ledger this decision read, so
+        only later completions wake the next :meth:`wait_for_progress`. Finished groups and
+        nudges still do.
+        """
         self._decisions += 1
-        return self.policy.admits(self.ledger.view(self.group_size, budget))
+        if self.policy.admits(self.ledger.view(self.group_size, budget)):
+            return True
+        self._progress = False
+        return False
 
     def submitted(self, group_id: str, credits: int) -> None:
         """Record that a group was started and takes ``credits`` credits."""
         self.ledger.open(group_id, credits)
         self._admitted += 1
 
-    def _apply(self, event: CreditEvent) -> bool:
-        """Apply one event to the ledger; True if it is progress for this policy."""
-        if isinstance(event, SampleDone):
-            self._sample_events += 1
-            self.ledger.sample_done(event.group_id)
-            return self.policy.counts_samples
-        if isinstance(event, GroupDone):
-            self._group_events += 1
-            self.ledger.close(event.outcome.group_id)
-            self._done.append(event.outcome)
-            return True
-        return True
-
-    def _drain(self) -> bool:
-        progress = False
-        while True:
-            try:
-                event = self._receive.receive_nowait()
-            except trio.WouldBlock:
-                return progress
-            progress = self._apply(event) or progress
-
     def _take_done(self) -> list[GroupOutcome]:
         done, self._done = self._done, []
         return done
 
     def poll(self) -> list[GroupOutcome]:
-        """Apply every queued event without waiting; return the groups that finished."""
-        self._drain()
+        """Return the groups that finished since the last call, without waiting."""
+        self._progress = self._nudged = False
         return self._take_done()
 
     async def wait_for_progress(self) -> list[GroupOutcome]:
-        """Wait for progress, then apply every queued event; return the finished groups.
+        """Wait for progress; return the groups that finished since the last call.
 
         Progress is a group ending, a :meth:`nudge`, or (when the policy counts samples) a
-        sample finishing; other events are applied to the ledger without returning. Events
-        queued before the call count, so a completion can never be missed. The list may be
-        empty (a sample finished, or a nudge). On cancellation, events already applied stay
-        applied and the outcomes they carried are returned by the next call.
+        sample finishing; every report is in the ledger already when this returns. Reports
+        made before the call count (unless a refused :meth:`admits` already saw them), so a
+        completion can never be missed. The list may be empty (a sample finished, or a nudge).
+        On cancellation nothing is lost: the outcomes are returned by the next call.
         """
-        progress = self._drain() or bool(self._done)
-        while not progress:
-            progress = self._apply(await self._receive.receive())
-            progress = self._drain() or progress
+        if not (self._progress or self._nudged or self._done):
+            wakeup = self._wakeup = trio.Event()
+            try:
+                await wakeup.wait()
+            finally:
+                if self._wakeup is wakeup:
+                    self._wakeup = None
+        self._progress = self._nudged = False
         self._wakeups += 1
         return self._take_done()
 
     def close(self) -> None:
-        """Close the channel; later reports raise ``trio.ClosedResourceError``."""
-        self._send.close()
-        self._receive.close()
+        """Close the scheduler; later reports raise ``trio.ClosedResourceError``."""
+        self._closed = True
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

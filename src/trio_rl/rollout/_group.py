@@ -7,7 +7,6 @@ builds the default generate function on top of an :class:`~trio_rl.engines.Engin
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
 import uuid
@@ -140,8 +139,8 @@ def engine_generate(
     return generate
 
 
-#: Reusable: ``nullcontext`` keeps no state between uses.
-_NO_DEADLINE: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+#: The name of every sample task (trio would otherwise format one per spawn).
+_SAMPLE_TASK = "trio_rl.rollout.sample"
 
 _T = TypeVar("_T")
 _S = TypeVar("_S")
@@ -199,10 +198,15 @@ async def run_group(
         try:
             # No cancel scope without a timeout: a scope per sample is a large share of the
             # per-sample scheduling cost.
-            with _NO_DEADLINE if sample_timeout is None else trio.fail_after(sample_timeout):
+            if sample_timeout is None:
                 await generate(sample)
                 if sample_reward is not None and sample.status.is_finished:
                     sample.reward = float(await _call(sample_reward, sample))
+            else:
+                with trio.fail_after(sample_timeout):
+                    await generate(sample)
+                    if sample_reward is not None and sample.status.is_finished:
+                        sample.reward = float(await _call(sample_reward, sample))
         except Exception as exc:  # a real failure; Cancelled is a BaseException and passes
             failures.append((sample.index, exc))
             cancel_scope.cancel()
@@ -215,8 +219,11 @@ async def run_group(
         token = _ABORT.set(abort) if abort is not None else None
         try:
             async with trio.open_nursery() as nursery:
+                scope = nursery.cancel_scope
+                start = nursery.start_soon
                 for sample in to_run:
-                    nursery.start_soon(sample_task, sample, nursery.cancel_scope)
+                    # A name: without one trio formats the function's qualified name per task.
+                    start(sample_task, sample, scope, name=_SAMPLE_TASK)
         finally:
             if token is not None:
                 _ABORT.reset(token)
