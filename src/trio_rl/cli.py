@@ -47,7 +47,7 @@ from .config import (
     store,
     to_toml,
 )
-from .engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
+from .engines import DISTRIBUTIONS, OpenAICompatibleEngine, SamplingParams, SimulatedEngine
 from .errors import EngineTransportError, TrioRLError
 from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orchestrator
 from .publish import Shipment
@@ -453,16 +453,26 @@ async def _run(args: argparse.Namespace, cfg: SimulateConfig) -> int:
 
 async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -> int:
     out: Path = args.out
-    engine = SimulatedEngine(
-        distribution=cfg.engine.distribution,
-        slots=cfg.engine.slots,
-        seed=cfg.run.seed,
-        # Decoding at 30 tokens/s per slot, sped up so that --tokens-per-second holds; the same
-        # factor shrinks the wall-time distributions (swe, heavy-tail), whose episodes are
-        # minutes long in real time.
-        seconds_per_token=1.0 / 30.0,
-        time_scale=30.0 / cfg.engine.tokens_per_second,
-    )
+    engine: SimulatedEngine | OpenAICompatibleEngine
+    if cfg.engine.kind == "openai":
+        engine = OpenAICompatibleEngine(
+            [cfg.engine.url],
+            model=cfg.engine.model,
+            timeout=cfg.engine.timeout,
+            max_attempts=cfg.engine.max_attempts,
+            abort_path=None,  # vLLM aborts on disconnect; SGLang's /abort_request is optional
+        )
+    else:
+        engine = SimulatedEngine(
+            distribution=cfg.engine.distribution,
+            slots=cfg.engine.slots,
+            seed=cfg.run.seed,
+            # Decoding at 30 tokens/s per slot, sped up so that --tokens-per-second holds; the same
+            # factor shrinks the wall-time distributions (swe, heavy-tail), whose episodes are
+            # minutes long in real time.
+            seconds_per_token=1.0 / 30.0,
+            time_scale=30.0 / cfg.engine.tokens_per_second,
+        )
     config = OrchestratorConfig(
         batch_groups=cfg.rollout.batch_groups,
         group_size=cfg.rollout.group_size,
@@ -502,21 +512,24 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         where = str(out / "batches")
     if args.fresh:
         _set_aside(out)
-    async with (
-        sender,
-        open_orchestrator(
-            engine,
-            source,
-            sender,
-            config=config,
-            checkpoint_dir=out / "checkpoints",
-            resume=not args.fresh,
-            limiter=trio.CapacityLimiter(cfg.publish.threads),
-            sample_reward=_parity_reward,
-            monitor=show,
-            on_policy_version=engine.set_policy_version,
-        ) as orch,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        if isinstance(engine, OpenAICompatibleEngine):
+            await stack.enter_async_context(engine)
+        await stack.enter_async_context(sender)
+        orch = await stack.enter_async_context(
+            open_orchestrator(
+                engine,
+                source,
+                sender,
+                config=config,
+                checkpoint_dir=out / "checkpoints",
+                resume=not args.fresh,
+                limiter=trio.CapacityLimiter(cfg.publish.threads),
+                sample_reward=_parity_reward,
+                monitor=show,
+                on_policy_version=engine.set_policy_version,
+            )
+        )
         first = orch.step
         last = first + cfg.run.steps - 1
         if orch.restore is not None:
@@ -577,7 +590,6 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
             stop.report(f"after step {orch.step - 1}: {saved}")
             return stop.status
     assert summary is not None
-    stats = engine.statistics()
     c = summary.counters
     tokens = sum(t for _, _, t, _ in trained.rows)
     print(
@@ -585,10 +597,12 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         f"steps {summary.first_step}..{summary.last_step}, "
         f"trainer ranks read {len(trained.rows)} payloads ({tokens} tokens incl. padding)"
     )
-    print(
-        f"engine: {stats.requests_done} requests, {stats.tokens} tokens, "
-        f"slot occupancy {stats.occupancy:.2f}"
-    )
+    if isinstance(engine, SimulatedEngine):
+        stats = engine.statistics()
+        print(
+            f"engine: {stats.requests_done} requests, {stats.tokens} tokens, "
+            f"slot occupancy {stats.occupancy:.2f}"
+        )
     print(
         f"accounting: dispatched {c.dispatched} = shipped {c.shipped} + pruned {c.pruned} + "
         f"stale {c.stale} + filtered {c.filtered} + failed {c.failed} + cancelled {c.cancelled}"
@@ -669,11 +683,60 @@ def _hint(failure: BaseException, message: str, command: str) -> str:
         "Address already in use" in message
     ):
         return "; pick another port (--port, or 0 for a free pair) or stop the process using it"
-    if isinstance(failure, EngineTransportError):
+    if _engine_failure(failure) is not None:
         return "; check the engine's URL and that the server is up"
     if isinstance(failure, PermissionError):
         return "; choose a directory you can write (--out)"
     return ""
+
+
+def _engine_failure(failure: BaseException) -> EngineTransportError | None:
+    """The engine transport error that made the rollout layer give up, if that is why."""
+    cause: BaseException | None = failure
+    for _ in range(8):
+        if cause is None:
+            return None
+        if isinstance(cause, EngineTransportError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+class _FirstFailures(logging.Filter):
+    """Pass the first ``limit`` records that carry an exception, then one line saying the
+    rest are not shown (an unreachable engine fails every group: the error line says why)."""
+
+    def __init__(self, limit: int = 3) -> None:
+        super().__init__()
+        self.limit, self.seen = limit, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info:
+            return True
+        self.seen += 1
+        if self.seen == self.limit + 1:
+            record.msg, record.args, record.exc_info = (
+                "further failures are not shown (-v shows every one)",
+                None,
+                None,
+            )
+            return True
+        return self.seen <= self.limit
+
+
+class _Quiet(logging.Formatter):
+    """Log records as one line each: the exception's message without its traceback (``-v``
+    keeps tracebacks)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record = logging.makeLogRecord(record.__dict__)
+            record.msg = f"{record.getMessage()}: {' '.join(str(exc).split())}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return super().format(record)
 
 
 def _check_out(out: Path) -> None:
@@ -696,6 +759,9 @@ def _report(args: argparse.Namespace, exc: BaseException) -> int:
     if getattr(args, "verbose", False):
         traceback.print_exception(exc)
     message = " ".join(str(failure).split()) or type(failure).__name__
+    engine = _engine_failure(failure)
+    if engine is not None:  # the cause, not the rollout layer's wrapping of it
+        message = "the engine failed every request, e.g. " + " ".join(str(engine).split())
     if isinstance(failure, ConfigError | _UsageError):
         print(f"trio-rl: error: {message}", file=sys.stderr)
         return 2
@@ -713,6 +779,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(_Quiet("%(levelname)s %(name)s: %(message)s"))
+            handler.addFilter(_FirstFailures())
     try:
         return _main(args)
     except KeyboardInterrupt:

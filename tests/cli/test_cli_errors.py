@@ -139,3 +139,21 @@ def test_inspect_and_plot_are_subcommands_and_a_damaged_checkpoint_is_one_line(
     assert str(ckpt) in bad.stderr
     assert "Traceback" not in bad.stderr
     assert "plot" in _trio_rl("--help").stdout
+
+
+def test_an_unreachable_engine_ends_in_one_error_line_exit_1(tmp_path: Path) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        port = closed.getsockname()[1]
+        done = _run(
+            "--out", str(tmp_path / "run"), "--steps", "1", *_SMALL,
+            "--set", "engine.kind=openai", "--set", f"engine.url=http://127.0.0.1:{port}",
+            "--set", "engine.max_attempts=1",
+        )  # fmt: skip
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr
+    assert len(lines) <= 5, done.stderr  # at most 3 failed groups and the "not shown" line
+    assert lines[-1].startswith("trio-rl: error: the engine failed every request, e.g. ")
+    assert f"127.0.0.1:{port}" in lines[-1]
+    assert lines[-1].endswith("; check the engine's URL and that the server is up")

@@ -194,7 +194,25 @@ class SimRun:
 
 @attrs.frozen
 class SimEngine:
-    """The simulated engine: straggler latencies, no model."""
+    """The engine: simulated (straggler latencies, no model) or an OpenAI-compatible server."""
+
+    kind: Literal["simulated", "openai"] = option(
+        "simulated", "simulated, or openai: an OpenAI-compatible server at `url` (vLLM, SGLang)"
+    )
+    url: str = option("http://127.0.0.1:8000", "the server's base URL (openai)")
+    model: str = option("default", "the served model's name (openai)")
+    timeout: float = option(
+        600.0,
+        "seconds a request may take, retries included (openai)",
+        validator=positive,
+        may_change=True,
+    )
+    max_attempts: int = option(
+        4,
+        "attempts of a request on connection errors and 5xx answers (openai)",
+        validator=at_least(1),
+        may_change=True,
+    )
 
     distribution: Literal["correlated", "heavy-tail", "long-cot", "swe"] = option(
         "long-cot", "completion-length distribution"
