@@ -2,8 +2,8 @@
 
 Every ``trio_rl.…`` dotted name on the page must import (the longest importable module prefix,
 then ``getattr`` for the rest; an attrs field counts as an attribute of its class), and every
-configuration key, written ``[section] key`` or ``--set section.key=...`` (or a backticked
-``section.key`` whose section is a configuration section), must be a field of
+configuration key, written ``[section] key``, ``--set section.key=...``, in a ``toml`` code block
+(or a backticked ``section.key`` whose section is a configuration section), must be a field of
 ``trio-rl run``'s or ``trio-rl simulate``'s configuration. A rename anywhere then fails here
 instead of leaving the page wrong. The page must also keep covering the reference knobs and
 behaviours issue 9 asks it to map.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ _BRACKET_KEY = re.compile(r"\[([a-z_]+)\] ([a-z_]+)`")
 _SET_KEY = re.compile(r"--set ([a-z_]+)\.([a-z_]+)=")
 _CODE = re.compile(r"`([^`\n]+)`")
 _DOT_KEY = re.compile(r"([a-z_]+)\.([a-z_]+)")
+_TOML_BLOCK = re.compile(r"^```toml\n(.*?)^```", re.S | re.M)
 
 # What the page must keep mapping (issue 9: every reference knob and behaviour a migrating user
 # would look for).
@@ -116,6 +118,9 @@ def cited_names(text: str) -> set[str]:
 
 def cited_keys(text: str, sections: set[str]) -> set[tuple[str, str]]:
     keys = set(_BRACKET_KEY.findall(text)) | set(_SET_KEY.findall(text))
+    for block in _TOML_BLOCK.findall(text):
+        for section, values in tomllib.loads(block).items():
+            keys.update((section, key) for key in values)
     for code in _CODE.findall(text):
         match = _DOT_KEY.fullmatch(code)
         if match and match.group(1) in sections:
@@ -162,7 +167,8 @@ def test_the_checks_catch_a_wrong_name_and_a_wrong_key() -> None:
         "`trio_rl.no_such_module.Thing`, `trio_rl.train.SinkConfig.staleness`, "
         "`trio_rl.train.SinkConfig.no_such_field`; keys `[sink] max_off_policy_steps`, "
         "`[sink] no_such_key`, `--set rollout.no_such_knob=1`, `transport.kind`, "
-        "`nosection.key`, `[nosection] key`"
+        "`nosection.key`, `[nosection] key`\n"
+        "```toml\n[trainer]\nranks = 2\nno_such_option = 1\n```\n"
     )
     bad = unresolved(cited_names(text))
     assert [message.split(":", 1)[0] for message in bad] == [
@@ -174,10 +180,12 @@ def test_the_checks_catch_a_wrong_name_and_a_wrong_key() -> None:
     keys = cited_keys(text, set(known))
     assert ("transport", "kind") in keys  # a backticked section.key
     assert ("nosection", "key") in keys  # a [section] key, whatever the section
+    assert ("trainer", "ranks") in keys  # a key in a TOML block
     assert unknown_keys(keys, known) == [
         "[nosection] key",
         "[rollout] no_such_knob",
         "[sink] no_such_key",
+        "[trainer] no_such_option",
     ]
 
 
