@@ -775,14 +775,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     (usage errors, a bad configuration included: 2); ``-v`` adds the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    # Only the handler made here is quieted (an embedding program's handlers are left alone;
+    # basicConfig adds nothing when the root logger has handlers already).
+    handler = logging.StreamHandler()
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt) if args.verbose else _Quiet(fmt))
     if not args.verbose:
-        for handler in logging.getLogger().handlers:
-            handler.setFormatter(_Quiet("%(levelname)s %(name)s: %(message)s"))
-            handler.addFilter(_FirstFailures())
+        handler.addFilter(_FirstFailures())
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return _main(args)
     except KeyboardInterrupt:
