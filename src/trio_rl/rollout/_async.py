@@ -8,29 +8,24 @@ bounded buffer; the trainer pulls batches with :meth:`AsyncRolloutDriver.next_ba
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Literal, Protocol
 
-import attrs
 import trio
-import trio_util
 
 from ..policy import PolicyVersionCell, as_cell
-from ..samples import Group, GroupBook, PolicyVersion, ResumedGroup, Sample
+from ..samples import Group, GroupBook, PolicyVersion, ResumedGroup
+from ._buffer import GroupBuffer, run_booked
 from ._credits import (
     CreditLedger,
     CreditScheduler,
     GroupOutcome,
-    GroupStatus,
     SampleBackfill,
     SubmissionPolicy,
 )
 from ._errors import (
     DriverFailed,
-    FailureBudgetExceeded,
-    GroupFailed,
     RolloutConfigError,
     RolloutError,
     SourceExhausted,
@@ -39,13 +34,15 @@ from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples
 from ._sources import DataSource
 from ._sync import DynamicFilter
-from ._validate import (
-    check_choice,
-    check_int,
-    check_optional_int,
-    non_negative_int,
-    optional_positive_int,
+from ._triage import (
+    AsyncDriverStatistics,
+    DiscardHook,
+    DiscardReason,
+    FailurePolicy,
+    GroupTriage,
+    UnusedPolicy,
 )
+from ._validate import check_choice, check_int, check_optional_int
 
 __all__ = [
     "AsyncDriverStatistics",
@@ -58,76 +55,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("trio_rl.rollout")
-
-#: What to do with a stale or aborted group: drop it, or give its prompt back to the source.
-UnusedPolicy = Literal["drop", "recycle"]
-
-#: Why a finished group was not handed to the consumer (see ``on_discard``).
-DiscardReason = Literal["failed", "aborted", "filtered", "stale"]
-#: Told, on the event loop, of every group the driver discards. Must not block or raise.
-DiscardHook = Callable[[Group, DiscardReason], None]
-
-
-@attrs.frozen
-class FailurePolicy:
-    """What the worker does when a group fails.
-
-    ``"skip"``: log and count it, start a new prompt instead. ``"retry"``: reset its samples
-    (keeping indices, seeds and routing keys) and run the same group again, up to
-    ``max_retries`` times, then skip it. ``"fail"``: stop the driver; the consumer's next
-    :meth:`~AsyncRolloutDriver.next_batch` raises :class:`DriverFailed`.
-
-    ``max_consecutive_failures`` bounds a run that only fails (an engine refusing every
-    request): when that many group attempts in a row fail (retries count; any group that
-    finishes resets the count), the driver stops and the consumer's next call raises
-    :class:`DriverFailed` whose cause is :class:`FailureBudgetExceeded`, itself caused by the
-    last :class:`GroupFailed`. ``None`` removes the bound.
-    """
-
-    action: Literal["skip", "retry", "fail"] = attrs.field(default="skip")
-    max_retries: int = attrs.field(default=1, validator=non_negative_int)
-    max_consecutive_failures: int | None = attrs.field(default=100, validator=optional_positive_int)
-
-    @action.validator
-    def _check_action(self, attribute: attrs.Attribute[str], value: str) -> None:
-        check_choice("FailurePolicy", attribute.name, value, ("skip", "retry", "fail"))
-
-
-@attrs.frozen
-class AsyncDriverStatistics:
-    """Counters of a fully-async driver since it opened (a snapshot).
-
-    ``submitted`` counts group starts (retries included); ``buffered`` is the buffer's
-    current size; ``consumed`` groups were handed to the consumer. ``max_staleness`` and
-    ``mean_staleness`` are over consumed groups.
-    """
-
-    policy_version: PolicyVersion
-    paused: bool
-    submitted: int
-    completed: int
-    in_flight_groups: int
-    in_flight_samples: int
-    buffered: int
-    consumed: int
-    failed: int
-    retried: int
-    aborted_dropped: int
-    aborted_recycled: int
-    stale_dropped: int
-    stale_recycled: int
-    filtered: Mapping[str, int]
-    max_staleness: int
-    mean_staleness: float
-
-
-class _Wakeup(Protocol):
-    """The typed face of :class:`trio_util.RepeatedEvent` (trio-util ships no annotations):
-    ``set`` wakes every current waiter, nothing is latched."""
-
-    def set(self) -> None: ...
-
-    async def wait(self) -> None: ...
 
 
 class AsyncRolloutDriver:
@@ -143,13 +70,8 @@ class AsyncRolloutDriver:
         policy: SubmissionPolicy,
         max_groups_in_flight: int,
         buffer_capacity: int,
-        max_staleness: int | None,
-        stale: UnusedPolicy,
-        aborted: UnusedPolicy,
-        on_failure: FailurePolicy,
-        dynamic_filter: DynamicFilter | None,
+        triage: GroupTriage,
         policy_version: PolicyVersion | PolicyVersionCell,
-        on_discard: DiscardHook | None = None,
         book: GroupBook | None = None,
         ledger: CreditLedger | None = None,
     ) -> None:
@@ -159,37 +81,23 @@ class AsyncRolloutDriver:
         self.batch_size = batch_size
         self.max_groups_in_flight = max_groups_in_flight
         self.buffer_capacity = buffer_capacity
-        self.max_staleness = max_staleness
-        self.stale = stale
-        self.aborted = aborted
-        self.on_failure = on_failure
-        self.dynamic_filter = dynamic_filter
-        self.on_discard = on_discard
         #: The one owner of work in flight, told of every group's life (see `GroupBook`).
         self.book = book
+        #: The fate of every finished group (retry, skip, drop, recycle; discards reported).
+        self.triage = triage
+        triage.recycle, triage.retry = self._recycle, self._queue_retry
+        self._tally = triage.tally
         #: The worker's scheduler; inspect ``scheduler.ledger`` for credits in flight.
         self.scheduler = CreditScheduler(policy, factory.group_size, ledger=ledger)
         #: The shared policy-version cell (the orchestrator's, when it opened the driver).
         self.version = as_cell(policy_version)
         self._queued: deque[Group] = deque()  # resumed and retried groups, before new prompts
-        self._buffer: deque[Group] = deque()
-        # repeatable wake-ups (nothing latched): buffer, failure, dryness or close changed
-        # (consumer side); buffer space freed (worker side)
-        self._changed: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
-        self._space: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
+        self._buffer = GroupBuffer(buffer_capacity)
         self._pauses = 0
         self._dry = False
         self._closed = False
         self._failure: BaseException | None = None
-        self._retries: dict[str, int] = {}
-        self._consecutive_failures = 0
         self._running: dict[str, Group] = {}
-        self._submitted = self._completed = self._consumed = self._failed = self._retried = 0
-        self._aborted_dropped = self._aborted_recycled = 0
-        self._stale_dropped = self._stale_recycled = 0
-        self._filtered: Counter[str] = Counter()
-        self._max_staleness = 0
-        self._staleness_total = 0
 
     # -- consumer side ------------------------------------------------------------------
 
@@ -265,16 +173,12 @@ class AsyncRolloutDriver:
                     raise SourceExhausted(
                         f"data source exhausted with {len(batch)} of {size} groups available"
                     )
-                if self._judge_staleness(group):
+                if self.triage.fresh_enough(group, self.version.value):
                     batch.append(group)
         except BaseException:
-            self._buffer.extendleft(reversed(batch))
+            self._buffer.give_back(batch)
             raise
-        self._consumed += len(batch)
-        for group in batch:
-            staleness = group.staleness(self.version.value)
-            self._staleness_total += staleness
-            self._max_staleness = max(self._max_staleness, staleness)
+        self._tally.consumed_batch(batch, self.version.value)
         batch.sort(key=lambda g: g.first_index)
         return batch
 
@@ -287,36 +191,21 @@ class AsyncRolloutDriver:
     async def _take(self) -> Group | None:
         while True:
             self._raise_if_failed()
-            if self._buffer:
-                group = self._buffer.popleft()
-                self._space.set()
+            group = self._buffer.pop()
+            if group is not None:
                 return group
             if self._dry:
                 return None
-            await self._changed.wait()
-
-    def _judge_staleness(self, group: Group) -> bool:
-        if self.max_staleness is None or group.staleness(self.version.value) <= self.max_staleness:
-            return True
-        if self.stale == "recycle":
-            self._stale_recycled += 1
-            self._recycle(group)
-        else:
-            self._stale_dropped += 1
-        self._discard(group, "stale")
-        return False
-
-    def _discard(self, group: Group, reason: DiscardReason) -> None:
-        if self.book is not None:
-            self.book.group_discarded(group, reason)
-        if self.on_discard is not None:
-            self.on_discard(group, reason)
+            await self._buffer.changed.wait()
 
     def _recycle(self, group: Group) -> None:
         self.source.recycle(group.prompt)
         self._dry = False
         if not self._closed:
             self.scheduler.nudge("recycled")
+
+    def _queue_retry(self, group: Group) -> None:
+        self._queued.appendleft(group)
 
     def buffered_groups(self) -> list[Group]:
         """The finished groups waiting in the buffer, oldest first (for a checkpoint)."""
@@ -344,24 +233,12 @@ class AsyncRolloutDriver:
 
     def statistics(self) -> AsyncDriverStatistics:
         ledger = self.scheduler.ledger
-        return AsyncDriverStatistics(
+        return self._tally.statistics(
             policy_version=self.version.value,
             paused=self.is_paused,
-            submitted=self._submitted,
-            completed=self._completed,
             in_flight_groups=ledger.pending_groups,
             in_flight_samples=ledger.in_flight,
             buffered=len(self._buffer),
-            consumed=self._consumed,
-            failed=self._failed,
-            retried=self._retried,
-            aborted_dropped=self._aborted_dropped,
-            aborted_recycled=self._aborted_recycled,
-            stale_dropped=self._stale_dropped,
-            stale_recycled=self._stale_recycled,
-            filtered=dict(self._filtered),
-            max_staleness=self._max_staleness,
-            mean_staleness=self._staleness_total / self._consumed if self._consumed else 0.0,
         )
 
     # -- worker side --------------------------------------------------------------------
@@ -385,7 +262,7 @@ class AsyncRolloutDriver:
             logger.error("rollout worker failed", exc_info=self._failure)
         finally:
             self.scheduler.poll()  # settle the ledger: every group task has ended by now
-            self._changed.set()
+            self._buffer.changed.set()
 
     async def _work(self, groups: trio.Nursery) -> None:
         scheduler = self.scheduler
@@ -405,10 +282,10 @@ class AsyncRolloutDriver:
                     break
                 scheduler.submitted(group.group_id, pending_samples(group))
                 self._running[group.group_id] = group
-                self._submitted += 1
+                self._tally.submitted += 1
                 if self.book is not None:
                     self.book.group_opened(group)
-                groups.start_soon(self._run_group, group)
+                groups.start_soon(run_booked, self.runner, group, scheduler, self.book)
             dry = (
                 scheduler.ledger.pending_groups == 0
                 and not self._queued
@@ -417,91 +294,16 @@ class AsyncRolloutDriver:
             )
             if dry != self._dry:
                 self._dry = dry
-                self._changed.set()
+                self._buffer.changed.set()
             outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
-
-    async def _run_group(self, group: Group) -> None:
-        """One group's task: :func:`~trio_rl.rollout.run_reporting`, with each finished member
-        reported to the book as it arrives (so a checkpoint holds it)."""
-        book, report, gid = self.book, self.scheduler.sample_done, group.group_id
-
-        def sample_done(sample: Sample) -> None:
-            report(gid)
-            if book is not None and sample.status.is_finished:
-                book.members_arrived(group, (sample,))
-
-        status, error = GroupStatus.CANCELLED, None
-        try:
-            await self.runner.run(group, on_sample_done=sample_done)
-            status = GroupStatus.COMPLETED
-        except GroupFailed as exc:
-            status, error = GroupStatus.FAILED, exc
-        finally:
-            self.scheduler.group_done(GroupOutcome(group, status, error))
 
     async def _reap(self, outcome: GroupOutcome) -> None:
         group = outcome.group
-        if self._keep(outcome):
-            # backpressure: while the buffer is full nothing new is submitted
-            while len(self._buffer) >= self.buffer_capacity:
-                await self._space.wait()
-            self._buffer.append(group)
-            self._changed.set()
+        if self.triage.keep(outcome):
+            await self._buffer.put(group)  # backpressure: nothing is submitted meanwhile
         # Only now: a finished group waiting for buffer space still counts as running for
         # open_groups(), so a checkpoint taken meanwhile does not lose it.
         self._running.pop(group.group_id, None)
-
-    def _keep(self, outcome: GroupOutcome) -> bool:
-        """Book a finished group; True if it goes to the buffer."""
-        group = outcome.group
-        if outcome.status is GroupStatus.FAILED:
-            assert outcome.error is not None
-            self._handle_failure(group, outcome.error)
-            return False
-        self._consecutive_failures = 0
-        self._completed += 1
-        if group.has_aborted:
-            if self.aborted == "recycle":
-                self._aborted_recycled += 1
-                self._recycle(group)
-            else:
-                self._aborted_dropped += 1
-            self._discard(group, "aborted")
-            return False
-        reason = self.dynamic_filter(group) if self.dynamic_filter else None
-        if reason is not None:
-            self._filtered[reason] += 1
-            self._discard(group, "filtered")
-            return False
-        return True
-
-    def _handle_failure(self, group: Group, error: GroupFailed) -> None:
-        action = self.on_failure.action
-        if action == "fail":
-            raise error
-        self._consecutive_failures += 1
-        budget = self.on_failure.max_consecutive_failures
-        if budget is not None and self._consecutive_failures >= budget:
-            raise FailureBudgetExceeded(
-                f"{self._consecutive_failures} group attempts in a row failed "
-                f"(FailurePolicy.max_consecutive_failures={budget}); last: {error}"
-            ) from error
-        tries = self._retries.get(group.group_id, 0)
-        if action == "retry" and tries < self.on_failure.max_retries:
-            self._retries[group.group_id] = tries + 1
-            self._retried += 1
-            if self.book is not None:
-                # the attempt settles in the books before its samples are reset
-                self.book.attempt_failed(group)
-            for sample in group.samples:
-                sample.reset_for_retry()
-            self._queued.appendleft(group)
-            logger.warning("rollout group %s failed; retry %d", group.group_id, tries + 1)
-            return
-        self._retries.pop(group.group_id, None)
-        self._failed += 1
-        logger.error("rollout group %s failed; skipping it", group.group_id, exc_info=error)
-        self._discard(group, "failed")
 
 
 def _in_index_order(outcomes: list[GroupOutcome]) -> list[GroupOutcome]:
@@ -593,13 +395,16 @@ async def open_async_rollout(
         policy=policy if policy is not None else SampleBackfill(),
         max_groups_in_flight=max_groups_in_flight,
         buffer_capacity=capacity,
-        max_staleness=max_staleness,
-        stale=stale,
-        aborted=aborted,
-        on_failure=on_failure if on_failure is not None else FailurePolicy(),
-        dynamic_filter=dynamic_filter,
+        triage=GroupTriage(
+            on_failure=on_failure if on_failure is not None else FailurePolicy(),
+            aborted=aborted,
+            stale=stale,
+            max_staleness=max_staleness,
+            dynamic_filter=dynamic_filter,
+            book=book,
+            on_discard=on_discard,
+        ),
         policy_version=policy_version,
-        on_discard=on_discard,
         book=book,
         ledger=ledger,
     )
@@ -619,5 +424,5 @@ async def open_async_rollout(
             raise body_error
     finally:
         driver._closed = True
-        driver._changed.set()
+        driver._buffer.changed.set()
         driver.scheduler.close()

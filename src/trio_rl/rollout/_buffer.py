@@ -1,0 +1,91 @@
+"""The fully-async driver's buffer of finished groups and its group task.
+
+:class:`GroupBuffer` is bounded: the worker's :meth:`~GroupBuffer.put` waits for space
+(backpressure: while it waits nothing new is submitted), and the consumer waits on
+:attr:`~GroupBuffer.changed`, which also wakes it when the worker fails, runs dry or closes.
+:func:`run_booked` is the task that runs one group and reports it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import trio_util
+
+from ..samples import Group, GroupBook, Sample
+from ._credits import CreditScheduler, GroupOutcome, GroupStatus
+from ._errors import GroupFailed
+from ._group import GroupRunner
+
+__all__ = ["GroupBuffer", "run_booked"]
+
+
+class _Wakeup(Protocol):
+    """The typed face of :class:`trio_util.RepeatedEvent` (trio-util ships no annotations):
+    ``set`` wakes every current waiter, nothing is latched."""
+
+    def set(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class GroupBuffer:
+    """Finished groups waiting for the consumer, oldest first, at most ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._groups: deque[Group] = deque()
+        #: Wakes the consumer: a group arrived, or the worker failed, ran dry or closed.
+        self.changed: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
+        self._space: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self) -> Iterator[Group]:
+        return iter(self._groups)
+
+    async def put(self, group: Group) -> None:
+        """Append ``group`` once there is space. Cancellation: nothing is appended."""
+        while len(self._groups) >= self.capacity:
+            await self._space.wait()
+        self._groups.append(group)
+        self.changed.set()
+
+    def pop(self) -> Group | None:
+        """The oldest group, or None when empty."""
+        if not self._groups:
+            return None
+        self._space.set()
+        return self._groups.popleft()
+
+    def give_back(self, groups: Sequence[Group]) -> None:
+        """Put groups taken by a cancelled consumer back at the front, in their order."""
+        self._groups.extendleft(reversed(groups))
+
+
+async def run_booked(
+    runner: GroupRunner, group: Group, scheduler: CreditScheduler, book: GroupBook | None
+) -> None:
+    """Run ``group``, reporting like :func:`~trio_rl.rollout.run_reporting` (one ``SampleDone``
+    per started sample, then one :class:`GroupDone`), and each finished member to ``book`` as
+    it arrives, so a checkpoint taken meanwhile holds it. A :class:`GroupFailed` is reported,
+    not raised. Cancellation: the samples settle, the outcome is CANCELLED and
+    ``trio.Cancelled`` propagates."""
+    report, gid = scheduler.sample_done, group.group_id
+
+    def sample_done(sample: Sample) -> None:
+        report(gid)
+        if book is not None and sample.status.is_finished:
+            book.members_arrived(group, (sample,))
+
+    status, error = GroupStatus.CANCELLED, None
+    try:
+        await runner.run(group, on_sample_done=sample_done)
+        status = GroupStatus.COMPLETED
+    except GroupFailed as exc:
+        status, error = GroupStatus.FAILED, exc
+    finally:
+        scheduler.group_done(GroupOutcome(group, status, error))
