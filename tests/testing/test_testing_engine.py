@@ -11,7 +11,7 @@ import trio.testing
 from trio_rl.engines import AbortSignal, Completion, Engine, GenerateRequest
 from trio_rl.rollout import GroupFailed, GroupRunner, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
-from trio_rl.testing import Fate, ScriptedEngine, ScriptedFailure
+from trio_rl.testing import Call, Fate, ScriptedEngine, ScriptedFailure
 
 
 def test_is_an_engine() -> None:
@@ -151,20 +151,24 @@ async def test_a_waiting_call_honours_the_abort_signal_and_a_hang_ignores_it(
     abort = AbortSignal()
     results: dict[str, Completion] = {}
 
-    async def one(name: str) -> None:
-        results[name] = await engine.generate(GenerateRequest((1,), abort=abort))
+    async def one(name: str, token: int) -> None:
+        results[name] = await engine.generate(GenerateRequest((token,), abort=abort))
+
+    def call(token: int) -> Call:
+        (found,) = [c for c in engine.calls if c.request.prompt_tokens == (token,)]
+        return found
 
     with trio.move_on_after(100) as hung:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(one, "held")
-            nursery.start_soon(one, "hang")
+            nursery.start_soon(one, "held", 1)
+            nursery.start_soon(one, "hang", 2)
             await trio.testing.wait_all_tasks_blocked()
-            engine.settle(engine.held[1], "hang")
+            engine.settle(call(2), "hang")
             await trio.testing.wait_all_tasks_blocked()  # now hanging, past its wait
             abort.set()
             await trio.testing.wait_all_tasks_blocked()
             assert results["held"].finish_reason == "abort"
             assert results["held"].tokens == []
-            assert [c.outcome for c in engine.calls] == ["abort", None]
+            assert (call(1).outcome, call(2).outcome) == ("abort", None)
     assert hung.cancelled_caught  # the hang only ends by cancellation
-    assert engine.calls[1].outcome == "cancelled"
+    assert call(2).outcome == "cancelled"

@@ -31,6 +31,7 @@ from trio_rl.testing import (
     async_driver_test,
     credit_protocol_machine,
     credit_protocol_test,
+    sync_driver_test,
 )
 
 HUNT = settings(
@@ -99,6 +100,17 @@ def test_machine_catches_planted_bug(
 
 
 test_library_async_driver = async_driver_test(RolloutSubject(max_steps=scaled(16)))
+test_library_sync_driver = sync_driver_test(RolloutSubject(max_steps=scaled(16)))
+
+
+def test_sync_machine_catches_credit_not_returned() -> None:
+    with pytest.raises(InvariantViolation) as info:
+        sync_driver_test(RolloutSubject(runner=LeakyRunner), settings_=HUNT)()
+    error = info.value
+    assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE, str(error)
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert "state = SyncDriver()" in notes, notes
+    assert len(error.steps) <= 10, str(error)
 
 
 def _hunt_async() -> InvariantViolation:

@@ -15,10 +15,13 @@ from ._errors import ScriptedEngineError as ScriptedEngineError
 from ._errors import ScriptedFailure as ScriptedFailure
 from ._machine import AsyncDriverMachine as AsyncDriverMachine
 from ._machine import CreditProtocolMachine as CreditProtocolMachine
+from ._machine import SyncDriverMachine as SyncDriverMachine
 from ._machine import async_driver_machine as async_driver_machine
 from ._machine import async_driver_test as async_driver_test
 from ._machine import credit_protocol_machine as credit_protocol_machine
 from ._machine import credit_protocol_test as credit_protocol_test
+from ._machine import sync_driver_machine as sync_driver_machine
+from ._machine import sync_driver_test as sync_driver_test
 from ._properties import async_driver_property as async_driver_property
 from ._properties import check_async_driver as check_async_driver
 from ._properties import check_credit_loop as check_credit_loop

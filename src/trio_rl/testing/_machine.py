@@ -40,13 +40,15 @@ from ..rollout import (
     InMemorySource,
     RolloutError,
     SourceExhausted,
+    SyncRolloutDriver,
     open_async_rollout,
     pending_samples,
+    reject_aborted,
     run_reporting,
 )
 from ..samples import Group, Prompt, ResumedGroup, Sample, SampleStatus
 from ._engine import FateKind
-from ._properties import _PHASES, SubjectDatabase, _check_batch, _subject_digest
+from ._properties import _PHASES, SubjectDatabase, SyncCalls, _check_batch, _subject_digest
 from ._recorder import TrackingLedger
 from ._report import Invariant, live_tasks
 from ._strategies import DELAYS, Step
@@ -54,10 +56,15 @@ from ._subject import HANG_TIMEOUT, RolloutSubject
 from ._world import World
 
 __all__ = [
+    "AsyncDriverMachine",
+    "CreditProtocolMachine",
+    "SyncDriverMachine",
     "async_driver_machine",
     "async_driver_test",
     "credit_protocol_machine",
     "credit_protocol_test",
+    "sync_driver_machine",
+    "sync_driver_test",
 ]
 
 _T = TypeVar("_T")
@@ -319,7 +326,7 @@ class CreditProtocolMachine(_Machine):
         self.act(setup)
 
     @precondition(lambda self: not self.stopped)
-    @rule(arrived=st.none() | st.integers(0, 4))
+    @rule(arrived=st.one_of(st.none(), st.integers(0, 4)))
     def add_group(self, arrived: int | None) -> None:
         """A prompt arrives (``arrived``: a resumed group with that many members in)."""
 
@@ -403,6 +410,122 @@ class CreditProtocolMachine(_Machine):
             f"{self.count} groups ran but outcomes were delivered as "
             f"{sorted(self.outcomes.values())}",
         )
+
+
+# --------------------------------------------------------------------------- sync driver
+
+
+class SyncDriverMachine(_Machine):
+    """The real :class:`~trio_rl.rollout.SyncRolloutDriver`, each ``generate`` call a rule.
+
+    Use :func:`sync_driver_machine` to bind it to a subject.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync: SyncCalls | None = None
+        self.calling = False
+        self.exhausted = False
+        self.prompts = 0
+
+    @property
+    def moving(self) -> bool:
+        return not self.exhausted
+
+    @property
+    def calls(self) -> SyncCalls:
+        assert self.sync is not None, "the machine is not initialised"
+        return self.sync
+
+    @initialize(
+        batch_size=st.integers(1, 3),
+        group_size=st.integers(1, 3),
+        per_admission=st.integers(1, 2),
+        prompts=st.integers(1, 9),
+        filtering=st.booleans(),
+        partial=st.booleans(),
+        allow_partial=st.booleans(),
+        policy=st.integers(0, 7),
+    )
+    def start(
+        self,
+        batch_size: int,
+        group_size: int,
+        per_admission: int,
+        prompts: int,
+        filtering: bool,
+        partial: bool,
+        allow_partial: bool,
+        policy: int,
+    ) -> None:
+        """Draw the driver's settings and build it."""
+        self.prompts = prompts
+
+        def setup() -> None:
+            world = self.make_world(
+                policy,
+                f"T={batch_size} G={group_size} O={per_admission} prompts={prompts} "
+                f"filter={filtering} partial={partial}",
+            )
+            source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(prompts)])
+            factory = GroupFactory(group_size)
+            driver = SyncRolloutDriver(
+                source,
+                factory,
+                world.group_runner,
+                policy=world.policy,
+                groups_per_admission=per_admission,
+                dynamic_filter=reject_aborted if filtering else None,
+                partial_rollouts=partial,
+            )
+            world.ledger = lambda: driver.scheduler.ledger if driver.scheduler else None
+            self.sync = SyncCalls(
+                world,
+                driver,
+                source,
+                factory,
+                batch_size,
+                group_size,
+                filtering,
+                partial,
+                allow_partial,
+            )
+            self.baseline = live_tasks()
+
+        self.act(setup)
+
+    async def one_call(self) -> None:
+        try:
+            if not await self.calls.call():
+                self.exhausted = True
+        finally:
+            self.calling = False
+
+    @precondition(lambda self: self.moving and not self.calling)
+    @rule()
+    def generate(self) -> None:
+        """The trainer asks for the next batch (one ``generate`` call, run in the background
+        until it returns)."""
+
+        def move() -> None:
+            self.w.log(f"generate() call {self.calls.calls + 1}")
+            self.calling = True
+            trio.lowlevel.spawn_system_task(self.guarded, self.one_call)
+
+        self.act(move)
+
+    def check(self) -> None:
+        if self.calling:
+            self.calls.awake()
+
+    async def finish(self) -> None:
+        world = self.w
+        await world.finish(
+            lambda: not self.calling,
+            each_round=self.check,
+            time_bound=self.clock.current_time() + HANG_TIMEOUT * (self.prompts + 2) * 4,
+        )
+        world.check_no_leftovers(self.baseline)
 
 
 # --------------------------------------------------------------------------- async driver
@@ -714,6 +837,16 @@ def credit_protocol_machine(subject: RolloutSubject | None = None) -> type[RuleB
     return _bind(CreditProtocolMachine, "CreditProtocol", subject)
 
 
+def sync_driver_machine(subject: RolloutSubject | None = None) -> type[RuleBasedStateMachine]:
+    """A rule-based state machine for the real sync driver over ``subject``.
+
+    The same checks as :func:`~trio_rl.testing.check_sync_driver`; each ``generate`` rule
+    starts one call, which runs while the engine's rules settle its samples. Run it with
+    ``.TestCase`` or :func:`sync_driver_test`.
+    """
+    return _bind(SyncDriverMachine, "SyncDriver", subject)
+
+
 def async_driver_machine(subject: RolloutSubject | None = None) -> type[RuleBasedStateMachine]:
     """A rule-based state machine for the real fully-async driver over ``subject``.
 
@@ -761,6 +894,14 @@ def credit_protocol_test(
     the ``explain`` phase, and with ``stateful_step_count`` set to ``subject.max_steps``.
     """
     return _test(credit_protocol_machine(subject), subject, settings_, "credit_protocol")
+
+
+def sync_driver_test(
+    subject: RolloutSubject | None = None, *, settings_: settings | None = None
+) -> Callable[[], None]:
+    """A ready-made test that runs :func:`sync_driver_machine` for ``subject`` (settings as
+    for :func:`credit_protocol_test`)."""
+    return _test(sync_driver_machine(subject), subject, settings_, "sync_driver")
 
 
 def async_driver_test(

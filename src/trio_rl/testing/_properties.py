@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import attrs
 import trio
 import trio.testing
 from hypothesis import Phase, given, settings
@@ -330,79 +331,21 @@ async def _sync_body(world: World) -> None:
         partial_rollouts=partial,
     )
     world.ledger = lambda: driver.scheduler.ledger if driver.scheduler is not None else None
-    state: dict[str, Any] = {"done": False, "calls": 0}
-    handed_out: set[str] = set()
+    state: dict[str, Any] = {"done": False}
+
+    sync = SyncCalls(world, driver, source, factory, t, g, filtering, partial, allow_partial)
 
     async def consumer() -> None:
         try:
-            for call in range(calls):
-                first = factory.next_sample_index
-                try:
-                    batch = await driver.generate(t, allow_partial=allow_partial)
-                except SourceExhausted:
-                    world.check(
-                        source.exhausted,
-                        Invariant.SYNC_BATCH_SHAPE,
-                        "SourceExhausted raised but the source has prompts",
-                    )
-                    world.log(f"call {call + 1}: source exhausted")
+            for _ in range(calls):
+                if not await sync.call():
                     return
-                state["calls"] += 1
-                groups = batch.groups
-                world.log(f"call {call + 1} returned {len(groups)} groups")
-                _check_batch(world, groups, t, g, partial_ok=not batch.complete)
-                world.check(
-                    batch.complete or (allow_partial and source.exhausted),
-                    Invariant.SYNC_BATCH_SHAPE,
-                    f"partial batch of {len(groups)} while prompts remain",
-                )
-                if partial:
-                    # Partial rollouts keep finished and part-way groups for the next call.
-                    again = [gr.group_id for gr in groups if gr.group_id in handed_out]
-                    world.check(
-                        not again,
-                        Invariant.SYNC_BATCH_SHAPE,
-                        f"group {again[:1]} was handed out by an earlier call",
-                    )
-                else:
-                    world.check(
-                        all(gr.first_index >= first for gr in groups),
-                        Invariant.SYNC_BATCH_SHAPE,
-                        "a group started by an earlier call was carried over",
-                    )
-                handed_out.update(gr.group_id for gr in groups)
-                if filtering:
-                    world.check(
-                        not any(gr.has_aborted for gr in groups),
-                        Invariant.SYNC_BATCH_SHAPE,
-                        "aborted group accepted",
-                    )
-                world.check(
-                    driver.scheduler is None,
-                    Invariant.SYNC_BATCH_SHAPE,
-                    "scheduler survived the call",
-                )
-                world.check(
-                    not world.engine.running and not world.recorder.open_groups,
-                    Invariant.SYNC_BATCH_SHAPE,
-                    "groups still running after generate() returned",
-                )
         finally:
             state["done"] = True
 
     def awake() -> None:
-        if state["done"] or driver.scheduler is None:
-            return
-        # Once the batch is full, partial rollouts set the abort signal and wait for the
-        # leftovers to settle: no more submissions in this call.
-        stopping = any(
-            c.request.abort is not None and c.request.abort.is_set() for c in world.engine.running
-        )
-        world.check_awake(
-            budget=world.last_budget(),
-            group_size=g,
-            may_submit=not source.exhausted and not stopping,
-        )
+        if not state["done"]:
+            sync.awake()
 
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
@@ -417,6 +360,95 @@ async def _sync_body(world: World) -> None:
             lambda: bool(state["done"]), each_round=awake, time_bound=HANG_TIMEOUT * (n + 2) * 4
         )
     world.check_no_leftovers(baseline)
+
+
+@attrs.define(eq=False)
+class SyncCalls:
+    """The consumer of a sync driver: one :meth:`call` is one ``generate`` call, checked for
+    ``SYNC_BATCH_SHAPE``; :meth:`awake` is ``NO_LOST_WAKEUP`` while a call runs."""
+
+    world: World
+    driver: SyncRolloutDriver
+    source: InMemorySource
+    factory: GroupFactory
+    batch_size: int
+    group_size: int
+    filtering: bool
+    partial: bool
+    allow_partial: bool
+    calls: int = 0
+    handed_out: set[str] = attrs.field(factory=set)
+
+    async def call(self) -> bool:
+        """One ``generate`` call and its checks; False once the source is exhausted."""
+        world, driver, source = self.world, self.driver, self.source
+        t, g = self.batch_size, self.group_size
+        first = self.factory.next_sample_index
+        try:
+            batch = await driver.generate(t, allow_partial=self.allow_partial)
+        except SourceExhausted:
+            world.check(
+                source.exhausted,
+                Invariant.SYNC_BATCH_SHAPE,
+                "SourceExhausted raised but the source has prompts",
+            )
+            world.log(f"call {self.calls + 1}: source exhausted")
+            return False
+        self.calls += 1
+        groups = batch.groups
+        world.log(f"call {self.calls} returned {len(groups)} groups")
+        _check_batch(world, groups, t, g, partial_ok=not batch.complete)
+        world.check(
+            batch.complete or (self.allow_partial and source.exhausted),
+            Invariant.SYNC_BATCH_SHAPE,
+            f"partial batch of {len(groups)} while prompts remain",
+        )
+        if self.partial:
+            # Partial rollouts keep finished and part-way groups for the next call.
+            again = [gr.group_id for gr in groups if gr.group_id in self.handed_out]
+            world.check(
+                not again,
+                Invariant.SYNC_BATCH_SHAPE,
+                f"group {again[:1]} was handed out by an earlier call",
+            )
+        else:
+            world.check(
+                all(gr.first_index >= first for gr in groups),
+                Invariant.SYNC_BATCH_SHAPE,
+                "a group started by an earlier call was carried over",
+            )
+        self.handed_out.update(gr.group_id for gr in groups)
+        if self.filtering:
+            world.check(
+                not any(gr.has_aborted for gr in groups),
+                Invariant.SYNC_BATCH_SHAPE,
+                "aborted group accepted",
+            )
+        world.check(
+            driver.scheduler is None, Invariant.SYNC_BATCH_SHAPE, "scheduler survived the call"
+        )
+        world.check(
+            not world.engine.running and not world.recorder.open_groups,
+            Invariant.SYNC_BATCH_SHAPE,
+            "groups still running after generate() returned",
+        )
+        return True
+
+    def awake(self) -> None:
+        """``NO_LOST_WAKEUP`` while a call runs (every task blocked)."""
+        if self.driver.scheduler is None:
+            return
+        # Once the batch is full, partial rollouts set the abort signal and wait for the
+        # leftovers to settle: no more submissions in this call.
+        stopping = any(
+            c.request.abort is not None and c.request.abort.is_set()
+            for c in self.world.engine.running
+        )
+        self.world.check_awake(
+            budget=self.world.last_budget(),
+            group_size=self.group_size,
+            may_submit=not self.source.exhausted and not stopping,
+        )
 
 
 def _check_batch(
