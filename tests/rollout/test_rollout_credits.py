@@ -197,3 +197,42 @@ async def test_cancelled_wait_keeps_applied_outcomes(
     done = await scheduler.wait_for_progress()
     assert [o.group_id for o in done] == ["a"]
     scheduler.close()
+
+
+async def test_a_report_updates_the_ledger_at_once_and_wakes_the_driver_once() -> None:
+    """No event queue between reporters and the ledger: the books are current after each
+    report, and many completions before the driver runs make one wake-up."""
+    scheduler = CreditScheduler(SampleBackfill(), group_size=G)
+    scheduler.submitted("a", G)
+    results: list[list[GroupOutcome]] = []
+
+    async def waiter() -> None:
+        results.append(await scheduler.wait_for_progress())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        for left in range(G - 1, 0, -1):
+            scheduler.sample_done("a")
+            assert scheduler.ledger.in_flight == left
+    assert results == [[]]
+    assert scheduler.statistics().wakeups == 1
+    assert scheduler.statistics().sample_events == G - 1
+    scheduler.close()
+
+
+async def test_a_refused_report_raises_on_the_driver_side() -> None:
+    """A reporter calls from a ``finally`` and must not raise there: a report the ledger
+    refuses surfaces as CreditError from the driver's next wait (or poll)."""
+    scheduler = CreditScheduler(SampleBackfill(), group_size=G)
+    scheduler.submitted("a", 1)
+    scheduler.sample_done("a")
+    scheduler.sample_done("a")  # one credit too many: recorded, not raised here
+    with trio.fail_after(1), pytest.raises(CreditError, match="more credits than it took"):
+        await scheduler.wait_for_progress()
+    scheduler.group_done(GroupOutcome(group("zzz", 1), GroupStatus.COMPLETED))
+    with pytest.raises(CreditError, match="not pending"):
+        scheduler.poll()
+    scheduler.close()
+    with pytest.raises(trio.ClosedResourceError):
+        scheduler.sample_done("a")

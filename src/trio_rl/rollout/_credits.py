@@ -322,6 +322,8 @@ class CreditScheduler:
         #: The event the driver waits on, while it waits (set at most once per wait).
         self._wakeup: trio.Event | None = None
         self._closed = False
+        #: The first report the ledger refused, raised on the driver's side.
+        self._error: CreditError | None = None
         self._admitted = 0
         self._decisions = 0
         self._sample_events = 0
@@ -340,13 +342,19 @@ class CreditScheduler:
     def sample_done(self, group_id: str) -> None:
         """Report that one sample of ``group_id`` finished (whatever its outcome).
 
-        Its credit comes back at once; raises ``trio.ClosedResourceError`` after :meth:`close`
-        and :class:`CreditError` for a group that is not pending or returns too many credits.
+        Its credit comes back at once. Raises ``trio.ClosedResourceError`` after :meth:`close`.
+        A report the ledger refuses (a group that is not pending, or more credits back than it
+        took) does not raise here, in the reporting task's ``finally``: the driver's next
+        :meth:`poll` or :meth:`wait_for_progress` raises the :class:`CreditError`.
         """
         if self._closed:
             raise trio.ClosedResourceError("the credit scheduler is closed")
-        self.ledger.sample_done(group_id)
         self._sample_events += 1
+        try:
+            self.ledger.sample_done(group_id)
+        except CreditError as exc:
+            self._refuse(exc)
+            return
         if self._counts_samples:
             self._progress = True
             wakeup = self._wakeup
@@ -359,10 +367,24 @@ class CreditScheduler:
         ledger with its unreturned credits, and the outcome is handed to the driver."""
         if self._closed:
             raise trio.ClosedResourceError("the credit scheduler is closed")
-        self.ledger.close(outcome.group_id)
         self._group_events += 1
+        try:
+            self.ledger.close(outcome.group_id)
+        except CreditError as exc:
+            self._refuse(exc)
+            return
         self._done.append(outcome)
         self._wake()
+
+    def _refuse(self, error: CreditError) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    def _raise_refused(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def nudge(self, reason: str = "") -> None:
         """Wake a driver waiting in :meth:`wait_for_progress` without any completion."""
@@ -406,7 +428,11 @@ class CreditScheduler:
         return done
 
     def poll(self) -> list[GroupOutcome]:
-        """Return the groups that finished since the last call, without waiting."""
+        """Return the groups that finished since the last call, without waiting.
+
+        Raises the :class:`CreditError` of a report the ledger refused, if any.
+        """
+        self._raise_refused()
         self._progress = self._nudged = False
         return self._take_done()
 
@@ -417,8 +443,10 @@ class CreditScheduler:
         sample finishing; every report is in the ledger already when this returns. Reports
         made before the call count (unless a refused :meth:`admits` already saw them), so a
         completion can never be missed. The list may be empty (a sample finished, or a nudge).
-        On cancellation nothing is lost: the outcomes are returned by the next call.
+        On cancellation nothing is lost: the outcomes are returned by the next call. Raises
+        the :class:`CreditError` of a report the ledger refused (a bug in a runner).
         """
+        self._raise_refused()
         if not (self._progress or self._nudged or self._done):
             wakeup = self._wakeup = trio.Event()
             try:
@@ -426,6 +454,7 @@ class CreditScheduler:
             finally:
                 if self._wakeup is wakeup:
                     self._wakeup = None
+            self._raise_refused()
         self._progress = self._nudged = False
         self._wakeups += 1
         return self._take_done()
