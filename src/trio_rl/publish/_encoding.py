@@ -10,6 +10,7 @@ need them anyway).
 from __future__ import annotations
 
 import functools
+import io
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, TypeAlias, overload
 
@@ -17,7 +18,8 @@ import attrs
 import trio
 
 from ..transport import Payload, Sender, StagingSender
-from ..wire import MicroBatch, encode, encode_into
+from ..wire import MicroBatch, encode_into
+from ..wire import encode as wire_encode
 from ._release import Container
 from ._workers import Workers
 
@@ -109,7 +111,14 @@ def encode_in_memory(encode: Encoder, grid: Sequence[Sequence[MicroBatch]], step
     payloads: list[Payload] = []
     for rank_batches in grid:
         trio.from_thread.check_cancelled()
-        payloads.append(encode(rank_batches))
+        if encode is wire_encode and not isinstance(rank_batches, list):
+            # A lazy rank (`PackedRank`): stream it so one micro-batch is built at a time
+            # (the same bytes; `wire.encode` would build them all first).
+            buffer = io.BytesIO()
+            encode_into(rank_batches, buffer)
+            payloads.append(buffer.getvalue())
+        else:
+            payloads.append(encode(rank_batches))
     return InMemory(step, payloads)
 
 
@@ -133,11 +142,15 @@ def encode_staged(sender: StagingSender, grid: Sequence[Sequence[MicroBatch]], s
 
 
 async def encode_step(
-    workers: Workers, encoder: Encoder, sender: Sender, grid: list[list[MicroBatch]], step: int
+    workers: Workers,
+    encoder: Encoder,
+    sender: Sender,
+    grid: Sequence[Sequence[MicroBatch]],
+    step: int,
 ) -> Encoded:
     """Encode ``grid`` in a worker: streamed into a staging sender's files when the encoder is
     the default one (`trio_rl.wire.encode`, whose bytes `encode_into` reproduces), else in
     memory. Cancellation: as `Workers.run` (a started encoding stops at its next rank)."""
-    if encoder is encode and isinstance(sender, StagingSender) and sender.can_stage:
+    if encoder is wire_encode and isinstance(sender, StagingSender) and sender.can_stage:
         return await workers.run(encode_staged, sender, grid, step)
     return await workers.run(encode_in_memory, encoder, grid, step)

@@ -23,8 +23,8 @@ reference packer:
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import attrs
 
@@ -32,7 +32,14 @@ from ..train import TrainingSample
 from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 from ._errors import PackingError
 
-__all__ = ["PackingError", "pack_samples", "prepare_sample", "bin_cost"]
+__all__ = [
+    "PackedRank",
+    "PackingError",
+    "bin_cost",
+    "pack_lazily",
+    "pack_samples",
+    "prepare_sample",
+]
 
 PAD_TOKEN_ID = 1
 # Fill for a stream that a bin materialises but a sample in it lacks.
@@ -98,12 +105,8 @@ def _segments_prefix(segments: list[PayloadSegment], keep: int) -> list[PayloadS
     return out
 
 
-def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> MicroBatch:
-    """One sample as a one-sequence micro-batch, truncated to ``seq_len`` tokens.
-
-    Raises :class:`PackingError` when the sample's per-token streams disagree in length or it
-    has trainable rl tokens but no advantages.
-    """
+def _validate(sample: TrainingSample, index: int) -> int:
+    """Check ``sample`` can be packed (the errors of `prepare_sample`); return its length."""
     who = _describe(sample, index)
     length = len(sample.token_ids)
     if length == 0:
@@ -118,11 +121,30 @@ def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> M
         *_WEIGHT_STREAMS,
     ):
         _check_length(name, getattr(sample, name), length, who)
-    advantages = sample.advantages
-    if advantages is None:
+    if sample.advantages is None:
         rl = sample.rl_weights
         if any(m and (rl is None or rl[i] != 0) for i, m in enumerate(sample.mask)):
             raise PackingError(f"{who}: has trainable rl tokens but no advantages")
+    if sample.routed_experts is not None:
+        _check_routed(sample.routed_experts, length, who)
+    mask = sample.sampling_mask
+    if mask is not None and len(mask.counts) != _INT32 * length:
+        raise PackingError(
+            f"{who}: sampling_mask has {len(mask.counts) // _INT32} counts for {length} tokens"
+        )
+    return length
+
+
+def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> MicroBatch:
+    """One sample as a one-sequence micro-batch, truncated to ``seq_len`` tokens.
+
+    Raises :class:`PackingError` when the sample's per-token streams disagree in length or it
+    has trainable rl tokens but no advantages.
+    """
+    length = _validate(sample, index)
+    who = _describe(sample, index)
+    advantages = sample.advantages
+    if advantages is None:
         advantages = [0.0] * length
     keep = min(length, seq_len)
 
@@ -131,7 +153,7 @@ def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> M
 
     routed = sample.routed_experts
     if routed is not None:
-        routed = _routed_prefix(_check_routed(routed, length, who), keep)
+        routed = _routed_prefix(routed, keep)
     mask = sample.sampling_mask
     if mask is not None:
         mask = _mask_prefix(mask, length, keep, who)
@@ -159,30 +181,38 @@ def prepare_sample(sample: TrainingSample, seq_len: int, *, index: int = 0) -> M
     )
 
 
-def _modality(mb: MicroBatch) -> tuple[Any, ...]:
-    """Micro-batches pack together only when this key matches."""
-    routed = mb.routed_experts
+@attrs.frozen
+class _Item:
+    """A validated sample, as the packing plan sees it (no token data copied)."""
+
+    index: int
+    num_tokens: int  # after truncation to seq_len
+    key: tuple[Any, ...]
+
+
+def _sample_modality(sample: TrainingSample) -> tuple[Any, ...]:
+    """`_modality` of the sample's micro-batch, without building it."""
+    routed = sample.routed_experts
     if routed is None:
         return ()
     return ("routed", routed.dtype, tuple(routed.shape[1:]))
 
 
-def _first_fit_decreasing(items: list[MicroBatch], seq_len: int) -> list[list[MicroBatch]]:
-    bins: list[list[MicroBatch]] = []
+def _first_fit_decreasing(items: list[_Item], seq_len: int) -> list[list[_Item]]:
+    bins: list[list[_Item]] = []
     room: list[int] = []
     keys: list[tuple[Any, ...]] = []
     # sorted() is stable: equal lengths keep their arrival order.
-    for mb in sorted(items, key=lambda m: -m.num_tokens):
-        key = _modality(mb)
+    for item in sorted(items, key=lambda m: -m.num_tokens):
         for b, free in enumerate(room):
-            if free >= mb.num_tokens and keys[b] == key:
-                bins[b].append(mb)
-                room[b] -= mb.num_tokens
+            if free >= item.num_tokens and keys[b] == item.key:
+                bins[b].append(item)
+                room[b] -= item.num_tokens
                 break
         else:
-            bins.append([mb])
-            room.append(seq_len - mb.num_tokens)
-            keys.append(key)
+            bins.append([item])
+            room.append(seq_len - item.num_tokens)
+            keys.append(item.key)
     return bins
 
 
@@ -309,7 +339,7 @@ def _zero_loss(mb: MicroBatch) -> MicroBatch:
     return filler
 
 
-def _split_heaviest(bins: list[list[MicroBatch]], num_ranks: int, seq_len: int) -> None:
+def _split_heaviest(bins: list[list[_Item]], num_ranks: int) -> None:
     """Split multi-sample bins, heaviest first, until the count is a multiple of the ranks."""
     while len(bins) % num_ranks:
         multi = [b for b in bins if len(b) > 1]
@@ -318,11 +348,122 @@ def _split_heaviest(bins: list[list[MicroBatch]], num_ranks: int, seq_len: int) 
         heaviest = max(multi, key=lambda b: sum(p.num_tokens for p in b))
         bins.remove(heaviest)
         # Deal the samples (longest first) into two halves of similar size.
-        halves: tuple[list[MicroBatch], list[MicroBatch]] = ([], [])
+        halves: tuple[list[_Item], list[_Item]] = ([], [])
         for part in heaviest:  # already longest first
             lighter = min(halves, key=lambda h: sum(p.num_tokens for p in h))
             lighter.append(part)
         bins.extend(halves)
+
+
+@attrs.frozen
+class _Bin:
+    """One planned micro-batch: which samples, in order, and whether it is a zero-loss filler
+    (a copy of the bin without advantages, mask or weights)."""
+
+    items: tuple[_Item, ...]
+    pad: int
+    filler: bool = False
+
+    def cost(self, seq_len: int) -> float:
+        """`bin_cost` of the micro-batch this bin materialises to (same float)."""
+        lengths = [item.num_tokens for item in self.items]
+        lengths[-1] += self.pad
+        return sum(lengths) + sum(length * length for length in lengths) / seq_len
+
+
+class PackedRank(Sequence[MicroBatch]):
+    """One rank's micro-batches, built from the samples when an item is read.
+
+    A packing plan holds no token data: each micro-batch's lists are built when it is
+    indexed or iterated, and belong to the caller from then on (a fresh object on every
+    read, equal to `pack_samples`' micro-batch at the same place). Streaming a rank through
+    `trio_rl.wire.encode_into` therefore keeps one micro-batch alive at a time, instead of the
+    step's whole token data as young Python lists, which every cyclic-GC collection of the
+    young generations would walk while the step is finalized (docs/bench/publish.md).
+    """
+
+    __slots__ = ("_bins", "_pad_to", "_samples", "_seq_len")
+
+    def __init__(
+        self, samples: Sequence[TrainingSample], bins: list[_Bin], seq_len: int, pad_to: int
+    ) -> None:
+        self._samples = samples
+        self._bins = bins
+        self._seq_len = seq_len
+        self._pad_to = pad_to
+
+    def __len__(self) -> int:
+        return len(self._bins)
+
+    @overload
+    def __getitem__(self, index: int) -> MicroBatch: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[MicroBatch]: ...
+    def __getitem__(self, index: int | slice) -> MicroBatch | list[MicroBatch]:
+        if isinstance(index, slice):
+            return [self._build(b) for b in self._bins[index]]
+        return self._build(self._bins[index])
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        for b in self._bins:
+            yield self._build(b)
+
+    def costs(self) -> list[float]:
+        """`bin_cost` of each micro-batch, without building any."""
+        return [b.cost(self._seq_len) for b in self._bins]
+
+    def _build(self, b: _Bin) -> MicroBatch:
+        samples, seq_len = self._samples, self._seq_len
+        parts = [prepare_sample(samples[i.index], seq_len, index=i.index) for i in b.items]
+        mb = _pad(_materialise(parts), self._pad_to)
+        return _zero_loss(mb) if b.filler else mb
+
+
+def pack_lazily(
+    samples: Sequence[TrainingSample],
+    *,
+    seq_len: int,
+    num_ranks: int = 1,
+    pad_to_multiple_of: int = 1,
+) -> list[PackedRank]:
+    """`pack_samples`' plan: the same micro-batches in the same places, built on reading.
+
+    Every sample is validated now (the same :class:`PackingError` and ``ValueError`` as
+    `pack_samples`); no token data is copied until a `PackedRank` item is read. ``samples``
+    must not change until the ranks have been read. Pure and synchronous (a worker thread).
+    """
+    if seq_len < 1 or num_ranks < 1 or pad_to_multiple_of < 1:
+        raise ValueError("seq_len, num_ranks and pad_to_multiple_of must all be at least 1")
+    if seq_len % pad_to_multiple_of:
+        raise ValueError(
+            f"seq_len ({seq_len}) must be a multiple of pad_to_multiple_of ({pad_to_multiple_of})"
+            " so that padded micro-batches still fit"
+        )
+    items = [
+        _Item(i, min(_validate(s, i), seq_len), _sample_modality(s)) for i, s in enumerate(samples)
+    ]
+    by_modality: dict[tuple[Any, ...], list[list[_Item]]] = {}
+    for b in _first_fit_decreasing(items, seq_len):
+        by_modality.setdefault(b[0].key, []).append(b)
+    ranks: list[list[_Bin]] = [[] for _ in range(num_ranks)]
+    costs = [0.0] * num_ranks
+    for group in by_modality.values():
+        _split_heaviest(group, num_ranks)
+        planned = [
+            _Bin(tuple(b), -sum(i.num_tokens for i in b) % pad_to_multiple_of) for b in group
+        ]
+        if len(planned) % num_ranks:
+            filler = attrs.evolve(planned[0], filler=True)
+            planned.extend([filler] * (-len(planned) % num_ranks))
+        per_rank = len(planned) // num_ranks
+        taken = [0] * num_ranks
+        # Greedy balance: the costliest batch goes to the cheapest rank with room left.
+        for planned_bin in sorted(planned, key=lambda m: -m.cost(seq_len)):
+            rank = min((r for r in range(num_ranks) if taken[r] < per_rank), key=lambda r: costs[r])
+            ranks[rank].append(planned_bin)
+            taken[rank] += 1
+            costs[rank] += planned_bin.cost(seq_len)
+    return [PackedRank(samples, bins, seq_len, pad_to_multiple_of) for bins in ranks]
 
 
 def pack_samples(
@@ -338,34 +479,12 @@ def pack_samples(
     ``seq_len`` tokens (which must be a multiple of ``pad_to_multiple_of``); every token of every
     (truncated) sample lands in exactly one micro-batch; fillers carry no loss. Pure and
     synchronous (CPU work for a worker thread). Raises :class:`PackingError` for a sample that
-    cannot be packed and ``ValueError`` for bad arguments.
+    cannot be packed and ``ValueError`` for bad arguments. `pack_lazily` gives the same
+    micro-batches built one at a time, as they are read.
     """
-    if seq_len < 1 or num_ranks < 1 or pad_to_multiple_of < 1:
-        raise ValueError("seq_len, num_ranks and pad_to_multiple_of must all be at least 1")
-    if seq_len % pad_to_multiple_of:
-        raise ValueError(
-            f"seq_len ({seq_len}) must be a multiple of pad_to_multiple_of ({pad_to_multiple_of})"
-            " so that padded micro-batches still fit"
+    return [
+        list(rank)
+        for rank in pack_lazily(
+            samples, seq_len=seq_len, num_ranks=num_ranks, pad_to_multiple_of=pad_to_multiple_of
         )
-    prepared = [prepare_sample(s, seq_len, index=i) for i, s in enumerate(samples)]
-    bins = _first_fit_decreasing(prepared, seq_len)
-    by_modality: dict[tuple[Any, ...], list[list[MicroBatch]]] = {}
-    for b in bins:
-        by_modality.setdefault(_modality(b[0]), []).append(b)
-    ranks: list[list[MicroBatch]] = [[] for _ in range(num_ranks)]
-    costs = [0.0] * num_ranks
-    for group in by_modality.values():
-        _split_heaviest(group, num_ranks, seq_len)
-        batches = [_pad(_materialise(b), pad_to_multiple_of) for b in group]
-        if len(batches) % num_ranks:
-            filler = _zero_loss(batches[0])
-            batches.extend([filler] * (-len(batches) % num_ranks))
-        per_rank = len(batches) // num_ranks
-        taken = [0] * num_ranks
-        # Greedy balance: the costliest batch goes to the cheapest rank with room left.
-        for mb in sorted(batches, key=lambda m: -bin_cost(m, seq_len)):
-            rank = min((r for r in range(num_ranks) if taken[r] < per_rank), key=lambda r: costs[r])
-            ranks[rank].append(mb)
-            taken[rank] += 1
-            costs[rank] += bin_cost(mb, seq_len)
-    return ranks
+    ]

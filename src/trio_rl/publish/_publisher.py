@@ -71,8 +71,10 @@ __all__ = [
     "open_publisher",
 ]
 
-#: Packs the shipped samples into one list of micro-batches per data-parallel rank (pure, sync).
-Packer: TypeAlias = Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]
+#: Packs the shipped samples into one sequence of micro-batches per data-parallel rank (pure,
+#: sync). `trio_rl.publish.pack_lazily` returns ranks that build each micro-batch as the encoder
+#: reads it, which keeps the step's token data out of young Python lists (the GC walks those).
+Packer: TypeAlias = Callable[[Sequence[TrainingSample]], Sequence[Sequence[MicroBatch]]]
 
 
 class BatchSource(Protocol):
@@ -117,7 +119,7 @@ class Shipment:
 Monitor: TypeAlias = "Callable[[Shipment], None] | trio.MemorySendChannel[Shipment]"
 
 
-def _check_grid(grid: list[list[MicroBatch]], world_size: int, step: int) -> None:
+def _check_grid(grid: Sequence[Sequence[MicroBatch]], world_size: int, step: int) -> None:
     if len(grid) != world_size:
         raise PublishError(
             f"step {step}: the packer returned {len(grid)} rank lists for a sender of "
@@ -141,7 +143,7 @@ class _Booked:
     samples: list[TrainingSample]
     detached: list[TrainingSample]
     encoded: Encoded
-    grid: list[list[MicroBatch]]
+    grid: Sequence[Sequence[MicroBatch]]
     pruned: PruneResult | None
     all_stats: AttemptStats
     effective: CohortStats
@@ -152,7 +154,9 @@ class _Booked:
 
     def containers(self, *, pending: bool) -> list[Container]:
         """What the deferred release empties (a pending step's bytes are kept: re-sent)."""
-        containers: list[Container] = [self.samples, self.detached, *self.grid, self.grid]
+        # Lists a packer built are emptied; a lazy rank (`PackedRank`) holds no token data.
+        containers: list[Container] = [self.samples, self.detached]
+        containers += [c for c in (*self.grid, self.grid) if isinstance(c, list)]
         if not pending:
             containers += self.encoded.containers()
         if self.pruned is not None:
