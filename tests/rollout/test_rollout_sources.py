@@ -126,6 +126,19 @@ def test_factory_counters_and_seeds_survive_save_and_restore() -> None:
     assert second.group_id != first.group_id
     with pytest.raises(DataSourceError, match="next_group_index"):
         again.load_state({"next_sample_index": 1, "next_group_index": "x"})
+
+
+def test_group_ids_are_unique_within_a_factory_across_factories_and_resumes() -> None:
+    prompt = Prompt(key="a", tokens=(1,))
+    factory = GroupFactory(group_size=1)
+    ids = [factory.make(prompt).group_id for _ in range(100)]
+    # a resumed run restores the counters: its ids must not repeat the first run's
+    resumed = GroupFactory(group_size=1)
+    resumed.load_state({"next_sample_index": 0, "next_group_index": 0})
+    ids += [resumed.make(prompt).group_id for _ in range(100)]
+    ids += [GroupFactory(group_size=1).make(prompt).group_id for _ in range(100)]
+    assert len(set(ids)) == len(ids)
+    assert all(isinstance(i, str) and i for i in ids)
     with pytest.raises(ValueError, match="group_size"):
         GroupFactory(group_size=0)
 

@@ -20,10 +20,11 @@ class GroupFactory:
     """Makes a :class:`~trio_rl.samples.Group` of ``group_size`` samples from a prompt.
 
     Sample indices are consecutive and unique across the run; every group gets the next group
-    index and a fresh :func:`~trio_rl.samples.new_group_id`. With ``seed`` set, sample ``i`` of
-    a group gets seed ``seed + i`` (the same seed set for every group and every retry, for
-    reproducibility). With ``routing_keys`` on, every sample gets its own uuid routing key,
-    kept across retries for cache affinity. A recycled prompt carries its group's keys in
+    index and a fresh id (a random prefix per factory, then the group index). With ``seed``
+    set, sample ``i`` of a group gets seed ``seed + i`` (the same seed set for every group and
+    every retry, for reproducibility). With ``routing_keys`` on, every sample gets its own uuid
+    routing key, kept across retries for cache affinity. A recycled prompt carries its group's
+    keys in
     ``prompt.metadata["routing_keys"]`` (see :func:`~trio_rl.rollout.recycled_prompt`):
     sample ``i`` of the group made from it gets key ``i`` back, whether ``routing_keys`` is on
     or not. The counters are saved by :meth:`state`.
@@ -34,6 +35,10 @@ class GroupFactory:
     routing_keys: bool = False
     next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
     next_group_index: int = attrs.field(default=0, validator=non_negative_int)
+    #: Group ids are this prefix and the group index: unique within the factory (the index
+    #: only grows) and across factories and resumed runs (a fresh random prefix each), without
+    #: a uuid4 per group.
+    _id_prefix: str = attrs.field(init=False, factory=new_group_id)
 
     def _routing_key(self, prompt: Prompt, position: int) -> str | None:
         kept = prompt.metadata.get("routing_keys")
@@ -67,7 +72,7 @@ class GroupFactory:
         self.next_group_index += 1
         samples = [self._sample(prompt, group_index, i) for i in range(self.group_size)]
         return Group(
-            group_id=new_group_id(),
+            group_id=f"{self._id_prefix}-{group_index}",
             prompt=prompt,
             samples=samples,
             policy_version_at_start=policy_version,

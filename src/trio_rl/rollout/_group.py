@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import itertools
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -101,6 +102,9 @@ def engine_generate(
     """
     check_timeout("engine_generate", "timeout", timeout)
     base = params if params is not None else SamplingParams()
+    # Request ids: a random prefix per generate function and a counter (no uuid4 per call).
+    request_prefix = uuid.uuid4().hex[:12]
+    request_numbers = itertools.count()
 
     async def generate(sample: Sample) -> None:
         abort = _ABORT.get()
@@ -120,7 +124,7 @@ def engine_generate(
             prompt_tokens=sample.prompt_tokens + tuple(sample.completion_tokens),
             params=sample_params,
             routing_key=sample.routing_key,
-            request_id=f"{sample.index}-{uuid.uuid4().hex[:12]}",
+            request_id=f"{sample.index}-{request_prefix}-{next(request_numbers)}",
             sample_index=sample.index,
             abort=abort,
         )
