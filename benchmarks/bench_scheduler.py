@@ -182,6 +182,10 @@ _reached: list[tuple[float, int]] = []
 _traced: list[int] = []
 
 
+#: Samples the trio consumer took in the current run (finished but still buffered ones not).
+_delivered: list[int] = []
+
+
 def _mark_target(finished: int) -> None:
     _reached.append((time.process_time(), finished))
     if tracemalloc.is_tracing():
@@ -193,14 +197,24 @@ async def _zero_latency(sample: Sample) -> None:
     sample.status = SampleStatus.COMPLETED
 
 
+#: The trio consumer's batch and the driver's buffer, as fractions of B (set by :func:`main`).
+#: The reference's consumer drains its output at once and its worker never runs ahead; the
+#: driver's worker runs ahead of the consumer by up to the buffer's capacity, and every group it
+#: finishes ahead is work (and live memory) the whole-run figure pays for.
+_batch_fraction = 1.0
+_buffer_fraction = 1.0
+
+
 async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
-    """The real fully-async driver; the trainer takes batches of B groups as they come."""
+    """The real fully-async driver; the trainer takes batches as they come."""
     budget = concurrent // G
+    batch = max(1, round(budget * _batch_fraction))
     async with open_async_rollout(
         InMemorySource([_PROMPT], epochs=None),
         GroupFactory(G),
         GroupRunner(_zero_latency),
-        batch_size=budget,
+        batch_size=batch,
+        buffer_capacity=max(1, round(budget * _buffer_fraction)),
         policy=policy,
         max_groups_in_flight=budget,
     ) as driver:
@@ -210,7 +224,11 @@ async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -
         # Every group the worker finished, taken or still buffered (the worker runs ahead of
         # the consumer by up to the buffer's capacity).
         _mark_target(driver.statistics().completed * G)
-    return finished
+    _delivered.append(finished)
+    # The whole run is charged per sample the worker finished (taken or left in the buffer),
+    # as the asyncio worker's figure is: the work the scheduler did. What the consumer took is
+    # kept in _delivered for the report.
+    return driver.statistics().completed * G
 
 
 async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
@@ -382,7 +400,8 @@ def part_b(
     trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
     print(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
-        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop; "
+        f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop "
+        f"(batch {_batch_fraction:g} B, buffer {_buffer_fraction:g} B); "
         f"asyncio: {_reference_label}, samples built as {_asyncio_samples} builds them"
     )
     print(
@@ -659,6 +678,27 @@ def main() -> None:
         help="trio side of part B: the real open_async_rollout driver, a bare CreditScheduler "
         "loop, or plain trio without trio-rl (a floor); part A: driver or bare",
     )
+    parser.add_argument(
+        "--batch",
+        type=float,
+        default=1.0,
+        help="part B driver: the consumer's batch, as a fraction of B groups (default 1)",
+    )
+    parser.add_argument(
+        "--buffer",
+        type=float,
+        default=1.0,
+        help="part B driver: buffer_capacity as a fraction of B groups (default 1: one batch; "
+        "the driver's own default is 2 batches)",
+    )
+    parser.add_argument(
+        "--gc-threshold",
+        default=None,
+        help="gc.set_threshold for the whole process, e.g. 50000,20,100 (default: python's)",
+    )
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() after start-up (both sides)"
+    )
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
     parser.add_argument(
         "--rt-scales",
@@ -683,7 +723,16 @@ def main() -> None:
         "or trio-rl's GroupFactory",
     )
     args = parser.parse_args()
-    global _reference, _reference_label, _asyncio_samples
+    global _reference, _reference_label, _asyncio_samples, _batch_fraction, _buffer_fraction
+    _batch_fraction, _buffer_fraction = args.batch, args.buffer
+    # The application's levers on the collector (both sides run under the same settings); the
+    # library never touches the GC.
+    if args.gc_threshold is not None:
+        gc.set_threshold(*(int(x) for x in args.gc_threshold.split(",")))
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    print(f"gc thresholds {gc.get_threshold()}, frozen objects {gc.get_freeze_count()}")
     _reference, _reference_label = ref.load_scheduler(args.reference)
     _asyncio_samples = args.asyncio_samples
     print(f"python {sys.version.split()[0]}, trio {trio.__version__}")

@@ -24,8 +24,7 @@ class GroupFactory:
     set, sample ``i`` of a group gets seed ``seed + i`` (the same seed set for every group and
     every retry, for reproducibility). With ``routing_keys`` on, every sample gets its own uuid
     routing key, kept across retries for cache affinity. A recycled prompt carries its group's
-    keys in
-    ``prompt.metadata["routing_keys"]`` (see :func:`~trio_rl.rollout.recycled_prompt`):
+    keys in ``prompt.metadata["routing_keys"]`` (see :func:`~trio_rl.rollout.recycled_prompt`):
     sample ``i`` of the group made from it gets key ``i`` back, whether ``routing_keys`` is on
     or not. The counters are saved by :meth:`state`.
     """

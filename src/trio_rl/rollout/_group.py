@@ -197,6 +197,7 @@ async def run_group(
     """
     failures: list[tuple[int | None, Exception]] = []
     to_run = [s for s in group.samples if s.status is SampleStatus.PENDING]
+    cancelled = False
 
     async def sample_task(sample: Sample, cancel_scope: trio.CancelScope) -> None:
         try:
@@ -211,14 +212,23 @@ async def run_group(
                     await generate(sample)
                     if sample_reward is not None and sample.status.is_finished:
                         sample.reward = float(await _call(sample_reward, sample))
-        except Exception as exc:  # a real failure; Cancelled is a BaseException and passes
+        except Exception as exc:  # a real failure
             failures.append((sample.index, exc))
             cancel_scope.cancel()
+        except trio.Cancelled:
+            # Ended here, not re-raised: a cancelled child that raises costs trio an exception
+            # group, a formatted cancel reason and a scope recalculation per task (most of a
+            # shutdown's cost). The group task re-raises it once, below, at its checkpoint.
+            nonlocal cancelled
+            cancelled = True
         finally:
             if on_sample_done is not None:
                 on_sample_done(sample)
 
     if to_run:
+        # Already cancelled (a driver shutting down before this group's task first ran): start
+        # no sample task just to cancel it; the group's end returns the untaken credits.
+        await trio.lowlevel.checkpoint_if_cancelled()
         # the sample tasks inherit this task's context, the signal included
         token = _ABORT.set(abort) if abort is not None else None
         try:
@@ -231,6 +241,10 @@ async def run_group(
         finally:
             if token is not None:
                 _ABORT.reset(token)
+        if cancelled:
+            # Raises Cancelled if the cancellation came from outside (it is still in force);
+            # a sibling failure's cancellation ended with the nursery and falls through.
+            await trio.lowlevel.checkpoint()
     if failures:
         error = GroupFailed(group, failures)
         raise error from failures[0][1]
