@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import gc
+import io
+import types
 from collections import Counter
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_rl.publish import PackingError, bin_cost, pack_samples, prepare_sample
+from conftest import scaled
+from trio_rl.publish import PackingError, bin_cost, pack_lazily, pack_samples, prepare_sample
 from trio_rl.train import TrainingSample
-from trio_rl.wire import MicroBatch, PayloadSegment, RoutedExperts, SamplingMask, decode, encode
+from trio_rl.wire import (
+    MicroBatch,
+    PayloadSegment,
+    RoutedExperts,
+    SamplingMask,
+    decode,
+    encode,
+    encode_into,
+)
 
 ROW = 2  # routed-expert bytes per token in these tests ([L, 2, 1] uint8)
 
@@ -279,3 +291,47 @@ def test_no_advantages_without_rl_tokens_gives_zeros() -> None:
 def test_seq_len_must_be_a_multiple_of_the_padding() -> None:
     with pytest.raises(ValueError, match="multiple"):
         pack_samples([], seq_len=10, pad_to_multiple_of=4)
+
+
+def _lists_reachable(root: object, skip: object) -> list[list[Any]]:
+    """Every list reachable from ``root`` through the GC referents of instances (not of
+    classes, modules or functions, which reach the whole interpreter), not entering ``skip``."""
+    seen, stack, found = {id(skip)}, [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, list):
+            found.append(obj)
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(packing_cases())
+def test_lazy_ranks_build_the_eager_micro_batches_on_read(
+    case: tuple[list[TrainingSample], int, int, int],
+) -> None:
+    items, seq_len, num_ranks, pad = case
+    eager = pack_samples(items, seq_len=seq_len, num_ranks=num_ranks, pad_to_multiple_of=pad)
+    lazy = pack_lazily(items, seq_len=seq_len, num_ranks=num_ranks, pad_to_multiple_of=pad)
+    assert len(lazy) == num_ranks
+    for rank, ranked in zip(lazy, eager, strict=True):
+        assert len(rank) == len(ranked)
+        assert rank.costs() == [bin_cost(mb, seq_len) for mb in ranked]
+        out = io.BytesIO()
+        assert encode_into(rank, out) == len(encode(ranked))
+        assert out.getvalue() == encode(ranked)  # streamed read: the same bytes
+        assert [encode([rank[i]]) for i in range(len(rank))] == [encode([m]) for m in ranked]
+        assert encode(rank[1:]) == encode(ranked[1:])
+        if len(rank):
+            assert rank[0] is not rank[0], "each read builds a fresh micro-batch"
+        # The plan holds no per-token list: only the caller's samples do.
+        longest = max((len(x) for x in _lists_reachable(rank, items)), default=0)
+        assert longest <= max(len(items), num_ranks, 1)
+
+
+def test_lazy_packing_validates_every_sample_up_front() -> None:
+    with pytest.raises(PackingError, match="sample 1: logprobs has 1 entries for 2 tokens"):
+        pack_lazily([_sample(2), _sample(2, logprobs=[0.0])], seq_len=8)

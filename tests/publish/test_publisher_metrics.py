@@ -37,6 +37,14 @@ def test_distribution_matches_numpy(values: list[float]) -> None:
     assert ordered == sorted(v for v in ordered if v is not None)
 
 
+@given(st.lists(st.lists(finite | st.integers(-1000, 1000), max_size=40), max_size=8))
+def test_distribution_of_parts_equals_of_the_concatenation(parts: list[list[float]]) -> None:
+    # The cohort's per-token advantages are summarised part by part (a numpy sort with the
+    # GIL released): the figures must be exactly those of the whole list.
+    whole = [v for part in parts for v in part]
+    assert Distribution.of_parts(parts) == Distribution.of(whole)
+
+
 def test_an_empty_distribution_has_no_statistics_and_no_keys() -> None:
     d = Distribution.of([])
     assert d == Distribution(count=0)
