@@ -28,3 +28,4 @@ from ._zmq_transport import ZmqReceiver as ZmqReceiver
 from ._zmq_transport import ZmqSender as ZmqSender
 from ._zmq_transport import free_port_pair as free_port_pair
 from ._zmq_transport import rank_topic as rank_topic
+from ._zmq_transport import step_topic as step_topic
