@@ -92,6 +92,56 @@ async def test_outer_cancellation_settles_samples_and_propagates(
     assert rewarded == []
 
 
+async def test_outer_cancellation_with_a_failure_in_the_same_tick_still_propagates() -> None:
+    """A sample that fails and siblings cancelled from outside at once: Cancelled wins (as
+    before), every sample settles once, no GroupFailed escapes a cancelled caller."""
+    group = make_group(3)
+    fired: list[int] = []
+    started = 0
+
+    async def generate(sample: Sample) -> None:
+        nonlocal started
+        started += 1
+        if sample.index == 0:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            raise RuntimeError("boom")
+        await trio.sleep_forever()
+
+    with trio.CancelScope() as scope:
+
+        async def cancel_soon() -> None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_soon)
+            await run_group(group, generate, on_sample_done=lambda s: fired.append(s.index))
+        raise AssertionError("run_group returned although its caller was cancelled")
+    assert scope.cancelled_caught
+    assert started == 3
+    assert sorted(fired) == [0, 1, 2]
+
+
+async def test_a_group_cancelled_before_it_starts_starts_no_sample() -> None:
+    """A driver shutting down cancels groups whose task has not run yet: none of their
+    samples is spawned just to be cancelled (their credits come back with the group's end)."""
+    group = make_group(4)
+    fired: list[int] = []
+    calls = 0
+
+    async def generate(sample: Sample) -> None:
+        nonlocal calls
+        calls += 1
+        await trio.sleep_forever()
+
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await run_group(group, generate, on_sample_done=lambda s: fired.append(s.index))
+    assert scope.cancelled_caught
+    assert (calls, fired) == (0, [])
+    assert all(s.status is SampleStatus.PENDING for s in group.samples)
+
+
 async def test_rewards_sync_and_async(autojump_clock: trio.testing.MockClock) -> None:
     puppet = Puppet(auto_delay=1)
     group = make_group(3)
