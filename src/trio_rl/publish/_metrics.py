@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..train import SinkWindow, TrainingSample
+from ._pacing import Pacer
 
 __all__ = [
     "DISCARD_WARN_ABOVE",
@@ -108,7 +109,9 @@ class Distribution:
             return cls(count=0)
         ordered = np.empty(count, dtype=np.float64)
         start = 0
+        pace = Pacer()
         for part in parts:
+            pace()
             ordered[start : start + len(part)] = part
             start += len(part)
         ordered.sort()
@@ -351,9 +354,12 @@ def cohort_stats(samples: Sequence[TrainingSample], step: int) -> CohortStats:
     """
     # Per-token walks run as C iterators (sum, compress): a Python-level loop over every token
     # keeps the GIL busy in bytecode, and the event loop then waits a switch interval for it.
+    # A Pacer yields the GIL to the event loop between samples (see `Pacer`).
     advantages: list[list[float]] = []
     loss_tokens = 0
+    pace = Pacer()
     for sample in samples:
+        pace()
         loss_tokens += sum(sample.mask)
         if sample.advantages is not None:
             advantages.append(list(compress(sample.advantages, sample.mask)))
@@ -382,7 +388,11 @@ def _trained(sample: TrainingSample) -> tuple[int, float | None, bool]:
 
 def selection_stats(selected: Sequence[TrainingSample]) -> SelectionStats:
     """Trainability of the selected batch. CPU work: call it in a worker."""
-    trained = [_trained(sample) for sample in selected]
+    pace = Pacer()
+    trained = []
+    for sample in selected:
+        pace()
+        trained.append(_trained(sample))
     return SelectionStats(
         selected=len(selected),
         trainable=sum(1 for _, _, live in trained if live),
@@ -394,7 +404,9 @@ def selection_stats(selected: Sequence[TrainingSample]) -> SelectionStats:
 def annotate(samples: Sequence[TrainingSample], step: int, shipped_at: float) -> list[Annotation]:
     """One `Annotation` per shipped sample. CPU work: call it in a worker."""
     out = []
+    pace = Pacer()
     for sample in samples:
+        pace()
         trained, advantage, _ = _trained(sample)
         out.append(
             Annotation(

@@ -31,6 +31,7 @@ import attrs
 from ..train import TrainingSample
 from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 from ._errors import PackingError
+from ._pacing import Pacer
 
 __all__ = [
     "PackedRank",
@@ -405,7 +406,10 @@ class PackedRank(Sequence[MicroBatch]):
         return self._build(self._bins[index])
 
     def __iter__(self) -> Iterator[MicroBatch]:
+        # Read by an encoder in a worker: between micro-batches the event loop gets the GIL.
+        pace = Pacer()
         for b in self._bins:
+            pace()
             yield self._build(b)
 
     def costs(self) -> list[float]:

@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from ._errors import ReleaseTimeoutError
+from ._pacing import Pacer
 
 logger = logging.getLogger("trio_rl.publish")
 
@@ -63,13 +64,16 @@ def release_containers(containers: Sequence[Container]) -> None:
     Popping one element at a time lets the interpreter hand the GIL to the event loop between
     frees; a single ``clear()`` would free everything inside one uninterruptible C call.
     """
+    pace = Pacer()
     for container in containers:
         if isinstance(container, MutableSequence):
             while container:
                 container.pop()
+                pace()
         else:
             while container:
                 container.popitem()
+                pace()
     malloc_trim()
 
 
