@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from time import perf_counter, sleep
 
 import attrs
 
@@ -23,10 +23,10 @@ class Pacer:
     """
 
     interval: float = 0.0005
-    _due: float = attrs.field(factory=time.perf_counter, init=False)
+    _due: float = attrs.field(factory=perf_counter, init=False)
 
     def __call__(self) -> None:
-        now = time.perf_counter()
+        now = perf_counter()
         if now >= self._due:
-            time.sleep(0)  # releases the GIL: a thread waiting for it runs now
-            self._due = time.perf_counter() + self.interval
+            sleep(0)  # releases the GIL: a thread waiting for it runs now
+            self._due = perf_counter() + self.interval
