@@ -21,6 +21,7 @@ switch interval).
 from __future__ import annotations
 
 import argparse
+import array
 import functools
 import gc
 import shutil
@@ -212,6 +213,34 @@ async def _measure(
     }
 
 
+def _full_collection_ms() -> float:
+    gc.collect()  # what was garbage goes first; the next full collection walks what is alive
+    began = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - began) * 1e3
+
+
+def representation_prototype(args: argparse.Namespace) -> tuple[float, float, float]:
+    """A full (gen-2) collection with the batch queued: nothing queued, the sink's samples as
+    built today (token data in Python lists), and a prototype holding every per-token stream
+    of those samples as ``array.array`` instead (arrays are not GC-tracked containers, so a
+    collection does not walk their items). Milliseconds each."""
+    empty = _full_collection_ms()
+    sink = build_sink(args.samples, args.tokens)
+    as_lists = _full_collection_ms()
+    detached = sink.detach_batch()
+    typecodes = {"token_ids": "i", "mask": "b", "logprobs": "d", "temperatures": "d",
+                 "advantages": "d"}  # fmt: skip
+    prototype = [
+        {name: array.array(code, getattr(s, name)) for name, code in typecodes.items()}
+        for s in detached.samples
+    ]
+    del sink, detached
+    as_arrays = _full_collection_ms()
+    assert len(prototype) == args.samples
+    return empty, as_lists, as_arrays
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=1024)
@@ -265,6 +294,12 @@ def main() -> None:
                     f"   run {i + 1}: worst {x['max'] * 1e3:.1f} ms, GC in worst: {gcs}; "
                     f"{x['gcs']} collections during the publication"
                 )
+        empty, as_lists, as_arrays = representation_prototype(args)
+        print(
+            f"full (gen-2) collection: {empty:.1f} ms with nothing queued; {as_lists:.1f} ms with "
+            f"the batch queued as built (token data in lists); {as_arrays:.1f} ms with its "
+            "per-token streams held as array.array instead (prototype)"
+        )
         size = runs["inline"][0]["bytes"]
         print(f"payload {size / 2**20:.1f} MiB; files identical: {same}")
     finally:
