@@ -11,7 +11,7 @@ import enum
 import math
 import types
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
 
 import attrs
@@ -60,6 +60,15 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
     high = min(low + 1, len(ordered) - 1)
     fraction = position - low
     return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+
+
+def _paced(parts: Sequence[Sequence[float]]) -> Iterator[Sequence[float]]:
+    """``parts``, yielding the GIL (`Pacer`) between them: one C call such as ``math.fsum``
+    over millions of values then lets the event loop in on the way."""
+    pace = Pacer()
+    for part in parts:
+        pace()
+        yield part
 
 
 def _percentile_of(ordered: npt.NDArray[np.float64], q: float) -> float:
@@ -117,7 +126,7 @@ class Distribution:
         ordered.sort()
         return cls(
             count=count,
-            mean=math.fsum(chain.from_iterable(parts)) / count,
+            mean=math.fsum(chain.from_iterable(_paced(parts))) / count,
             min=float(ordered[0]),
             max=float(ordered[-1]),
             p10=_percentile_of(ordered, 0.1),
