@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import heapq
 import itertools
 import math
 import random
@@ -517,9 +518,48 @@ class _RealTime:
 _PROBE = 0.001
 
 
+#: How the trio side's simulated engine delivers a reply: "reactor" (default) wakes each sample
+#: from one timer task, as replies arriving on sockets wake their tasks; "sleep" is a
+#: ``trio.sleep`` per sample (a cancel scope and a deadline-driven cancellation per sample,
+#: which asyncio's ``call_later`` does not pay). Set by :func:`main`.
+_rt_engine = "reactor"
+
+
+class _Replies:
+    """One task delivering every simulated reply at its time: a heap of (due, n, event)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, trio.Event]] = []
+        self._n = itertools.count()
+        self._changed = trio.Event()
+
+    async def wait(self, latency: float) -> None:
+        event = trio.Event()
+        due = trio.current_time() + latency
+        if not self._heap or due < self._heap[0][0]:
+            self._changed.set()
+        heapq.heappush(self._heap, (due, next(self._n), event))
+        await event.wait()
+
+    async def run(self) -> None:
+        heap = self._heap
+        while True:
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                heapq.heappop(heap)[2].set()
+            self._changed = trio.Event()
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self._changed.wait()
+
+
 async def _trio_real_time(rt: _RealTime) -> float:
+    replies = _Replies()
+
     async def generate(sample: Sample) -> None:
-        await trio.sleep(rt.latency())
+        if _rt_engine == "sleep":
+            await trio.sleep(rt.latency())
+        else:
+            await replies.wait(rt.latency())
         sample.status = SampleStatus.COMPLETED
         rt.done()
 
@@ -534,11 +574,16 @@ async def _trio_real_time(rt: _RealTime) -> float:
     cpu0 = 0.0
     async with trio.open_nursery() as nursery:
         nursery.start_soon(probe)
+        nursery.start_soon(replies.run)
         async with open_async_rollout(
             InMemorySource([_PROMPT], epochs=None),
             GroupFactory(G),
             GroupRunner(generate),
             batch_size=1,
+            # Room for every group in flight (the reference's output deque is unbounded): the
+            # default, two batches of one group, would stall the worker on backpressure
+            # whenever the consumer is a step behind.
+            buffer_capacity=budget,
             policy=SampleBackfill(),
             max_groups_in_flight=budget,
         ) as driver:
@@ -612,6 +657,7 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
     print(
         f"\n== C. real time: {slots} slots, lognormal latencies (median 20 ms x scale, sigma 1), "
         f"{seconds:g} s windows after 0.5 s warm-up, G = {G}, sample backfill; "
+        f"trio engine replies: {_rt_engine}; "
         f"asyncio: {_reference_label}"
     )
     base = 0.020
@@ -699,6 +745,13 @@ def main() -> None:
     parser.add_argument(
         "--gc-freeze", action="store_true", help="gc.freeze() after start-up (both sides)"
     )
+    parser.add_argument(
+        "--rt-engine",
+        choices=["reactor", "sleep"],
+        default="reactor",
+        help="part C, trio side: replies delivered by one timer task (default) or a trio.sleep "
+        "per sample",
+    )
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
     parser.add_argument(
         "--rt-scales",
@@ -724,6 +777,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     global _reference, _reference_label, _asyncio_samples, _batch_fraction, _buffer_fraction
+    global _rt_engine
+    _rt_engine = args.rt_engine
     _batch_fraction, _buffer_fraction = args.batch, args.buffer
     # The application's levers on the collector (both sides run under the same settings); the
     # library never touches the GC.
