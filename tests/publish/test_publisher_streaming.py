@@ -4,6 +4,7 @@ encoding buffer, while the outbox keeps the step's exact bytes (exactly-once).""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,9 +18,22 @@ import trio
 from publisher_support import make_sink
 from streaming_peak import fixed, micro_batch
 
-from trio_rl.publish import PublishError, SinkCheckpointer, open_publisher
+from trio_rl.publish import (
+    PublishError,
+    Shipment,
+    SinkCheckpointer,
+    open_publisher,
+    pack_lazily,
+    pack_samples,
+)
 from trio_rl.train import CheckpointManager
-from trio_rl.transport import FileSender, StagingSender, TransportIOError, batch_path
+from trio_rl.transport import (
+    FileSender,
+    MemorySender,
+    StagingSender,
+    TransportIOError,
+    batch_path,
+)
 from trio_rl.wire import encode
 
 HERE = Path(__file__).resolve().parent
@@ -155,3 +169,30 @@ async def test_a_subclass_that_overrides_send_keeps_send_as_its_delivery(tmp_pat
         assert await pub.publish() is not None
     assert sent == [1]
     assert batch_path(tmp_path, 1, 0).read_bytes() == expected
+
+
+async def test_lazy_ranks_reach_a_non_staging_sender_as_the_eager_bytes() -> None:
+    # A MemorySender cannot stage: each lazy rank is streamed into an in-memory buffer, one
+    # micro-batch built at a time; the bytes are those of the eagerly packed shipped samples.
+    sink = make_sink(batch_size=6, groups=3)
+    shipped: list[Shipment] = []
+    got = []
+    with trio.fail_after(10):
+        async with (
+            MemorySender(2) as sender,
+            open_publisher(
+                sink,
+                sender,
+                pack=functools.partial(pack_lazily, seq_len=8, num_ranks=2),
+                monitor=shipped.append,
+            ) as publisher,
+        ):
+            record = await publisher.publish()
+            assert record is not None
+            for rank in range(2):
+                async with sender.receiver(rank, start_step=record.step) as receiver:
+                    got.append(bytes((await receiver.receive()).data))
+    (shipment,) = shipped
+    eager = pack_samples(shipment.samples, seq_len=8, num_ranks=2)
+    assert len(shipment.samples) == 6
+    assert got == [encode(rank) for rank in eager]
