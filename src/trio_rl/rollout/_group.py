@@ -157,6 +157,46 @@ async def _call(fn: Callable[[_S], _T | Awaitable[_T]], arg: _S) -> _T:
     return result
 
 
+@attrs.define(slots=True, eq=False)
+class _GroupRun:
+    """One group's sample tasks: their options and shared state, one object per group (a
+    closure would be a function and a cell per variable, all traced by the collector)."""
+
+    generate: GenerateFn
+    on_sample_done: Callable[[Sample], None] | None
+    sample_reward: SampleRewardFn | None
+    sample_timeout: float | None
+    scope: trio.CancelScope | None = None
+    failures: list[tuple[int | None, Exception]] = attrs.field(factory=list)
+    cancelled: bool = False
+
+    async def sample_task(self, sample: Sample) -> None:
+        try:
+            # No cancel scope without a timeout: a scope per sample is a large share of the
+            # per-sample scheduling cost.
+            if self.sample_timeout is None:
+                await self.generate(sample)
+                if self.sample_reward is not None and sample.status.is_finished:
+                    sample.reward = float(await _call(self.sample_reward, sample))
+            else:
+                with trio.fail_after(self.sample_timeout):
+                    await self.generate(sample)
+                    if self.sample_reward is not None and sample.status.is_finished:
+                        sample.reward = float(await _call(self.sample_reward, sample))
+        except Exception as exc:  # a real failure
+            self.failures.append((sample.index, exc))
+            if self.scope is not None:
+                self.scope.cancel()
+        except trio.Cancelled:
+            # Ended here, not re-raised: a cancelled child that raises costs trio an exception
+            # group, a formatted cancel reason and a scope recalculation per task (most of a
+            # shutdown's cost). The group task re-raises it once, at its checkpoint.
+            self.cancelled = True
+        finally:
+            if self.on_sample_done is not None:
+                self.on_sample_done(sample)
+
+
 async def run_group(
     group: Group,
     generate: GenerateFn,
@@ -195,36 +235,8 @@ async def run_group(
     Cancellation from outside: the sample tasks are cancelled and settled (each calls
     ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
     """
-    failures: list[tuple[int | None, Exception]] = []
     to_run = [s for s in group.samples if s.status is SampleStatus.PENDING]
-    cancelled = False
-
-    async def sample_task(sample: Sample, cancel_scope: trio.CancelScope) -> None:
-        try:
-            # No cancel scope without a timeout: a scope per sample is a large share of the
-            # per-sample scheduling cost.
-            if sample_timeout is None:
-                await generate(sample)
-                if sample_reward is not None and sample.status.is_finished:
-                    sample.reward = float(await _call(sample_reward, sample))
-            else:
-                with trio.fail_after(sample_timeout):
-                    await generate(sample)
-                    if sample_reward is not None and sample.status.is_finished:
-                        sample.reward = float(await _call(sample_reward, sample))
-        except Exception as exc:  # a real failure
-            failures.append((sample.index, exc))
-            cancel_scope.cancel()
-        except trio.Cancelled:
-            # Ended here, not re-raised: a cancelled child that raises costs trio an exception
-            # group, a formatted cancel reason and a scope recalculation per task (most of a
-            # shutdown's cost). The group task re-raises it once, below, at its checkpoint.
-            nonlocal cancelled
-            cancelled = True
-        finally:
-            if on_sample_done is not None:
-                on_sample_done(sample)
-
+    run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout)
     if to_run:
         # Already cancelled (a driver shutting down before this group's task first ran): start
         # no sample task just to cancel it; the group's end returns the untaken credits.
@@ -233,18 +245,19 @@ async def run_group(
         token = _ABORT.set(abort) if abort is not None else None
         try:
             async with trio.open_nursery() as nursery:
-                scope = nursery.cancel_scope
-                start = nursery.start_soon
+                run.scope = nursery.cancel_scope
+                start, sample_task = nursery.start_soon, run.sample_task
                 for sample in to_run:
                     # A name: without one trio formats the function's qualified name per task.
-                    start(sample_task, sample, scope, name=_SAMPLE_TASK)
+                    start(sample_task, sample, name=_SAMPLE_TASK)
         finally:
             if token is not None:
                 _ABORT.reset(token)
-        if cancelled:
+        if run.cancelled:
             # Raises Cancelled if the cancellation came from outside (it is still in force);
             # a sibling failure's cancellation ended with the nursery and falls through.
             await trio.lowlevel.checkpoint()
+    failures = run.failures
     if failures:
         error = GroupFailed(group, failures)
         raise error from failures[0][1]
