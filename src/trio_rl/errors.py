@@ -40,6 +40,12 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── TransportIOError
     │   └── EndOfStreamError
     ├── TensorConversionError (ValueError)
+    ├── ConfigError (ValueError)
+    │   └── ConfigChangedError
+    ├── ToolsError
+    │   ├── InspectError (ValueError)
+    │   ├── MetricsFileError (ValueError)
+    │   └── MissingExtraError (ImportError)
     └── InvariantViolationError (AssertionError)
 
 Naming rule: every class ends in ``Error``; the words before it name what failed, prefixed by
@@ -69,6 +75,8 @@ if TYPE_CHECKING:  # annotations only: this module imports nothing of ours at ru
 __all__ = [
     "CheckpointError",
     "CodecError",
+    "ConfigChangedError",
+    "ConfigError",
     "CreditError",
     "DataSourceError",
     "DriverFailed",
@@ -85,8 +93,11 @@ __all__ = [
     "FailureBudgetExceededError",
     "GroupFailed",
     "GroupFailedError",
+    "InspectError",
     "InvariantViolation",
     "InvariantViolationError",
+    "MetricsFileError",
+    "MissingExtraError",
     "MonitorTimeoutError",
     "PackingError",
     "PayloadError",
@@ -104,6 +115,7 @@ __all__ = [
     "SourceExhausted",
     "SourceExhaustedError",
     "TensorConversionError",
+    "ToolsError",
     "TrainError",
     "TrainSinkError",
     "TransportError",
@@ -406,6 +418,77 @@ class TensorConversionError(TrioRLError, ValueError):
     def __init__(self, field: str, reason: str) -> None:
         self.field = field
         super().__init__(f"cannot convert micro-batch field {field!r} to a tensor: {reason}")
+
+
+# Configuration ------------------------------------------------------------------------------
+
+
+class ConfigError(TrioRLError, ValueError):
+    """A configuration that cannot be used: a malformed TOML file, an unknown section or key, a
+    value of the wrong type or out of range. ``where`` names the file and line (or the
+    ``--set`` / flag it came from), ``key`` the dotted key (empty for a whole file)."""
+
+    def __init__(self, where: str, key: str, message: str) -> None:
+        super().__init__(f"{where}: {key + ': ' if key else ''}{message}")
+        self.where = where
+        self.key = key
+
+
+class ConfigChangedError(ConfigError):
+    """A resumed run's configuration differs from the one stored in its run directory in keys
+    that were not allowed to change (``--allow-change``); ``changes`` lists them."""
+
+    def __init__(self, where: str, changes: list[tuple[str, object, object]]) -> None:
+        shown = ", ".join(f"{k} {_show(old)} -> {_show(new)}" for k, old, new in changes)
+        keys = " ".join(f"--allow-change {k}" for k, _, _ in changes)
+        super().__init__(
+            where,
+            "",
+            f"the run's stored configuration differs: {shown}; resume with the stored values, "
+            f"pass {keys} to accept, or use another --out",
+        )
+        self.changes = changes
+
+
+def _show(value: object) -> str:
+    return "unset" if value is None else repr(value)
+
+
+# Operations tools (inspect, plot, metrics sinks) ---------------------------------------------
+
+
+class ToolsError(TrioRLError):
+    """Base class of the operations tools' errors (inspect, plot, metrics sinks)."""
+
+
+class InspectError(ToolsError, ValueError):
+    """``trio-rl inspect`` was given a path that is none of the things it reads; ``path``
+    names it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class MetricsFileError(ToolsError, ValueError):
+    """A ``metrics.jsonl`` line is not a JSON object with a step; names the file, the line
+    number and the line's byte offset."""
+
+    def __init__(self, path: str, line: int, offset: int, reason: str) -> None:
+        super().__init__(f"{path}: line {line} (byte offset {offset}): {reason}")
+        self.path = path
+        self.line = line
+        self.offset = offset
+
+
+class MissingExtraError(ToolsError, ImportError):
+    """An optional dependency a tool needs is not installed; the message says which extra
+    installs it."""
+
+    def __init__(self, what: str, package: str, extra: str) -> None:
+        super().__init__(f"{what} needs the {package!r} package (pip install 'trio-rl[{extra}]')")
+        self.package = package
+        self.extra = extra
 
 
 # Testing harness -----------------------------------------------------------------------------

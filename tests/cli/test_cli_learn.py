@@ -69,7 +69,8 @@ def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, si
     assert m is not None, last
     stopped_after, trained = int(m.group(1)), int(m.group(3))
     assert Path(m.group(2)).is_file()
-    assert 1 <= trained <= stopped_after
+    # 0 when the trainer had not saved step 1 yet (it lags the orchestrator on a loaded machine)
+    assert 0 <= trained <= stopped_after
     assert _steps(out) == list(range(1, stopped_after + 1))
 
     resumed = subprocess.run(_cmd(out, "--steps", "2"), capture_output=True, text=True, timeout=120)

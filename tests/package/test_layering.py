@@ -18,6 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     # by-handle payloads sit next to errors: everything above may import them
     "payloads": set(),
     "samples": {"payloads"},
+    # the configuration schema is plain attrs classes of values: it knows no component
+    "config": set(),
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
@@ -31,7 +33,10 @@ ALLOWED: dict[str, set[str]] = {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "train", "publish"),
         "transport",
     },
+    # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
+    "tools": {"payloads", "samples", "wire", "train", "transport", "publish"},
     "learn": {
+        "config",
         "payloads",
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
@@ -41,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
         "payloads",
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
-        *("orchestrator", "learn"),
+        *("orchestrator", "learn", "config", "tools"),
     },
     "__main__": {"cli"},
 }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,9 +63,9 @@ def _wired() -> set[str]:
 
 
 def extra(module: str) -> Any:
-    """Import an optional extra's package for a test. Locally a missing one skips the test; in
-    CI (``CI`` set, as .ci/run has it) the test dependency group installs it, so a missing one
-    fails instead of passing by skipping."""
-    if os.environ.get("CI"):
+    """Import an optional extra's package for a test. The test dependency group installs every
+    extra, so a missing one fails the test (naming the package) instead of passing by skipping."""
+    try:
         return importlib.import_module(module)
-    return pytest.importorskip(module)
+    except ImportError as exc:
+        pytest.fail(f"{module!r} is not installed: install the test dependency group ({exc})")

@@ -531,12 +531,9 @@ class SyncDriverMachine(_Machine):
 # --------------------------------------------------------------------------- async driver
 
 
-class AsyncDriverMachine(_Machine):
-    """The real fully-async driver (:func:`~trio_rl.rollout.open_async_rollout`), with the
-    consumer's moves (take a batch, pause, resume, a weight update, close) as rules.
-
-    Use :func:`async_driver_machine` to bind it to a subject.
-    """
+class _AsyncDriverObserver(_Machine):
+    """The fully-async machine's state, its consumer and its checks; the rules that move
+    the driver are :class:`AsyncDriverMachine`'s."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -568,6 +565,122 @@ class AsyncDriverMachine(_Machine):
     def submissions(self) -> int:
         # Every submission opens the group in the ledger (retries included).
         return sum(self.ledger.opens.values())
+
+    # -- the consumer ------------------------------------------------------------------
+    async def consume(self) -> None:
+        driver = self.drv
+        version_at_call = driver.policy_version
+        try:
+            batch = await driver.next_batch(allow_partial=True)
+        except (SourceExhausted, DriverFailed, RolloutError) as exc:
+            self.w.log(f"next_batch raised {type(exc).__name__}")
+            if isinstance(exc, (SourceExhausted, DriverFailed)):
+                self.ended = True
+            return
+        except trio.ClosedResourceError:
+            return
+        finally:
+            self.consuming = False
+        world = self.w
+        world.log(f"next_batch returned {len(batch)} groups")
+        again = [g.group_id for g in batch if g.group_id in self.taken]
+        world.check(
+            not again, Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, f"group {again[:1]} handed out twice"
+        )
+        self.taken.extend(g.group_id for g in batch)
+        _check_batch(
+            world, batch, self.batch_size, self.group_size, partial_ok=self.source.exhausted
+        )
+        if self.staleness is not None:
+            world.check(
+                all(g.staleness(version_at_call) <= self.staleness for g in batch),
+                Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+                f"a group staler than {self.staleness} versions was handed to the consumer",
+            )
+
+    def take(self) -> None:
+        if not self.consuming and self.harness is not None:
+            self.consuming = True
+            self.harness.start_soon(self.consume)
+
+    def check(self) -> None:
+        """Bounded buffer, no submission while paused, and ``NO_LOST_WAKEUP``."""
+        if self.closed or self.driver is None:
+            return
+        driver, world = self.drv, self.w
+        stats = driver.statistics()
+        world.check(
+            stats.buffered <= self.capacity,
+            Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+            f"buffer holds {stats.buffered} groups, capacity {self.capacity}",
+        )
+        if self.paused_at is not None:
+            world.check(
+                self.submissions() == self.paused_at,
+                Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
+                f"{self.submissions() - self.paused_at} groups submitted while paused",
+            )
+        alive = driver.failure is None
+        world.check_awake(
+            budget=self.budget,
+            group_size=self.group_size,
+            may_submit=alive
+            and not driver.is_paused
+            and stats.buffered < self.capacity
+            and not self.source.exhausted,
+            drains=alive and stats.buffered < self.capacity,
+        )
+
+    def _resume(self) -> None:
+        if self.resume_now is not None:
+            self.w.log("resume")
+            self.paused_at = None
+            self.resume_now.set()
+            self.resume_now = None
+
+    async def _close(self) -> None:
+        self.closed = True
+        self.close_now.set()
+        await trio.testing.wait_all_tasks_blocked()
+        world = self.w
+        world.check(
+            self.driver_exited.is_set(),
+            Invariant.NO_DEADLOCK,
+            "closing the driver blocks: its context did not exit once every task was blocked",
+        )
+        # The driver is closed: nothing it started may still run.
+        await world.quiesce()
+        harness = self.harness
+        allowed = {t for t in (self.harness_task,) if t is not None}
+        if harness is not None:
+            allowed |= set(harness.child_tasks)
+        world.check_no_leftovers(self.baseline, allowed=allowed)
+
+    async def finish(self) -> None:
+        world = self.w
+        if not self.closed:
+            self._resume()
+
+            def round_checks() -> None:
+                self.check()
+                if not self.ended:
+                    self.take()
+
+            await world.finish(
+                lambda: self.ended,
+                each_round=round_checks,
+                rounds=400,
+                time_bound=self.clock.current_time() + HANG_TIMEOUT * (self.prompts + 2) * 20,
+            )
+            await self._close()
+
+
+class AsyncDriverMachine(_AsyncDriverObserver):
+    """The real fully-async driver (:func:`~trio_rl.rollout.open_async_rollout`), with the
+    consumer's moves (take a batch, pause, resume, a weight update, close) as rules.
+
+    Use :func:`async_driver_machine` to bind it to a subject.
+    """
 
     @initialize(
         batch_size=st.integers(1, 3),
@@ -643,71 +756,6 @@ class AsyncDriverMachine(_Machine):
 
         self.act(setup)
 
-    # -- the consumer ------------------------------------------------------------------
-    async def consume(self) -> None:
-        driver = self.drv
-        version_at_call = driver.policy_version
-        try:
-            batch = await driver.next_batch(allow_partial=True)
-        except (SourceExhausted, DriverFailed, RolloutError) as exc:
-            self.w.log(f"next_batch raised {type(exc).__name__}")
-            if isinstance(exc, (SourceExhausted, DriverFailed)):
-                self.ended = True
-            return
-        except trio.ClosedResourceError:
-            return
-        finally:
-            self.consuming = False
-        world = self.w
-        world.log(f"next_batch returned {len(batch)} groups")
-        again = [g.group_id for g in batch if g.group_id in self.taken]
-        world.check(
-            not again, Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, f"group {again[:1]} handed out twice"
-        )
-        self.taken.extend(g.group_id for g in batch)
-        _check_batch(
-            world, batch, self.batch_size, self.group_size, partial_ok=self.source.exhausted
-        )
-        if self.staleness is not None:
-            world.check(
-                all(g.staleness(version_at_call) <= self.staleness for g in batch),
-                Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-                f"a group staler than {self.staleness} versions was handed to the consumer",
-            )
-
-    def take(self) -> None:
-        if not self.consuming and self.harness is not None:
-            self.consuming = True
-            self.harness.start_soon(self.consume)
-
-    def check(self) -> None:
-        """Bounded buffer, no submission while paused, and ``NO_LOST_WAKEUP``."""
-        if self.closed or self.driver is None:
-            return
-        driver, world = self.drv, self.w
-        stats = driver.statistics()
-        world.check(
-            stats.buffered <= self.capacity,
-            Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-            f"buffer holds {stats.buffered} groups, capacity {self.capacity}",
-        )
-        if self.paused_at is not None:
-            world.check(
-                self.submissions() == self.paused_at,
-                Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-                f"{self.submissions() - self.paused_at} groups submitted while paused",
-            )
-        alive = driver.failure is None
-        world.check_awake(
-            budget=self.budget,
-            group_size=self.group_size,
-            may_submit=alive
-            and not driver.is_paused
-            and stats.buffered < self.capacity
-            and not self.source.exhausted,
-            drains=alive and stats.buffered < self.capacity,
-        )
-
     @precondition(lambda self: self.moving)
     @rule()
     def take_batch(self) -> None:
@@ -746,13 +794,6 @@ class AsyncDriverMachine(_Machine):
         """The consumer resumes submissions."""
         self.act(self._resume)
 
-    def _resume(self) -> None:
-        if self.resume_now is not None:
-            self.w.log("resume")
-            self.paused_at = None
-            self.resume_now.set()
-            self.resume_now = None
-
     @precondition(lambda self: self.moving)
     @rule()
     def new_version(self) -> None:
@@ -776,42 +817,6 @@ class AsyncDriverMachine(_Machine):
             await self._close()
 
         self.act(move)
-
-    async def _close(self) -> None:
-        self.closed = True
-        self.close_now.set()
-        await trio.testing.wait_all_tasks_blocked()
-        world = self.w
-        world.check(
-            self.driver_exited.is_set(),
-            Invariant.NO_DEADLOCK,
-            "closing the driver blocks: its context did not exit once every task was blocked",
-        )
-        # The driver is closed: nothing it started may still run.
-        await world.quiesce()
-        harness = self.harness
-        allowed = {t for t in (self.harness_task,) if t is not None}
-        if harness is not None:
-            allowed |= set(harness.child_tasks)
-        world.check_no_leftovers(self.baseline, allowed=allowed)
-
-    async def finish(self) -> None:
-        world = self.w
-        if not self.closed:
-            self._resume()
-
-            def round_checks() -> None:
-                self.check()
-                if not self.ended:
-                    self.take()
-
-            await world.finish(
-                lambda: self.ended,
-                each_round=round_checks,
-                rounds=400,
-                time_bound=self.clock.current_time() + HANG_TIMEOUT * (self.prompts + 2) * 20,
-            )
-            await self._close()
 
 
 # --------------------------------------------------------------------------- public API
