@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import pickle
 import sys
 
@@ -26,10 +28,18 @@ def main(job_file: str, out_file: str) -> None:
     if rank == 0:
         with open(out_file, "wb") as f:
             pickle.dump({"state": model.state_dict(), "stats": stats}, f)
-    # Both ranks reach here before either tears gloo down: destroying the group while the peer
-    # still uses it aborts the process ("terminate called without an active exception").
+    # The DDP wrapper goes before the group it holds; both ranks reach the barrier before either
+    # tears gloo down (destroying the group while the peer still uses it aborts the process:
+    # "terminate called without an active exception").
+    del trainer, model
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    # Skip the interpreter's teardown of torch's C++ statics, which once aborted a rank (SIGABRT
+    # in CI) after everything above had finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
