@@ -134,3 +134,84 @@ def test_routing_keys_ride_the_recycled_prompt_through_a_saved_source(tmp_path) 
     # without keys to keep, the prompt goes back unchanged
     plain = GroupFactory(group_size=2).make(restored.take())
     assert recycled_prompt(plain) is plain.prompt
+
+
+async def test_the_async_driver_recycles_an_aborted_group_with_its_routing_keys(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runs: list[Group] = []
+
+    async def generate(sample: Sample) -> None:
+        await trio.sleep(1)
+        first_attempt = len(runs) == 1
+        sample.completion_tokens.append(5)
+        sample.loss_mask.append(True)
+        sample.policy_versions.append(0)
+        aborted = first_attempt and sample.index % G == 1
+        sample.status = SampleStatus.ABORTED if aborted else SampleStatus.COMPLETED
+
+    class Recording(GroupRunner):
+        async def run(self, group: Group, on_sample_done=None):  # type: ignore[no-untyped-def,override]
+            runs.append(group)
+            return await super().run(group, on_sample_done)
+
+    async with open_async_rollout(
+        InMemorySource(prompts(1)),
+        GroupFactory(group_size=G, routing_keys=True),
+        Recording(generate),
+        batch_size=1,
+        aborted="recycle",
+    ) as driver:
+        with trio.fail_after(100):
+            (again,) = await driver.next_batch()
+        assert driver.statistics().aborted_recycled == 1
+    first, second = runs
+    assert first.has_aborted
+    assert not again.has_aborted
+    assert again is second
+    assert again.group_id != first.group_id
+    assert again.prompt.key == first.prompt.key
+    assert all(s.routing_key for s in first.samples)
+    assert [s.routing_key for s in again.samples] == [s.routing_key for s in first.samples]
+
+
+async def test_the_async_driver_recycles_a_stale_group_with_its_routing_keys(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runs: list[Group] = []
+    version = [0]
+
+    async def generate(sample: Sample) -> None:
+        await trio.sleep(1)
+        sample.completion_tokens.append(5)
+        sample.loss_mask.append(True)
+        sample.policy_versions.append(version[0])
+        sample.status = SampleStatus.COMPLETED
+
+    class Recording(GroupRunner):
+        async def run(self, group: Group, on_sample_done=None):  # type: ignore[no-untyped-def,override]
+            runs.append(group)
+            return await super().run(group, on_sample_done)
+
+    async with open_async_rollout(
+        InMemorySource(prompts(1)),
+        GroupFactory(group_size=G, routing_keys=True),
+        Recording(generate),
+        batch_size=1,
+        max_staleness=0,
+        stale="recycle",
+    ) as driver:
+        await trio.sleep(10)  # the version-0 group has finished and waits in the buffer
+        assert len(driver.buffered_groups()) == 1
+        version[0] = 1
+        driver.set_policy_version(1)
+        with trio.fail_after(100):
+            (again,) = await driver.next_batch()
+        assert driver.statistics().stale_recycled == 1
+    first, second = runs
+    assert again is second
+    assert again.group_id != first.group_id
+    assert again.prompt.key == first.prompt.key
+    assert again.staleness(1) == 0
+    assert all(s.routing_key for s in first.samples)
+    assert [s.routing_key for s in again.samples] == [s.routing_key for s in first.samples]

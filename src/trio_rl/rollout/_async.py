@@ -33,7 +33,7 @@ from ._errors import (
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples
 from ._sources import DataSource
-from ._sync import DynamicFilter
+from ._sync import DynamicFilter, recycled_prompt
 from ._triage import (
     AsyncDriverStatistics,
     DiscardHook,
@@ -199,7 +199,9 @@ class AsyncRolloutDriver:
             await self._buffer.changed.wait()
 
     def _recycle(self, group: Group) -> None:
-        self.source.recycle(group.prompt)
+        # The prompt carries the samples' routing keys, so the group made from it again goes
+        # back to the engines that cache its prefixes (as the sync driver's recycles do).
+        self.source.recycle(recycled_prompt(group))
         self._dry = False
         if not self._closed:
             self.scheduler.nudge("recycled")
