@@ -73,6 +73,44 @@ async def test_worker_defaults_to_sample_backfill() -> None:
         assert [s.reward for s in batch[0].samples] == [1.0, 1.0]
 
 
+async def test_group_granularity_holds_the_replacement_while_the_group_reward_runs() -> None:
+    """The pair of the test above: the same blocked group reward under GroupGranularity.
+
+    Both samples of group 0 finish, but the group is not done until its reward returns: no
+    replacement group is submitted meanwhile (backfill would have submitted one).
+    """
+    puppet = Puppet()
+    src = source(100)
+    reward_gate = trio.Event()
+
+    async def blocking_group_reward(group: Group) -> list[float]:
+        await reward_gate.wait()
+        return [1.0] * group.size
+
+    factory, runner = (
+        GroupFactory(group_size=G),
+        GroupRunner(puppet, group_reward=blocking_group_reward),
+    )
+    async with open_async_rollout(
+        src, factory, runner, batch_size=1, policy=GroupGranularity()
+    ) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 1
+        puppet.finish(0, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        # both samples are done, the group reward still runs: the group holds its credit
+        assert puppet.finished == [0, 1]
+        assert src.taken == 1
+        assert driver.statistics().in_flight_groups == 1
+        reward_gate.set()
+        with trio.fail_after(5):
+            batch = await driver.next_batch()
+        assert [g.group_index for g in batch] == [0]
+        assert [s.reward for s in batch[0].samples] == [1.0, 1.0]
+        await trio.testing.wait_all_tasks_blocked()
+        assert src.taken == 2  # the group is done: now its replacement starts
+
+
 async def test_group_granularity_opts_out_of_backfill() -> None:
     puppet = Puppet()
     src = source(100)
