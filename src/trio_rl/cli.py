@@ -451,6 +451,22 @@ async def _run(args: argparse.Namespace, cfg: SimulateConfig) -> int:
     return stop.status if stop.signals else code
 
 
+def orchestrator_config(cfg: SimulateConfig) -> OrchestratorConfig:
+    """The :class:`OrchestratorConfig` ``trio-rl simulate`` runs with, from its configuration."""
+    return OrchestratorConfig(
+        batch_groups=cfg.rollout.batch_groups,
+        group_size=cfg.rollout.group_size,
+        max_groups_in_flight=cfg.rollout.max_groups_in_flight,
+        submission=cfg.rollout.submission,
+        max_off_policy_steps=cfg.sink.max_off_policy_steps,
+        staleness=cfg.sink.staleness,
+        sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
+        seed=cfg.run.seed,
+        seq_len=max(8192, cfg.engine.max_tokens + 16),
+        checkpoint_keep=cfg.checkpoint.keep,
+    )
+
+
 async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -> int:
     out: Path = args.out
     engine: SimulatedEngine | OpenAICompatibleEngine
@@ -473,17 +489,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
             seconds_per_token=1.0 / 30.0,
             time_scale=30.0 / cfg.engine.tokens_per_second,
         )
-    config = OrchestratorConfig(
-        batch_groups=cfg.rollout.batch_groups,
-        group_size=cfg.rollout.group_size,
-        max_groups_in_flight=cfg.rollout.max_groups_in_flight,
-        submission=cfg.rollout.submission,
-        max_off_policy_steps=cfg.sink.max_off_policy_steps,
-        sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
-        seed=cfg.run.seed,
-        seq_len=max(8192, cfg.engine.max_tokens + 16),
-        checkpoint_keep=cfg.checkpoint.keep,
-    )
+    config = orchestrator_config(cfg)
     source = InMemorySource(_demo_prompts(512), epochs=None)
     trained = _Trained()
     started = time.perf_counter()

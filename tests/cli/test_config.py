@@ -107,6 +107,26 @@ def test_simulate_defaults_are_the_orchestrators() -> None:
     assert sim.checkpoint.keep == orch.checkpoint_keep
     assert sim.rollout.submission == orch.submission
     assert sim.rollout.max_groups_in_flight == orch.max_groups_in_flight
+    assert sim.sink.staleness == orch.staleness == LearnRunConfig().sink.staleness
+
+
+@pytest.mark.parametrize("rule", ["oldest_token", "group_start"])
+def test_the_sink_staleness_key_reaches_both_commands_configs(tmp_path: Path, rule: str) -> None:
+    from trio_rl.cli import orchestrator_config
+    from trio_rl.learn import config_from_file
+
+    path = _write(
+        tmp_path / "c.toml", f'[run]\nout = "{tmp_path}"\n\n[sink]\nstaleness = "{rule}"\n'
+    )
+    sim, _ = load(SimulateConfig, [path])
+    assert orchestrator_config(sim).staleness == rule
+    learn, _ = load(LearnRunConfig, [path])
+    assert config_from_file(learn).staleness == rule
+    bad = _write(tmp_path / "bad.toml", '[sink]\nstaleness = "newest_token"\n')
+    with pytest.raises(ConfigError) as info:
+        load(SimulateConfig, [bad])
+    assert info.value.key == "sink.staleness"
+    assert "expected one of" in str(info.value)
 
 
 def test_a_resume_with_a_changed_key_is_refused_unless_allowed(tmp_path: Path) -> None:

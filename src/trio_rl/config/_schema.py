@@ -13,6 +13,12 @@ from ._load import at_least, option, positive
 __all__ = ["LearnRunConfig", "SimulateConfig"]
 
 Task = Literal["copy", "repeat", "reverse"]
+Staleness = Literal["group_start", "oldest_token"]
+
+_STALENESS_HELP = (
+    "the version a sample is judged stale by: `group_start` (its group's start version, "
+    "prime-rl's rule) or `oldest_token` (the oldest version behind any of its tokens)"
+)
 
 
 # ------------------------------------------------------------------ trio-rl run (learning)
@@ -87,6 +93,7 @@ class LearnSink:
         "drop samples more than this many versions behind (unset: keep all)",
         validator=at_least(0),
     )
+    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
 
 
 @attrs.frozen
@@ -251,6 +258,7 @@ class SimSink:
         "drop samples more than this many versions behind (unset: keep all)",
         validator=at_least(0),
     )
+    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
 
 
 @attrs.frozen

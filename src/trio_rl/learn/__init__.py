@@ -48,6 +48,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         seed=run.seed,
         temperature=rollout.temperature,
         max_off_policy_steps=config.sink.max_off_policy_steps,
+        staleness=config.sink.staleness,
         max_groups_in_flight=rollout.max_groups_in_flight,
         max_async_level=rollout.max_async_level,
         trainer=TrainerConfig(

@@ -72,6 +72,10 @@ class LearnConfig:
     seed: int = 0
     temperature: float = 1.0
     max_off_policy_steps: int | None = attrs.field(default=1, validator=_at_least(0))
+    #: The version a sample is judged stale by (see :attr:`OrchestratorConfig.staleness`).
+    staleness: Literal["group_start", "oldest_token"] = attrs.field(
+        default="group_start", validator=attrs.validators.in_(("group_start", "oldest_token"))
+    )
     #: Rollout concurrency in groups (default ``batch_groups``).
     max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
@@ -354,6 +358,7 @@ async def run_learning(
         batch_groups=config.batch_groups,
         group_size=config.group_size,
         max_off_policy_steps=config.max_off_policy_steps,
+        staleness=config.staleness,
         max_async_level=config.max_async_level,
         max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
         sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=config.temperature),
