@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -590,7 +591,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
             path = await orch.save_checkpoint()
             held = f"{orch.sink.queued} queued samples, {orch.held_groups} open groups"
             if args.keep:
-                saved = f"saved {path} ({held}); resume with: trio-rl run --out {out}"
+                saved = f"saved {path} ({held}); resume with: {_resume_command(args.argv)}"
             else:
                 saved = f"nothing kept ({held} were in a temporary directory; use --out DIR)"
             stop.report(f"after step {orch.step - 1}: {saved}")
@@ -780,7 +781,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; a failure the user can cause is one line on stderr and exit status 1
     (usage errors, a bad configuration included: 2); ``-v`` adds the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    early = _early_signals()
+    try:
+        return _main_guarded(argv)
+    except _EarlySignal as exc:
+        name = signal.Signals(exc.signum).name
+        print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        early.close()
+
+
+def _main_guarded(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    args.argv = argv
     # Only the handler made here is quieted (an embedding program's handlers are left alone;
     # basicConfig adds nothing when the root logger has handlers already).
     handler = logging.StreamHandler()
@@ -796,6 +810,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as exc:
         return _report(args, exc)
+
+
+class _EarlySignal(BaseException):
+    """A SIGINT or SIGTERM before the event loop runs (imports, configuration, torch's import):
+    nothing has started, so the command ends at once with one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@attrs.define
+class _EarlySignals:
+    """SIGINT and SIGTERM raise :class:`_EarlySignal` until the event loop starts (SIGTERM's
+    default would kill the process without a word); ``close`` restores the previous handlers.
+    Inside ``trio.run`` the signal watcher (``_stop_on_signals``) takes over."""
+
+    previous: dict[int, Any] = attrs.field(factory=dict)
+
+    def close(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous.clear()
+
+
+_EARLY = _EarlySignals()
+
+
+def _early_signals() -> _EarlySignals:
+    def raise_early(signum: int, frame: object) -> NoReturn:
+        raise _EarlySignal(signum)
+
+    if not _EARLY.previous:
+        with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                _EARLY.previous[signum] = signal.signal(signum, raise_early)
+    return _EARLY
+
+
+def _trio_run(fn: Callable[..., Any], *args: Any) -> int:
+    # The loop's own watcher handles signals from here on; trio installs its KeyboardInterrupt
+    # handler only over the default one.
+    _EARLY.close()
+    return int(trio.run(fn, *args))
+
+
+def _resume_command(argv: Sequence[str]) -> str:
+    """The command that was run, without ``--fresh`` (which would set the checkpoints aside)."""
+    return shlex.join(["trio-rl", *(a for a in argv if a != "--fresh")])
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -830,7 +893,7 @@ def _main(args: argparse.Namespace) -> int:
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
         torch.set_num_threads(learn_cfg.run.threads)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
-        return trio.run(_run_learning, config, learn_cfg)
+        return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))
     if args.command == "simulate":
         cfg, _ = load(SimulateConfig, args.configs, _overrides(args, _SIMULATE_FLAGS))
         if importlib.util.find_spec("torch") is not None:
@@ -840,20 +903,20 @@ def _main(args: argparse.Namespace) -> int:
         if cfg.run.out is None:
             with tempfile.TemporaryDirectory(prefix="trio-rl-") as tmp:
                 args.out = Path(tmp)
-                return trio.run(_run, args, cfg)
+                return _trio_run(_run, args, cfg)
         args.out = Path(cfg.run.out)
         _check_out(args.out)
         if not args.fresh and any((args.out / "checkpoints").glob("step_*.ckpt")):
             check_resume(SimulateConfig, cfg, args.out, args.allow_change)
         args.out.mkdir(parents=True, exist_ok=True)
         store(cfg, args.out)
-        return trio.run(_run, args, cfg)
+        return _trio_run(_run, args, cfg)
     if hasattr(args, "tool"):
         return int(args.tool.run(args))
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
-async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
+async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -> int:
     """The learning run under the signal watcher: the first SIGINT or SIGTERM ends the step in
     progress (its accounting settles as the orchestrator closes), then the run finishes as
     after its last step (metrics, plot, transports closed)."""
@@ -874,7 +937,7 @@ async def _run_learning(config: Any, file_config: LearnRunConfig) -> int:
     if result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
-            f"and {out / STORED_FILE}; resume with: trio-rl run --out {out}"
+            f"and {out / STORED_FILE}; resume with: {resume}"
         )
     else:
         saved = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -63,7 +64,8 @@ def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, si
     last = stderr.strip().splitlines()[-1]
     m = re.fullmatch(
         rf"trio-rl: stopped by {name} after step (\d+): saved (\S+\.ckpt), the trainer's state "
-        rf"of step (\d+) and \S+config\.toml; resume with: trio-rl run --out {re.escape(str(out))}",
+        rf"of step (\d+) and \S+config\.toml; resume with: "
+        + re.escape(shlex.join(["trio-rl", *_cmd(out, "--steps", "10000")[3:]])),
         last,
     )
     assert m is not None, last

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -45,11 +46,14 @@ def test_first_signal_checkpoints_the_step_in_progress(tmp_path: Path, signum: i
     assert "Traceback" not in stderr
     name = signal.Signals(signum).name
     last = stderr.strip().splitlines()[-1]
-    assert re.fullmatch(
+    hint = re.fullmatch(
         rf"trio-rl: stopped by {name} after step (\d+): saved \S+step_0*(\d+)\.ckpt "
-        r"\((\d+) queued samples, (\d+) open groups\); resume with: trio-rl run --out \S+",
+        r"\((\d+) queued samples, (\d+) open groups\); resume with: (.+)",
         last,
-    ), last
+    )
+    assert hint is not None, last
+    # the hint is the command that was run (simulate, same --out), ready to paste
+    assert shlex.split(hint.group(5)) == ["trio-rl", *_cmd(out, 3)[3:]]
     stopped_after = int(re.search(r"after step (\d+)", last).group(1))  # type: ignore[union-attr]
     assert (out / "checkpoints" / f"step_{stopped_after:08d}.ckpt").is_file()
 
@@ -91,3 +95,41 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
         # the first stop may complete before the second signal is read
         *[line for line in stderr.splitlines() if line.startswith("trio-rl: stopped by SIGTERM")],
     )
+
+
+def _installed_script() -> Path:
+    # the console script pip installed next to this interpreter (what a user runs)
+    script = Path(sys.executable).with_name("trio-rl")
+    assert script.is_file(), f"no installed trio-rl script next to {sys.executable}"
+    return script
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.4, 1.2])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_is_one_line(tmp_path: Path, signum: int, delay: float) -> None:
+    # While the interpreter imports the package (and torch, for `run`), before the event loop
+    # and its watcher exist: SIGTERM's default would kill without a word, SIGINT would print a
+    # KeyboardInterrupt traceback from wherever the import was.
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(_installed_script()), "run", "--out", str(out), "--steps", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(delay)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, stderr
+    assert "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    # Early enough, nothing started; later, the run had opened and checkpointed what it held.
+    assert last == f"trio-rl: stopped by {name} before any work started" or last.startswith(
+        f"trio-rl: stopped by {name} after step "
+    ), stderr
+    if last.endswith("before any work started"):
+        assert stderr.count("\n") == 1, stderr

@@ -1,0 +1,40 @@
+"""The ``trio-rl`` console script's first module: it makes SIGINT and SIGTERM one line while
+the package is still importing (``import trio_rl`` takes most of a second), then hands over to
+:func:`trio_rl.cli.main`, which keeps them one line until the event loop's watcher takes over.
+
+It imports nothing but the standard library before its handlers are in place.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import NoReturn
+
+
+class _Early(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise(signum: int, frame: object) -> NoReturn:
+    raise _Early(signum)
+
+
+def main() -> int:
+    previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        from trio_rl.cli import main as cli_main
+    except _Early as exc:
+        name = signal.Signals(exc.signum).name
+        print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return cli_main()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
