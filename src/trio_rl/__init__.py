@@ -4,10 +4,11 @@ The public facade: it re-exports the API of every layer and defines nothing. The
 the data flow, and each is importable on its own:
 
 * :mod:`trio_rl.samples` and :mod:`trio_rl.wire`: values and the byte-exact wire format;
+* :mod:`trio_rl.payloads`: by-handle payload files (written by rollout, read by the trainer);
 * :mod:`trio_rl.errors`: every exception, in one tree under :class:`TrioRLError`;
 * :mod:`trio_rl.engines`: the ``Engine`` protocol, the simulated and OpenAI-compatible engines;
 * :mod:`trio_rl.rollout`: data sources, credit scheduling, group nurseries, drivers;
-* :mod:`trio_rl.train`: scoring, the train sink, by-handle payloads, checkpoint and resume;
+* :mod:`trio_rl.train`: scoring, the train sink, checkpoint and resume;
 * :mod:`trio_rl.publish`: packing and the publisher that finalizes batches off the loop;
 * :mod:`trio_rl.transport`: filesystem and ZeroMQ batch transports;
 * :mod:`trio_rl.trainer`: the trainer-side ``BatchReceiver`` and torch conversion;
@@ -49,6 +50,7 @@ from .orchestrator import Orchestrator as Orchestrator
 from .orchestrator import OrchestratorConfig as OrchestratorConfig
 from .orchestrator import RunSummary as RunSummary
 from .orchestrator import open_orchestrator as open_orchestrator
+from .payloads import PayloadStore as PayloadStore
 from .publish import Publisher as Publisher
 from .publish import Shipment as Shipment
 from .publish import ShipRecord as ShipRecord
@@ -71,12 +73,10 @@ from .rollout import run_group as run_group
 from .samples import Group as Group
 from .samples import PolicyVersion as PolicyVersion
 from .samples import Prompt as Prompt
-from .samples import ResumedGroup as ResumedGroup
 from .samples import Sample as Sample
 from .samples import SampleStatus as SampleStatus
 from .samples import new_group_id as new_group_id
 from .train import CheckpointManager as CheckpointManager
-from .train import PayloadStore as PayloadStore
 from .train import PruneMode as PruneMode
 from .train import ScoringConfig as ScoringConfig
 from .train import SinkConfig as SinkConfig

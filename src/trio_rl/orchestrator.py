@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from .engines import Engine, SamplingParams
+from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
     Monitor,
@@ -60,7 +61,6 @@ from .train import (
     Checkpoint,
     CheckpointError,
     CheckpointManager,
-    PayloadStore,
     RestoreReport,
     SinkConfig,
     SinkCounters,
@@ -315,7 +315,7 @@ class Orchestrator:
     @property
     def held_groups(self) -> int:
         """Groups the rollout layer holds (running, queued for a retry or resume, buffered)."""
-        return 0 if self._driver is None else len(self._driver.open_groups())
+        return 0 if self._driver is None else len(self._driver.held_groups())
 
     def live_payload_versions(self) -> set[PolicyVersion]:
         """Every version whose payload directory a holder may still read.

@@ -26,7 +26,6 @@ __all__ = [
     "OpenGroup",
     "PolicyVersion",
     "Prompt",
-    "ResumedGroup",
     "Sample",
     "SampleStatus",
     "new_group_id",
@@ -244,10 +243,6 @@ class OpenGroup:
     def complete(self) -> bool:
         """Every member of the attempt ended: arrived, failed or cancelled."""
         return len(self.arrived) + self.failed + self.cancelled >= self.group_size
-
-
-#: The name the rollout layer resumes by: an :class:`OpenGroup` restored from a checkpoint.
-ResumedGroup = OpenGroup
 
 
 class GroupBook(Protocol):

@@ -12,10 +12,10 @@ import trio
 from trio_rl import cli
 from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
 from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
+from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
 from trio_rl.rollout import FailurePolicy, InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
-from trio_rl.train import PayloadStore
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import scaled
-from trio_rl.publish import PackingError, bin_cost, pack_lazily, pack_samples, prepare_sample
+from trio_rl.publish import PackingError, pack_lazily, pack_samples
+from trio_rl.publish._packing import bin_cost, prepare_sample
 from trio_rl.train import TrainingSample
 from trio_rl.wire import (
     MicroBatch,

@@ -16,9 +16,9 @@ from trio_rl.publish import (
     Distribution,
     ShipRecord,
     ShipTimings,
-    attempt_stats,
     cohort_stats,
 )
+from trio_rl.publish._metrics import attempt_stats
 from trio_rl.train import SinkWindow
 
 finite = st.floats(-1e6, 1e6, allow_nan=False)

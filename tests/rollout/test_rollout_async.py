@@ -20,7 +20,7 @@ from trio_rl.rollout import (
     SourceExhausted,
     open_async_rollout,
 )
-from trio_rl.samples import Group, ResumedGroup, Sample, SampleStatus
+from trio_rl.samples import Group, OpenGroup, Sample, SampleStatus
 
 G = 2
 
@@ -383,10 +383,8 @@ async def test_resumed_groups_first_and_zero_missing_dispatches_nothing(
         Sample(index=10 + i, group_index=5, prompt_tokens=(1,), status=SampleStatus.COMPLETED)
         for i in range(G)
     ]
-    complete = ResumedGroup(
-        group_id="done", prompt=prompts(1, "d")[0], group_size=G, arrived=arrived
-    )
-    partial = ResumedGroup(
+    complete = OpenGroup(group_id="done", prompt=prompts(1, "d")[0], group_size=G, arrived=arrived)
+    partial = OpenGroup(
         group_id="half", prompt=prompts(1, "h")[0], group_size=G, arrived=arrived[:1]
     )
     async with open_async_rollout(
@@ -461,13 +459,13 @@ def _unused(group: Group) -> None:  # keep the import used for type hints
     del group
 
 
-async def test_open_groups_snapshot_resumes_only_the_unfinished_samples() -> None:
+async def test_held_groups_snapshot_resumes_only_the_unfinished_samples() -> None:
     puppet = Puppet()
     async with open_async_rollout(*parts(puppet), batch_size=2) as driver:
         await trio.testing.wait_all_tasks_blocked()
         puppet.finish(0)  # one sample of group 0 done, group 1 untouched
         await trio.testing.wait_all_tasks_blocked()
-        snapshot = {r.prompt.key: r for r in driver.open_groups()}
+        snapshot = {r.prompt.key: r for r in driver.held_groups()}
         assert driver.buffered_groups() == []
     assert set(snapshot) == {"p0", "p1"}
     assert [s.index for s in snapshot["p0"].arrived] == [0]
@@ -484,11 +482,11 @@ async def test_open_groups_snapshot_resumes_only_the_unfinished_samples() -> Non
     assert sorted(again.started_indices()) == [100, 101, 102]
 
 
-async def test_open_groups_hold_every_taken_prompt_even_while_waiting_for_buffer_space(
+async def test_held_groups_hold_every_taken_prompt_even_while_waiting_for_buffer_space(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A checkpoint of ``open_groups()`` loses no prompt taken from the source: a finished
-    group the worker holds while the buffer is full is still listed."""
+    """``held_groups()`` misses no prompt taken from the source: a finished group the worker
+    holds while the buffer is full is still listed."""
     from rollout_helpers import Puppet, source
 
     from trio_rl.rollout import GroupFactory, GroupRunner, open_async_rollout
@@ -505,12 +503,12 @@ async def test_open_groups_hold_every_taken_prompt_even_while_waiting_for_buffer
         for _ in range(4):
             await trio.sleep(5)
             taken = {f"p{i}" for i in range(src.state()["position"])}
-            held = [g.prompt.key for g in driver.open_groups()]
+            held = [g.prompt.key for g in driver.held_groups()]
             assert sorted(held) == sorted(taken)
             assert driver.statistics().buffered == 1  # full: the worker waits for space
         (group,) = await driver.next_batch()
         await trio.sleep(5)
         taken = {f"p{i}" for i in range(src.state()["position"])}
-        assert sorted([*(g.prompt.key for g in driver.open_groups()), group.prompt.key]) == sorted(
+        assert sorted([*(g.prompt.key for g in driver.held_groups()), group.prompt.key]) == sorted(
             taken
         )

@@ -21,7 +21,7 @@ from trio_rl.rollout import (
     run_group,
     run_reporting,
 )
-from trio_rl.samples import Prompt, ResumedGroup, Sample, SampleStatus
+from trio_rl.samples import OpenGroup, Prompt, Sample, SampleStatus
 
 PROMPT = Prompt(key="q", tokens=(5, 6, 7), label="answer")
 
@@ -234,7 +234,7 @@ async def test_resumed_group_generates_only_missing_members(
         )
         for i in range(3)
     ]
-    resumed = ResumedGroup(
+    resumed = OpenGroup(
         group_id="g-old", prompt=PROMPT, group_size=4, arrived=done, policy_version_at_start=2
     )
     group = factory.resume(resumed)
@@ -256,7 +256,7 @@ async def test_resumed_group_with_nothing_missing_dispatches_nothing() -> None:
         for i in range(2)
     ]
     group = GroupFactory(group_size=2).resume(
-        ResumedGroup(group_id="full", prompt=PROMPT, group_size=2, arrived=done)
+        OpenGroup(group_id="full", prompt=PROMPT, group_size=2, arrived=done)
     )
     scored: list[int] = []
 
@@ -275,7 +275,7 @@ def test_resume_rejects_pending_arrived_members() -> None:
     pending = Sample(index=0, group_index=0, prompt_tokens=(1,))
     with pytest.raises(ValueError, match="arrived sample 0 is PENDING"):
         GroupFactory(group_size=2).resume(
-            ResumedGroup(group_id="x", prompt=PROMPT, group_size=2, arrived=[pending])
+            OpenGroup(group_id="x", prompt=PROMPT, group_size=2, arrived=[pending])
         )
 
 

@@ -18,9 +18,9 @@ from trio_rl.rollout import (
     InMemorySource,
     JsonlSource,
     SourceExhausted,
-    prompt_from_dict,
     prompt_to_dict,
 )
+from trio_rl.rollout._sources import prompt_from_dict
 from trio_rl.samples import Prompt
 
 

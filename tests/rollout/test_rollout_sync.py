@@ -19,7 +19,7 @@ from trio_rl.rollout import (
     SyncRolloutDriver,
     reject_aborted,
 )
-from trio_rl.samples import Group, ResumedGroup, Sample, SampleStatus
+from trio_rl.samples import Group, OpenGroup, Sample, SampleStatus
 
 G = 4
 
@@ -222,10 +222,8 @@ async def test_resumed_groups_run_before_new_prompts(
         Sample(index=900 + i, group_index=7, prompt_tokens=(1,), status=SampleStatus.COMPLETED)
         for i in range(G)
     ]
-    full = ResumedGroup(group_id="full", prompt=prompts(1, "r")[0], group_size=G, arrived=arrived)
-    half = ResumedGroup(
-        group_id="half", prompt=prompts(1, "h")[0], group_size=G, arrived=arrived[:0]
-    )
+    full = OpenGroup(group_id="full", prompt=prompts(1, "r")[0], group_size=G, arrived=arrived)
+    half = OpenGroup(group_id="half", prompt=prompts(1, "h")[0], group_size=G, arrived=arrived[:0])
     driver.resume([full, half])
     batch = await driver.generate(2)
     assert {g.group_id for g in batch.groups} == {"full", "half"}

@@ -16,18 +16,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from train_helpers import assert_accounted, make_group, make_sample
 
+from trio_rl.payloads import PayloadStore, segment_files
 from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus
 from trio_rl.train import (
     CheckpointError,
     CheckpointManager,
-    PayloadStore,
     PruneMode,
     SinkConfig,
     SinkState,
     TrainingSample,
     TrainSink,
     read_checkpoint,
-    segment_files,
 )
 from trio_rl.train._codec import decode_training_sample, encode_training_sample
 from trio_rl.wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask

@@ -7,7 +7,7 @@ from __future__ import annotations
 from train_helpers import assert_accounted, make_group
 
 from trio_rl.rollout import GroupFactory
-from trio_rl.samples import GroupBook, OpenGroup, ResumedGroup, SampleStatus
+from trio_rl.samples import GroupBook, OpenGroup, SampleStatus
 from trio_rl.train import SinkConfig, TrainSink
 from trio_rl.train._sink_state import state_problem
 
@@ -16,10 +16,9 @@ def _sink() -> TrainSink:
     return TrainSink(SinkConfig(batch_size=100, max_off_policy_steps=None))
 
 
-def test_the_book_is_a_group_book_and_resumed_group_is_the_open_group() -> None:
+def test_the_book_is_a_group_book() -> None:
     book: GroupBook = _sink().book  # structurally: mypy checks the protocol here
     assert book is not None
-    assert ResumedGroup is OpenGroup
 
 
 def test_reported_members_are_held_and_the_snapshot_is_the_checkpoint() -> None:

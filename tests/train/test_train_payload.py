@@ -11,15 +11,9 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from trio_rl.payloads import PayloadStore, clip_segments, segment_files, shift_segments
 from trio_rl.payloads import _store as payload_mod
-from trio_rl.train import (
-    PayloadError,
-    PayloadFileMissing,
-    PayloadStore,
-    clip_segments,
-    segment_files,
-    shift_segments,
-)
+from trio_rl.train import PayloadError, PayloadFileMissing
 from trio_rl.wire import PayloadSegment
 
 

@@ -15,20 +15,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from train_helpers import make_sample
 
-from trio_rl.samples import Group, Prompt, ResumedGroup, SampleStatus, new_group_id
+from trio_rl.payloads import PayloadStore, segment_files
+from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus, new_group_id
 from trio_rl.train import (
     CheckpointManager,
-    PayloadStore,
     PruneMode,
     SinkConfig,
     TrainBatch,
     TrainSink,
     decode_checkpoint,
     encode_checkpoint,
-    payload_files_of_state,
     prune_detached,
-    segment_files,
 )
+from trio_rl.train._sink_state import payload_files_of_state
 
 REWARDS = st.sampled_from([0.0, 0.5, 1.0])
 
@@ -41,7 +40,7 @@ class SinkMachine(RuleBasedStateMachine):
         self.mgr = CheckpointManager(self.dir / "ckpt")
         self.saved: list[tuple[bytes, int]] = []
         self.unread: list[TrainBatch] = []
-        self.resumed: list[ResumedGroup] = []
+        self.resumed: list[OpenGroup] = []
         self.dispatched = 0
 
     def teardown(self) -> None:

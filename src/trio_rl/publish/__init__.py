@@ -18,14 +18,11 @@ from ._metrics import ShipTimings as ShipTimings
 from ._metrics import ShipWarning as ShipWarning
 from ._metrics import ThreadStats as ThreadStats
 from ._metrics import WarningKind as WarningKind
-from ._metrics import attempt_stats as attempt_stats
 from ._metrics import cohort_stats as cohort_stats
 from ._packing import PackedRank as PackedRank
 from ._packing import PackingError as PackingError
-from ._packing import bin_cost as bin_cost
 from ._packing import pack_lazily as pack_lazily
 from ._packing import pack_samples as pack_samples
-from ._packing import prepare_sample as prepare_sample
 from ._publisher import BatchSource as BatchSource
 from ._publisher import Checkpointer as Checkpointer
 from ._publisher import Encoder as Encoder

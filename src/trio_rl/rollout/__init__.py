@@ -42,7 +42,6 @@ from ._group import run_reporting as run_reporting
 from ._sources import DataSource as DataSource
 from ._sources import InMemorySource as InMemorySource
 from ._sources import JsonlSource as JsonlSource
-from ._sources import prompt_from_dict as prompt_from_dict
 from ._sources import prompt_to_dict as prompt_to_dict
 from ._sync import DynamicFilter as DynamicFilter
 from ._sync import RolloutBatch as RolloutBatch

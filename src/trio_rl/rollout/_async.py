@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ..policy import PolicyVersionCell, as_cell
-from ..samples import Group, GroupBook, PolicyVersion, ResumedGroup
+from ..samples import Group, GroupBook, OpenGroup, PolicyVersion
 from ._buffer import GroupBuffer, run_booked
 from ._credits import (
     CreditLedger,
@@ -141,7 +141,7 @@ class AsyncRolloutDriver:
             if not self._closed and self._pauses == 0:
                 self.scheduler.nudge("resume")
 
-    def resume(self, groups: Iterable[ResumedGroup]) -> None:
+    def resume(self, groups: Iterable[OpenGroup]) -> None:
         """Queue resumed groups; the worker starts them before any new prompt."""
         self._queued.extend(self.factory.resume(g) for g in groups)
         if not self._closed:
@@ -210,20 +210,17 @@ class AsyncRolloutDriver:
         self._queued.appendleft(group)
 
     def buffered_groups(self) -> list[Group]:
-        """The finished groups waiting in the buffer, oldest first (for a checkpoint)."""
+        """The finished groups waiting in the buffer (not yet taken), oldest first."""
         return list(self._buffer)
 
-    def open_groups(self) -> list[ResumedGroup]:
-        """Every group the driver holds, as :class:`ResumedGroup` (for a checkpoint).
-
-        Running groups, groups queued for a retry or a resume and not yet started, and finished
-        groups still in the buffer (the consumer has not taken them). Each keeps its id, prompt
-        and start version; its finished samples (COMPLETED or TRUNCATED) are the arrived
-        members, so resuming it regenerates only the rest (nothing, for a buffered group).
+    def held_groups(self) -> list[OpenGroup]:
+        """Every group the driver holds (running, queued for a retry or resume, buffered) as an
+        :class:`OpenGroup` of its finished members: a view, e.g. for ``Orchestrator.held_groups``.
+        A checkpoint saves the ``book`` the driver reports to (the sink's), never this view.
         """
         groups = [*self._running.values(), *self._queued, *self._buffer]
         return [
-            ResumedGroup(
+            OpenGroup(
                 group_id=g.group_id,
                 prompt=g.prompt,
                 group_size=g.size,
@@ -304,7 +301,7 @@ class AsyncRolloutDriver:
         if self.triage.keep(outcome):
             await self._buffer.put(group)  # backpressure: nothing is submitted meanwhile
         # Only now: a finished group waiting for buffer space still counts as running for
-        # open_groups(), so a checkpoint taken meanwhile does not lose it.
+        # held_groups(), so a count taken meanwhile does not miss it.
         self._running.pop(group.group_id, None)
 
 
@@ -342,7 +339,7 @@ async def open_async_rollout(
     aborted: UnusedPolicy = "recycle",
     on_failure: FailurePolicy | None = None,
     dynamic_filter: DynamicFilter | None = None,
-    resumed: Iterable[ResumedGroup] = (),
+    resumed: Iterable[OpenGroup] = (),
     policy_version: PolicyVersion | PolicyVersionCell = 0,
     on_discard: DiscardHook | None = None,
     book: GroupBook | None = None,

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, Sample, SampleStatus, new_group_id
+from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus, new_group_id
 from ._errors import DataSourceError
 from ._validate import non_negative_int, optional_int, positive_int
 
@@ -77,7 +77,7 @@ class GroupFactory:
             policy_version_at_start=policy_version,
         )
 
-    def resume(self, resumed: ResumedGroup) -> Group:
+    def resume(self, resumed: OpenGroup) -> Group:
         """A group that continues ``resumed``: same id, prompt and start version.
 
         The arrived members are kept as they are (first, in their order); only the missing ones

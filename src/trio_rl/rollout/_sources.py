@@ -205,12 +205,15 @@ def _int_field(state: Mapping[str, Any], name: str, where: str) -> int:
 
 
 class JsonlSource(InMemorySource):
-    """Prompts from a JSONL file: one JSON object per line (see :func:`prompt_from_dict`).
+    """Prompts from a JSONL file: one JSON object per line.
 
-    Example line: ``{"key": "gsm8k-17", "tokens": [1, 2, 3], "label": "42", "env_name":
-    "math"}``. Blank lines are skipped. The file is read and validated when the source is
-    built (a blocking read: construct it before the run or in ``trio.to_thread.run_sync``); a
-    malformed line raises :class:`DataSourceError` naming the file and the 1-based line number.
+    Schema of a line: ``{"key": str, "tokens": [int, ...], "label": any (optional),
+    "env_name": str (optional, default "default"), "metadata": object (optional)}``; unknown
+    fields are errors. Example line: ``{"key": "gsm8k-17", "tokens": [1, 2, 3], "label": "42",
+    "env_name": "math"}``. Blank lines are skipped. The file is read and validated when the
+    source is built (a blocking read: construct it before the run or in
+    ``trio.to_thread.run_sync``); a malformed line raises :class:`DataSourceError` naming the
+    file and the 1-based line number.
     Duplicate keys are errors too, since resume matches groups on the key.
     """
 

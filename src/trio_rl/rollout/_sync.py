@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from ..engines import AbortSignal
-from ..samples import Group, PolicyVersion, Prompt, ResumedGroup, SampleStatus
+from ..samples import Group, OpenGroup, PolicyVersion, Prompt, SampleStatus
 from ._credits import (
     CreditScheduler,
     GroupGranularity,
@@ -169,7 +169,7 @@ class SyncRolloutDriver:
         self.partial_rollouts = partial_rollouts
         self.abort_timeout = abort_timeout
         self.max_failures = max_failures
-        self._resumed: deque[ResumedGroup] = deque()
+        self._resumed: deque[OpenGroup] = deque()
         #: Finished groups kept from an earlier call (partial rollouts), oldest first.
         self._finished: deque[Group] = deque()
         #: Groups stopped part-way by an abort, continued by the next call.
@@ -179,7 +179,7 @@ class SyncRolloutDriver:
         #: The scheduler of the call in progress (None between calls); for inspection.
         self.scheduler: CreditScheduler | None = None
 
-    def resume(self, groups: Iterable[ResumedGroup]) -> None:
+    def resume(self, groups: Iterable[OpenGroup]) -> None:
         """Queue resumed groups; the next :meth:`generate` starts them before new prompts."""
         self._resumed.extend(groups)
 

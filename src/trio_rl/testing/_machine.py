@@ -46,7 +46,7 @@ from ..rollout import (
     reject_aborted,
     run_reporting,
 )
-from ..samples import Group, Prompt, ResumedGroup, Sample, SampleStatus
+from ..samples import Group, OpenGroup, Prompt, Sample, SampleStatus
 from ._engine import FateKind
 from ._properties import _PHASES, SubjectDatabase, SyncCalls, _check_batch, _subject_digest
 from ._recorder import TrackingLedger
@@ -348,7 +348,7 @@ class CreditProtocolMachine(_Machine):
                     )
                     for k in range(min(arrived, g))
                 ]
-                group = self.factory.resume(ResumedGroup(f"r{i}", prompt, g, members))
+                group = self.factory.resume(OpenGroup(f"r{i}", prompt, g, members))
                 self.w.log(f"group r{i} arrives, resumed with {len(members)} members")
             self.todo.append(group)
             self.sched.nudge("prompt")

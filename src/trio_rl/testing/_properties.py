@@ -34,7 +34,7 @@ from ..rollout import (
     reject_aborted,
     run_reporting,
 )
-from ..samples import Group, Prompt, ResumedGroup, Sample, SampleStatus
+from ..samples import Group, OpenGroup, Prompt, Sample, SampleStatus
 from ._recorder import TrackingLedger
 from ._report import Invariant, live_tasks, unwrap_single
 from ._subject import HANG_TIMEOUT, RolloutSubject
@@ -125,7 +125,7 @@ async def _credit_loop_body(world: World) -> None:
                 )
                 for k in range(min(arrived[i], g))
             ]
-            todo.append(factory.resume(ResumedGroup(f"r{i}", prompt, g, members)))
+            todo.append(factory.resume(OpenGroup(f"r{i}", prompt, g, members)))
         else:
             todo.append(factory.make(prompt))
     world.log(f"G={g} B={budget} groups={n} resumed={resumed}")

@@ -32,8 +32,9 @@ import attrs
 
 from ..errors import TrioRLError
 from ..samples import Sample
-from ..train import CheckpointManager, TrainingSample, payload_files_of_state, read_checkpoint
+from ..train import CheckpointManager, TrainingSample, read_checkpoint
 from ..train._checkpoint import SCHEMA_VERSION
+from ..train._sink_state import payload_files_of_state
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError
@@ -119,8 +120,8 @@ def _queued(samples: Sequence[TrainingSample]) -> dict[str, Any]:
 
 
 def _arrived(group: Any) -> tuple[Sample, ...]:
-    # an open group's finished members: ``arrived`` on OpenGroup, ``members`` on the older
-    # OpenGroupState record
+    # an open group's finished members: ``arrived`` on OpenGroup, ``members`` on a record
+    # from an older release
     found = getattr(group, "arrived", None)
     return tuple(getattr(group, "members", ()) if found is None else found)
 

@@ -1,4 +1,5 @@
-"""The train layer: scoring, the train sink, by-handle payloads, checkpoint and resume."""
+"""The train layer: scoring, the train sink, checkpoint and resume (by-handle payloads are in
+:mod:`trio_rl.payloads`)."""
 
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
@@ -14,11 +15,6 @@ from ._errors import PayloadFileMissing as PayloadFileMissing
 from ._errors import PayloadFileMissingError as PayloadFileMissingError
 from ._errors import TrainError as TrainError
 from ._errors import TrainSinkError as TrainSinkError
-from ._payload import FIELD_FILLS as FIELD_FILLS
-from ._payload import PayloadStore as PayloadStore
-from ._payload import clip_segments as clip_segments
-from ._payload import segment_files as segment_files
-from ._payload import shift_segments as shift_segments
 from ._queue import Cut as Cut
 from ._queue import DetachedBatch as DetachedBatch
 from ._queue import PruneMode as PruneMode
@@ -35,9 +31,7 @@ from ._scoring import prune_detached as prune_detached
 from ._scoring import prune_zero_advantages as prune_zero_advantages
 from ._scoring import to_training_sample as to_training_sample
 from ._sink import TrainSink as TrainSink
-from ._sink_state import OpenGroupState as OpenGroupState
 from ._sink_state import RestoreReport as RestoreReport
 from ._sink_state import SinkState as SinkState
 from ._sink_state import copy_sample as copy_sample
-from ._sink_state import payload_files_of_state as payload_files_of_state
 from ._types import TrainingSample as TrainingSample

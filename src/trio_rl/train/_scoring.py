@@ -10,9 +10,9 @@ from typing import Literal
 
 import attrs
 
+from ..payloads import clip_segments
 from ..samples import Group, PolicyVersion, Sample
 from ._errors import TrainSinkError
-from ._payload import clip_segments
 from ._types import TrainingSample
 
 __all__ = [

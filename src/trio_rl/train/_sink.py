@@ -36,7 +36,6 @@ from ._scoring import (
 )
 from ._sink_state import (
     OpenBook,
-    OpenGroupState,
     RestoreReport,
     SinkState,
     copy_sample,
@@ -48,7 +47,6 @@ from ._types import TrainingSample
 __all__ = [
     "Cut",
     "DetachedBatch",
-    "OpenGroupState",
     "PruneMode",
     "RestoreReport",
     "SinkConfig",

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 __all__ = [
     "OpenBook",
     "OpenGroup",
-    "OpenGroupState",
     "RestoreReport",
     "SinkState",
     "copy_sample",
@@ -36,10 +35,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("trio_rl.train")
-
-
-#: The checkpointed open group is the one open-group record (kept under its old name).
-OpenGroupState = OpenGroup
 
 
 @attrs.frozen
