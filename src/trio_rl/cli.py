@@ -279,6 +279,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, module, what in (
         ("inspect", "inspect_cmd", "summarize a batch file, a checkpoint or a run directory"),
         ("plot", "plot_cmd", "draw a run's standard figures to PNG"),
+        ("watch", "watch_cmd", "show a run's metrics records as lines (--follow: as they come)"),
     ):
         try:
             tool = importlib.import_module(f"trio_rl.tools.{module}")
@@ -912,6 +913,7 @@ def _main(args: argparse.Namespace) -> int:
         store(cfg, args.out)
         return _trio_run(_run, args, cfg)
     if hasattr(args, "tool"):
+        _EARLY.close()  # the tools handle their own KeyboardInterrupt (watch --follow: 130)
         return int(args.tool.run(args))
     return 2  # pragma: no cover - argparse rejects unknown commands
 

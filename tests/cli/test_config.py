@@ -71,6 +71,8 @@ def test_later_files_then_overrides_win_and_origins_are_kept(tmp_path: Path) -> 
         ("rollout.batch_groups = -2\n", 1, "rollout.batch_groups", "must be >= 1"),
         ('[engine]\ndistribution = "uniform"\n', 2, "engine.distribution", "expected one of"),
         ("[engine]\ntokens_per_second = nan\n", 2, "engine.tokens_per_second", "finite"),
+        # READY listens on port + 1, so the data port's highest value is 65534
+        ("[transport]\nport = 65535\n", 2, "transport.port", "between 0 and 65534"),
     ],
 )
 def test_a_bad_file_names_the_file_line_and_key(

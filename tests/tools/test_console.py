@@ -102,7 +102,7 @@ def test_following_a_run_that_appends(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     sink = JsonlSink(path)
     sink.write(RECORD)
-    cmd = [sys.executable, "-m", "trio_rl.tools.watch_cmd", str(tmp_path), "--follow"]
+    cmd = [sys.executable, "-m", "trio_rl", "watch", str(tmp_path), "--follow"]
     with subprocess.Popen(
         [*cmd, "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     ) as proc:
@@ -121,7 +121,7 @@ def test_following_a_run_that_appends(tmp_path: Path) -> None:
 def test_a_damaged_metrics_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORD) + "\n{oops\n")
     done = subprocess.run(
-        [sys.executable, "-m", "trio_rl.tools.watch_cmd", str(tmp_path)],
+        [sys.executable, "-m", "trio_rl", "watch", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,

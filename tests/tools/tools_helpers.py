@@ -40,26 +40,9 @@ def learn(out: Path) -> Path:
 
 
 def trio_rl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """The real ``trio-rl`` command (``python -m trio_rl``) once the CLI has the subcommand;
-    until then the tool's own module entry point, which prints errors the same way."""
-    if args[0] in _wired():
-        cmd = [sys.executable, "-m", "trio_rl", *args]
-    else:
-        cmd = [sys.executable, "-m", f"trio_rl.tools.{args[0]}_cmd", *args[1:]]
+    """The real ``trio-rl`` command (``python -m trio_rl``)."""
+    cmd = [sys.executable, "-m", "trio_rl", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-_WIRED: set[str] | None = None
-
-
-def _wired() -> set[str]:
-    global _WIRED
-    if _WIRED is None:
-        done = subprocess.run(
-            [sys.executable, "-m", "trio_rl", "--help"], capture_output=True, text=True, timeout=60
-        )
-        _WIRED = {c for c in ("inspect", "plot") if c in done.stdout}
-    return _WIRED
 
 
 def extra(module: str) -> Any:

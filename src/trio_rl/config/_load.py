@@ -63,6 +63,16 @@ def at_least(n: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     return check
 
 
+def between(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """Validator: None or an integer in ``[low, high]``."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"must be between {low} and {high}, got {value}")
+
+    return check
+
+
 def positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     """Validator: None or a number ``> 0`` (nan and inf are refused)."""
     if value is not None and not (value > 0 and math.isfinite(value)):

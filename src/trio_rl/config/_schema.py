@@ -8,7 +8,7 @@ from typing import Literal
 
 import attrs
 
-from ._load import at_least, option, positive
+from ._load import at_least, between, option, positive
 
 __all__ = ["LearnRunConfig", "SimulateConfig"]
 
@@ -269,7 +269,7 @@ class SimTransport:
     port: int = option(
         0,
         "ZeroMQ data port; READY uses port+1 (0: pick a free pair)",
-        validator=at_least(0),
+        validator=between(0, 65534),
         may_change=True,
     )
 
