@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 
 import pytest
 import trio
@@ -12,9 +14,11 @@ from trio_rl.engines import (
     EngineConfigError,
     GenerateRequest,
     LogNormalSeconds,
+    OpenAICompatibleEngine,
     ParetoSeconds,
     SamplingParams,
     SimulatedEngine,
+    VLLMEngine,
 )
 
 
@@ -51,6 +55,35 @@ def test_bad_sampling_params_are_refused(field: str, value: object, match: str) 
 def test_bad_engine_settings_are_refused(field: str, value: object) -> None:
     with pytest.raises(EngineConfigError, match=f"SimulatedEngine.{field} must be"):
         SimulatedEngine(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cls", "first", "build"),
+    [
+        # (mypy refuses these calls too: the ignores are the point)
+        (SimulatedEngine, "distribution", lambda: SimulatedEngine("long-cot", 8)),  # type: ignore[call-arg]
+        (VLLMEngine, "base_url", lambda: VLLMEngine("http://x", "m")),  # type: ignore[call-arg]
+        (OpenAICompatibleEngine, "base_urls", lambda: OpenAICompatibleEngine("http://x", "m")),  # type: ignore[call-arg]
+    ],
+)
+def test_engine_constructors_are_keyword_only_after_the_first(
+    cls: type, first: str, build: Callable[[], object]
+) -> None:
+    # many settings, adjacent floats among them (timeout, backoff, ...): only by name
+    params = list(inspect.signature(cls).parameters.values())
+    assert (params[0].name, params[0].kind) == (first, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    assert {p.kind for p in params[1:]} == {inspect.Parameter.KEYWORD_ONLY}
+    with pytest.raises(TypeError, match="positional argument"):
+        build()
+
+
+def test_the_first_engine_parameter_stays_positional() -> None:
+    tokens = LogNormalSeconds(median=2.0)
+    assert SimulatedEngine(tokens, slots=2).distribution is tokens
+    assert VLLMEngine("http://127.0.0.1:1/", model="m").base_url == "http://127.0.0.1:1"
+    assert OpenAICompatibleEngine("http://127.0.0.1:1", model="m").base_urls == (
+        "http://127.0.0.1:1",
+    )
 
 
 def test_engine_config_error_is_a_value_error() -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -34,7 +36,14 @@ from trio_rl.engines import (
 class FakeVLLM:
     """A tiny vLLM-like server: answers /v1/completions with ``n`` tokens continuing the prompt,
     can fail (503) or drop the connection N times, hang until aborted, answer a fixed status or
-    a raw body, and records every completion request and every abort."""
+    a raw body, and records every completion request and every abort.
+
+    Asked for ``"stream": true`` it answers as vLLM does: server-sent events in a chunked
+    body, one chunk per token (``stream_delay`` seconds apart), the finish reason on the last
+    one, a usage chunk with no choices, then ``data: [DONE]``. It can stop after
+    ``stream_hang_after`` tokens and wait until the client goes away (recorded in
+    ``disconnects``), cut the connection after ``stream_drop_after`` tokens once, or send
+    ``raw_stream`` as the body."""
 
     name: str
     token_style: str = "strings"  # or "ids"
@@ -45,6 +54,12 @@ class FakeVLLM:
     raw_body: bytes | None = None
     version_field: Any = None
     version_header: str | None = None
+    stream_delay: float = 0.0
+    stream_hang_after: int | None = None
+    stream_drop_after: int | None = None
+    raw_stream: bytes | None = None
+    streamed: int = 0  # token chunks written so far, all streams together
+    disconnects: list[str] = attrs.field(factory=list)
     requests: list[dict[str, Any]] = attrs.field(factory=list)
     headers: list[dict[str, str]] = attrs.field(factory=list)
     aborts: list[dict[str, Any]] = attrs.field(factory=list)
@@ -52,6 +67,9 @@ class FakeVLLM:
     lock: threading.Lock = attrs.field(factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
+
+    def tokens_for(self, payload: dict[str, Any]) -> int:
+        return 5 if self.stream_hang_after is None else 50
 
     @property
     def url(self) -> str:
@@ -103,7 +121,10 @@ class FakeVLLM:
                 if fake.raw_body is not None:
                     self._send(200, fake.raw_body)
                     return
-                n = min(payload["max_tokens"], 5)
+                if payload.get("stream"):
+                    self._stream(payload)
+                    return
+                n = min(payload["max_tokens"], fake.tokens_for(payload))
                 tokens = [payload["prompt"][-1] + 1 + i for i in range(n)]
                 logprobs: dict[str, Any] = {"token_logprobs": [-0.1 * (i + 1) for i in range(n)]}
                 choice: dict[str, Any] = {
@@ -122,6 +143,82 @@ class FakeVLLM:
                 if fake.version_header is not None:
                     extra["X-Policy-Version"] = fake.version_header
                 self._send(200, json.dumps(body).encode(), extra)
+
+            def _write_chunk(self, data: bytes) -> None:
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+
+            def _event(self, chunk: dict[str, Any]) -> None:
+                self._write_chunk(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+            def _stream(self, payload: dict[str, Any]) -> None:
+                # HTTP/1.1 with a chunked body, as uvicorn sends it: a cut connection is then
+                # an incomplete body for the client, not a clean end
+                self.protocol_version = "HTTP/1.1"
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("Connection", "close")
+                if fake.version_header is not None:
+                    self.send_header("X-Policy-Version", fake.version_header)
+                self.end_headers()
+                if fake.raw_stream is not None:
+                    self._write_chunk(fake.raw_stream)
+                    if fake.stream_hang_after is not None:
+                        self._wait_for_disconnect(payload["rid"])
+                        return
+                    self._write_chunk(b"")
+                    return
+                n = min(payload["max_tokens"], fake.tokens_for(payload))
+                for i in range(n):
+                    with fake.lock:
+                        drop = fake.stream_drop_after == i
+                        if drop:
+                            fake.stream_drop_after = None
+                    if drop:
+                        self.wfile.flush()
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                        return
+                    if fake.stream_hang_after == i:
+                        self._wait_for_disconnect(payload["rid"])
+                        return
+                    if fake.stream_delay:
+                        time.sleep(fake.stream_delay)
+                    token = payload["prompt"][-1] + 1 + i
+                    lp: dict[str, Any] = {"token_logprobs": [-0.1 * (i + 1)], "text_offset": [i]}
+                    choice: dict[str, Any] = {
+                        "index": 0,
+                        "text": f"<{token}>",
+                        "logprobs": lp,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                    if fake.token_style == "ids":
+                        choice["token_ids"] = [token]
+                    else:
+                        lp["tokens"] = [f"token_id:{token}"]
+                    if i == n - 1:
+                        choice["finish_reason"] = "length" if n == payload["max_tokens"] else "stop"
+                    chunk: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion"}
+                    chunk["choices"] = [choice]
+                    if fake.version_field is not None:
+                        chunk["policy_version"] = fake.version_field
+                    self._event(chunk)
+                    with fake.lock:
+                        fake.streamed += 1
+                self._event({"id": "cmpl-1", "choices": [], "usage": {"completion_tokens": n}})
+                self._write_chunk(b"data: [DONE]\n\n")
+                self._write_chunk(b"")
+
+            def _wait_for_disconnect(self, rid: str) -> None:
+                sock = self.connection
+                while not fake.release.is_set():
+                    readable, _, _ = select.select([sock], [], [], 0.02)
+                    if readable and sock.recv(1, socket.MSG_PEEK) == b"":
+                        with fake.lock:
+                            fake.disconnects.append(rid)
+                        return
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
@@ -175,6 +272,13 @@ def engine(urls: Any, **kwargs: Any) -> OpenAICompatibleEngine:
     return OpenAICompatibleEngine(urls, model="m", **kwargs)
 
 
+def test_constructor_is_keyword_only_after_the_urls() -> None:
+    e = OpenAICompatibleEngine("http://127.0.0.1:1", model="m", timeout=1.0, backoff=0.5)
+    assert (e.base_urls, e.model, e.timeout, e.backoff) == (("http://127.0.0.1:1",), "m", 1.0, 0.5)
+    with pytest.raises(TypeError, match="positional"):
+        OpenAICompatibleEngine("http://127.0.0.1:1", "m")  # type: ignore[call-arg]
+
+
 def test_satisfies_engine_protocol() -> None:
     assert isinstance(OpenAICompatibleEngine("http://127.0.0.1:1"), Engine)
 
@@ -186,6 +290,7 @@ def test_satisfies_engine_protocol() -> None:
         ({"base_urls": "localhost:8000"}, r"base_urls must be an http\(s\):// URL"),
         ({"base_urls": "http://x", "timeout": 0}, "timeout must be > 0"),
         ({"base_urls": "http://x", "max_attempts": 0}, "max_attempts must be > 0"),
+        ({"base_urls": "http://x", "stream": "yes"}, "stream must be True or False, got 'yes'"),
     ],
 )
 def test_bad_configuration_is_rejected(kwargs: dict[str, Any], match: str) -> None:
@@ -332,7 +437,7 @@ async def test_bad_responses_are_clear_library_errors(
     make_server: Callable[..., FakeVLLM], raw: bytes, match: str
 ) -> None:
     server = make_server(raw_body=raw)
-    async with engine(server.url) as e:
+    async with engine(server.url, stream=False) as e:
         with pytest.raises(EngineResponseError, match=match) as info:
             await e.generate(req(7))
     assert server.url in str(info.value)
@@ -389,12 +494,14 @@ async def test_cancellation_aborts_on_the_server_that_had_the_request(
     assert idle.requests == []
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_abort_returns_an_abort_completion_and_aborts_engine_side(
-    make_server: Callable[..., FakeVLLM],
+    make_server: Callable[..., FakeVLLM], stream: bool
 ) -> None:
+    # the server has answered nothing yet (it hangs before its headers): no tokens either way
     server = make_server(hang=True)
     signal = AbortSignal()
-    async with engine(server.url) as e:
+    async with engine(server.url, stream=stream) as e:
         e.set_policy_version(4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_set_later, signal, 0.2)
@@ -529,3 +636,212 @@ async def test_cancellation_between_attempts_sends_no_abort(
     assert scope.cancelled_caught
     assert len(server.requests) == 1
     assert server.aborts == []
+
+
+# ---------------------------------------------------------------- streaming
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    # the server's threads change its state: poll (the callers bound it with fail_after)
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("style", ["strings", "ids"])
+@pytest.mark.parametrize(("max_tokens", "finish"), [(16, "stop"), (3, "length")])
+async def test_a_streamed_completion_equals_the_non_streamed_one(
+    make_server: Callable[..., FakeVLLM], style: str, max_tokens: int, finish: str
+) -> None:
+    server = make_server(token_style=style, version_header="6", stream_delay=0.01)
+    async with engine(server.url, stream=True) as e:
+        streamed = await e.generate(req(3, max_tokens=max_tokens))
+    async with engine(server.url, stream=False) as e:
+        posted = await e.generate(req(3, max_tokens=max_tokens))
+    assert streamed == posted
+    assert streamed.tokens == [204, 205, 206, 207, 208][:max_tokens]
+    assert streamed.logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5][:max_tokens])
+    assert (streamed.finish_reason, streamed.policy_version) == (finish, 6)
+    assert [r["stream"] for r in server.requests] == [True, False]
+    assert server.streamed == min(max_tokens, 5)
+
+
+async def test_streaming_is_the_default(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server()
+    async with OpenAICompatibleEngine(server.url, timeout=10.0) as e:
+        await e.generate(req())
+    assert server.requests[0]["stream"] is True
+    assert server.streamed == 5
+
+
+@pytest.mark.parametrize("abort_path", ["/abort_request", None])
+async def test_abort_mid_stream_returns_exactly_the_tokens_streamed_before_it(
+    make_server: Callable[..., FakeVLLM], abort_path: str | None
+) -> None:
+    # three tokens arrive slowly, then the server keeps decoding (it sends nothing more)
+    server = make_server(stream_hang_after=3, stream_delay=0.05, version_field=9)
+    signal = AbortSignal()
+    result: list[Any] = []
+    async with engine(server.url, abort_path=abort_path) as e:
+
+        async def generate() -> None:
+            result.append(await e.generate(attrs.evolve(req(2, max_tokens=40), abort=signal)))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate)
+                await _until(lambda: server.streamed >= 3)
+                await trio.sleep(0.2)  # the client has read the three chunks by now
+                assert result == []  # still streaming
+                signal.set()
+            # the server sees the client close the connection
+            await _until(lambda: bool(server.disconnects))
+    [completion] = result
+    assert completion.tokens == [203, 204, 205]
+    assert completion.logprobs == pytest.approx([-0.1, -0.2, -0.3])
+    assert (completion.finish_reason, completion.policy_version) == ("abort", 9)
+    assert server.disconnects == ["req-2"]
+    assert server.aborts == ([{"rid": "req-2"}] if abort_path else [])
+    assert server.streamed == 3
+
+
+async def test_a_stream_cut_mid_way_is_retried_from_scratch(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(stream_drop_after=2)
+    async with engine(server.url, max_attempts=2) as e:
+        c = await e.generate(req(0))
+    # the two tokens of the cut attempt are not kept: no token twice
+    assert c.tokens == [201, 202, 203, 204, 205]
+    assert len(c.logprobs) == 5
+    assert len(server.requests) == 2
+    assert server.streamed == 2 + 5
+
+
+async def test_cancellation_mid_stream_closes_it_and_aborts_engine_side(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    server = make_server(stream_hang_after=2)
+    async with engine(server.url) as e:
+        with trio.move_on_after(0.3) as scope:
+            await e.generate(req(4, max_tokens=40))
+        assert scope.cancelled_caught
+        with trio.fail_after(5):
+            await _until(lambda: bool(server.disconnects))
+    assert server.aborts == [{"rid": "req-4"}]
+    assert server.disconnects == ["req-4"]
+
+
+async def test_the_deadline_holds_mid_stream(make_server: Callable[..., FakeVLLM]) -> None:
+    server = make_server(stream_hang_after=2)
+    async with engine(server.url, timeout=0.3) as e:
+        with pytest.raises(EngineTimeoutError, match=r"'req-1' did not finish within 0.3s"):
+            await e.generate(req(1, max_tokens=40))
+    assert server.aborts == [{"rid": "req-1"}]
+
+
+def _sse(*events: str, sep: str = "\n") -> bytes:
+    return "".join(e.replace("\n", sep) + sep + sep for e in events).encode()
+
+
+_TOKEN = '{"choices": [{"text": "a", "token_ids": [7], "logprobs": {"token_logprobs": [-1.5]}, "finish_reason": null}]}'  # noqa: E501
+
+
+@pytest.mark.parametrize("sep", ["\n", "\r\n"])
+async def test_the_server_sent_event_forms_vllm_and_sglang_use(
+    make_server: Callable[..., FakeVLLM], sep: str
+) -> None:
+    raw = _sse(
+        ": a comment line",
+        "event: message\nid: 1\ndata: " + _TOKEN,
+        # one JSON object over two data lines
+        'data: {"choices": [{"text": "b", "logprobs": {"tokens": ["token_id:8"],\n'
+        'data: "token_logprobs": [-0.5]}, "finish_reason": null}]}',
+        # the finish reason alone, no logprobs
+        'data: {"choices": [{"text": "", "logprobs": null, "finish_reason": "stop"}]}',
+        'data: {"choices": [], "usage": {"completion_tokens": 2}}',
+        "data: [DONE]",
+        sep=sep,
+    )
+    server = make_server(raw_stream=raw)
+    async with engine(server.url) as e:
+        c = await e.generate(req())
+    assert (c.tokens, c.logprobs, c.finish_reason) == ([7, 8], [-1.5, -0.5], "stop")
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (_sse("data: {oops"), r"event 0: event data is not valid JSON"),
+        (_sse("data: " + _TOKEN, "data: [1]"), r"event 1: chunk is list, not a JSON object"),
+        (
+            _sse("data: " + _TOKEN, 'data: {"error": {"message": "engine dead"}}'),
+            r"event 1: the server sent an error in the stream: .*engine dead",
+        ),
+        (
+            _sse('data: {"object": "error", "message": "out of memory"}'),
+            "the server sent an error in the stream: 'out of memory'",
+        ),
+        (_sse("data: " + _TOKEN, "data: [DONE]"), "the stream ended without a finish reason"),
+        (b"", "the stream ended without a finish reason"),
+        (
+            _sse('data: {"choices": [{"text": "x", "logprobs": null, "finish_reason": null}]}'),
+            r"'choices\[0\].logprobs' is missing",
+        ),
+        (
+            _sse(
+                'data: {"choices": [{"logprobs": {"tokens": ["hi"], "token_logprobs": [-1]}, '
+                '"finish_reason": null}]}'
+            ),
+            r"event 0: field 'choices\[0\].logprobs.tokens\[0\]' = 'hi'",
+        ),
+        (
+            _sse(
+                'data: {"choices": [{"token_ids": [1], "logprobs": {"token_logprobs": [-1]}, '
+                '"finish_reason": "eos"}]}'
+            ),
+            r"'choices\[0\].finish_reason' = 'eos'",
+        ),
+        (_sse('data: {"id": 1}'), "event 0: field 'choices' is missing or not a list"),
+    ],
+)
+async def test_bad_streams_are_clear_library_errors(
+    make_server: Callable[..., FakeVLLM], raw: bytes, match: str
+) -> None:
+    server = make_server(raw_stream=raw)
+    async with engine(server.url) as e:
+        with pytest.raises(EngineResponseError, match=match) as info:
+            await e.generate(req(7))
+    assert server.url in str(info.value)
+    assert "'req-7'" in str(info.value)
+    assert len(server.requests) == 1  # a malformed stream is not retried
+
+
+async def test_a_bad_chunk_mid_stream_stops_reading_at_once(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    # after the bad chunk the server goes on decoding (sends nothing, keeps the connection):
+    # the engine does not wait for it, closes the connection, and closes httpx's readers
+    # without a ResourceWarning (which pytest reports as an error)
+    server = make_server(raw_stream=_sse("data: " + _TOKEN, "data: {oops"), stream_hang_after=0)
+    async with engine(server.url, timeout=30.0) as e:
+        start = trio.current_time()
+        with pytest.raises(EngineResponseError, match="event 1: event data is not valid JSON"):
+            await e.generate(req(6))
+        assert trio.current_time() - start < 5
+        with trio.fail_after(5):
+            await _until(lambda: bool(server.disconnects))
+    assert server.disconnects == ["req-6"]
+    assert server.aborts == []  # a bad answer is not a cancellation
+
+
+async def test_4xx_and_5xx_are_handled_alike_when_streaming(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    refused = make_server(status=400)
+    flaky = make_server(fail_next=1)
+    async with engine(refused.url) as e:
+        with pytest.raises(EngineRequestError, match=r"HTTP 400.*max_tokens"):
+            await e.generate(req())
+    async with engine(flaky.url, max_attempts=2) as e:
+        assert len((await e.generate(req())).tokens) == 5
+    assert (len(refused.requests), len(flaky.requests)) == (1, 2)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -24,9 +24,9 @@ from ._errors import (
     EngineTransportError,
 )
 from ._protocol import Completion, FinishReason, GenerateRequest
-from ._validate import http_urls, non_negative, positive
+from ._validate import a_bool, http_urls, non_negative, positive
 
-__all__ = ["OpenAICompatibleEngine", "parse_completion_response"]
+__all__ = ["OpenAICompatibleEngine", "parse_completion_chunk", "parse_completion_response"]
 
 logger = logging.getLogger("trio_rl.engines")
 
@@ -67,10 +67,52 @@ def parse_completion_response(
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices:
         raise EngineResponseError(f"{where}: field 'choices' is missing or not a non-empty list")
-    choice = choices[0]
+    tokens, logprobs, finish = _parse_choice(choices[0], where, chunk=False)
+    assert finish is not None  # _parse_choice requires one outside a stream
+    return tokens, logprobs, finish
+
+
+def parse_completion_chunk(
+    data: object, *, where: str = "chunk"
+) -> tuple[list[int], list[float], FinishReason | None]:
+    """Tokens, logprobs and finish reason of one server-sent event of a streamed
+    ``/v1/completions`` answer (``"stream": true``), as vLLM and SGLang send them.
+
+    The tokens and logprobs are the ones this chunk adds, in the forms
+    :func:`parse_completion_response` accepts; the finish reason is None until the last chunk.
+    A chunk with an empty ``choices`` list (the usage chunk) adds nothing, and so does a choice
+    without ``logprobs`` that carries no text and no token ids. An error object sent in the
+    stream (``{"error": ...}`` or ``"object": "error"``) and anything malformed raise
+    :class:`EngineResponseError` naming the field and ``where``.
+    """
+    if not isinstance(data, dict):
+        raise EngineResponseError(f"{where}: chunk is {type(data).__name__}, not a JSON object")
+    if "error" in data or data.get("object") == "error":
+        detail = data.get("error", data.get("message"))
+        raise EngineResponseError(f"{where}: the server sent an error in the stream: {detail!r}")
+    choices = data.get("choices")
+    if not isinstance(choices, list):
+        raise EngineResponseError(f"{where}: field 'choices' is missing or not a list")
+    if not choices:
+        return [], [], None
+    return _parse_choice(choices[0], where, chunk=True)
+
+
+def _parse_choice(
+    choice: object, where: str, *, chunk: bool
+) -> tuple[list[int], list[float], FinishReason | None]:
     if not isinstance(choice, dict):
         raise EngineResponseError(f"{where}: field 'choices[0]' is not an object")
+    finish = choice.get("finish_reason")
+    if not (finish in _FINISH_REASONS or (chunk and finish is None)):
+        raise EngineResponseError(
+            f"{where}: field 'choices[0].finish_reason' = {finish!r} is not one of "
+            "'stop', 'length', 'abort'"
+        )
+    reason: FinishReason | None = finish
     lp = choice.get("logprobs")
+    if chunk and lp is None and not choice.get("text") and not choice.get("token_ids"):
+        return [], [], reason  # a chunk that adds no token (e.g. only the finish reason)
     if not isinstance(lp, dict):
         raise EngineResponseError(
             f"{where}: field 'choices[0].logprobs' is missing (the engine must return logprobs)"
@@ -124,15 +166,32 @@ def parse_completion_response(
         raise EngineResponseError(
             f"{where}: {len(tokens)} tokens but {len(logprobs)} logprobs in 'choices[0]'"
         )
-
-    finish = choice.get("finish_reason")
-    if finish not in _FINISH_REASONS:
-        raise EngineResponseError(
-            f"{where}: field 'choices[0].finish_reason' = {finish!r} is not one of "
-            "'stop', 'length', 'abort'"
-        )
-    reason: FinishReason = finish
     return tokens, logprobs, reason
+
+
+@attrs.define(slots=True, eq=False)
+class _Received:
+    """What the current attempt has received: the tokens, logprobs and finish reason streamed
+    so far, and the version the server reported (None: none yet). An abort returns it."""
+
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    finish: FinishReason | None = None
+    server_version: PolicyVersion | None = None
+
+    def reset(self) -> None:
+        self.tokens, self.logprobs, self.finish, self.server_version = [], [], None, None
+
+
+async def _abandon(lines: AsyncIterator[str]) -> None:
+    """Stop reading a streamed body part-way. Reading on in a cancelled scope makes the next
+    network read raise ``Cancelled`` inside httpx's nested async generators, which closes
+    every one of them now (instead of leaving them to the garbage collector, which trio
+    reports as a ``ResourceWarning``); the scope swallows that cancellation."""
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        async for _ in lines:
+            pass
 
 
 def _rendezvous(key: str, urls: tuple[str, ...]) -> str:
@@ -143,7 +202,7 @@ def _rendezvous(key: str, urls: tuple[str, ...]) -> str:
     return max(urls, key=weight)
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, kw_only=True)
 class OpenAICompatibleEngine:
     """An :class:`~trio_rl.engines.Engine` for vLLM or SGLang servers (``/v1/completions``).
 
@@ -155,6 +214,13 @@ class OpenAICompatibleEngine:
     ``return_tokens_as_token_ids: true``; see :func:`parse_completion_response` for the accepted
     answers). The request id (``request.request_id``, or a fresh uuid) travels as the
     ``X-Request-Id`` header and, if ``request_id_field`` is set, in the body (SGLang's ``rid``).
+
+    **Streaming** (``stream``, default True): the request asks for ``"stream": true`` and the
+    answer is read as server-sent events, one chunk of tokens and logprobs at a time
+    (:func:`parse_completion_chunk`), up to ``data: [DONE]``; a stream that ends without a
+    finish reason is an :class:`EngineResponseError`. The completion is the same as the
+    non-streamed one; streaming is what lets an abort keep the tokens generated so far. With
+    ``stream=False`` the engine posts ``"stream": false`` and reads one JSON body.
 
     **Servers.** A request with a ``routing_key`` always goes to the same server of
     ``base_urls`` (rendezvous hashing, so retries and siblings share a prefix cache); other
@@ -171,26 +237,35 @@ class OpenAICompatibleEngine:
     ``version_field`` of the response; the header ``version_header``; else the version last set
     with :meth:`set_policy_version` (0 at first).
 
-    **Abort** (:attr:`GenerateRequest.abort`): the request is dropped and aborted server-side
-    as on cancellation, and the call returns a completion with no tokens and finish reason
-    ``abort``. The non-streaming answer is never read, so the tokens the server generated for
-    it are lost (SGLang would return them in the aborted answer, but the connection is closed
-    first); a continuation starts again from the tokens the sample had before this request.
+    **Abort** (:attr:`GenerateRequest.abort`): the engine stops reading, closes the response
+    (vLLM aborts a request whose client disconnects), posts the server-side abort as on
+    cancellation, and returns a completion with finish reason ``abort``. Streaming, it carries
+    the tokens and logprobs of every chunk received before the abort (a continuation goes on
+    from them; tokens the server decoded after the last chunk read are lost) and the version
+    the server reported for them. Not streaming, it carries no tokens: the answer is never
+    read, and a continuation starts again from the tokens the sample had before this request.
+    A chunk is taken whole or not at all. Tokens received by an attempt that then failed (a
+    dropped connection) are discarded with it, since the retry starts the completion afresh.
 
-    **Cancellation.** If the call is cancelled (or times out) while a request is outstanding,
-    the engine posts ``{"rid": <request id>}`` to ``abort_path`` of that server (SGLang's
-    ``/abort_request``; set ``abort_path=None`` for vLLM, which aborts on disconnect) in a
-    shielded scope bounded by ``abort_timeout``; errors of that call are logged and dropped.
-    Then ``Cancelled`` propagates.
+    **Cancellation.** If the call is cancelled (or times out) while a request is outstanding
+    (sent, or its answer being streamed), the response is closed and the engine posts
+    ``{"rid": <request id>}`` to ``abort_path`` of that server (SGLang's ``/abort_request``;
+    set ``abort_path=None`` for vLLM, which aborts on disconnect) in a shielded scope bounded
+    by ``abort_timeout``; errors of that call are logged and dropped.
+    Then ``Cancelled`` propagates (an expired deadline raises :class:`EngineTimeoutError`, with
+    no partial output).
     """
 
-    base_urls: tuple[str, ...] = attrs.field(converter=_urls, validator=http_urls)
+    base_urls: tuple[str, ...] = attrs.field(converter=_urls, validator=http_urls, kw_only=False)
     model: str = "default"
     timeout: float = attrs.field(default=600.0, validator=positive)
     max_attempts: int = attrs.field(default=4, validator=positive)
     backoff: float = attrs.field(default=0.25, validator=non_negative)
     max_backoff: float = attrs.field(default=8.0, validator=non_negative)
     completions_path: str = "/v1/completions"
+    #: Ask for a streamed answer (server-sent events), so that an abort keeps the tokens
+    #: generated so far; False posts ``"stream": false`` and reads one JSON body.
+    stream: bool = attrs.field(default=True, validator=a_bool)
     abort_path: str | None = "/abort_request"
     abort_timeout: float = attrs.field(default=2.0, validator=positive)
     request_id_field: str | None = "rid"
@@ -207,7 +282,7 @@ class OpenAICompatibleEngine:
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _round_robin: int = attrs.field(init=False, default=0)
     #: The policy-version cell this engine stamps; pass the pipeline's to share it.
-    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
 
     async def __aenter__(self) -> Self:
         if self._client is not None:
@@ -265,7 +340,7 @@ class OpenAICompatibleEngine:
             "top_p": p.top_p,
             "logprobs": 1,
             "return_tokens_as_token_ids": True,
-            "stream": False,
+            "stream": self.stream,
         }
         if p.seed is not None:
             body["seed"] = p.seed
@@ -276,7 +351,8 @@ class OpenAICompatibleEngine:
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """One completion from one of the servers; see the class docstring for errors,
-        retries and what happens on cancellation (an engine-side abort)."""
+        retries, abort (the tokens streamed so far) and cancellation (an engine-side abort,
+        then ``trio.Cancelled`` propagates)."""
         client = self._client
         if client is None:
             raise trio.ClosedResourceError(
@@ -284,23 +360,34 @@ class OpenAICompatibleEngine:
             )
         rid = request.request_id or uuid.uuid4().hex
         body = self._body(request, rid)
+        received = _Received()
         completion: Completion | None = None
         with stop_scope(request.abort):
             try:
                 with trio.fail_after(self.timeout):
-                    completion = await self._with_retries(client, request, rid, body)
+                    completion = await self._with_retries(client, request, rid, body, received)
             except trio.TooSlowError:
                 raise EngineTimeoutError(
                     f"request {rid!r} did not finish within {self.timeout}s"
                 ) from None
         if completion is not None:
             return completion
-        # aborted: the server-side abort was posted on the way out of _post; a non-streaming
-        # answer has no partial output to return
-        return Completion([], [], "abort", self.version.value)
+        # aborted: the response was closed and the server-side abort posted on the way out of
+        # the attempt; return what the stream delivered (nothing when not streaming)
+        return Completion(
+            tokens=received.tokens,
+            logprobs=received.logprobs,
+            finish_reason="abort",
+            policy_version=self._stamp(received.server_version),
+        )
 
     async def _with_retries(
-        self, client: httpx.AsyncClient, request: GenerateRequest, rid: str, body: dict[str, Any]
+        self,
+        client: httpx.AsyncClient,
+        request: GenerateRequest,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
     ) -> Completion:
         failures: list[str] = []
         base = self.server_for(request.routing_key)
@@ -309,36 +396,129 @@ class OpenAICompatibleEngine:
                 await trio.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
                 if request.routing_key is None:
                     base = self.server_for(None)
+            received.reset()
             try:
-                response = await self._post(client, base, rid, body)
-            except httpx.TransportError as exc:
-                failures.append(f"{base}: {type(exc).__name__}: {exc}")
-                continue
-            if response.status_code >= 500:
-                failures.append(f"{base}: HTTP {response.status_code}")
-                continue
-            where = f"{base}{self.completions_path} (request {rid!r})"
-            if response.status_code >= 400:
-                raise EngineRequestError(
-                    f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
-                    status_code=response.status_code,
-                    body=response.text[:2000],
-                )
-            return self._completion(response, where)
+                if self.stream:
+                    outcome = await self._streamed(client, base, rid, body, received)
+                else:
+                    outcome = await self._posted(client, base, rid, body)
+            except trio.Cancelled:
+                await self._abort(client, base, rid)
+                raise
+            if isinstance(outcome, Completion):
+                return outcome
+            received.reset()  # a failed attempt's tokens go with it: the retry starts afresh
+            failures.append(outcome)
         raise EngineTransportError(
             f"request {rid!r} failed after {self.max_attempts} attempts: " + "; ".join(failures)
         )
 
-    async def _post(
+    def _refused(self, response: httpx.Response, where: str) -> EngineRequestError:
+        return EngineRequestError(
+            f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
+            status_code=response.status_code,
+            body=response.text[:2000],
+        )
+
+    async def _posted(
         self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
-    ) -> httpx.Response:
+    ) -> Completion | str:
+        """One non-streamed attempt: the completion, or why it may be retried."""
         try:
-            return await client.post(
+            response = await client.post(
                 base + self.completions_path, json=body, headers={"X-Request-Id": rid}
             )
-        except trio.Cancelled:
-            await self._abort(client, base, rid)
+        except httpx.TransportError as exc:
+            return f"{base}: {type(exc).__name__}: {exc}"
+        if response.status_code >= 500:
+            return f"{base}: HTTP {response.status_code}"
+        where = f"{base}{self.completions_path} (request {rid!r})"
+        if response.status_code >= 400:
+            raise self._refused(response, where)
+        return self._completion(response, where)
+
+    async def _streamed(
+        self,
+        client: httpx.AsyncClient,
+        base: str,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
+    ) -> Completion | str:
+        """One streamed attempt: the completion, or why it may be retried. Every chunk read
+        lands in ``received`` at once, so an abort (a cancellation of this call) finds it
+        there; leaving the ``client.stream`` block closes the response."""
+        where = f"{base}{self.completions_path} (request {rid!r})"
+        try:
+            async with client.stream(
+                "POST", base + self.completions_path, json=body, headers={"X-Request-Id": rid}
+            ) as response:
+                if response.status_code >= 500:
+                    return f"{base}: HTTP {response.status_code}"
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._refused(response, where)
+                received.server_version = self._header_version(response.headers, where)
+                await self._read_events(response, received, where)
+        except httpx.TransportError as exc:
+            return f"{base}: {type(exc).__name__}: {exc}"
+        if received.finish is None:
+            raise EngineResponseError(f"{where}: the stream ended without a finish reason")
+        return Completion(
+            tokens=received.tokens,
+            logprobs=received.logprobs,
+            finish_reason=received.finish,
+            policy_version=self._stamp(received.server_version),
+        )
+
+    async def _read_events(self, response: httpx.Response, received: _Received, where: str) -> None:
+        """Server-sent events to the end of the body; each event's ``data`` lines (joined) are
+        one JSON chunk, and nothing after ``data: [DONE]`` is parsed. A malformed chunk stops
+        the reading (:func:`_abandon`) and raises :class:`EngineResponseError`."""
+        data: list[str] = []
+        events = 0
+        done = False
+        lines = response.aiter_lines()
+        try:
+            async for line in lines:
+                if done:
+                    continue  # read on to the end of the body, so the connection is reusable
+                if line:
+                    name, _, value = line.partition(":")
+                    if name == "data":  # other fields (event, id, retry) and comments: ignored
+                        data.append(value.removeprefix(" "))
+                    continue
+                if not data:
+                    continue
+                payload, data = "\n".join(data), []
+                if payload.strip() == "[DONE]":
+                    done = True
+                    continue
+                self._chunk(payload, received, f"{where}, event {events}")
+                events += 1
+            if data and not done and "\n".join(data).strip() != "[DONE]":
+                # a last event without its closing blank line
+                self._chunk("\n".join(data), received, f"{where}, event {events}")
+        except EngineResponseError:
+            await _abandon(lines)
             raise
+
+    def _chunk(self, payload: str, received: _Received, where: str) -> None:
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise EngineResponseError(
+                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
+            ) from None
+        tokens, logprobs, finish = parse_completion_chunk(chunk, where=where)
+        version = self._field_version(chunk, where)
+        # all checks passed: take the chunk whole
+        received.tokens += tokens
+        received.logprobs += logprobs
+        if finish is not None:
+            received.finish = finish
+        if version is not None:
+            received.server_version = version
 
     async def _abort(self, client: httpx.AsyncClient, base: str, rid: str) -> None:
         if self.abort_path is None:
@@ -359,29 +539,41 @@ class OpenAICompatibleEngine:
                 f"{where}: body is not valid JSON ({exc}); starts with {response.content[:80]!r}"
             ) from None
         tokens, logprobs, finish = parse_completion_response(data, where=where)
+        version = self._field_version(data, where)
+        if version is None:
+            version = self._header_version(response.headers, where)
         return Completion(
             tokens=tokens,
             logprobs=logprobs,
             finish_reason=finish,
-            policy_version=self._version_of(data, response, where),
+            policy_version=self._stamp(version),
         )
 
-    def _version_of(self, data: dict[str, Any], response: httpx.Response, where: str) -> int:
+    def _stamp(self, server_version: PolicyVersion | None) -> PolicyVersion:
+        """``version_source()`` if set, else what the server reported, else the fallback."""
         if self.version_source is not None:
             return self.version_source()
-        if self.version_field is not None and self.version_field in data:
-            value = data[self.version_field]
-            if not _is_int(value):
-                raise EngineResponseError(
-                    f"{where}: field {self.version_field!r} = {value!r} is not an int"
-                )
-            return int(value)
-        if self.version_header is not None and self.version_header in response.headers:
-            text = response.headers[self.version_header]
-            try:
-                return int(text)
-            except ValueError:
-                raise EngineResponseError(
-                    f"{where}: header {self.version_header!r} = {text!r} is not an int"
-                ) from None
-        return self.version.value
+        return self.version.value if server_version is None else server_version
+
+    def _field_version(self, data: object, where: str) -> PolicyVersion | None:
+        if self.version_field is None or not isinstance(data, dict):
+            return None
+        if self.version_field not in data:
+            return None
+        value = data[self.version_field]
+        if not _is_int(value):
+            raise EngineResponseError(
+                f"{where}: field {self.version_field!r} = {value!r} is not an int"
+            )
+        return int(value)
+
+    def _header_version(self, headers: httpx.Headers, where: str) -> PolicyVersion | None:
+        if self.version_header is None or self.version_header not in headers:
+            return None
+        text = headers[self.version_header]
+        try:
+            return int(text)
+        except ValueError:
+            raise EngineResponseError(
+                f"{where}: header {self.version_header!r} = {text!r} is not an int"
+            ) from None

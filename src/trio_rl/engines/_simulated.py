@@ -59,7 +59,7 @@ class EngineStatistics:
         return self.busy_slot_seconds / (self.slots * self.elapsed)
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, kw_only=True)
 class SimulatedEngine:
     """An :class:`~trio_rl.engines.Engine` that only sleeps: the default for demos, tests and
     benchmarks.
@@ -111,7 +111,7 @@ class SimulatedEngine:
     """
 
     distribution: LatencyDistribution = attrs.field(
-        default=LogNormalTokens(), converter=_to_distribution
+        default=LogNormalTokens(), converter=_to_distribution, kw_only=False
     )
     slots: int = attrs.field(default=256, validator=positive_int)
     seed: int = attrs.field(default=0, validator=an_int)
@@ -126,7 +126,7 @@ class SimulatedEngine:
 
     _semaphore: trio.Semaphore = attrs.field(init=False)
     #: The policy-version cell this engine stamps; pass the pipeline's to share it.
-    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
     _arrivals: int = attrs.field(init=False, default=0)
     _attempts: Counter[tuple[object, ...]] = attrs.field(init=False, factory=Counter)
     _t0: float | None = attrs.field(init=False, default=None)

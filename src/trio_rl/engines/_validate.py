@@ -25,6 +25,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def a_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        _fail(instance, attribute, value, "True or False")
+
+
 def positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         _fail(instance, attribute, value, "an int >= 1")

@@ -195,7 +195,7 @@ def _seed_runs(rows: list[_Row]) -> list[list[_Row]]:
     return runs
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, kw_only=True)
 class VLLMEngine:
     """An :class:`~trio_rl.engines.Engine` over one vLLM server that sends the samples of a
     group as one ``/v1/completions`` request with ``n``; open it with :func:`open_vllm_engine`.
@@ -222,7 +222,7 @@ class VLLMEngine:
     request is dropped the request is closed, which makes vLLM abort it.
     """
 
-    base_url: str = attrs.field(converter=_url, validator=http_urls)
+    base_url: str = attrs.field(converter=_url, validator=http_urls, kw_only=False)
     model: str = "default"
     timeout: float = attrs.field(default=600.0, validator=_positive)
     admin_timeout: float = attrs.field(default=60.0, validator=_positive)
@@ -236,7 +236,7 @@ class VLLMEngine:
     _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
     _batcher: RequestBatcher = attrs.field(init=False)
     #: The policy-version cell this engine stamps; pass the pipeline's to share it.
-    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell, kw_only=True)
+    version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
     _counts: dict[str, int] = attrs.field(
         init=False,
         factory=lambda: {"requests": 0, "http_requests": 0, "tokens": 0, "weight_loads": 0},
