@@ -86,9 +86,9 @@ def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
     return check
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class OrchestratorConfig:
-    """How a run is shaped.
+    """How a run is shaped (keyword arguments only).
 
     A step trains on ``batch_groups`` groups of ``group_size`` samples. ``max_groups_in_flight``
     (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
@@ -137,10 +137,11 @@ class RunSummary:
 
 
 class Orchestrator:
-    """The handle :func:`open_orchestrator` yields."""
+    """The handle :func:`open_orchestrator` yields (built there, from keyword arguments)."""
 
     def __init__(
         self,
+        *,
         config: OrchestratorConfig,
         sink: TrainSink,
         factory: GroupFactory,
@@ -451,7 +452,15 @@ async def open_orchestrator(
     elif version.value < policy_version:
         version.advance(policy_version)
     policy_version = version.value
-    orch = Orchestrator(config, sink, factory, source, version, payloads, limiter)
+    orch = Orchestrator(
+        config=config,
+        sink=sink,
+        factory=factory,
+        source=source,
+        policy_version=version,
+        payloads=payloads,
+        limiter=limiter,
+    )
     orch.restore = restore
     if on_policy_version is not None:
         orch._on_version.append(on_policy_version)

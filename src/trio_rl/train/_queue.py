@@ -52,9 +52,10 @@ def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: 
         raise ValueError(f"SinkConfig.{attribute.name} must be >= 1, got {value}")
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class SinkConfig:
-    """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set.
+    """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set
+    (keyword arguments only).
 
     ``max_off_policy_steps=None`` disables the staleness filter. ``staleness`` says which
     version a sample is judged by: ``"group_start"`` (default, prime-rl's rule) the version its
