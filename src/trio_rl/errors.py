@@ -65,8 +65,11 @@ Private control-flow exceptions (such as the wire decoder's fast-path rejection)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+import trio
 
 if TYPE_CHECKING:  # annotations only: this module imports nothing of ours at run time
     from .samples import Group
@@ -531,3 +534,28 @@ SimulatedEngineFailure = SimulatedEngineError
 ScriptedFailure = ScriptedEngineError
 EndOfStream = EndOfStreamError
 InvariantViolation = InvariantViolationError
+
+
+@contextlib.contextmanager
+def collapse_single() -> Iterator[None]:
+    """At a public ``async with`` boundary: an exception group out of the component's nurseries
+    whose leaves are one real failure plus cancellations (the siblings it cancelled) is re-raised
+    as that failure, so ``except TransportIOError`` around the block works. Two real failures
+    stay a group; a group of cancellations only is left to trio's cancel scopes."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        real = _real_leaves(group)
+        if len(real) != 1:
+            raise
+        failure = real[0]
+    else:
+        return
+    # Raised outside the handler, so the failure's own cause and context stay as they were.
+    raise failure
+
+
+def _real_leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _real_leaves(e)]
+    return [] if isinstance(exc, trio.Cancelled) else [exc]

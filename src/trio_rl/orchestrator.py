@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from .engines import Engine, SamplingParams
+from .errors import collapse_single
 from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
@@ -478,43 +479,44 @@ async def open_orchestrator(
         num_ranks=sender.world_size,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )
-    async with (
-        open_async_rollout(
-            source,
-            factory,
-            runner,
-            batch_size=config.batch_groups,
-            policy=config.make_policy(),
-            max_groups_in_flight=budget,
-            # The sink's staleness filter is the hard guarantee; the driver passes everything.
-            max_staleness=None,
-            aborted="recycle",
-            on_failure=config.failure,
-            # the sink's book is the one record of work in flight: the driver reports to it
-            book=sink.book,
-            resumed=() if restore is None else restore.resumed,
-            policy_version=orch.version,
-        ) as driver,
-        open_publisher(
-            sink,
-            sender,
-            pack=pack,
-            limiter=limiter,
-            checkpointer=None
-            if manager is None
-            else SinkCheckpointer(
-                manager,
+    with collapse_single():
+        async with (
+            open_async_rollout(
+                source,
+                factory,
+                runner,
+                batch_size=config.batch_groups,
+                policy=config.make_policy(),
+                max_groups_in_flight=budget,
+                # The sink's staleness filter is the hard guarantee; the driver passes everything.
+                max_staleness=None,
+                aborted="recycle",
+                on_failure=config.failure,
+                # the sink's book is the one record of work in flight: the driver reports to it
+                book=sink.book,
+                resumed=() if restore is None else restore.resumed,
+                policy_version=orch.version,
+            ) as driver,
+            open_publisher(
                 sink,
-                cursor=lambda: {"source": source.state(), "factory": factory.state()},
-                progress=lambda: {"policy_version": orch.policy_version},
-            ),
-            monitor=monitor,
-        ) as publisher,
-    ):
-        orch._driver, orch._publisher = driver, publisher
-        if pending is not None:
-            publisher.add_pending(*pending)
-        try:
-            yield orch
-        finally:
-            orch._driver = orch._publisher = None
+                sender,
+                pack=pack,
+                limiter=limiter,
+                checkpointer=None
+                if manager is None
+                else SinkCheckpointer(
+                    manager,
+                    sink,
+                    cursor=lambda: {"source": source.state(), "factory": factory.state()},
+                    progress=lambda: {"policy_version": orch.policy_version},
+                ),
+                monitor=monitor,
+            ) as publisher,
+        ):
+            orch._driver, orch._publisher = driver, publisher
+            if pending is not None:
+                publisher.add_pending(*pending)
+            try:
+                yield orch
+            finally:
+                orch._driver = orch._publisher = None

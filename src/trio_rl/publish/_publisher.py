@@ -145,7 +145,9 @@ class _Booked:
     encoded: Encoded
     grid: Sequence[Sequence[MicroBatch]]
     pruned: PruneResult | None
-    all_stats: AttemptStats
+    #: The window the sink handed over with the batch (its value lists are this batch's now);
+    #: `_finish` summarizes it in a worker.
+    window: SinkWindow
     effective: CohortStats
     selection: SelectionStats
     annotations: list[Annotation]
@@ -163,11 +165,11 @@ class _Booked:
             containers += [self.pruned.kept, self.pruned.pruned]
         return containers
 
-    def record(self, threads: ThreadStats) -> ShipRecord:
+    def record(self, threads: ThreadStats, all_stats: AttemptStats) -> ShipRecord:
         grid = self.grid
         return ShipRecord(
             step=self.step,
-            all=self.all_stats,
+            all=all_stats,
             effective=self.effective,
             counters=self.counters,
             policy_wait=self.policy_wait,
@@ -177,7 +179,7 @@ class _Booked:
             timings=ShipTimings(total=time.perf_counter() - self.started, **self.timings),
             threads=threads,
             selection=self.selection,
-            warnings=ship_warnings(self.step, self.selection, self.all_stats),
+            warnings=ship_warnings(self.step, self.selection, all_stats),
         )
 
 
@@ -345,7 +347,7 @@ class Publisher:
                     with trio.CancelScope(shield=True):
                         await self._workers.run(encoded.discard)
             raise
-        # Booked. The window the sink read and reset (scalars: constant time, fine on the loop).
+        # Booked. The window the sink read and reset is summarized in a worker by `_finish`.
         return _Booked(
             step=step,
             started=started,
@@ -355,7 +357,7 @@ class Publisher:
             encoded=encoded,
             grid=grid,
             pruned=pruned,
-            all_stats=attempt_stats(batch.window if batch.window is not None else SinkWindow()),
+            window=batch.window if batch.window is not None else SinkWindow(),
             effective=effective,
             selection=selection,
             annotations=annotations,
@@ -392,7 +394,15 @@ class Publisher:
         return await self._finish(booked)
 
     async def _finish(self, booked: _Booked) -> ShipRecord:
-        # A booked step: schedule its memory release, then tell the monitor.
+        # A booked step: summarize its window, schedule its memory release, tell the monitor.
+        # The window's distributions sort its value lists: a worker job, shielded (the step is
+        # booked, its record must follow).
+        mark = time.perf_counter()
+        with trio.CancelScope(shield=True):
+            all_stats = await self._workers.run(attempt_stats, booked.window)
+        booked.timings["metrics"] = booked.timings.get("metrics", 0.0) + (
+            time.perf_counter() - mark
+        )
         monitor_copy = list(booked.samples)
         mark = time.perf_counter()
         containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
@@ -402,7 +412,7 @@ class Publisher:
         else:
             await self._release.schedule(self._nursery, containers)
         booked.timings["release_wait"] = time.perf_counter() - mark
-        record = booked.record(self._workers.stats())
+        record = booked.record(self._workers.stats(), all_stats)
         _log_warnings(record)
         shipment = Shipment(record, monitor_copy, booked.annotations)
         await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
