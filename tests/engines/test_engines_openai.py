@@ -845,3 +845,41 @@ async def test_4xx_and_5xx_are_handled_alike_when_streaming(
     async with engine(flaky.url, max_attempts=2) as e:
         assert len((await e.generate(req())).tokens) == 5
     assert (len(refused.requests), len(flaky.requests)) == (1, 2)
+
+
+async def test_a_continuation_after_an_abort_goes_on_from_the_kept_tokens(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    # what the sync driver's partial rollouts do: abort, then ask again with prompt + tokens
+    server = make_server(stream_hang_after=2)
+    signal = AbortSignal()
+    first = attrs.evolve(req(0, max_tokens=8), abort=signal)
+    async with engine(server.url) as e:
+        async with trio.open_nursery() as nursery:
+            result: list[Any] = []
+
+            async def generate() -> None:
+                result.append(await e.generate(first))
+
+            nursery.start_soon(generate)
+            with trio.fail_after(5):
+                await _until(lambda: server.streamed >= 2)
+            await trio.sleep(0.2)
+            signal.set()
+        [partial] = result
+        server.stream_hang_after = None
+        rest = await e.generate(
+            attrs.evolve(
+                first,
+                prompt_tokens=(*first.prompt_tokens, *partial.tokens),
+                params=SamplingParams(max_tokens=8 - len(partial.tokens)),
+                abort=None,
+                request_id="req-0-continued",
+            )
+        )
+        whole = await e.generate(req(0, max_tokens=8))
+    assert partial.tokens == [201, 202]
+    # the fake answers at most 5 tokens a request: the uninterrupted run is the prefix
+    assert (partial.tokens + rest.tokens)[: len(whole.tokens)] == whole.tokens
+    assert rest.tokens[0] == 203  # nothing regenerated, nothing skipped
+    assert server.requests[1]["prompt"] == [100, 200, 201, 202]
