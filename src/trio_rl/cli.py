@@ -547,7 +547,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
                 f"{len(r.resumed)} open groups continue, {len(r.completed_groups)} were complete"
             )
         print(
-            f"trio-rl run: {cfg.run.steps} steps of {cfg.rollout.batch_groups} groups x "
+            f"trio-rl simulate: {cfg.run.steps} steps of {cfg.rollout.batch_groups} groups x "
             f"{cfg.rollout.group_size} samples, {cfg.rollout.submission} submission, "
             f"{cfg.engine.distribution} latencies, {cfg.engine.slots} slots, {ranks} trainer "
             f"ranks, batches via {where}"

@@ -36,7 +36,7 @@ def test_first_signal_checkpoints_the_step_in_progress(tmp_path: Path, signum: i
     try:
         assert proc.stdout is not None
         banner = proc.stdout.readline()
-        assert banner.startswith("trio-rl run:"), banner
+        assert banner.startswith("trio-rl simulate:"), banner
         time.sleep(2.0)  # groups finish, none shipped yet
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
@@ -82,7 +82,7 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     proc = subprocess.Popen(_cmd(out, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("trio-rl run:")
+        assert proc.stdout.readline().startswith("trio-rl simulate:")
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
