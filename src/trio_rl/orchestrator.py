@@ -335,6 +335,12 @@ class Orchestrator:
 
         Runs after every shipped batch; call it yourself e.g. once the trainer caught up at the
         end of a run. A no-op without a payload store.
+
+        Cancellation: the live versions are taken on the loop, then
+        :meth:`PayloadStore.asweep_orphans <trio_rl.payloads.PayloadStore.asweep_orphans>` runs:
+        cancelled before its thread starts, nothing is deleted; once it runs, the sweep
+        completes and `trio.Cancelled` arrives at the caller's next checkpoint. Either way the
+        next sweep deletes whatever this one left.
         """
         if self.payloads is not None:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)

@@ -63,12 +63,24 @@ class VLLMAdmin:
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
 
     async def __aenter__(self) -> VLLMAdmin:
+        """Open the HTTP client (once per admin; `RuntimeError` if already open).
+
+        Cancellation: entering awaits nothing (it is not a checkpoint), so it cannot be
+        cancelled: it returns with the client open.
+        """
         if self._client is not None:
             raise RuntimeError("VLLMAdmin is already open")
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None), headers=dict(self.headers))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Close the HTTP client; later calls raise `trio.ClosedResourceError`.
+
+        Cancellation: the admin is closed first (the client is dropped before anything is
+        awaited), so it is closed even if `trio.Cancelled` is raised; the client's own close
+        is not shielded, so a cancellation can cut it short and leave connections to be
+        dropped rather than closed gracefully.
+        """
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()

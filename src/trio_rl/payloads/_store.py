@@ -255,7 +255,9 @@ class PayloadStore:
     opens them as given from any working directory. Segments from older checkpoints may hold
     paths relative to ``root``; the store's readers resolve those against ``root``. All methods
     are synchronous and do blocking I/O; the ``a*`` methods run them in a worker thread with
-    ``limiter`` (on cancellation the thread finishes first, then ``Cancelled`` is raised).
+    ``limiter``. The thread is never abandoned: cancelled while waiting for the limiter, an
+    ``a*`` call raises ``Cancelled`` having done nothing; cancelled once its thread runs, it
+    returns the thread's result and ``Cancelled`` arrives at the caller's next checkpoint.
     """
 
     def __init__(self, root: str | os.PathLike[str], limiter: trio.CapacityLimiter | None = None):
@@ -420,7 +422,13 @@ class PayloadStore:
         return await trio.to_thread.run_sync(self.delete_files, todo, limiter=self.limiter)
 
     async def asweep_orphans(self, live_versions: Iterable[int], current_version: int) -> list[int]:
-        """:meth:`sweep_orphans` in a worker thread; ``live_versions`` is read on the loop first."""
+        """:meth:`sweep_orphans` in a worker thread; ``live_versions`` is read on the loop first.
+
+        Cancellation: cancelled before the thread starts (waiting for ``limiter``), it raises
+        ``Cancelled`` and deletes nothing; once the thread runs, the sweep completes (a
+        directory is never left half-deleted by a cancellation) and the call returns the
+        deleted versions, ``Cancelled`` arriving at the caller's next checkpoint.
+        """
         live = list(live_versions)
         return await trio.to_thread.run_sync(
             self.sweep_orphans, live, current_version, limiter=self.limiter

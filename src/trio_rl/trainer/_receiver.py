@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from types import TracebackType
 from typing import Self
 
 import trio
@@ -289,13 +288,11 @@ class BatchReceiver:
         await self._transport.aclose()
 
     async def __aenter__(self) -> Self:
+        """Enter the transport. Cancellation: as the transport's ``__aenter__`` (if it raises
+        `trio.Cancelled`, the library's transports opened nothing)."""
         await self._transport.__aenter__()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
+        """`aclose`. Cancellation: the transport is closed even if `trio.Cancelled` is raised."""
         await self.aclose()

@@ -633,8 +633,23 @@ class FileReceiver(Receiver):
         return self._files.path(step)
 
     async def __aenter__(self) -> FileReceiver:
+        """Resolve the start step (``start_step=None``: from the files on disk, in a worker
+        thread).
+
+        Cancellation: cancelled while waiting for the worker thread's limiter, it raises
+        `trio.Cancelled` with nothing resolved (the first `receive` resolves the step); once
+        the thread runs it completes, the call returns normally and the cancellation arrives at
+        the caller's next checkpoint. With the step already known it is a plain checkpoint.
+        """
         await self._resolve()
         return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Close the receiver (`aclose`); a payload not yet acknowledged stays on disk.
+
+        Cancellation: the receiver is closed even if `trio.Cancelled` is raised.
+        """
+        await self.aclose()
 
     async def _resolve(self) -> int:
         if self._next_step is None:

@@ -180,8 +180,19 @@ class MemoryReceiver(Receiver):
         return self._next_step
 
     async def __aenter__(self) -> MemoryReceiver:
+        """Nothing to open (the receiver is ready when made).
+
+        Cancellation: a checkpoint; if it raises `trio.Cancelled` the receiver is unchanged.
+        """
         await trio.lowlevel.checkpoint()
         return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Close the receiver (`aclose`); a payload not yet acknowledged stays held.
+
+        Cancellation: closing completes at once; `trio.Cancelled` may still be raised.
+        """
+        await self.aclose()
 
     def _end_of_stream(self, end: int) -> EndOfStream:
         return EndOfStream(

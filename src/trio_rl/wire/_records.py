@@ -27,6 +27,12 @@ class RoutedExperts:
 
 @attrs.define(slots=True)
 class MMImageRef:
+    """One image of a multimodal sample, by reference (the trainer fetches and encodes it).
+
+    ``url`` names the image; ``offset`` and ``length`` are its placeholder tokens' range in the
+    sample's token sequence (first position, count).
+    """
+
     url: str
     offset: int
     length: int
@@ -34,6 +40,12 @@ class MMImageRef:
 
 @attrs.define(slots=True)
 class MMRefs:
+    """The image references of a sample or a micro-batch (wire field ``mm_refs``).
+
+    Packing concatenates those of the samples it packs, in packing order and as they are: no
+    offset is shifted and no image is cut on truncation (see docs/wire.md).
+    """
+
     images: list[MMImageRef]
 
 
