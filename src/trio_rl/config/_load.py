@@ -262,7 +262,14 @@ def load(
     sections = _sections(schema)
     values: dict[str, dict[str, _Value]] = {}
     for path in files:
-        _read_file(Path(path), sections, values)
+        layer: dict[str, dict[str, _Value]] = {}
+        _read_file(Path(path), sections, layer)
+        # Every layer's values are checked, not only the ones that win: a bad value in a file
+        # is an error even where a later file or a flag overrides it.
+        for name, section in layer.items():
+            for key, value in section.items():
+                _checked(sections[name], name, key, value)
+            values.setdefault(name, {}).update(section)
     for o in overrides:
         name, dot, key = o.key.partition(".")
         if not dot or name not in sections:
@@ -277,22 +284,27 @@ def load(
     for name, cls in sections.items():
         kwargs: dict[str, Any] = {}
         for key, got in values.get(name, {}).items():
-            attribute, tp = _options(cls)[key]
-            dotted = f"{name}.{key}"
-            try:
-                value = _coerce(got.value, tp)
-                if attribute.validator is not None:
-                    attribute.validator(None, attribute, value)
-            except ValueError as exc:
-                raise ConfigError(got.where, dotted, str(exc)) from None
-            kwargs[key] = value
-            origin[dotted] = got.where
+            kwargs[key] = _checked(cls, name, key, got)
+            origin[f"{name}.{key}"] = got.where
         try:
             built[name] = cls(**kwargs)
         except ValueError as exc:  # a check across options of the section
             where = ", ".join(sorted({origin[f"{name}.{k}"] for k in kwargs})) or "defaults"
             raise ConfigError(where, name, str(exc)) from None
     return schema(**built), origin
+
+
+def _checked(cls: type[Any], name: str, key: str, got: _Value) -> Any:
+    """``got``'s value coerced to the option's type and validated, or the `ConfigError` that
+    names where it came from."""
+    attribute, tp = _options(cls)[key]
+    try:
+        value = _coerce(got.value, tp)
+        if attribute.validator is not None:
+            attribute.validator(None, attribute, value)
+    except ValueError as exc:
+        raise ConfigError(got.where, f"{name}.{key}", str(exc)) from None
+    return value
 
 
 def flatten(config: Any) -> dict[str, Any]:
