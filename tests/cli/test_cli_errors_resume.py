@@ -47,7 +47,8 @@ def test_errors_on_resume_lose_nothing_and_the_resume_ships_every_sample_once(
             _with_config(out, 2, config), capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 2, (name, done.stderr)
-        assert done.stderr.count("\n") == 1 and needle in done.stderr, (name, done.stderr)
+        assert done.stderr.count("\n") == 1, (name, done.stderr)
+        assert needle in done.stderr, (name, done.stderr)
         assert str(config) in done.stderr, done.stderr  # the file (and line) is named
         assert _state(out) == before, f"{name}: the run directory changed"
 
@@ -60,7 +61,8 @@ def test_errors_on_resume_lose_nothing_and_the_resume_ships_every_sample_once(
     damaged = _state(out)
     done = subprocess.run(_cmd(out, 2), capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert done.stderr.count("\n") == 1 and "--fresh" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "--fresh" in done.stderr, done.stderr
     assert _state(out) == damaged
     for p, data in kept.items():
         p.write_bytes(data)  # the operator restores them (from a backup, say)
