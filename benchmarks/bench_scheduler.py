@@ -397,6 +397,7 @@ def part_b(
     loop: str,
     repeat: int,
     memory: bool,
+    gc_off: bool = True,
 ) -> list[dict[str, Any]]:
     trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
     print(
@@ -430,7 +431,7 @@ def part_b(
             trio_call = functools.partial(trio.run, trio_fn, policy, n, target)
             asyncio_call = functools.partial(_run_asyncio, granularity, n, target)
             for _ in range(repeat):
-                for gc_on in (True, False):
+                for gc_on in (True, False) if gc_off else (True,):
                     suffix = "" if gc_on else "_nogc"
                     whole, steady = _measure(trio_call, gc_on)
                     runs["trio" + suffix].append(whole)
@@ -445,11 +446,15 @@ def part_b(
                 else f"{granularity} granularity, N = {n:,} in flight:"
             )
             for key, label in columns:
+                if not runs[key]:
+                    continue
                 row[key] = statistics.median(runs[key])
+                row[key + "_runs"] = runs[key]
                 print(f"   {label:<24} {_spread(runs[key]):>26} us/sample")
             for side in ("trio", "trio_steady", "trio_nogc", "trio_steady_nogc"):
                 other = side.replace("trio", "asyncio")
-                print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
+                if side in row:
+                    print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
             print()
             if memory:
                 trio_bytes = _memory(trio_call, n)
@@ -461,7 +466,46 @@ def part_b(
                     f"({trio_bytes / asyncio_bytes:.2f}x)"
                 )
             rows.append(row)
+    _goal_1(rows)
     return rows
+
+
+def _goal_1(rows: list[dict[str, Any]]) -> None:
+    """Goal 1 (issue 12) from this run's medians: ratio <= 1.0x at every size, steady and whole
+    run (GC on, python's thresholds unless changed on the command line), growth from the
+    smallest to the largest size <= 1.5x, memory per in-flight sample <= the reference's."""
+    for granularity in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == granularity]
+        print(f"-- goal 1 ({granularity}): trio-rl / asyncio, medians of this run, GC on")
+        for r in mine:
+            whole, steady = r["trio"] / r["asyncio"], r["trio_steady"] / r["asyncio_steady"]
+            memory = ""
+            if "trio_bytes" in r:
+                memory = (
+                    f"; memory {r['trio_bytes'] / 1024:.2f} against {r['asyncio_bytes'] / 1024:.2f}"
+                    f" KiB/sample ({r['trio_bytes'] / r['asyncio_bytes']:.2f}x, "
+                    f"{'reached' if r['trio_bytes'] <= r['asyncio_bytes'] else 'not reached'})"
+                )
+            verdict = "reached" if max(whole, steady) <= 1.0 else "not reached"
+            print(
+                f"goal 1: N = {r['n']:>9,}  whole {r['trio']:6.1f} vs {r['asyncio']:6.1f} us "
+                f"({whole:.2f}x), steady {r['trio_steady']:6.1f} vs {r['asyncio_steady']:6.1f} us "
+                f"({steady:.2f}x): <= 1.0x {verdict}{memory}"
+            )
+        if len(mine) > 1:
+            first, last = mine[0], mine[-1]
+            parts = []
+            for key, label in (("", "whole"), ("_steady", "steady")):
+                t = last["trio" + key] / first["trio" + key]
+                a = last["asyncio" + key] / first["asyncio" + key]
+                parts.append(f"{label} trio-rl {t:.2f}x, asyncio {a:.2f}x")
+            worst = max(last["trio" + k] / first["trio" + k] for k in ("", "_steady"))
+            verdict = "reached" if worst <= 1.5 else "not reached"
+            print(
+                f"goal 1: growth of CPU per sample from {first['n']:,} to {last['n']:,} in flight: "
+                + "; ".join(parts)
+                + f" (goal <= 1.5x, from 1k to 1M: {verdict} over the sizes run)"
+            )
 
 
 # --------------------------------------------------------------------------- part C
@@ -680,22 +724,74 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
             else _spread
         )
         print(f"   {label:<16} trio-rl {fmt(t):>24}   asyncio {fmt(a):>24}")
-    print("-- highest sample rate with occupancy >= 0.95 (latency scales tried, longest first)")
-    best: dict[str, float] = {}
-    for side in ("trio-rl", "asyncio"):
-        for scale in sorted(scales, reverse=True):
-            f = _real_time(side, base * scale, seconds, slots, seed)
-            ok = f["occupancy"] >= 0.95
+    print(
+        f"-- highest sample rate with occupancy >= 0.95: latency scales tried longest first, "
+        f"{repeat} interleaved runs per scale and side, median [min-max]; the search stops "
+        "once both sides' median occupancy is below 0.95"
+    )
+    at: dict[float, dict[str, dict[str, list[float]]]] = {}
+    for scale in sorted(scales, reverse=True):
+        runs: dict[str, dict[str, list[float]]] = {"trio-rl": {}, "asyncio": {}}
+        for r in range(repeat):
+            for side in ("trio-rl", "asyncio") if r % 2 == 0 else ("asyncio", "trio-rl"):
+                for key, value in _real_time(side, base * scale, seconds, slots, seed + r).items():
+                    runs[side].setdefault(key, []).append(value)
+        at[scale] = runs
+        for side in ("trio-rl", "asyncio"):
+            f = runs[side]
+            occ = f["occupancy"]
             print(
-                f"   {side:<8} scale {scale:<6g} occupancy {f['occupancy']:.3f} "
-                f"{f['rate']:>9,.0f} samples/s  CPU {f['cpu_us']:.1f} us/sample"
+                f"   scale {scale:<7.4g} {side:<8} occupancy {statistics.median(occ):.3f} "
+                f"[{min(occ):.3f}-{max(occ):.3f}]  {statistics.median(f['rate']):>9,.0f} "
+                f"samples/s  CPU {_spread(f['cpu_us'])} us/sample  "
+                f"lag p95 {_spread(f['lag_p95_ms'])} ms"
             )
-            if not ok:
-                break
-            best[side] = f["rate"]
-    t, a = best.get("trio-rl", 0.0), best.get("asyncio", 0.0)
-    ratio = f"{t / a:.2f}x" if a else "n/a"
-    print(f"   highest rate at >= 0.95: trio-rl {t:,.0f}/s, asyncio {a:,.0f}/s, ratio {ratio}")
+        if all(statistics.median(runs[s]["occupancy"]) < 0.95 for s in runs):
+            break
+    best: dict[str, tuple[float, float]] = {}
+    for side in ("trio-rl", "asyncio"):
+        for scale in sorted(at, reverse=True):
+            f = at[scale][side]
+            if statistics.median(f["occupancy"]) >= 0.95:
+                best[side] = (scale, statistics.median(f["rate"]))
+    t = best.get("trio-rl", (0.0, 0.0))[1]
+    a = best.get("asyncio", (0.0, 0.0))[1]
+    ratio = t / a if a else float("nan")
+    print(
+        f"goal 2: highest rate at median occupancy >= 0.95: trio-rl {t:,.0f}/s, asyncio "
+        f"{a:,.0f}/s, ratio {ratio:.2f}x (goal >= 1.0: "
+        f"{'reached' if ratio >= 1.0 else 'not reached'}; steps of 1.25x in rate)"
+    )
+    if "asyncio" not in best:
+        print("goal 2: the reference held 0.95 at no scale tried")
+        return
+    scale = best["asyncio"][0]
+    f_t, f_a = at[scale]["trio-rl"], at[scale]["asyncio"]
+    checks = []
+    for key, label, fmt, better in (
+        ("occupancy", "occupancy", "{:.3f}", lambda x, y: x >= y),
+        ("cpu_us", "CPU us/sample", "{:.1f}", lambda x, y: x < y),
+        ("lag_p95_ms", "loop lag p95 ms", "{:.2f}", lambda x, y: x <= y),
+    ):
+        mt, ma = statistics.median(f_t[key]), statistics.median(f_a[key])
+        ok = better(mt, ma)
+        checks.append(ok)
+        print(
+            f"goal 2: at the reference's highest >= 0.95 rate (scale {scale:.4g}, "
+            f"{statistics.median(f_a['rate']):,.0f} samples/s): {label} trio-rl "
+            + fmt.format(mt)
+            + f" [{fmt.format(min(f_t[key]))}-{fmt.format(max(f_t[key]))}] vs asyncio "
+            + fmt.format(ma)
+            + f" [{fmt.format(min(f_a[key]))}-{fmt.format(max(f_a[key]))}]: "
+            + ("reached" if ok else f"not reached (by {mt - ma:+.3g})")
+        )
+
+
+def _scales(text: str) -> list[float]:
+    """``auto``: 2 / 1.25**k for k = 0..12 (rate steps of 1.25x); else a comma list."""
+    if text == "auto":
+        return [2.0 / 1.25**k for k in range(13)]
+    return [float(x) for x in text.split(",")]
 
 
 def main() -> None:
@@ -755,10 +851,14 @@ def main() -> None:
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
     parser.add_argument(
         "--rt-scales",
-        default="2,1,0.5,0.2,0.1,0.05",
-        help="latency scales the part C search tries, comma separated",
+        default="auto",
+        help="latency scales the part C search tries, comma separated; 'auto' (default): "
+        "2 / 1.25**k, i.e. rate steps of 1.25x from median 40 ms down",
     )
-    parser.add_argument("--repeat", type=int, default=3, help="repetitions per row (part B)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="repetitions per row (part B) and per scale (C)"
+    )
+    parser.add_argument("--no-gc-off", action="store_true", help="skip the GC-off runs of part B")
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the traced-memory run per row (part B)"
     )
@@ -803,6 +903,7 @@ def main() -> None:
             args.loop,
             args.repeat,
             not args.no_memory,
+            not args.no_gc_off,
         )
     if args.part in ("c", "all"):
         part_c(
@@ -810,7 +911,7 @@ def main() -> None:
             args.slots,
             args.seed,
             args.repeat,
-            [float(x) for x in args.rt_scales.split(",")],
+            _scales(args.rt_scales),
         )
 
 

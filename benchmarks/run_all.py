@@ -1,30 +1,117 @@
-"""Run every benchmark in turn with its default (CI-sized) arguments; each prints its figures.
+"""Run every benchmark in turn, each printing its figures side by side with its reference.
 
-python benchmarks/run_all.py [name ...]     # e.g. scheduler publish
+    python benchmarks/run_all.py [--quick | --full] [name ...]     # e.g. scheduler publish
+    nox -s bench -- [--quick | --full] [name ...]
+
+Three profiles (the options each script gets are printed before it runs):
+
+* default (~20 min on 2 cores): every goal of issue 12 with >= 3 repetitions, median and
+  spread: scheduler part A (virtual time), part B at 1k / 10k / 100k in flight x 3 (GC on and
+  off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
+  scale, scales 1.25x apart, loop lag at the reference's highest >= 0.95 rate); publication x 3
+  with the asyncio reference design; encoding x 3; transport x 3; checkpoint 1k and 10k x 3.
+* ``--full`` (about an hour more): as default, plus part B at 1M in flight x 3 (so the 1k -> 1M
+  growth is printed) and checkpoints at 100k queued x 3 (4.3 GB per save).
+* ``--quick``: tiny sizes, one repetition: a smoke test that every script runs, not figures.
+
+Lines starting ``goal N:`` are collected and printed again at the end, one block per run.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ALL = ["scheduler", "publish", "encode", "transport", "checkpoint"]
 
+PROFILES: dict[str, dict[str, list[str]]] = {
+    "default": {
+        "scheduler": ["--sizes", "1000,10000,100000", "--repeat", "3"],
+        "publish": ["--repeat", "3"],
+        "encode": ["--trials", "3"],
+        "transport": ["--repeat", "3"],
+        "checkpoint": ["--sizes", "1000,10000", "--repeat", "3"],
+    },
+    "full": {
+        "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3"],
+        "publish": ["--repeat", "3"],
+        "encode": ["--trials", "3"],
+        "transport": ["--repeat", "3"],
+        "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
+    },
+    "quick": {
+        "scheduler": [
+            "--scale", "0.02", "--sizes", "1000", "--minimum", "2000", "--repeat", "1",
+            "--rt-seconds", "0.3", "--rt-scales", "1",
+        ],
+        "publish": ["--samples", "32", "--tokens", "512", "--repeat", "1"],
+        "encode": ["--trials", "1", "--list-mib", "1"],
+        "transport": ["--size-mib", "4", "--messages", "4", "--repeat", "1"],
+        "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
+    },
+}  # fmt: skip
+
+
+def _machine() -> str:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}, "
+        f"{platform.platform()}, load average {load}"
+    )
+
 
 def main(argv: list[str]) -> int:
-    names = argv or ALL
+    profile = "default"
+    names = []
+    for arg in argv:
+        if arg in ("--quick", "--full"):
+            profile = arg[2:]
+        elif arg in ("-h", "--help"):
+            print(__doc__)
+            return 0
+        else:
+            names.append(arg)
+    names = names or ALL
     unknown = sorted(set(names) - set(ALL))
     if unknown:
         print(f"unknown benchmark(s): {', '.join(unknown)}; choose from {', '.join(ALL)}")
         return 2
-    failed = []
+    print(f"run_all ({profile}) started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    print(_machine(), flush=True)
+    failed, goals, took = [], [], {}
+    start = time.perf_counter()
     for name in names:
-        print(f"\n===== bench_{name}.py =====", flush=True)
-        rc = subprocess.call([sys.executable, str(HERE / f"bench_{name}.py")])
-        if rc:
+        options = PROFILES[profile][name]
+        print(f"\n===== bench_{name}.py {' '.join(options)} =====", flush=True)
+        t0 = time.perf_counter()
+        with subprocess.Popen(
+            [sys.executable, "-u", str(HERE / f"bench_{name}.py"), *options],
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if line.startswith("goal "):
+                    goals.append(f"[{name}] {line.rstrip()}")
+        took[name] = time.perf_counter() - t0
+        print(f"----- bench_{name}.py: {took[name] / 60:.1f} min, exit {proc.returncode}")
+        if proc.returncode:
             failed.append(name)
+    print(f"\n===== summary ({profile}): issue 12 goals, from this run =====")
+    for line in goals:
+        print(line)
+    print(
+        "wall time: "
+        + ", ".join(f"{n} {t / 60:.1f} min" for n, t in took.items())
+        + f"; total {(time.perf_counter() - start) / 60:.1f} min"
+    )
+    print(f"finished {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {_machine()}")
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
