@@ -257,10 +257,11 @@ class GroupBook(Protocol):
     * ``members_arrived`` -- finished members (COMPLETED or TRUNCATED) of an open group; the
       book holds them (the same objects: a group reward fills their ``reward`` in place).
     * ``attempt_failed`` -- the attempt failed (raised): every member of it, held or not yet
-      arrived, settles as failed; the group stays open, empty, for a retry.
+      arrived, settles as failed; the group stays open, empty, for a retry. ``error`` is the
+      attempt's exception (a ``GroupFailed``), for counting failures by type.
     * ``group_discarded`` -- the group will not reach the consumer (``reason``: ``"failed"``
-      after its last attempt, ``"aborted"``, ``"filtered"``, ``"stale"``); the book settles
-      what it holds and closes it.
+      after its last attempt, with its ``error``, ``"aborted"``, ``"filtered"``, ``"stale"``);
+      the book settles what it holds and closes it.
 
     A group that reaches the consumer is closed by the consumer handing it to the owner (the
     sink's ``add_group``), which scores it exactly once.
@@ -270,6 +271,8 @@ class GroupBook(Protocol):
 
     def members_arrived(self, group: Group, samples: Sequence[Sample]) -> None: ...
 
-    def attempt_failed(self, group: Group) -> None: ...
+    def attempt_failed(self, group: Group, error: BaseException | None = None) -> None: ...
 
-    def group_discarded(self, group: Group, reason: str) -> None: ...
+    def group_discarded(
+        self, group: Group, reason: str, error: BaseException | None = None
+    ) -> None: ...

@@ -154,7 +154,10 @@ class AttemptStats:
 
     Built from the sink's `SinkWindow`, which the cut reads and resets: ``attempts`` is the
     attempt budget of every group finalized in the window, ``outcomes`` counts samples by how
-    they ended, the reward figures cover every scored sample of the window.
+    they ended, the reward figures cover every scored sample of the window. ``rewards`` and
+    ``completion_lengths`` are distributions over the window's settled samples (scored ones;
+    every finished one of a scored group), ``zero_length`` the finished samples filtered for
+    having no trained token, ``failures`` the failed attempts' errors by exception type.
     """
 
     attempts: int
@@ -163,6 +166,10 @@ class AttemptStats:
     reward_mean: float | None
     reward_count: int
     shipped_tokens: int
+    rewards: Distribution = Distribution(count=0)
+    completion_lengths: Distribution = Distribution(count=0)
+    zero_length: int = 0
+    failures: Mapping[str, int] = attrs.field(factory=dict, converter=_frozen_mapping)
 
     @property
     def discarded(self) -> int:
@@ -184,6 +191,15 @@ class AttemptStats:
         if self.reward_mean is not None:
             yield f"{prefix}/reward/mean", self.reward_mean
         yield f"{prefix}/reward/count", float(self.reward_count)
+        # The distribution's own count and mean are the two keys above (the same samples).
+        for name in ("min", "max", "p10", "p50", "p90"):
+            value = getattr(self.rewards, name)
+            if value is not None:
+                yield f"{prefix}/reward/{name}", value
+        yield from self.completion_lengths.items(f"{prefix}/completion_length")
+        yield f"{prefix}/zero_length", float(self.zero_length)
+        for kind, count in sorted(self.failures.items()):
+            yield f"{prefix}/error/{kind}", float(count)
         yield f"{prefix}/shipped_tokens", float(self.shipped_tokens)
 
 
@@ -246,7 +262,7 @@ class WarningKind(enum.Enum):
     LOW_TRAINABLE = "low_trainable"
     #: More than `DISCARD_WARN_ABOVE` of the window's attempts were discarded.
     HIGH_DISCARD = "high_discard"
-    #: Some selected samples have no completion tokens.
+    #: Some finished samples of the window (or of the selection) have no trained token.
     ZERO_LENGTH = "zero_length"
 
 
@@ -344,7 +360,8 @@ class ShipRecord:
 
 
 def attempt_stats(window: SinkWindow) -> AttemptStats:
-    """The ``all`` statistics of a window the sink handed over (scalars: constant time)."""
+    """The ``all`` statistics of a window the sink handed over. Sorts the window's value lists
+    (the distributions): CPU work, call it in a worker."""
     return AttemptStats(
         attempts=window.attempts,
         groups=window.groups,
@@ -352,6 +369,10 @@ def attempt_stats(window: SinkWindow) -> AttemptStats:
         reward_mean=window.reward_mean,
         reward_count=window.reward_count,
         shipped_tokens=window.shipped_tokens,
+        rewards=Distribution.of_parts([window.rewards]),
+        completion_lengths=Distribution.of_parts([window.completion_lengths]),
+        zero_length=window.zero_length,
+        failures=window.failure_types,
     )
 
 
@@ -450,14 +471,19 @@ def ship_warnings(
                     f"{TRAINABLE_WARN_AT:.0%}): rewards may carry no signal",
                 )
             )
-        if selection.zero_length:
-            warnings.append(
-                ShipWarning(
-                    WarningKind.ZERO_LENGTH,
-                    f"step {step}: {selection.zero_length} of {selection.selected} selected "
-                    "samples have no completion tokens",
-                )
+    # The sink filters a finished sample with no trained token before selection, so the
+    # window's count is where zero-length outputs show (a selected one is counted too, for a
+    # sink that let one through).
+    zero_selected = selection.zero_length if selection is not None else 0
+    if attempts.zero_length or zero_selected:
+        warnings.append(
+            ShipWarning(
+                WarningKind.ZERO_LENGTH,
+                f"step {step}: {attempts.zero_length} samples of the window had no trained "
+                f"(completion) token and were filtered"
+                + (f"; {zero_selected} selected samples have none" if zero_selected else ""),
             )
+        )
     discarded = attempts.discarded_fraction
     if discarded is not None and discarded > DISCARD_WARN_ABOVE:
         warnings.append(

@@ -217,9 +217,14 @@ class GroupTriage:
         self.discard(group, "stale")
         return False
 
-    def discard(self, group: Group, reason: DiscardReason) -> None:
+    def discard(
+        self, group: Group, reason: DiscardReason, error: BaseException | None = None
+    ) -> None:
         if self.book is not None:
-            self.book.group_discarded(group, reason)
+            if error is None:
+                self.book.group_discarded(group, reason)
+            else:
+                self.book.group_discarded(group, reason, error)
         if self.on_discard is not None:
             self.on_discard(group, reason)
 
@@ -240,7 +245,7 @@ class GroupTriage:
             self.tally.retried += 1
             if self.book is not None:
                 # the attempt settles in the books before its samples are reset
-                self.book.attempt_failed(group)
+                self.book.attempt_failed(group, error)
             for sample in group.samples:
                 sample.reset_for_retry()
             self.retry(group)
@@ -249,4 +254,4 @@ class GroupTriage:
         self.retries.pop(group.group_id, None)
         self.tally.failed += 1
         logger.error("rollout group %s failed; skipping it", group.group_id, exc_info=error)
-        self.discard(group, "failed")
+        self.discard(group, "failed", error)

@@ -30,6 +30,8 @@ __all__ = ["Meta", "check_state", "decode_meta", "decode_open_group"]
 
 _COUNTERS = tuple(f.name for f in attrs.fields(SinkCounters))
 _WINDOW = tuple(f.name for f in attrs.fields(SinkWindow))
+#: The window's value lists and type counts (a checkpoint written before them has none).
+_WINDOW_VALUES = ("rewards", "completion_lengths", "failure_types")
 
 
 @attrs.frozen
@@ -64,11 +66,27 @@ def _counters(obj: object) -> SinkCounters:
 
 
 def _window(obj: object) -> SinkWindow:
-    m = _fields(obj, "sink.window", _WINDOW)
-    values: dict[str, Any] = {
-        k: want_int(m[k], f"sink.window.{k}") for k in _WINDOW if k != "reward_sum"
-    }
+    m = dict(want_map(obj, "sink.window"))
+    empty = SinkWindow()
+    for name in ("zero_length", *_WINDOW_VALUES):
+        m.setdefault(name, getattr(empty, name))
+    m = _fields(m, "sink.window", _WINDOW)
+    scalars = [k for k in _WINDOW if k not in ("reward_sum", *_WINDOW_VALUES)]
+    values: dict[str, Any] = {k: want_int(m[k], f"sink.window.{k}") for k in scalars}
     values["reward_sum"] = want_number(m["reward_sum"], "sink.window.reward_sum")
+    what = "sink.window.rewards"
+    values["rewards"] = [
+        want_number(r, f"{what}[{i}]") for i, r in enumerate(want_list(m["rewards"], what))
+    ]
+    what = "sink.window.completion_lengths"
+    values["completion_lengths"] = [
+        want_int(n, f"{what}[{i}]") for i, n in enumerate(want_list(m["completion_lengths"], what))
+    ]
+    what = "sink.window.failure_types"
+    values["failure_types"] = {
+        want_str(k, what): want_int(n, f"{what}[{i}]")
+        for i, (k, n) in enumerate(want_map(m["failure_types"], what).items())
+    }
     return SinkWindow(**values)
 
 

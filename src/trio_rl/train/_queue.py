@@ -120,6 +120,15 @@ class SinkWindow:
 
     ``attempts`` is the attempt budget of every group finalized in the window: every member that
     arrived (stale ones included) plus failed and cancelled ones.
+
+    The value lists are the window's exact observations, for the publication's distributions
+    (computed in a worker once the cut hands the window over): ``rewards`` of every scored
+    sample (as ``reward_sum``), ``completion_lengths`` of every finished sample the sink settled
+    from a scored group (stale and filtered ones included). ``zero_length`` counts the finished
+    samples filtered for having no trained (completion) token; ``failure_types`` counts failed
+    attempts' errors by exception type name (``"failed_status"``: a member that arrived FAILED,
+    its error recorded on the sample). While the window is the sink's, booking appends to the
+    lists in place; the cut hands them over and the sink starts new ones (`copy` for a snapshot).
     """
 
     attempts: int = 0
@@ -133,10 +142,23 @@ class SinkWindow:
     cancelled: int = 0
     reward_sum: float = 0.0
     reward_count: int = 0
+    zero_length: int = 0
+    rewards: list[float] = attrs.field(factory=list)
+    completion_lengths: list[int] = attrs.field(factory=list)
+    failure_types: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def reward_mean(self) -> float | None:
         return self.reward_sum / self.reward_count if self.reward_count else None
+
+    def copy(self) -> SinkWindow:
+        """An owned copy (its lists and counts new objects), for a snapshot taken on the loop."""
+        return attrs.evolve(
+            self,
+            rewards=list(self.rewards),
+            completion_lengths=list(self.completion_lengths),
+            failure_types=dict(self.failure_types),
+        )
 
 
 @attrs.define(slots=True, eq=False)

@@ -202,7 +202,10 @@ def to_training_sample(
 class GroupScore:
     """What scoring one complete group yields: its training samples to queue (in arrival order)
     and how many finished members each outcome books; ``rewards`` are the fresh members'
-    rewards (for the metrics window) and ``next_arrival`` the arrival number after it."""
+    rewards (for the metrics window) and ``next_arrival`` the arrival number after it.
+    ``zero_length`` counts the filtered members that have no trained token (the publication's
+    zero-length warning: they never reach a batch) and ``lengths`` are the completion lengths
+    of every finished member scored (stale and filtered ones included)."""
 
     samples: list[TrainingSample]
     filtered: int
@@ -210,6 +213,8 @@ class GroupScore:
     pruned: int
     rewards: list[float]
     next_arrival: int
+    zero_length: int = 0
+    lengths: list[int] = attrs.field(factory=list)
 
 
 def score_group(
@@ -233,17 +238,19 @@ def score_group(
     token is filtered; with ``prune_before_queue`` one whose trained tokens all carry zero
     advantage is pruned (it still takes an arrival number).
     """
+    lengths = [len(s.completion_tokens) for s in finished]
     if aborted:
-        return GroupScore([], len(finished), 0, 0, [], arrival)
+        return GroupScore([], len(finished), 0, 0, [], arrival, lengths=lengths)
     fresh = [s for s in finished if not is_stale(sample_version(s, start, rule))]
     stale = len(finished) - len(fresh)
     rewards = [float(s.reward or 0.0) for s in fresh]
     advs = grpo_advantages(rewards, normalize_std=config.normalize_std, eps=config.eps)
     samples: list[TrainingSample] = []
-    filtered = pruned = 0
+    filtered = pruned = zero_length = 0
     for s, a in zip(fresh, advs, strict=True):
         if not any(s.loss_mask):
             filtered += 1
+            zero_length += 1
             continue
         ts = to_training_sample(
             s,
@@ -259,7 +266,7 @@ def score_group(
             pruned += 1
             continue
         samples.append(ts)
-    return GroupScore(samples, filtered, stale, pruned, rewards, arrival)
+    return GroupScore(samples, filtered, stale, pruned, rewards, arrival, zero_length, lengths)
 
 
 def prune_zero_advantages(sample: TrainingSample) -> bool:

@@ -139,6 +139,7 @@ class OpenBook:
             if s.status is SampleStatus.FAILED:
                 g.failed += 1
                 self.books.book("failed", 1)
+                self._failure_type("failed_status")
             elif s.status is SampleStatus.ABORTED:
                 g.cancelled += 1
                 g.aborted = True
@@ -176,13 +177,33 @@ class OpenBook:
         self.books.book("filtered", score.filtered)
         self.books.book("stale", score.stale)
         self.books.book("pruned", score.pruned)
-        if score.rewards:
-            w = self.books.window
+        w = self.books.window
+        # The value lists are the live window's own (see `SinkWindow`): appended in place.
+        w.rewards.extend(score.rewards)
+        w.completion_lengths.extend(score.lengths)
+        if score.rewards or score.zero_length:
             self.books.window = attrs.evolve(
                 w,
                 reward_sum=w.reward_sum + sum(score.rewards),
                 reward_count=w.reward_count + len(score.rewards),
+                zero_length=w.zero_length + score.zero_length,
             )
+
+    def _failure_type(self, name: str, n: int = 1) -> None:
+        types = self.books.window.failure_types
+        types[name] = types.get(name, 0) + n
+
+    def _failures(self, error: BaseException | None) -> None:
+        """Count a failed attempt's errors by type: each real failure of a `GroupFailed`
+        (a sample's or the group reward's exception), or ``error`` itself."""
+        if error is None:
+            return
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, tuple) and failures:
+            for _, exc in failures:
+                self._failure_type(type(exc).__name__)
+        else:
+            self._failure_type(type(error).__name__)
 
     # -- GroupBook: what the async driver reports ------------------------------------------
 
@@ -205,18 +226,23 @@ class OpenBook:
         g = self._opened(group)
         self.arrive(g, [s for s in samples if s.index not in g.seen], rewarded=False)
 
-    def attempt_failed(self, group: Group) -> None:
+    def attempt_failed(self, group: Group, error: BaseException | None = None) -> None:
         """The attempt raised: each of its samples settles failed (held members included, before
         the driver resets them for the retry), counted in the attempt budget; the group stays
-        open and empty."""
+        open and empty. ``error`` (the attempt's `GroupFailed`) is counted by type."""
         g = self._opened(group)
+        self._failures(error)
         self._settle(g, group, "failed")
         g.arrived, g.seen, g.failed, g.cancelled, g.aborted = [], set(), 0, 0, False
 
-    def group_discarded(self, group: Group, reason: str) -> None:
+    def group_discarded(
+        self, group: Group, reason: str, error: BaseException | None = None
+    ) -> None:
         """``group`` will not reach the consumer. ``"aborted"``: scored like any group (aborted
-        members cancelled, the rest filtered); ``"failed"`` (its last attempt), ``"filtered"``,
-        ``"stale"``: every member settles under that outcome and the group closes."""
+        members cancelled, the rest filtered); ``"failed"`` (its last attempt, ``error`` counted
+        by type), ``"filtered"``, ``"stale"``: every member settles under that outcome and the
+        group closes."""
+        self._failures(error)
         if reason == "aborted":
             self.admit(group)
             self.finalize(group.group_id)
@@ -267,7 +293,7 @@ def snapshot_sink(sink: TrainSink) -> SinkState:
         step=sink.queue.step,
         next_arrival=sink._next_arrival,
         counters=sink._books.counters,
-        window=sink._books.window,
+        window=sink._books.window.copy(),
         queued=sink.queue.saved(),
         open_groups=tuple(
             OpenGroup(
@@ -303,7 +329,7 @@ def restore_sink(
     sink.queue.reset(state.step)
     sink._next_arrival = state.next_arrival
     sink._books.counters = state.counters
-    sink._books.window = state.window
+    sink._books.window = state.window.copy()
     book = sink.book
     book.groups.clear()
     missing = set(missing_files)
@@ -390,6 +416,12 @@ def state_problem(state: SinkState) -> tuple[str, str] | None:
             return f"window.{name}", f"{getattr(w, name)} exceeds counters.{name}"
     if not math.isfinite(w.reward_sum):
         return "window.reward_sum", f"{w.reward_sum!r} is not finite"
+    if not all(map(math.isfinite, w.rewards)):
+        return "window.rewards", "a reward is not finite"
+    if any(n < 0 for n in w.completion_lengths):
+        return "window.completion_lengths", "a length is negative"
+    if any(n < 0 for n in w.failure_types.values()):
+        return "window.failure_types", "a count is negative"
     previous = -1
     for i, ts in enumerate(state.queued):
         if ts.arrival <= previous:
@@ -428,7 +460,7 @@ def state_problem(state: SinkState) -> tuple[str, str] | None:
 
 
 _COUNTER_NAMES = tuple(f.name for f in attrs.fields(SinkCounters))
-_WINDOW_COUNTS = tuple(f.name for f in attrs.fields(SinkWindow) if f.name != "reward_sum")
+_WINDOW_COUNTS = tuple(f.name for f in attrs.fields(SinkWindow) if f.type in ("int", int))
 
 
 def payload_files_of_state(state: SinkState) -> set[str]:
