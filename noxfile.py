@@ -60,7 +60,12 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Every benchmark, each printing its side-by-side figures."""
+    """Every benchmark, each printing its side-by-side figures and its ``goal N:`` lines.
+
+    ``nox -s bench`` (default, ~20 min), ``nox -s bench -- --full`` (adds 1M in flight and
+    100k-sample checkpoints), ``nox -s bench -- --quick`` (smoke); names pick benchmarks:
+    ``nox -s bench -- scheduler publish``.
+    """
     _install(session, "test", torch=True)
     session.run("python", "benchmarks/run_all.py", *session.posargs)
 
