@@ -18,6 +18,7 @@ from trio_rl.learn import (
     publish_weights,
     watch_weights,
 )
+from trio_rl.tools import FIELDS
 
 torch.set_num_threads(1)
 
@@ -107,5 +108,17 @@ async def test_a_previous_runs_weights_and_batches_are_cleared(tmp_path: Path) -
         result = await run_learning(config)
     assert [m["step"] for m in result.metrics] == [1, 2]
     assert all(m["policy_version"] < 3 for m in result.metrics)
+    # metrics.jsonl carries the publication record's flat keys (threads, selection, all side)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == result.metrics
+    for m in lines:
+        assert m["threads/limit"] == float(config.threads)
+        assert m["threads/busy_max"] >= 1.0
+        assert m["train/selected/samples"] >= m["samples"]
+        assert m["train/all/completion_length/count"] >= m["samples"]
+        assert m["train/all/attempts"] >= m["samples"]
+        assert "time/total" in m
+        flat = ("warnings/", "train/", "threads/", "time/", "batch/", "counters/")
+        assert all(k.startswith(flat) or k in {*FIELDS, "open_groups"} for k in m)
     latest = latest_weights(tmp_path / "weights")
     assert latest is None or latest.version <= 2

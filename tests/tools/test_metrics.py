@@ -309,6 +309,16 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
         assert 0.0 < r["slot_occupancy"] <= 1.0
         assert r["queue_depth"] >= 0
         assert r["reward_mean"] == pytest.approx(1.5)
+        # the publication record's flat keys ride along: threads, selection, the all side
+        assert isinstance(r["step"], int)
+        assert r["threads/limit"] >= 1.0
+        assert 1.0 <= r["threads/busy_max"] <= r["threads/limit"]
+        assert r["train/selected/samples"] == 8.0
+        assert r["train/all/reward/max"] == 3.0
+        assert r["train/all/completion_length/count"] == r["reward_count"]
+        assert r["train/effective/samples"] == 8.0
+        assert "time/total" in r
+    assert "trio_rl_train_all_reward_max 3.0\n" in body
     assert [line.split(" | ")[0] for line in console.getvalue().splitlines()] == [
         "step 1",
         "step 2",

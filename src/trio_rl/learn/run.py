@@ -294,7 +294,9 @@ def _record(
     r = shipment.record
     wall = time.perf_counter() - started
     dt = max(wall - last_wall, 1e-9)
-    return {
+    # Every flat key of the publication record (train/all/..., train/selected/..., warnings/...,
+    # threads/..., time/...), then the standard fields (which win a clash: `step` stays an int).
+    return r.as_dict() | {
         "step": r.step,
         "reward_mean": r.all.reward_mean,
         "reward_count": r.all.reward_count,

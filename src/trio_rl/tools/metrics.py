@@ -304,10 +304,15 @@ def step_record(
     shipped (rates are per that interval). The others are what the caller measures: the event
     loop's lag, the current policy version, the engine's slot occupancy over the interval and
     the sink's queue (``orch.sink.queued``). Fields left ``None`` are written as null.
+
+    The record also carries every key of :meth:`ShipRecord.as_dict
+    <trio_rl.publish.ShipRecord.as_dict>` (``train/all/...``, ``train/selected/...``,
+    ``warnings/<kind>``, ``threads/...``, ``time/...``, ...); the standard fields win a clash
+    (``step`` stays an int).
     """
     dt = max(interval_s, 1e-9)
     off_policy = record.effective.off_policy.max
-    return {
+    return record.as_dict() | {
         "step": record.step,
         "reward_mean": record.all.reward_mean,
         "reward_count": record.all.reward_count,
