@@ -20,8 +20,8 @@ autodoc_default_options = {"show-inheritance": True}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
-# A facade re-exports names of lower layers (``trio_rl.train.PayloadStore`` is
-# ``trio_rl.payloads.PayloadStore``): document each object once, under the documented module
+# A facade re-exports names of lower layers (``trio_rl.wire.PayloadSegment`` is
+# ``trio_rl.payloads.PayloadSegment``): document each object once, under the documented module
 # that defines it, so that references to it have one target.
 _documented: list[str] = []
 _current: list[str] = [""]
