@@ -102,7 +102,8 @@ class Publish:
 
     threads: int = option(
         4,
-        "worker threads the run's capacity limiter lends (finalizing, checkpoints)",
+        "worker threads the run's one capacity limiter lends (finalizing, sending, "
+        "checkpoints; with `trio-rl run`, the in-process trainer's reads, decoding, training)",
         validator=at_least(1),
         may_change=True,
     )

@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -98,7 +99,8 @@ class LearnConfig:
     prompts: int = 4096
     verbose: bool = True
     plot: bool = True
-    #: Worker threads the run's capacity limiter lends (finalizing batches).
+    #: Worker threads the run's one capacity limiter lends: the orchestrator's (finalizing,
+    #: sending, checkpoints) and the in-process trainer's (reads, decoding, training).
     threads: int = attrs.field(default=4, validator=_at_least(1))
     #: fsync every batch file.
     fsync: bool = False
@@ -216,15 +218,29 @@ async def _train_inprocess(
     model: torch.nn.Module,
     stats: list[StepStats],
     state: dict[str, Any] | None = None,
+    *,
+    limiter: trio.CapacityLimiter,
 ) -> None:
+    """Train every step the run's files deliver, until the end of the stream.
+
+    ``limiter`` is the run's one capacity limiter (``config.threads`` tokens, the
+    orchestrator's too): the file reads, the decoding and the training step all borrow it.
+    On cancellation: a step already taken is decoded, trained, saved and acknowledged
+    (shielded) before the cancellation lands; nothing else is left running.
+    """
     trainer = GRPOTrainer(model, config.trainer)
     start = 1
     if state is not None:  # the model already holds state["model"]
         trainer.optimizer.load_state_dict(state["optimizer"])
         start = state["step"] + 1
-    limiter = trio.CapacityLimiter(1)
     transport = FileReceiver(
-        config.out, 0, start_step=start, delete=True, poll_interval=0.002, max_poll_interval=0.02
+        config.out,
+        0,
+        start_step=start,
+        delete=True,
+        poll_interval=0.002,
+        max_poll_interval=0.02,
+        limiter=limiter,
     )
     async with transport:
         while True:
@@ -415,6 +431,10 @@ async def run_learning(
                     )
         drained.set()
 
+    # The run's one capacity limiter, sized by configuration: the orchestrator (publisher,
+    # sender, checkpoints) and the in-process trainer (reads, decoding, training) borrow it.
+    # The engine keeps its own limiter of 1: it serializes the model's forward passes.
+    limiter = trio.CapacityLimiter(config.threads)
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
@@ -433,7 +453,7 @@ async def run_learning(
             config=orch_config,
             sample_reward=task.reward(),
             monitor=send,
-            limiter=trio.CapacityLimiter(config.threads),
+            limiter=limiter,
             checkpoint_dir=out / "checkpoints" if config.trainer_mode == "inprocess" else None,
             resume=resuming,
         ) as orch,
@@ -449,7 +469,9 @@ async def run_learning(
         if config.trainer_mode == "inprocess":
             if config.ranks != 1:
                 raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
-            nursery.start_soon(_train_inprocess, config, model, trainer_steps, state)
+            nursery.start_soon(
+                partial(_train_inprocess, config, model, trainer_steps, state, limiter=limiter)
+            )
         elif config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
         if trained > orch.policy_version:
