@@ -11,25 +11,23 @@ import signal
 import sys
 from typing import NoReturn
 
-
-class _Early(BaseException):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+_received: list[int] = []
 
 
 def _raise(signum: int, frame: object) -> NoReturn:
-    raise _Early(signum)
+    _received.append(signum)
+    raise KeyboardInterrupt
 
 
 def main() -> int:
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         from trio_rl.cli import main as cli_main
-    except _Early as exc:
-        name = signal.Signals(exc.signum).name
+    except KeyboardInterrupt:
+        signum = _received[0] if _received else signal.SIGINT
+        name = signal.Signals(signum).name
         print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
-        return 128 + exc.signum
+        return 128 + signum
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -785,10 +785,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     early = _early_signals()
     try:
         return _main_guarded(argv)
-    except _EarlySignal as exc:
-        name = signal.Signals(exc.signum).name
+    except KeyboardInterrupt:
+        signum = _EARLY.received
+        if signum is None:  # inside the event loop, before its watcher (or a tool's own)
+            print("trio-rl: interrupted", file=sys.stderr)
+            return 130
+        name = signal.Signals(signum).name
         print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
-        return 128 + exc.signum
+        return 128 + signum
     finally:
         early.close()
 
@@ -806,29 +810,19 @@ def _main_guarded(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return _main(args)
-    except KeyboardInterrupt:
-        print("trio-rl: interrupted", file=sys.stderr)
-        return 130
     except Exception as exc:
         return _report(args, exc)
 
 
-class _EarlySignal(BaseException):
-    """A SIGINT or SIGTERM before the event loop runs (imports, configuration, torch's import):
-    nothing has started, so the command ends at once with one line."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
 @attrs.define
 class _EarlySignals:
-    """SIGINT and SIGTERM raise :class:`_EarlySignal` until the event loop starts (SIGTERM's
-    default would kill the process without a word); ``close`` restores the previous handlers.
-    Inside ``trio.run`` the signal watcher (``_stop_on_signals``) takes over."""
+    """Until the event loop starts (imports, configuration, torch's import) SIGINT and SIGTERM
+    both raise ``KeyboardInterrupt`` (SIGTERM's default would kill the process without a word)
+    and ``received`` says which came; ``close`` restores the previous handlers. Inside
+    ``trio.run`` the signal watcher (``_stop_on_signals``) takes over."""
 
     previous: dict[int, Any] = attrs.field(factory=dict)
+    received: int | None = None
 
     def close(self) -> None:
         for signum, handler in self.previous.items():
@@ -840,13 +834,14 @@ _EARLY = _EarlySignals()
 
 
 def _early_signals() -> _EarlySignals:
-    def raise_early(signum: int, frame: object) -> NoReturn:
-        raise _EarlySignal(signum)
+    def interrupt(signum: int, frame: object) -> NoReturn:
+        _EARLY.received = signum
+        raise KeyboardInterrupt
 
     if not _EARLY.previous:
         with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
             for signum in (signal.SIGINT, signal.SIGTERM):
-                _EARLY.previous[signum] = signal.signal(signum, raise_early)
+                _EARLY.previous[signum] = signal.signal(signum, interrupt)
     return _EARLY
 
 
