@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -24,6 +24,7 @@ from ._errors import (
     EngineTransportError,
 )
 from ._protocol import Completion, FinishReason, GenerateRequest
+from ._sse import read_events
 from ._validate import a_bool, http_urls, non_negative, positive
 
 __all__ = ["OpenAICompatibleEngine", "parse_completion_chunk", "parse_completion_response"]
@@ -181,17 +182,6 @@ class _Received:
 
     def reset(self) -> None:
         self.tokens, self.logprobs, self.finish, self.server_version = [], [], None, None
-
-
-async def _abandon(lines: AsyncIterator[str]) -> None:
-    """Stop reading a streamed body part-way. Reading on in a cancelled scope makes the next
-    network read raise ``Cancelled`` inside httpx's nested async generators, which closes
-    every one of them now (instead of leaving them to the garbage collector, which trio
-    reports as a ``ResourceWarning``); the scope swallows that cancellation."""
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        async for _ in lines:
-            pass
 
 
 def _rendezvous(key: str, urls: tuple[str, ...]) -> str:
@@ -399,9 +389,9 @@ class OpenAICompatibleEngine:
             received.reset()
             try:
                 if self.stream:
-                    outcome = await self._streamed(client, base, rid, body, received)
+                    outcome = await _Exchange(self).streamed(client, base, rid, body, received)
                 else:
-                    outcome = await self._posted(client, base, rid, body)
+                    outcome = await _Exchange(self).posted(client, base, rid, body)
             except trio.Cancelled:
                 await self._abort(client, base, rid)
                 raise
@@ -412,113 +402,6 @@ class OpenAICompatibleEngine:
         raise EngineTransportError(
             f"request {rid!r} failed after {self.max_attempts} attempts: " + "; ".join(failures)
         )
-
-    def _refused(self, response: httpx.Response, where: str) -> EngineRequestError:
-        return EngineRequestError(
-            f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
-            status_code=response.status_code,
-            body=response.text[:2000],
-        )
-
-    async def _posted(
-        self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
-    ) -> Completion | str:
-        """One non-streamed attempt: the completion, or why it may be retried."""
-        try:
-            response = await client.post(
-                base + self.completions_path, json=body, headers={"X-Request-Id": rid}
-            )
-        except httpx.TransportError as exc:
-            return f"{base}: {type(exc).__name__}: {exc}"
-        if response.status_code >= 500:
-            return f"{base}: HTTP {response.status_code}"
-        where = f"{base}{self.completions_path} (request {rid!r})"
-        if response.status_code >= 400:
-            raise self._refused(response, where)
-        return self._completion(response, where)
-
-    async def _streamed(
-        self,
-        client: httpx.AsyncClient,
-        base: str,
-        rid: str,
-        body: dict[str, Any],
-        received: _Received,
-    ) -> Completion | str:
-        """One streamed attempt: the completion, or why it may be retried. Every chunk read
-        lands in ``received`` at once, so an abort (a cancellation of this call) finds it
-        there; leaving the ``client.stream`` block closes the response."""
-        where = f"{base}{self.completions_path} (request {rid!r})"
-        try:
-            async with client.stream(
-                "POST", base + self.completions_path, json=body, headers={"X-Request-Id": rid}
-            ) as response:
-                if response.status_code >= 500:
-                    return f"{base}: HTTP {response.status_code}"
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise self._refused(response, where)
-                received.server_version = self._header_version(response.headers, where)
-                await self._read_events(response, received, where)
-        except httpx.TransportError as exc:
-            return f"{base}: {type(exc).__name__}: {exc}"
-        if received.finish is None:
-            raise EngineResponseError(f"{where}: the stream ended without a finish reason")
-        return Completion(
-            tokens=received.tokens,
-            logprobs=received.logprobs,
-            finish_reason=received.finish,
-            policy_version=self._stamp(received.server_version),
-        )
-
-    async def _read_events(self, response: httpx.Response, received: _Received, where: str) -> None:
-        """Server-sent events to the end of the body; each event's ``data`` lines (joined) are
-        one JSON chunk, and nothing after ``data: [DONE]`` is parsed. A malformed chunk stops
-        the reading (:func:`_abandon`) and raises :class:`EngineResponseError`."""
-        data: list[str] = []
-        events = 0
-        done = False
-        lines = response.aiter_lines()
-        try:
-            async for line in lines:
-                if done:
-                    continue  # read on to the end of the body, so the connection is reusable
-                if line:
-                    name, _, value = line.partition(":")
-                    if name == "data":  # other fields (event, id, retry) and comments: ignored
-                        data.append(value.removeprefix(" "))
-                    continue
-                if not data:
-                    continue
-                payload, data = "\n".join(data), []
-                if payload.strip() == "[DONE]":
-                    done = True
-                    continue
-                self._chunk(payload, received, f"{where}, event {events}")
-                events += 1
-            if data and not done and "\n".join(data).strip() != "[DONE]":
-                # a last event without its closing blank line
-                self._chunk("\n".join(data), received, f"{where}, event {events}")
-        except EngineResponseError:
-            await _abandon(lines)
-            raise
-
-    def _chunk(self, payload: str, received: _Received, where: str) -> None:
-        try:
-            chunk = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise EngineResponseError(
-                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
-            ) from None
-        tokens, logprobs, finish = parse_completion_chunk(chunk, where=where)
-        version = self._field_version(chunk, where)
-        # all checks passed: take the chunk whole
-        received.tokens += tokens
-        received.logprobs += logprobs
-        if finish is not None:
-            received.finish = finish
-        if version is not None:
-            received.server_version = version
 
     async def _abort(self, client: httpx.AsyncClient, base: str, rid: str) -> None:
         if self.abort_path is None:
@@ -531,6 +414,97 @@ class OpenAICompatibleEngine:
         if scope.cancelled_caught:
             logger.warning("abort of request %r at %s timed out", rid, base)
 
+    def _stamp(self, server_version: PolicyVersion | None) -> PolicyVersion:
+        """``version_source()`` if set, else what the server reported, else the fallback."""
+        if self.version_source is not None:
+            return self.version_source()
+        return self.version.value if server_version is None else server_version
+
+
+@attrs.frozen
+class _Exchange:
+    """One attempt's request and answer for ``engine``: post it, read the answer (one JSON
+    body, or server-sent events chunk by chunk), and build the completion. Retries, deadlines
+    and aborts are the engine's."""
+
+    engine: OpenAICompatibleEngine
+
+    async def posted(
+        self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
+    ) -> Completion | str:
+        """One non-streamed attempt: the completion, or why it may be retried."""
+        try:
+            response = await client.post(
+                base + self.engine.completions_path, json=body, headers={"X-Request-Id": rid}
+            )
+        except httpx.TransportError as exc:
+            return f"{base}: {type(exc).__name__}: {exc}"
+        if response.status_code >= 500:
+            return f"{base}: HTTP {response.status_code}"
+        where = f"{base}{self.engine.completions_path} (request {rid!r})"
+        if response.status_code >= 400:
+            raise _refused(response, where)
+        return self._completion(response, where)
+
+    async def streamed(
+        self,
+        client: httpx.AsyncClient,
+        base: str,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
+    ) -> Completion | str:
+        """One streamed attempt: the completion, or why it may be retried. Every chunk read
+        lands in ``received`` at once, so an abort (a cancellation of this call) finds it
+        there; leaving the ``client.stream`` block closes the response."""
+        where = f"{base}{self.engine.completions_path} (request {rid!r})"
+        try:
+            async with client.stream(
+                "POST",
+                base + self.engine.completions_path,
+                json=body,
+                headers={"X-Request-Id": rid},
+            ) as response:
+                if response.status_code >= 500:
+                    return f"{base}: HTTP {response.status_code}"
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _refused(response, where)
+                received.server_version = _header_version(
+                    response.headers, self.engine.version_header, where
+                )
+                await read_events(
+                    response,
+                    lambda payload, n: self._chunk(payload, received, f"{where}, event {n}"),
+                )
+        except httpx.TransportError as exc:
+            return f"{base}: {type(exc).__name__}: {exc}"
+        if received.finish is None:
+            raise EngineResponseError(f"{where}: the stream ended without a finish reason")
+        return Completion(
+            tokens=received.tokens,
+            logprobs=received.logprobs,
+            finish_reason=received.finish,
+            policy_version=self.engine._stamp(received.server_version),
+        )
+
+    def _chunk(self, payload: str, received: _Received, where: str) -> None:
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise EngineResponseError(
+                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
+            ) from None
+        tokens, logprobs, finish = parse_completion_chunk(chunk, where=where)
+        version = _json_version(chunk, self.engine.version_field, where)
+        # all checks passed: take the chunk whole
+        received.tokens += tokens
+        received.logprobs += logprobs
+        if finish is not None:
+            received.finish = finish
+        if version is not None:
+            received.server_version = version
+
     def _completion(self, response: httpx.Response, where: str) -> Completion:
         try:
             data = json.loads(response.content)
@@ -539,41 +513,41 @@ class OpenAICompatibleEngine:
                 f"{where}: body is not valid JSON ({exc}); starts with {response.content[:80]!r}"
             ) from None
         tokens, logprobs, finish = parse_completion_response(data, where=where)
-        version = self._field_version(data, where)
+        version = _json_version(data, self.engine.version_field, where)
         if version is None:
-            version = self._header_version(response.headers, where)
+            version = _header_version(response.headers, self.engine.version_header, where)
         return Completion(
             tokens=tokens,
             logprobs=logprobs,
             finish_reason=finish,
-            policy_version=self._stamp(version),
+            policy_version=self.engine._stamp(version),
         )
 
-    def _stamp(self, server_version: PolicyVersion | None) -> PolicyVersion:
-        """``version_source()`` if set, else what the server reported, else the fallback."""
-        if self.version_source is not None:
-            return self.version_source()
-        return self.version.value if server_version is None else server_version
 
-    def _field_version(self, data: object, where: str) -> PolicyVersion | None:
-        if self.version_field is None or not isinstance(data, dict):
-            return None
-        if self.version_field not in data:
-            return None
-        value = data[self.version_field]
-        if not _is_int(value):
-            raise EngineResponseError(
-                f"{where}: field {self.version_field!r} = {value!r} is not an int"
-            )
-        return int(value)
+def _refused(response: httpx.Response, where: str) -> EngineRequestError:
+    return EngineRequestError(
+        f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
+        status_code=response.status_code,
+        body=response.text[:2000],
+    )
 
-    def _header_version(self, headers: httpx.Headers, where: str) -> PolicyVersion | None:
-        if self.version_header is None or self.version_header not in headers:
-            return None
-        text = headers[self.version_header]
-        try:
-            return int(text)
-        except ValueError:
-            raise EngineResponseError(
-                f"{where}: header {self.version_header!r} = {text!r} is not an int"
-            ) from None
+
+def _json_version(data: object, field: str | None, where: str) -> PolicyVersion | None:
+    """The integer ``field`` of a JSON answer (None: not configured, or absent)."""
+    if field is None or not isinstance(data, dict) or field not in data:
+        return None
+    value = data[field]
+    if not _is_int(value):
+        raise EngineResponseError(f"{where}: field {field!r} = {value!r} is not an int")
+    return int(value)
+
+
+def _header_version(headers: httpx.Headers, name: str | None, where: str) -> PolicyVersion | None:
+    """The integer header ``name`` of an answer (None: not configured, or absent)."""
+    if name is None or name not in headers:
+        return None
+    text = headers[name]
+    try:
+        return int(text)
+    except ValueError:
+        raise EngineResponseError(f"{where}: header {name!r} = {text!r} is not an int") from None
