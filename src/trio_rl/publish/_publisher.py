@@ -183,6 +183,17 @@ class _Booked:
         )
 
 
+async def _window_stats(workers: Workers, booked: _Booked) -> AttemptStats:
+    """The ``all`` side of a booked step's record. The window's distributions sort its value
+    lists: a worker job, shielded (the step is booked, its record must follow); its time is
+    added to the step's ``metrics`` timing."""
+    mark = time.perf_counter()
+    with trio.CancelScope(shield=True):
+        stats = await workers.run(attempt_stats, booked.window)
+    booked.timings["metrics"] = booked.timings.get("metrics", 0.0) + time.perf_counter() - mark
+    return stats
+
+
 def _log_warnings(record: ShipRecord) -> None:
     for warning in record.warnings:
         logger.warning("%s", warning.message)
@@ -394,15 +405,7 @@ class Publisher:
         return await self._finish(booked)
 
     async def _finish(self, booked: _Booked) -> ShipRecord:
-        # A booked step: summarize its window, schedule its memory release, tell the monitor.
-        # The window's distributions sort its value lists: a worker job, shielded (the step is
-        # booked, its record must follow).
-        mark = time.perf_counter()
-        with trio.CancelScope(shield=True):
-            all_stats = await self._workers.run(attempt_stats, booked.window)
-        booked.timings["metrics"] = booked.timings.get("metrics", 0.0) + (
-            time.perf_counter() - mark
-        )
+        # A booked step: schedule its memory release, summarize its window, tell the monitor.
         monitor_copy = list(booked.samples)
         mark = time.perf_counter()
         containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
@@ -412,7 +415,7 @@ class Publisher:
         else:
             await self._release.schedule(self._nursery, containers)
         booked.timings["release_wait"] = time.perf_counter() - mark
-        record = booked.record(self._workers.stats(), all_stats)
+        record = booked.record(self._workers.stats(), await _window_stats(self._workers, booked))
         _log_warnings(record)
         shipment = Shipment(record, monitor_copy, booked.annotations)
         await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
