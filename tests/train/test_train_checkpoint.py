@@ -14,8 +14,9 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
-from train_helpers import assert_accounted, make_group, make_sample
+from train_helpers import assert_accounted
 
+from builders import make_group, make_sample
 from trio_rl.payloads import PayloadStore, segment_files
 from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus
 from trio_rl.train import (

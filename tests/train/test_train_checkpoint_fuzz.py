@@ -11,8 +11,8 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from train_helpers import make_group
 
+from builders import make_group
 from trio_rl.samples import Prompt
 from trio_rl.train import (
     CheckpointError,

@@ -21,8 +21,9 @@ import pytest
 import trio
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from train_helpers import assert_accounted, make_group, make_sample
+from train_helpers import assert_accounted
 
+from builders import make_group, make_sample
 from conftest import scaled
 from trio_rl.publish import pack_samples
 from trio_rl.samples import Prompt, Sample, SampleStatus

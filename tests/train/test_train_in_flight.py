@@ -4,8 +4,9 @@ every group it opens, each finished member as it arrives, failed attempts and di
 
 from __future__ import annotations
 
-from train_helpers import assert_accounted, make_group
+from train_helpers import assert_accounted
 
+from builders import make_group
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import GroupBook, OpenGroup, SampleStatus
 from trio_rl.train import SinkConfig, TrainSink

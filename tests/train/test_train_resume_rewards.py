@@ -9,8 +9,8 @@ their advantages were all zero, and four prompts were pruned instead of shipped.
 from __future__ import annotations
 
 import attrs
-from train_helpers import make_group
 
+from builders import make_group
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import OpenGroup
 from trio_rl.train import SinkConfig, TrainSink

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from train_helpers import make_sample
 
+from builders import make_sample
 from trio_rl.errors import PayloadError
 from trio_rl.payloads import PayloadSegment, PayloadStore
 from trio_rl.samples import Prompt, Sample

@@ -8,8 +8,9 @@ import threading
 import pytest
 import trio
 import trio.testing
-from train_helpers import assert_accounted, make_group, make_sample
+from train_helpers import assert_accounted
 
+from builders import make_group, make_sample
 from trio_rl.samples import Group, Prompt, SampleStatus
 from trio_rl.train import (
     PruneMode,

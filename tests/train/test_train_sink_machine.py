@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from train_helpers import make_sample
 
+from builders import make_sample
 from trio_rl.payloads import PayloadStore, segment_files
 from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus, new_group_id
 from trio_rl.train import (

@@ -9,8 +9,9 @@ Here batch 4 with ``max_off_policy_steps=1`` keeps versions >= 2.
 from __future__ import annotations
 
 import pytest
-from train_helpers import assert_accounted, make_group
+from train_helpers import assert_accounted
 
+from builders import make_group
 from trio_rl.errors import TrainSinkError
 from trio_rl.samples import Group
 from trio_rl.train import SinkConfig, TrainSink

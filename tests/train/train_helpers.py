@@ -1,62 +1,8 @@
-"""Builders shared by the train-layer tests."""
+"""Helpers shared by the train-layer tests (sample and group builders: tests/builders.py)."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
-from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.train import CheckpointManager, SinkCounters, TrainSink
-
-_index = itertools.count()
-
-
-def make_sample(
-    group_index: int,
-    reward: float,
-    *,
-    version: int = 0,
-    prompt: Sequence[int] = (1, 2, 3),
-    completion: int = 4,
-    status: SampleStatus = SampleStatus.COMPLETED,
-    env_name: str = "default",
-    index: int | None = None,
-) -> Sample:
-    return Sample(
-        index=next(_index) if index is None else index,
-        group_index=group_index,
-        prompt_tokens=tuple(prompt),
-        completion_tokens=[100 + i for i in range(completion)],
-        logprobs=[-0.5 - i / 10 for i in range(completion)],
-        loss_mask=[True] * completion,
-        reward=reward if status.is_finished else None,
-        status=status,
-        policy_versions=[version],
-        env_name=env_name,
-    )
-
-
-def make_group(
-    rewards: Sequence[float],
-    *,
-    version: int = 0,
-    completion: int = 4,
-    group_id: str | None = None,
-    statuses: Sequence[SampleStatus] | None = None,
-) -> Group:
-    gid = group_id or new_group_id()
-    gi = next(_index)
-    statuses = statuses or [SampleStatus.COMPLETED] * len(rewards)
-    samples = [
-        make_sample(gi, r, version=version, completion=completion, status=st)
-        for r, st in zip(rewards, statuses, strict=True)
-    ]
-    return Group(
-        group_id=gid,
-        prompt=Prompt(key=f"p{gi}", tokens=(1, 2, 3), label="42"),
-        samples=samples,
-        policy_version_at_start=version,
-    )
 
 
 def assert_accounted(sink: TrainSink, extra_held: int = 0) -> SinkCounters:
