@@ -887,6 +887,8 @@ def _main(args: argparse.Namespace) -> int:
 
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
+        # ... and the per-step counters (stale, pruned) say what the quality warnings would
+        logging.getLogger("trio_rl.publish.quality").setLevel(logging.ERROR)
         torch.set_num_threads(learn_cfg.run.threads)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))
@@ -923,9 +925,18 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
     async with trio.open_nursery() as watcher:
         await watcher.start(_stop_on_signals, stop)
         await trio.to_thread.run_sync(_store_learning_config, file_config, config.out)
-        result = await learn.run_learning(
-            config, stop=stop.event, display=_open_display(file_config.metrics.display)
-        )
+        sinks = await trio.to_thread.run_sync(_open_metric_sinks, file_config.metrics, config.out)
+        try:
+            result = await learn.run_learning(
+                config,
+                stop=stop.event,
+                display=_open_display(file_config.metrics.display),
+                sinks=sinks,
+            )
+        finally:
+            if sinks is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(sinks.close)
         watcher.cancel_scope.cancel()
     if not stop.signals:
         return 0
@@ -957,6 +968,32 @@ def _open_display(kind: str) -> Any:
     from .tools.console import ConsoleDisplay
 
     return ConsoleDisplay(plain=False)
+
+
+def _open_metric_sinks(metrics: Any, out: Path) -> Any:
+    """The optional metrics sinks ``[metrics]`` asks for (TensorBoard, W&B, Prometheus), fed
+    the same records as ``metrics.jsonl``; None when none is asked for. A missing extra is a
+    one-line error naming the extra to install."""
+    if not (metrics.tensorboard or metrics.wandb_project is not None) and (
+        metrics.prometheus_port is None
+    ):
+        return None
+    from .tools import metrics as sinks
+
+    opened: list[Any] = []
+    try:
+        if metrics.tensorboard:
+            opened.append(sinks.TensorBoardSink(out / "tensorboard"))
+        if metrics.wandb_project is not None:
+            opened.append(sinks.WandbSink(project=metrics.wandb_project, dir=str(out)))
+        if metrics.prometheus_port is not None:
+            prometheus = sinks.PrometheusSink(metrics.prometheus_port)
+            print(f"metrics: Prometheus endpoint on port {prometheus.port}", flush=True)
+            opened.append(prometheus)
+    except BaseException:
+        sinks.FanOut(opened).close()
+        raise
+    return sinks.FanOut(opened)
 
 
 def _store_learning_config(file_config: LearnRunConfig, out: Path) -> None:

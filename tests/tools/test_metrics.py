@@ -326,3 +326,38 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
     ]
     assert "trio_rl_step 3.0\n" in body
     assert f"trio_rl_queue_depth {float(records[-1]['queue_depth'])}\n" in body
+
+
+def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> None:
+    """`trio-rl run` with `[metrics]` tensorboard, wandb_project and prometheus_port: every
+    step of metrics.jsonl reaches TensorBoard and the offline W&B run too."""
+    extra("tensorboardX")
+    extra("wandb")
+    extra("prometheus_client")
+    import os
+    import subprocess
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = tmp_path / "run"
+    quick = Path(__file__).parents[2] / "examples" / "learn-quick.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_rl", "run", str(quick), "--out", str(out), "--steps", "3",
+         "--set", "metrics.tensorboard=true", "--set", "metrics.wandb_project=trio-rl-test",
+         "--set", "metrics.prometheus_port=0"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "metrics: Prometheus endpoint on port " in done.stdout
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    tb_steps = {
+        event.step
+        for raw in _tf_events(out / "tensorboard")
+        for event in [Event.FromString(raw)]
+        if any(v.tag == "trio_rl/reward_mean" for v in event.summary.value)
+    }
+    assert tb_steps == set(steps)
+    (run_file,) = (out / "wandb").glob("offline-run-*/*.wandb")
+    assert sorted(_wandb_history(run_file)) == steps

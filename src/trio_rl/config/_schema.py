@@ -164,6 +164,25 @@ class Metrics:
         may_change=True,
     )
     plot: bool = option(True, "draw `plot.png` into the run directory at the end", may_change=True)
+    tensorboard: bool = option(
+        False,
+        "also write every record as TensorBoard scalars under RUN_DIR/tensorboard "
+        "(trio-rl[tensorboard])",
+        may_change=True,
+    )
+    wandb_project: str | None = option(
+        None,
+        "also log every record to a Weights & Biases run of this project, its files under "
+        "RUN_DIR/wandb (trio-rl[wandb]; WANDB_MODE=offline keeps it local for `wandb sync`)",
+        may_change=True,
+    )
+    prometheus_port: int | None = option(
+        None,
+        "also serve the latest record's numeric fields as Prometheus gauges on this port "
+        "(0: a free one, logged; trio-rl[prometheus])",
+        validator=between(0, 65535),
+        may_change=True,
+    )
 
 
 @attrs.frozen

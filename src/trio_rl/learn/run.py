@@ -339,7 +339,11 @@ class Display(Protocol):
 
 
 async def run_learning(
-    config: LearnConfig, *, stop: trio.Event | None = None, display: Display | None = None
+    config: LearnConfig,
+    *,
+    stop: trio.Event | None = None,
+    display: Display | None = None,
+    sinks: Display | None = None,
 ) -> LearnResult:
     """Run the learning run described by ``config``; return its metrics.
 
@@ -347,7 +351,8 @@ async def run_learning(
     orchestrator closes) and the run ends as after its last step (``stopped == "signal"``):
     metrics, plot and ``STOP`` are written, the trainer and the transports are closed.
     ``display`` (with ``config.verbose``) shows each step's record instead of the plain line;
-    it is closed at the end.
+    it is closed at the end. ``sinks`` (e.g. :class:`trio_rl.tools.FanOut` of TensorBoard,
+    W&B and Prometheus sinks) gets every record, in a worker thread; the caller closes it.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
     and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
@@ -416,6 +421,8 @@ async def run_learning(
                 metrics.append(rec)
                 line = json.dumps(rec) + "\n"
                 await trio.to_thread.run_sync(_append, metrics_path, line)
+                if sinks is not None:  # TensorBoard, W&B, Prometheus: blocking writers
+                    await trio.to_thread.run_sync(sinks.write, rec)
                 if display is not None and config.verbose:
                     display.write(rec)
                 elif config.verbose:

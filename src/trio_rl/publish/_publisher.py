@@ -57,6 +57,9 @@ from ._release import Container, DeferredRelease, ReleaseFn, release_containers
 from ._workers import Workers
 
 logger = logging.getLogger("trio_rl.publish")
+# The batch-quality warnings (#3806's: little trainable, much discarded, zero-length outputs)
+# have a logger of their own, so an application that shows them per step can quiet them alone.
+quality_logger = logging.getLogger("trio_rl.publish.quality")
 
 __all__ = [
     "BatchSource",
@@ -196,7 +199,7 @@ async def _window_stats(workers: Workers, booked: _Booked) -> AttemptStats:
 
 def _log_warnings(record: ShipRecord) -> None:
     for warning in record.warnings:
-        logger.warning("%s", warning.message)
+        quality_logger.warning("%s", warning.message)
 
 
 async def deliver_to_monitor(monitor: Monitor | None, shipment: Shipment, patience: float) -> None:
