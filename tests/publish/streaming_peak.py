@@ -1,7 +1,8 @@
 """Measures the publisher's peak traced memory over one multi-rank step, in a fresh process.
 
-Run as ``python streaming_peak.py <directory> <durable: 0|1>``; prints one JSON object. A
-subprocess, so threads and caches left by other tests cannot add to the measured peak.
+Run as ``PYTHONPATH=tests python tests/publish/streaming_peak.py <directory> <durable: 0|1>``
+(tests/ for the shared builders); prints one JSON object. A subprocess, so threads and caches
+left by other tests cannot add to the measured peak.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ import msgpack
 import pytest
 import trio
 import trio.testing
-from publisher_support import make_group, make_sink, one_per_sample_packer
+from publisher_support import make_sink, one_per_sample_packer
 
+from builders import make_group
 from trio_rl.publish import (
     BatchSource,
     PublishError,
@@ -193,8 +194,9 @@ async def test_pruning_after_selection_runs_in_a_worker_and_ships_only_survivors
     tmp_path: Path,
 ) -> None:
     sink = make_sink(batch_size=4, prune=PruneMode.AFTER_SELECTION)
-    sink.add_group(make_group("flat", [1.0, 1.0]))  # zero advantages: pruned after selection
-    sink.add_group(make_group("live", [1.0, 0.0]))
+    # zero advantages: pruned after selection
+    sink.add_group(make_group([1.0, 1.0], group_id="flat", prompt_len=2))
+    sink.add_group(make_group([1.0, 0.0], group_id="live", prompt_len=2))
     async with (
         FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub,
@@ -210,7 +212,7 @@ async def test_pruning_after_selection_runs_in_a_worker_and_ships_only_survivors
 
 async def test_an_all_pruned_cut_ships_nothing_and_keeps_step_and_window(tmp_path: Path) -> None:
     sink = make_sink(batch_size=2, prune=PruneMode.AFTER_SELECTION)
-    sink.add_group(make_group("flat", [0.5, 0.5]))
+    sink.add_group(make_group([0.5, 0.5], group_id="flat", prompt_len=2))
     async with (
         FileSender(tmp_path, world_size=1, fsync=False) as sender,
         open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub,
@@ -218,7 +220,7 @@ async def test_an_all_pruned_cut_ships_nothing_and_keeps_step_and_window(tmp_pat
         assert await pub.publish() is None
         assert pub.step == 1
         assert sink.window.attempts == 2  # carried over to the next batch
-        sink.add_group(make_group("live", [1.0, 0.0]))
+        sink.add_group(make_group([1.0, 0.0], group_id="live", prompt_len=2))
         record = await pub.publish()
     assert record is not None
     assert record.step == 1
@@ -231,8 +233,9 @@ async def test_cancelled_while_pruning_the_publisher_cuts_like_take_batch(tmp_pa
     # One cutter: the publisher goes through TrainSink.cut, whose pruning worker is waited for
     # (shielded) and whose result is booked: pruned samples count as pruned, survivors go back.
     sink = make_sink(batch_size=4, prune=PruneMode.AFTER_SELECTION)
-    sink.add_group(make_group("flat", [1.0, 1.0]))  # zero advantages: pruned after selection
-    sink.add_group(make_group("live", [1.0, 0.0]))
+    # zero advantages: pruned after selection
+    sink.add_group(make_group([1.0, 1.0], group_id="flat", prompt_len=2))
+    sink.add_group(make_group([1.0, 0.0], group_id="live", prompt_len=2))
     limiter = trio.CapacityLimiter(1)
     async with (
         FileSender(tmp_path, world_size=1, fsync=False) as sender,
@@ -250,7 +253,7 @@ async def test_cancelled_while_pruning_the_publisher_cuts_like_take_batch(tmp_pa
         assert sink.counters.pruned == 2
         assert sink.queued == 2
         assert [s.group_id for s in sink.queued_samples()] == ["live", "live"]
-        sink.add_group(make_group("live2", [1.0, 0.0]))
+        sink.add_group(make_group([1.0, 0.0], group_id="live2", prompt_len=2))
         record = await pub.publish()
     assert record is not None
     assert record.effective.samples == 4

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from publisher_support import make_group, one_per_sample_packer
+from publisher_support import one_per_sample_packer
 
+from builders import make_group
 from trio_rl.errors import GroupFailed
 from trio_rl.publish import ShipRecord, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats
@@ -55,7 +56,7 @@ async def test_an_empty_completion_warns_zero_length_on_the_ship_record(
 ) -> None:
     sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
     # Three members, one of which generated nothing: the sink filters it before selection.
-    sink.add_group(_empty_completion(make_group("g", [1.0, 0.5, 0.0]), 1))
+    sink.add_group(_empty_completion(make_group([1.0, 0.5, 0.0], group_id="g", prompt_len=2), 1))
     assert sink.window.zero_length == 1
     caplog.set_level(logging.WARNING, logger="trio_rl.publish")
     record = await _publish(sink, tmp_path)
@@ -71,7 +72,7 @@ async def test_an_empty_completion_warns_zero_length_on_the_ship_record(
 
 async def test_a_window_without_empty_outputs_does_not_warn_zero_length(tmp_path: Path) -> None:
     sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
-    sink.add_group(make_group("g", [1.0, 0.0]))
+    sink.add_group(make_group([1.0, 0.0], group_id="g", prompt_len=2))
     record = await _publish(sink, tmp_path)
     assert record.all.zero_length == 0
     assert WarningKind.ZERO_LENGTH not in {w.kind for w in record.warnings}
@@ -81,10 +82,13 @@ async def test_the_all_side_has_reward_and_length_distributions_of_every_settled
     tmp_path: Path,
 ) -> None:
     sink = TrainSink(SinkConfig(batch_size=4, max_off_policy_steps=None))
-    sink.add_group(make_group("a", [1.0, 0.0], completion=2))
-    sink.add_group(make_group("b", [0.5, 0.25], completion=6))
-    sink.add_group(make_group("flat", [1.0, 1.0], completion=4))  # pruned: still settled
-    sink.add_group(_empty_completion(make_group("e", [0.0, 1.0], completion=3), 0))
+    sink.add_group(make_group([1.0, 0.0], group_id="a", prompt_len=2, completion=2))
+    sink.add_group(make_group([0.5, 0.25], group_id="b", prompt_len=2, completion=6))
+    # pruned: still settled
+    sink.add_group(make_group([1.0, 1.0], group_id="flat", prompt_len=2, completion=4))
+    sink.add_group(
+        _empty_completion(make_group([0.0, 1.0], group_id="e", prompt_len=2, completion=3), 0)
+    )
     record = await _publish(sink, tmp_path)
     rewards, lengths = record.all.rewards, record.all.completion_lengths
     assert rewards.count == record.all.reward_count == 8
@@ -173,14 +177,17 @@ async def test_a_retried_engine_error_reaches_the_record_by_type(tmp_path: Path)
 
 def test_the_window_s_values_survive_a_checkpoint() -> None:
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
-    sink.add_group(_empty_completion(make_group("g", [1.0, 0.5, 0.0], completion=3), 2))
+    sink.add_group(
+        _empty_completion(make_group([1.0, 0.5, 0.0], group_id="g", prompt_len=2, completion=3), 2)
+    )
     prompt = Prompt(key="p", tokens=(1,))
     failed = Group(group_id="f", prompt=prompt, samples=[_member(50, SampleStatus.PENDING)])
     sink.book.group_opened(failed)
     sink.book.group_discarded(failed, "failed", GroupFailed(failed, [(50, TimeoutError())]))
     window = sink.window
     snapshot = CheckpointManager("unused").snapshot(sink, cursor=None, progress={})
-    sink.add_group(make_group("later", [0.25, 0.75]))  # the snapshot's lists are its own
+    # the snapshot's lists are its own
+    sink.add_group(make_group([0.25, 0.75], group_id="later", prompt_len=2))
     again = decode_checkpoint(encode_checkpoint(snapshot), "w.ckpt")
     assert again.sink.window.rewards == [1.0, 0.5, 0.0]
     assert again.sink.window.completion_lengths == [3, 3, 0]

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from publisher_support import make_group, make_sink
+from publisher_support import make_sink
 
+from builders import make_group
 from trio_rl.publish import (
     AttemptStats,
     Distribution,
@@ -77,8 +78,10 @@ def test_attempt_stats_count_every_outcome_of_the_window(
 
 def test_cohort_stats_cover_the_shipped_samples() -> None:
     sink = make_sink(batch_size=6)
-    sink.add_group(make_group("a", [1.0, 0.0], version=0, env="math"))
-    sink.add_group(make_group("b", [3.0, 0.0, 0.0], version=2, completion=6, env="code"))
+    sink.add_group(make_group([1.0, 0.0], group_id="a", prompt_len=2, version=0, env="math"))
+    sink.add_group(
+        make_group([3.0, 0.0, 0.0], group_id="b", prompt_len=2, version=2, completion=6, env="code")
+    )
     samples = sink.queued_samples()
     stats = cohort_stats(samples, step=5)
     assert stats.samples == 5

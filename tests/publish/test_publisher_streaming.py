@@ -46,6 +46,7 @@ def test_peak_memory_of_a_multi_rank_step_is_about_onemicro_batch(
     out = subprocess.run(
         [sys.executable, str(HERE / "streaming_peak.py"), str(tmp_path), "1" if durable else "0"],
         cwd=HERE,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},  # tests/: the shared builders
         capture_output=True,
         text=True,
         timeout=120,

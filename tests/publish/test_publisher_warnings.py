@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from publisher_support import make_group, one_per_sample_packer
+from publisher_support import one_per_sample_packer
 
+from builders import make_group
 from trio_rl.publish import Shipment, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats, selection_stats, ship_warnings
 from trio_rl.train import PruneMode, SinkConfig, SinkWindow, TrainingSample, TrainSink
@@ -85,8 +86,8 @@ async def test_a_published_batch_carries_its_warnings_selection_and_annotations(
         SinkConfig(batch_size=20, prune=PruneMode.AFTER_SELECTION, max_off_policy_steps=None)
     )
     for g in range(9):
-        sink.add_group(make_group(f"flat{g}", [1.0, 1.0]))
-    sink.add_group(make_group("live", [1.0, 0.0]))
+        sink.add_group(make_group([1.0, 1.0], group_id=f"flat{g}", prompt_len=2))
+    sink.add_group(make_group([1.0, 0.0], group_id="live", prompt_len=2))
     shipments: list[Shipment] = []
     caplog.set_level(logging.WARNING, logger="trio_rl.publish")
     with trio.fail_after(20):
