@@ -453,6 +453,52 @@ async def _run(args: argparse.Namespace, cfg: SimulateConfig) -> int:
     return stop.status if stop.signals else code
 
 
+@attrs.define(eq=False)
+class _SimulateMetrics:
+    """``trio-rl simulate``'s ``metrics.jsonl``: one standard record (:func:`step_record`) per
+    shipped step, the slot occupancy over the interval since the previous one. A line is a few
+    hundred bytes appended to the page cache, so it is written from the monitor, on the loop."""
+
+    out: Path
+    engine: Any
+    started: float
+    sink: Any = None
+    wall_last: float = 0.0
+    engine_last: tuple[float, float] = (0.0, 0.0)  # (elapsed, busy slot-seconds) at the last
+
+    def write(self, record: Any, orch: Any) -> None:
+        from .tools.metrics import JsonlSink, step_record
+
+        if self.sink is None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.sink = JsonlSink(self.out / "metrics.jsonl")
+        now = time.perf_counter() - self.started
+        occupancy = None
+        if isinstance(self.engine, SimulatedEngine):
+            # over the interval, in the engine's own clock: busy slot-seconds / slot-seconds
+            stats = self.engine.statistics()
+            span = stats.elapsed - self.engine_last[0]
+            if span > 0:
+                used = stats.busy_slot_seconds - self.engine_last[1]
+                occupancy = round(min(1.0, used / (stats.slots * span)), 4)
+            self.engine_last = (stats.elapsed, stats.busy_slot_seconds)
+        self.sink.write(
+            step_record(
+                record,
+                wall_s=now,
+                interval_s=now - self.wall_last,
+                policy_version=orch.policy_version,
+                slot_occupancy=occupancy,
+                queue_depth=orch.sink.queued,
+            )
+        )
+        self.wall_last = now
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+
 def orchestrator_config(cfg: SimulateConfig) -> OrchestratorConfig:
     """The :class:`OrchestratorConfig` ``trio-rl simulate`` runs with, from its configuration."""
     return OrchestratorConfig(
@@ -495,9 +541,12 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
     source = InMemorySource(_demo_prompts(512), epochs=None)
     trained = _Trained()
     started = time.perf_counter()
+    # metrics.jsonl, as the learning run writes it: what inspect, watch and plot read
+    metrics = _SimulateMetrics(out, engine, started)
 
     def show(shipment: Shipment) -> None:
         r = shipment.record
+        metrics.write(r, orch)
         reward = r.all.reward_mean
         print(
             f"step {r.step:>3}: shipped {r.effective.samples:>4} samples "
@@ -521,6 +570,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
     if args.fresh:
         _set_aside(out)
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(metrics.close)
         if isinstance(engine, OpenAICompatibleEngine):
             await stack.enter_async_context(engine)
         await stack.enter_async_context(sender)
@@ -810,6 +860,11 @@ def _main_guarded(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     try:
         return _main(args)
+    except BrokenPipeError:
+        # `trio-rl inspect RUN | head`: the reader left; say nothing more (Python would print
+        # an error while flushing stdout at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as exc:
         return _report(args, exc)
 

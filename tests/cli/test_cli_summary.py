@@ -3,6 +3,7 @@ accounting line add up, and what the rollout layer held is shown, not `held 0`."
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -37,3 +38,18 @@ def test_the_summary_accounts_for_every_dispatched_sample(tmp_path: Path) -> Non
     assert shipped == sum(int(n) for _, n, _ in steps)
     # more was dispatched than shipped (the driver runs ahead), and the line says where it is
     assert parts[-1] > 0 or held_groups > 0
+
+    # metrics.jsonl, the same standard records as the learning run's
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["samples"] for r in records] == [int(n) for _, n, _ in steps]
+    for r in records:
+        assert 0.0 <= r["slot_occupancy"] <= 1.0
+        assert r["queue_depth"] >= 0
+        assert r["policy_version"] >= 0
+    inspected = subprocess.run(
+        [sys.executable, "-m", "trio_rl", "inspect", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert inspected.returncode == 0, inspected.stderr
+    assert "steps: 1..3" in inspected.stdout
