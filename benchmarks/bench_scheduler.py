@@ -13,6 +13,12 @@ the cyclic GC on and off. Each run is timed in full (including the shutdown that
 samples still in flight once the target is reached) and up to the target (steady state, no
 shutdown).
 
+Part C (real time): 256 slots, lognormal latencies, both sides in turn; 3 runs per latency scale
+with scales 1.25x apart, each side's highest sample rate at median occupancy >= 0.95, and the
+occupancy, CPU per sample and loop lag p95 of both sides at the reference's highest such rate.
+
+Lines starting ``goal 1:`` and ``goal 2:`` give issue 12's verdicts from the run's medians.
+
 Run: ``python benchmarks/bench_scheduler.py`` (``--help`` for bigger or partial runs).
 """
 
