@@ -3,6 +3,10 @@ runs again goes back to the engines that cache its prefixes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -23,6 +27,19 @@ from trio_rl.samples import Group, Sample, SampleStatus
 G = 3
 
 
+@attrs.frozen
+class _Recording(GroupRunner):
+    """A group runner that records every group (attempt) it runs, in order."""
+
+    runs: list[Group] = attrs.field(factory=list)
+
+    async def run(
+        self, group: Group, on_sample_done: Callable[[Sample], None] | None = None
+    ) -> Group:
+        self.runs.append(group)
+        return await super().run(group, on_sample_done)
+
+
 async def test_a_recycled_straggler_keeps_its_routing_keys(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -33,16 +50,11 @@ async def test_a_recycled_straggler_keeps_its_routing_keys(
         await trio.sleep(delays[sample.metadata["prompt_key"]])
         sample.status = SampleStatus.COMPLETED
 
-    class Recording(GroupRunner):
-        async def run(self, group: Group, on_sample_done=None):  # type: ignore[no-untyped-def,override]
-            seen.append(group)
-            return await super().run(group, on_sample_done)
-
     src = InMemorySource(prompts(10))
     driver = SyncRolloutDriver(
         src,
         GroupFactory(group_size=G, routing_keys=True),
-        Recording(generate),
+        _Recording(generate, runs=seen),
         partial_rollouts=True,
         groups_per_admission=2,
         abort_timeout=5,
@@ -120,7 +132,7 @@ async def test_a_retried_group_keeps_its_routing_keys(
         assert set(attempts[sample.index]) == {sample.routing_key}
 
 
-def test_routing_keys_ride_the_recycled_prompt_through_a_saved_source(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_routing_keys_ride_the_recycled_prompt_through_a_saved_source(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"key": "a", "tokens": [1, 2]}\n{"key": "b", "tokens": [3]}\n')
     src = JsonlSource(path)
@@ -150,15 +162,10 @@ async def test_the_async_driver_recycles_an_aborted_group_with_its_routing_keys(
         aborted = first_attempt and sample.index % G == 1
         sample.status = SampleStatus.ABORTED if aborted else SampleStatus.COMPLETED
 
-    class Recording(GroupRunner):
-        async def run(self, group: Group, on_sample_done=None):  # type: ignore[no-untyped-def,override]
-            runs.append(group)
-            return await super().run(group, on_sample_done)
-
     async with open_async_rollout(
         InMemorySource(prompts(1)),
         GroupFactory(group_size=G, routing_keys=True),
-        Recording(generate),
+        _Recording(generate, runs=runs),
         batch_size=1,
         aborted="recycle",
     ) as driver:
@@ -188,15 +195,10 @@ async def test_the_async_driver_recycles_a_stale_group_with_its_routing_keys(
         sample.policy_versions.append(version[0])
         sample.status = SampleStatus.COMPLETED
 
-    class Recording(GroupRunner):
-        async def run(self, group: Group, on_sample_done=None):  # type: ignore[no-untyped-def,override]
-            runs.append(group)
-            return await super().run(group, on_sample_done)
-
     async with open_async_rollout(
         InMemorySource(prompts(1)),
         GroupFactory(group_size=G, routing_keys=True),
-        Recording(generate),
+        _Recording(generate, runs=runs),
         batch_size=1,
         max_staleness=0,
         stale="recycle",
