@@ -10,14 +10,14 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-_common = {
-    "deadline": None,
-    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
-    "print_blob": True,
-}
-settings.register_profile("dev", max_examples=60, **_common)
-settings.register_profile("ci", max_examples=500, derandomize=True, **_common)
-settings.register_profile("thorough", max_examples=5000, **_common)
+_common = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("dev", _common, max_examples=60)
+settings.register_profile("ci", _common, max_examples=500, derandomize=True)
+settings.register_profile("thorough", _common, max_examples=5000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 THOROUGH = bool(os.environ.get("TRIO_RL_THOROUGH"))

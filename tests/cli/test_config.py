@@ -54,10 +54,10 @@ def test_later_files_then_overrides_win_and_origins_are_kept(tmp_path: Path) -> 
         "engine.distribution": "--set",
     }
     # `none` unsets an optional key; TOML values parse as TOML
-    cfg, _ = load(LearnRunConfig, [], [Override.parse("sink.max_off_policy_steps=none")])
-    assert cfg.sink.max_off_policy_steps is None
-    cfg, _ = load(LearnRunConfig, [], [Override.parse("trainer.lr=1e-3")])
-    assert cfg.trainer.lr == 1e-3
+    learn, _ = load(LearnRunConfig, [], [Override.parse("sink.max_off_policy_steps=none")])
+    assert learn.sink.max_off_policy_steps is None
+    learn, _ = load(LearnRunConfig, [], [Override.parse("trainer.lr=1e-3")])
+    assert learn.trainer.lr == 1e-3
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_the_effective_configuration_round_trips_through_toml(tmp_path: Path) ->
     for schema in (LearnRunConfig, SimulateConfig):
         default = schema()
         # every option changed from its default, where the type allows it
-        changed = {}
+        changed: dict[str, object] = {}
         for key, value in flatten(default).items():
             if isinstance(value, bool):
                 changed[key] = not value

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import statistics as stats
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, TypeVarTuple, Unpack
 
 import attrs
 import pytest
@@ -44,7 +46,11 @@ def req(i: int, prompt: tuple[int, ...] = (1, 2, 3), **params: object) -> Genera
     )
 
 
-def run(fn, *args):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
+
+
+def run(fn: Callable[[Unpack[Args]], Awaitable[T]], *args: *Args) -> T:
     return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
 
 

@@ -50,7 +50,7 @@ async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> Non
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the trainer's weights reached the engine: versions advanced with the steps
     assert lines[-1]["policy_version"] >= len(lines) - 3
-    assert max(m["off_policy_max"] for m in lines) <= config.max_off_policy_steps  # type: ignore[operator]
+    assert max(m["off_policy_max"] for m in lines) <= config.max_off_policy_steps
     published = sorted((tmp_path / "weights").iterdir())
     assert len(published) == config.weights_keep
     assert all((p / "model.safetensors").exists() and (p / "meta.json").exists() for p in published)

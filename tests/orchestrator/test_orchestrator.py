@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import attrs
@@ -158,19 +159,16 @@ async def test_crashes_and_resumes_lose_no_prompt_and_ship_none_twice(
 async def test_resumed_open_groups_keep_their_id(tmp_path: Path) -> None:
     rec = _Recorder()
     async with MemorySender(1) as sender:
-        kwargs = dict(
+        start = functools.partial(
+            open_orchestrator,
             config=_config(),
             checkpoint_dir=tmp_path / "ckpt",
             group_reward=rec.group_reward,
             monitor=rec.shipments.append,
         )
-        async with open_orchestrator(
-            _engine(), InMemorySource(_prompts(60)), sender, **kwargs
-        ) as orch:  # type: ignore[arg-type]
+        async with start(_engine(), InMemorySource(_prompts(60)), sender) as orch:
             await orch.run(1)
-        async with open_orchestrator(
-            _engine(), InMemorySource(_prompts(60)), sender, **kwargs
-        ) as orch:  # type: ignore[arg-type]
+        async with start(_engine(), InMemorySource(_prompts(60)), sender) as orch:
             restore = orch.restore
             assert restore is not None
             resumed_ids = {g.group_id for g in restore.resumed} | set(restore.completed_groups)
@@ -315,7 +313,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
                 version, {"routed_experts": rows}, pos=len(sample.prompt_tokens)
             )
         )
-        sample.payload = segments
+        sample.payload = tuple(segments)
 
     read_rows = 0
     versions_seen: set[int] = set()

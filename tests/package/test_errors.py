@@ -300,7 +300,7 @@ def test_an_invariant_violation_names_its_invariant_member_not_a_number() -> Non
     # a plain Enum: nothing may compare it to, or sort it with, an int
     assert issubclass(Invariant, enum.Enum)
     assert not issubclass(Invariant, int)
-    assert Invariant.NO_LOST_WAKEUP != 5
+    assert Invariant.NO_LOST_WAKEUP != 5  # type: ignore[comparison-overlap]  # the point
     error = errors.InvariantViolationError(
         Invariant.NO_LOST_WAKEUP, "slept", ["a", "b"], description="no lost wake-up"
     )

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
@@ -68,7 +69,7 @@ class _Tap(Receiver):
     def __init__(self, inner: Receiver, cwd: Path) -> None:
         self.inner = inner
         self.cwd = cwd
-        self.checked: list[tuple[list[MicroBatch], list[list[object]]]] = []
+        self.checked: list[tuple[list[MicroBatch], list[list[Any]]]] = []  # rows: JSON
 
     @property
     def rank(self) -> int:
@@ -140,7 +141,7 @@ async def _run(work: Path, elsewhere: Path) -> None:
                 version, {"routed_experts": routed}, ragged={"sampling_mask": mask}, pos=start
             )
         )
-        sample.payload = segments
+        sample.payload = tuple(segments)
 
     steps = 3
     config = OrchestratorConfig(

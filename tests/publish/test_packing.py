@@ -155,10 +155,11 @@ def test_packing_invariants(case: tuple[list[TrainingSample], int, int, int]) ->
             # Never mix routed and non-routed samples.
             assert (mb.routed_experts is None) == (sample.routed_experts is None)
             if mb.routed_experts is not None:
+                assert sample.routed_experts is not None
                 assert (
                     mb.routed_experts.data[start * ROW : real_end * ROW]
                     == sample.routed_experts.data[: keep * ROW]
-                )  # type: ignore[union-attr]
+                )
             fills = {
                 "ref_logprobs": 0.0,
                 "rl_weights": 1.0,

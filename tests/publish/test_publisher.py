@@ -292,10 +292,11 @@ async def test_policy_wait_completed_during_the_metrics_is_reported_with_that_ba
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import trio_rl.publish._publisher as publisher_module
+    from trio_rl.publish._metrics import batch_stats
 
     in_metrics = threading.Event()
     proceed = threading.Event()
-    real = publisher_module.batch_stats
+    real = batch_stats
 
     def slow_stats(samples: Sequence[TrainingSample], *args: Any) -> Any:
         in_metrics.set()

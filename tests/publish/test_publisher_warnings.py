@@ -60,7 +60,16 @@ def test_low_trainable_warns_at_ten_percent_or_less(
 def test_high_discard_warns_above_half_of_the_windows_attempts(
     outcomes: dict[str, int], warns: bool
 ) -> None:
-    window = SinkWindow(attempts=sum(outcomes.values()), **outcomes)
+    count = outcomes.get
+    window = SinkWindow(
+        attempts=sum(outcomes.values()),
+        stale=count("stale", 0),
+        failed=count("failed", 0),
+        pruned=count("pruned", 0),
+        filtered=count("filtered", 0),
+        cancelled=count("cancelled", 0),
+        shipped=count("shipped", 0),
+    )
     stats = attempt_stats(window)
     assert stats.discarded == sum(
         n for k, n in outcomes.items() if k in ("stale", "failed", "pruned", "filtered")

@@ -1,12 +1,12 @@
-"""Test helpers for the rollout layer: a puppet generate function and a scripted engine."""
+"""Test helpers for the rollout layer: prompts, a source, a puppet generate function.
+
+The scripted engine and the group builders are in tests/builders.py.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import trio
 
-from trio_rl.engines import Completion, FinishReason, GenerateRequest
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt, Sample, SampleStatus
 
@@ -85,29 +85,3 @@ class Puppet:
 
     def started_groups(self) -> list[int]:
         return sorted({s.group_index for s in self.started})
-
-
-class ScriptedEngine:
-    """An :class:`~trio_rl.engines.Engine`: after ``delay``, a completion whose finish reason is
-    looked up by the request's seed (default ``stop``)."""
-
-    def __init__(
-        self,
-        finish_reasons: Mapping[int | None, FinishReason] | None = None,
-        *,
-        delay: float = 1.0,
-        version: int = 3,
-    ) -> None:
-        self.finish_reasons = dict(finish_reasons or {})
-        self.delay = delay
-        self.version = version
-        self.requests: list[GenerateRequest] = []
-
-    async def generate(self, request: GenerateRequest) -> Completion:
-        self.requests.append(request)
-        await trio.sleep(self.delay)
-        reason: FinishReason = self.finish_reasons.get(request.params.seed, "stop")
-        tokens = [len(request.prompt_tokens), 99]
-        return Completion(
-            tokens=tokens, logprobs=[-1.0, -2.0], finish_reason=reason, policy_version=self.version
-        )

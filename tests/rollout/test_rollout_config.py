@@ -4,6 +4,8 @@ a seeded simulated run is reproducible."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, TypeVarTuple, Unpack
 
 import pytest
 import trio
@@ -26,8 +28,11 @@ from trio_rl.rollout import (
     open_async_rollout,
 )
 
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
-def _run(fn, *args):  # type: ignore[no-untyped-def]
+
+def _run(fn: Callable[[Unpack[Args]], Awaitable[T]], *args: *Args) -> T:
     return trio.run(fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
@@ -162,10 +167,16 @@ def test_an_always_failing_engine_ends_a_sync_batch_by_default() -> None:
 # ------------------------------------------------------------------ determinism
 
 
-def _seeded_run(slots: int) -> tuple[object, ...]:
-    async def main() -> tuple[object, ...]:
+# One step's groups: (prompt key, first sample index, each sample's completion tokens).
+Batch = list[tuple[str, int, list[tuple[int, ...]]]]
+
+
+def _seeded_run(slots: int) -> tuple[list[Batch], int, int, float]:
+    """Five steps' batches, requests started and done, the virtual time at the end."""
+
+    async def main() -> tuple[list[Batch], int, int, float]:
         engine = SimulatedEngine("long-cot", slots=slots, seed=0)
-        batches = []
+        batches: list[Batch] = []
         async with open_async_rollout(
             InMemorySource(prompts(3), epochs=None),  # prompts repeat while in flight
             GroupFactory(4, seed=0),
@@ -201,6 +212,6 @@ def test_what_a_sample_gets_does_not_depend_on_scheduling() -> None:
     for _ in range(6):
         batches, started, *_ = _seeded_run(slots=100)
         assert started > 0
-        for batch in batches:  # type: ignore[attr-defined]
+        for batch in batches:
             for key, first, tokens in batch:
                 assert contents.setdefault(first, (key, tokens)) == (key, tokens)

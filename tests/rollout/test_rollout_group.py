@@ -6,8 +6,9 @@ import pytest
 import trio
 import trio.lowlevel
 import trio.testing
-from rollout_helpers import Puppet, ScriptedEngine
+from rollout_helpers import Puppet
 
+from builders import PROMPT, pending_group, scripted_engine
 from trio_rl.engines import SamplingParams
 from trio_rl.rollout import (
     CreditScheduler,
@@ -21,19 +22,13 @@ from trio_rl.rollout import (
     run_group,
     run_reporting,
 )
-from trio_rl.samples import OpenGroup, Prompt, Sample, SampleStatus
-
-PROMPT = Prompt(key="q", tokens=(5, 6, 7), label="answer")
-
-
-def make_group(size: int = 4, **kwargs: object):  # type: ignore[no-untyped-def]
-    return GroupFactory(group_size=size, **kwargs).make(PROMPT)  # type: ignore[arg-type]
+from trio_rl.samples import Group, OpenGroup, Sample, SampleStatus
 
 
 async def test_failed_sample_cancels_siblings_and_all_credits_are_back_first() -> None:
     """Reference: sample 0 raises, the rest hang; all 4 credits are back before the raise."""
     puppet = Puppet()
-    group = make_group(4)
+    group = pending_group(4)
     fired: list[int] = []
 
     async def driver() -> None:
@@ -57,7 +52,7 @@ async def test_failed_sample_cancels_siblings_and_all_credits_are_back_first() -
 
 async def test_several_failures_are_all_carried() -> None:
     puppet = Puppet()
-    group = make_group(3)
+    group = pending_group(3)
 
     async def boom(sample: Sample) -> None:
         await trio.testing.wait_all_tasks_blocked()
@@ -76,15 +71,17 @@ async def test_outer_cancellation_settles_samples_and_propagates(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     puppet = Puppet()
-    group = make_group(3)
+    group = pending_group(3)
     fired: list[int] = []
     rewarded: list[int] = []
+
+    def reward(g: Group) -> list[float]:
+        rewarded.append(1)
+        return [0.0] * g.size
+
     with trio.move_on_after(5) as scope:
         await run_group(
-            group,
-            puppet,
-            on_sample_done=lambda s: fired.append(s.index),
-            group_reward=lambda g: rewarded.append(1) or [0.0] * g.size,
+            group, puppet, on_sample_done=lambda s: fired.append(s.index), group_reward=reward
         )
     assert scope.cancelled_caught
     assert sorted(fired) == [0, 1, 2]
@@ -95,7 +92,7 @@ async def test_outer_cancellation_settles_samples_and_propagates(
 async def test_outer_cancellation_with_a_failure_in_the_same_tick_still_propagates() -> None:
     """A sample that fails and siblings cancelled from outside at once: Cancelled wins (as
     before), every sample settles once, no GroupFailed escapes a cancelled caller."""
-    group = make_group(3)
+    group = pending_group(3)
     fired: list[int] = []
     started = 0
 
@@ -125,7 +122,7 @@ async def test_outer_cancellation_with_a_failure_in_the_same_tick_still_propagat
 async def test_a_group_cancelled_before_it_starts_starts_no_sample() -> None:
     """A driver shutting down cancels groups whose task has not run yet: none of their
     samples is spawned just to be cancelled (their credits come back with the group's end)."""
-    group = make_group(4)
+    group = pending_group(4)
     fired: list[int] = []
     calls = 0
 
@@ -144,7 +141,7 @@ async def test_a_group_cancelled_before_it_starts_starts_no_sample() -> None:
 
 async def test_rewards_sync_and_async(autojump_clock: trio.testing.MockClock) -> None:
     puppet = Puppet(auto_delay=1)
-    group = make_group(3)
+    group = pending_group(3)
 
     async def sample_reward(sample: Sample) -> float:
         await trio.lowlevel.checkpoint()
@@ -169,15 +166,24 @@ async def test_group_reward_skipped_on_failure_and_wrong_length_fails(
 ) -> None:
     puppet = Puppet(auto_delay=1)
     calls: list[int] = []
+
+    def one_reward_for_two(g: Group) -> list[float]:
+        calls.append(1)
+        return [1.0]
+
+    def never_called(g: Group) -> list[float]:
+        calls.append(2)
+        return []
+
     with pytest.raises(GroupFailed, match="group reward"):
-        await run_group(make_group(2), puppet, group_reward=lambda g: calls.append(1) or [1.0])
+        await run_group(pending_group(2), puppet, group_reward=one_reward_for_two)
     assert calls == [1]
 
     async def fail(sample: Sample) -> None:
         raise OSError("engine down")
 
     with pytest.raises(GroupFailed) as info:
-        await run_group(make_group(2), fail, group_reward=lambda g: calls.append(2) or [])
+        await run_group(pending_group(2), fail, group_reward=never_called)
     assert calls == [1]
     assert isinstance(info.value.__cause__, OSError)
 
@@ -186,7 +192,7 @@ async def test_sample_timeout_is_a_failure(autojump_clock: trio.testing.MockCloc
     puppet = Puppet()
     start = trio.current_time()
     with pytest.raises(GroupFailed) as info:
-        await run_group(make_group(2), puppet, sample_timeout=30)
+        await run_group(pending_group(2), puppet, sample_timeout=30)
     assert isinstance(info.value.__cause__, trio.TooSlowError)
     assert trio.current_time() - start == pytest.approx(30)
 
@@ -194,29 +200,32 @@ async def test_sample_timeout_is_a_failure(autojump_clock: trio.testing.MockCloc
 async def test_engine_generate_maps_finish_reasons_seeds_and_versions(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    engine = ScriptedEngine({42: "stop", 43: "length", 44: "abort"}, delay=2, version=7)
-    group = GroupFactory(group_size=3, seed=42, routing_keys=True).make(PROMPT)
+    engine = scripted_engine({42: "stop", 43: "length", 44: "abort"}, delay=2, version=7)
+    group = pending_group(3, seed=42, routing_keys=True)
     keys = [s.routing_key for s in group.samples]
+    start = trio.current_time()
     await run_group(group, engine_generate(engine, SamplingParams(max_tokens=9), timeout=10))
+    assert trio.current_time() - start == 2  # the engine's delay, all three at once
     assert [s.status for s in group.samples] == [
         SampleStatus.COMPLETED,
         SampleStatus.TRUNCATED,
         SampleStatus.ABORTED,
     ]
-    assert sorted(r.params.seed for r in engine.requests) == [42, 43, 44]
+    assert sorted(r.params.seed or 0 for r in engine.requests) == [42, 43, 44]
     assert all(r.params.max_tokens == 9 for r in engine.requests)
     assert sorted(r.routing_key for r in engine.requests) == sorted(keys)  # type: ignore[type-var]
     assert len({r.request_id for r in engine.requests}) == 3
     for s in group.samples:
         assert s.policy_versions == [7]
-        assert s.completion_tokens == [3, 99]
+        assert s.completion_tokens == [0, 1]  # the engine's two tokens
+        assert s.logprobs == [-1.0, -1.0]
         assert s.loss_mask == [True, True]
 
 
 async def test_engine_generate_deadline(autojump_clock: trio.testing.MockClock) -> None:
-    engine = ScriptedEngine(delay=100)
+    engine = scripted_engine(delay=100)
     with pytest.raises(GroupFailed) as info:
-        await run_group(make_group(1), engine_generate(engine, timeout=5))
+        await run_group(pending_group(1), engine_generate(engine, timeout=5))
     assert isinstance(info.value.__cause__, trio.TooSlowError)
 
 
@@ -263,9 +272,11 @@ async def test_resumed_group_with_nothing_missing_dispatches_nothing() -> None:
     async def never(sample: Sample) -> None:
         raise AssertionError("nothing may be generated")
 
-    result = await run_group(
-        group, never, group_reward=lambda g: scored.append(g.size) or [0.5, 0.5]
-    )
+    def reward(g: Group) -> list[float]:
+        scored.append(g.size)
+        return [0.5, 0.5]
+
+    result = await run_group(group, never, group_reward=reward)
     assert result.samples == done
     assert scored == [2]  # scored exactly once with exactly its members
     assert [s.reward for s in done] == [0.5, 0.5]

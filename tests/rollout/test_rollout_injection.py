@@ -93,7 +93,8 @@ async def test_async_driver_failure_is_none_until_the_worker_fails(
         on_failure=FailurePolicy("fail"),
     ) as driver:
         await trio.sleep(5)
-        assert driver.failure is None
+        before = driver.failure  # a local: the failure below changes the property
+        assert before is None
         puppet.fail(2, RuntimeError("generation exploded"))
         await trio.testing.wait_all_tasks_blocked()
         assert isinstance(driver.failure, GroupFailed)

@@ -45,9 +45,11 @@ def test_recycled_prompts_are_served_first_and_revive_an_exhausted_source() -> N
     src.recycle(b)
     src.recycle(a)
     assert [src.take().key for _ in range(3)] == ["p1", "p0", "p2"]
-    assert src.exhausted
+    exhausted = src.exhausted  # read into locals: recycling changes it, mypy cannot know
+    assert exhausted
     src.recycle(a)
-    assert not src.exhausted
+    revived = not src.exhausted
+    assert revived
     assert src.take() is a
 
 

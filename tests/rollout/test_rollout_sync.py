@@ -252,7 +252,9 @@ async def test_cancelling_the_driver_leaves_nothing_running() -> None:
         nursery.cancel_scope.cancel()
     assert sorted(puppet.cancelled) == list(range(12))
     assert driver.scheduler is None
-    assert len(trio.lowlevel.current_root_task().child_nurseries[0].child_tasks) == 1
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    assert len(root.child_nurseries[0].child_tasks) == 1
 
 
 async def test_a_failing_filter_propagates_unwrapped_and_loses_nothing(

@@ -8,6 +8,7 @@ import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -37,7 +38,7 @@ def _one_line_error(done: subprocess.CompletedProcess[str], *needles: str) -> st
     return lines[0]
 
 
-def _data(path: Path) -> dict[str, object]:
+def _data(path: Path) -> dict[str, Any]:
     """In process, what ``--json`` prints (the subprocess tests cover the command itself)."""
     data = json.loads(json.dumps(inspect_path(path).data, default=str))
     assert isinstance(data, dict)
@@ -51,7 +52,7 @@ def _error(path: Path, *needles: str) -> None:
         assert needle in str(caught.value), str(caught.value)
 
 
-def _json(done: subprocess.CompletedProcess[str]) -> dict[str, object]:
+def _json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert isinstance(data, dict)

@@ -55,7 +55,7 @@ def test_a_panel_without_its_fields_says_so() -> None:
 
 
 def test_throughput_is_scored_samples_over_a_window() -> None:
-    records = [
+    records: list[dict[str, float | None]] = [
         {"step": 1, "wall_s": 1.0, "reward_count": 10},
         {"step": 2, "wall_s": 2.0, "samples": 30},  # no reward_count: what shipped
         {"step": 3, "wall_s": 4.0, "reward_count": None},  # null: nothing scored

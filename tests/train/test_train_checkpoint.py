@@ -335,7 +335,7 @@ async def test_defect3_sweep_keeps_restored_queued_payloads(tmp_path: Path) -> N
     group = make_group([1.0, 0.0], version=2)
     rows = np.arange(2 * 7, dtype=np.int32).reshape(7, 2)
     for s in group.samples:
-        s.payload = store.write_request(2, {"routed_experts": rows})
+        s.payload = tuple(store.write_request(2, {"routed_experts": rows}))
     sink.add_group(group)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     ck = await mgr.load(await mgr.save(mgr.snapshot(sink)))
@@ -348,8 +348,8 @@ async def test_defect3_sweep_keeps_restored_queued_payloads(tmp_path: Path) -> N
     assert store.sweep_orphans(restored.live_payload_versions(), current_version=5) == []
     assert store.versions_on_disk() == [2]
     batch = await restored.take_batch(force=True)
-    for s in batch.samples:  # the trainer's read succeeds
-        out = store.read_field(s.payload, "routed_experts", 0, s.num_tokens)
+    for t in batch.samples:  # the trainer's read succeeds
+        out = store.read_field(t.payload, "routed_experts", 0, t.num_tokens)
         np.testing.assert_array_equal(out, rows)
     files = set().union(*(segment_files(s.payload) for s in batch.samples))
     assert store.delete_files(files) == 2
@@ -364,12 +364,12 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
     group = make_group([1.0, 0.0, 0.25], version=1)
     for s in group.samples:
-        s.payload = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
+        s.payload = tuple(store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)}))
     sink.add_group(group)
     sink.open_group("open", Prompt("k", (1, 2, 3)), 3, 1)
     members = [make_sample(0, r, version=1) for r in (1.0, 0.0)]
     for m in members:
-        m.payload = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
+        m.payload = tuple(store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)}))
         sink.add_member("open", m)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     path = await mgr.save(mgr.snapshot(sink))

@@ -84,7 +84,7 @@ def _rich_sink() -> TrainSink:
     member = make_sample(9, 1.0, version=1, index=900)
     member.policy_versions = [1, 2]
     member.metadata = {"turns": 2}
-    member.payload = [PayloadSegment("routed_experts", "v1/y.bin", 0, 3, 4, "<i4", [2])]
+    member.payload = (PayloadSegment("routed_experts", "v1/y.bin", 0, 3, 4, "<i4", [2]),)
     sink.add_member("open-1", member)
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=901))
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=902, status=SampleStatus.FAILED))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_rl.payloads import PayloadStore, clip_segments, segment_files, shift_segments
-from trio_rl.payloads import _store as payload_mod
 from trio_rl.train import PayloadError, PayloadFileMissing
 from trio_rl.wire import PayloadSegment
 
@@ -109,15 +109,15 @@ def test_short_reads_are_retried_then_reported(
         data = real(fd, n, off)
         return data[:-1] if len(calls) == 1 else data
 
-    monkeypatch.setattr(payload_mod.os, "pread", flaky)
-    monkeypatch.setattr(payload_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "pread", flaky)  # the modules the store uses
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     out = store.read_field(segs, "routed_experts", 0, 4)
     assert out is not None
     assert out[:, 0].tolist() == [0, 1, 2, 3]
     assert len(calls) == 2
     # a file that really is too short keeps failing and is reported with sizes
     bad = [PayloadSegment("routed_experts", segs[0].file, 0, 0, 40, "<i4", [])]
-    monkeypatch.setattr(payload_mod.os, "pread", real)
+    monkeypatch.setattr(os, "pread", real)
     with pytest.raises(PayloadError, match="returned 16 of 160 bytes"):
         store.read_field(bad, "routed_experts", 0, 40)
 

@@ -29,13 +29,14 @@ def test_payload_is_a_typed_tuple_field() -> None:
     with pytest.raises(PayloadError, match=r"sample 9: payload\[1\] must be a PayloadSegment"):
         Sample(9, 0, (1,), payload=[_seg(), {"file": "x"}])  # type: ignore[list-item]
     with pytest.raises(PayloadError, match=r"sample 7: payload\[0\] must be a PayloadSegment"):
-        s.payload = ["x"]  # type: ignore[list-item]
+        s.payload = ["x"]  # type: ignore[assignment]
     with pytest.raises(PayloadError, match="list or tuple of PayloadSegment, got NoneType"):
         s.payload = None  # type: ignore[assignment]
     assert s.payload == (_seg(),)  # a rejected assignment leaves the field as it was
     s.completion_tokens = [5]
     s.reset_for_retry()
-    assert s.payload == ()  # its segments described the forgotten tokens
+    after: tuple[PayloadSegment, ...] = s.payload  # read as declared: the reset changed it
+    assert after == ()  # its segments described the forgotten tokens
 
 
 def test_record_carries_payload_field_and_leaves_metadata_alone() -> None:
@@ -91,7 +92,7 @@ async def test_old_checkpoint_file_restores_typed_payload(
     sink.open_group("g", Prompt("k", (1, 2, 3)), 3, 1)
     members = [make_sample(0, r, version=1) for r in (1.0, 0.0)]
     for m in members:
-        m.payload = store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)})
+        m.payload = tuple(store.write_request(1, {"routed_experts": np.ones((7, 1), np.int32)}))
         sink.add_member("g", m)
     mgr = CheckpointManager(tmp_path / "ckpt", payload_root=store.root)
     # write the members the way the writer did before the payload field existed

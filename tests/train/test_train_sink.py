@@ -21,6 +21,7 @@ from trio_rl.train import (
     TrainSinkError,
 )
 from trio_rl.train import _sink as _sink_module
+from trio_rl.train._scoring import build_sequences
 
 
 def sink(**kw: object) -> TrainSink:
@@ -321,25 +322,25 @@ def _queued_view(sink: TrainSink) -> list[tuple[object, ...]]:
     ]
 
 
-async def test_ingest_group_builds_lists_in_a_worker_and_queues_what_add_group_would() -> None:
+async def test_ingest_group_builds_lists_in_a_worker_and_queues_what_add_group_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     groups = [make_group([1.0, 0.0, 0.5, 0.5], completion=50) for _ in range(3)]
     groups.append(make_group([1.0, 1.0, 1.0, 1.0], completion=50))  # all pruned
     on_loop, threaded = TrainSink(SinkConfig(batch_size=64)), TrainSink(SinkConfig(batch_size=64))
     main_thread = threading.get_ident()
     seen_threads: list[int] = []
-    real = _sink_module.build_sequences
 
     def spy(group: Group) -> dict[int, SequenceLists]:
         seen_threads.append(threading.get_ident())
-        return real(group)
+        return build_sequences(group)
 
-    _sink_module.build_sequences = spy  # type: ignore[assignment]
-    try:
-        for g in groups:
-            on_loop.add_group(g)
-            await threaded.ingest_group(g, limiter=trio.CapacityLimiter(1))
-    finally:
-        _sink_module.build_sequences = real
+    # the name the sink module calls (imported there from the scoring module)
+    monkeypatch.setattr(_sink_module, "build_sequences", spy)
+    for g in groups:
+        on_loop.add_group(g)
+        await threaded.ingest_group(g, limiter=trio.CapacityLimiter(1))
+    monkeypatch.undo()
     assert seen_threads
     assert main_thread not in seen_threads
     assert _queued_view(threaded) == _queued_view(on_loop)

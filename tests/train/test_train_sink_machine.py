@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from builders import make_sample
 from trio_rl.payloads import PayloadStore, segment_files
-from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus, new_group_id
+from trio_rl.samples import Group, OpenGroup, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.train import (
     CheckpointManager,
     PruneMode,
@@ -60,12 +60,12 @@ class SinkMachine(RuleBasedStateMachine):
     def version(self) -> int:
         return self.sink.step - 1
 
-    def _member(self, reward: float, lag: int, by_handle: bool, status: SampleStatus) -> object:
+    def _member(self, reward: float, lag: int, by_handle: bool, status: SampleStatus) -> Sample:
         v = max(0, self.version - lag)
         s = make_sample(0, reward, version=v, completion=2, status=status)
         if by_handle and status.is_finished:
-            s.payload = self.store.write_request(
-                v, {"routed_experts": np.full((5, 1), s.index, np.int32)}
+            s.payload = tuple(
+                self.store.write_request(v, {"routed_experts": np.full((5, 1), s.index, np.int32)})
             )
         return s
 
@@ -82,7 +82,7 @@ class SinkMachine(RuleBasedStateMachine):
         samples = [
             self._member(r, lag, by_handle, st_) for r, st_ in zip(rewards, statuses, strict=True)
         ]
-        g = Group(new_group_id(), Prompt("k", (1, 2, 3)), samples, max(0, self.version - lag))  # type: ignore[arg-type]
+        g = Group(new_group_id(), Prompt("k", (1, 2, 3)), samples, max(0, self.version - lag))
         self.sink.add_group(g)
         self.dispatched += len(samples)
 
@@ -90,7 +90,7 @@ class SinkMachine(RuleBasedStateMachine):
     def open_group_with_member(self, size: int, reward: float, by_handle: bool) -> None:
         gid = new_group_id()
         self.sink.open_group(gid, Prompt("k", (1, 2, 3)), size, self.version)
-        self.sink.add_member(gid, self._member(reward, 0, by_handle, SampleStatus.COMPLETED))  # type: ignore[arg-type]
+        self.sink.add_member(gid, self._member(reward, 0, by_handle, SampleStatus.COMPLETED))
         self.dispatched += 1
 
     @precondition(lambda self: bool(self.sink.open_group_ids()))
@@ -102,7 +102,7 @@ class SinkMachine(RuleBasedStateMachine):
         if fail:
             self.sink.record_failed(1, group_id=gid)
         else:
-            self.sink.add_member(gid, self._member(reward, 0, by_handle, SampleStatus.COMPLETED))  # type: ignore[arg-type]
+            self.sink.add_member(gid, self._member(reward, 0, by_handle, SampleStatus.COMPLETED))
         self.dispatched += 1
 
     @precondition(lambda self: bool(self.resumed))
@@ -118,7 +118,7 @@ class SinkMachine(RuleBasedStateMachine):
         ]
         self.sink.add_group(
             Group(r.group_id, r.prompt, [*r.arrived, *new], r.policy_version_at_start)
-        )  # type: ignore[list-item]
+        )
         self.dispatched += len(new)
 
     @rule(n=st.integers(0, 2))

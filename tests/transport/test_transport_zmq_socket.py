@@ -14,6 +14,8 @@ from trio_rl.transport import ZmqSocket
 
 _counter = itertools.count()
 
+Context = zmq.Context[zmq.Socket[bytes]]
+
 
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
@@ -36,7 +38,7 @@ def _pair(
     return ZmqSocket(a), ZmqSocket(b)
 
 
-async def test_queued_messages_are_all_received_despite_the_edge_triggered_fd(ctx) -> None:
+async def test_queued_messages_are_all_received_despite_the_edge_triggered_fd(ctx: Context) -> None:
     # Three messages queued before anyone waits: a naive wait_readable loop gets one and hangs.
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL)
     try:
@@ -50,7 +52,7 @@ async def test_queued_messages_are_all_received_despite_the_edge_triggered_fd(ct
         pull.close()
 
 
-async def test_a_receive_waits_for_a_later_send(ctx) -> None:
+async def test_a_receive_waits_for_a_later_send(ctx: Context) -> None:
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL)
     got: list[list[bytes]] = []
     try:
@@ -69,7 +71,7 @@ async def test_a_receive_waits_for_a_later_send(ctx) -> None:
         pull.close()
 
 
-async def test_cancelled_receives_lose_no_message(ctx) -> None:
+async def test_cancelled_receives_lose_no_message(ctx: Context) -> None:
     """Receives cancelled constantly by tiny timeouts: every message still arrives, in order."""
     n = 2000
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL, hwm=10)
@@ -98,7 +100,7 @@ async def test_cancelled_receives_lose_no_message(ctx) -> None:
         pull.close()
 
 
-async def test_duplex_send_and_receive_tasks_share_one_socket(ctx) -> None:
+async def test_duplex_send_and_receive_tasks_share_one_socket(ctx: Context) -> None:
     """A send task and a receive task per PAIR socket, both ways: nobody's edge is lost."""
     n = 3000
     a, b = _pair(ctx, zmq.PAIR, zmq.PAIR, hwm=5)
@@ -126,7 +128,7 @@ async def test_duplex_send_and_receive_tasks_share_one_socket(ctx) -> None:
         b.close()
 
 
-async def test_send_waits_for_room_and_can_be_cancelled_without_sending(ctx) -> None:
+async def test_send_waits_for_room_and_can_be_cancelled_without_sending(ctx: Context) -> None:
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL, hwm=1)
     try:
         sent = 0
@@ -149,7 +151,7 @@ async def test_send_waits_for_room_and_can_be_cancelled_without_sending(ctx) -> 
         pull.close()
 
 
-async def test_close_wakes_a_parked_receiver_with_closed_resource_error(ctx) -> None:
+async def test_close_wakes_a_parked_receiver_with_closed_resource_error(ctx: Context) -> None:
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL)
     try:
         with trio.fail_after(5):
@@ -171,7 +173,7 @@ async def test_close_wakes_a_parked_receiver_with_closed_resource_error(ctx) -> 
         pull.close()
 
 
-async def test_two_concurrent_receives_are_refused(ctx) -> None:
+async def test_two_concurrent_receives_are_refused(ctx: Context) -> None:
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL)
     try:
         async with trio.open_nursery() as nursery:
@@ -185,7 +187,7 @@ async def test_two_concurrent_receives_are_refused(ctx) -> None:
         pull.close()
 
 
-async def test_large_frames_round_trip_without_copy(ctx) -> None:
+async def test_large_frames_round_trip_without_copy(ctx: Context) -> None:
     push, pull = _pair(ctx, zmq.PUSH, zmq.PULL, hwm=2)
     payloads = [bytes([i]) * (8 << 20) + i.to_bytes(4, "big") for i in range(4)]
     try:
@@ -206,7 +208,7 @@ async def test_large_frames_round_trip_without_copy(ctx) -> None:
         pull.close()
 
 
-async def test_an_events_read_by_another_task_wakes_the_parked_receiver(ctx) -> None:
+async def test_an_events_read_by_another_task_wakes_the_parked_receiver(ctx: Context) -> None:
     """Pitfall: reading ZMQ_EVENTS consumes the fd's edge. Through the wrapper, the read wakes
     the receiver it concerns instead of leaving it parked on an fd that will never signal."""
     a, b = _pair(ctx, zmq.PAIR, zmq.PAIR)
