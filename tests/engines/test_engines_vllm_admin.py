@@ -1,22 +1,16 @@
-"""VLLMAdmin and VLLMEngine against a real loopback HTTP server that stands in for vLLM.
-
-The stand-in (stdlib ``http.server`` in a thread) records every request and answers like vLLM
-0.32: ``/collective_rpc`` and ``/reset_prefix_cache`` with an empty 200, ``/v1/completions``
-with ``n`` choices whose tokens encode the seed each choice got (``seed + index``).
-"""
+"""VLLMAdmin and VLLMEngine against a real loopback HTTP server that stands in for vLLM
+(``vllm_stand_in``); the streamed answers and aborts are in ``test_engines_vllm_stream``."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
 import pytest
 import trio
+from vllm_stand_in import EOS, StandIn, serve
 
 from trio_rl.engines import (
     AbortSignal,
@@ -30,90 +24,11 @@ from trio_rl.engines import (
 )
 from trio_rl.engines._vllm import VLLMAdmin, open_vllm_engine
 
-EOS = 1
-
-
-class StandIn:
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, str, Any]] = []
-        #: path -> (status, body) overriding the normal answer
-        self.override: dict[str, tuple[int, bytes]] = {}
-        self.delay = 0.0
-        self.reverse_choices = False
-        #: this many coming requests get their connection closed without an answer
-        self.drop_next = 0
-        self.lock = threading.Lock()
-
-    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
-        seed = body.get("seed", 0)
-        choices = []
-        for i in range(body.get("n", 1)):
-            tokens = [seed + i, EOS]
-            choices.append(
-                {
-                    "index": i,
-                    "text": "",
-                    "logprobs": {
-                        "tokens": [f"token_id:{t}" for t in tokens],
-                        "token_logprobs": [-0.5 - i, -0.25],
-                    },
-                    "finish_reason": "stop",
-                    "token_ids": None,
-                }
-            )
-        if self.reverse_choices:
-            choices.reverse()
-        return {"choices": choices}
-
 
 @pytest.fixture
 def stand_in() -> Iterator[tuple[StandIn, str]]:
-    state = StandIn()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _answer(self, method: str) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            body: Any = json.loads(raw) if raw else None
-            with state.lock:
-                state.requests.append((method, self.path, body))
-                drop = state.drop_next > 0
-                state.drop_next -= drop
-            if drop:
-                # what a uvicorn keep-alive timeout looks like to a client reusing the connection
-                self.close_connection = True
-                return
-            if state.delay:
-                time.sleep(state.delay)
-            status, payload = 200, b""
-            if self.path in state.override:
-                status, payload = state.override[self.path]
-            elif self.path == "/v1/completions":
-                payload = json.dumps(state.completions(body)).encode()
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def do_GET(self) -> None:
-            self._answer("GET")
-
-        def do_POST(self) -> None:
-            self._answer("POST")
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve() as server:
+        yield server
 
 
 async def test_reload_weights_and_reset_post_what_vllm_reads(
@@ -268,7 +183,9 @@ async def test_bad_completion_bodies_fail_every_sample_of_the_request(
 ) -> None:
     state, url = stand_in
     with trio.fail_after(10):
-        async with open_vllm_engine(url, gather_window=0.05, max_attempts=2, backoff=0) as engine:
+        async with open_vllm_engine(
+            url, gather_window=0.05, max_attempts=2, backoff=0, stream=False
+        ) as engine:
             state.override["/v1/completions"] = (200, json.dumps({"choices": []}).encode())
             with pytest.raises(ExceptionGroup) as e:
                 await _generate_all(engine, _group((5,), [1, 2]))
@@ -321,17 +238,18 @@ async def test_a_request_after_its_batch_was_abandoned_starts_a_new_one(
     assert completion.tokens == [2, EOS]
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_abort_returns_at_once_and_closes_the_request_once_every_sample_left(
-    stand_in: tuple[StandIn, str],
+    stand_in: tuple[StandIn, str], stream: bool
 ) -> None:
-    """vLLM's non-streaming answer has no partial output: an aborted sample returns an empty
+    """An abort before any answer (here the server answers after 0.5 s) returns an empty
     ``abort`` completion at once; its siblings still get theirs; when every sample of the HTTP
     request was aborted the request is closed (vLLM aborts on disconnect)."""
     state, url = stand_in
     state.delay = 0.5
     one_signal, all_signal = AbortSignal(), AbortSignal()
     with trio.fail_after(10):
-        async with open_vllm_engine(url, gather_window=0) as engine:
+        async with open_vllm_engine(url, gather_window=0, stream=stream) as engine:
             first, second = _group((5,), [1, 2])
             requests = [attrs.evolve(first, abort=one_signal), second]
             async with trio.open_nursery() as nursery:

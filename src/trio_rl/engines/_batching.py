@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import trio
 
+from ..samples import PolicyVersion
 from ._abort import stop_scope
 from ._protocol import Completion, GenerateRequest
 
@@ -26,7 +27,9 @@ class PendingRow:
     """A request of a batch; the batch's runner fills ``completion`` or ``error`` and the batcher
     sets ``done``. ``abandoned`` is set from the loop when the caller was cancelled (the runner
     drops the row); ``aborted`` when the request's abort signal fired (the runner ends the row
-    with what it has, finish reason ``abort``)."""
+    with what it has, finish reason ``abort``). ``tokens``, ``logprobs`` and ``version`` are what
+    a streaming runner has received for the row so far and the version it was sent at: an abort
+    that does not wait returns them."""
 
     request: GenerateRequest
     done: trio.Event = attrs.field(factory=trio.Event)
@@ -34,6 +37,9 @@ class PendingRow:
     aborted: bool = False
     completion: Completion | None = None
     error: BaseException | None = None
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    version: PolicyVersion | None = None
 
 
 def batch_key(request: GenerateRequest) -> tuple[Any, ...]:
@@ -49,7 +55,8 @@ class _Batch:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
 
 
-#: Fills ``completion`` (or ``error``) of each row it is given; must not set ``done``.
+#: Fills ``completion`` (or ``error``) of each row it is given; it may set a row's ``done`` as
+#: soon as its ``completion`` is filled (a streamed choice that finished before its siblings).
 RunRows = Callable[[list[PendingRow]], Awaitable[None]]
 
 
@@ -59,10 +66,11 @@ class RequestBatcher:
     batches of at most ``max_rows``, and runs each batch with ``run_rows`` in ``nursery``.
 
     ``abort_waits`` says what an aborted request does: True (torch) marks its row ``aborted``
-    and waits for ``run_rows`` to end it with its partial output; False (vLLM, whose
-    non-streaming answer has no partial output) drops the row and returns an empty ``abort``
-    completion stamped ``version()`` at once. A batch whose rows are all dropped is cancelled
-    (for vLLM that closes its HTTP request, which makes the server abort it).
+    and waits for ``run_rows`` to end it with its partial output; False (vLLM) drops the row and
+    returns at once an ``abort`` completion of the row's ``tokens`` and ``logprobs`` so far (a
+    copy; empty unless the runner streams) stamped with the row's ``version``, else
+    ``version()``. A batch whose rows have all been dropped or released early is cancelled (for
+    vLLM that closes its HTTP request, which makes the server abort it).
     """
 
     name: str
@@ -98,7 +106,8 @@ class RequestBatcher:
             if stop.cancelled_caught and not row.done.is_set():
                 if not self.abort_waits:
                     self._drop(batch, row)
-                    return Completion([], [], "abort", self.version())
+                    version = self.version() if row.version is None else row.version
+                    return Completion(list(row.tokens), list(row.logprobs), "abort", version)
                 row.aborted = True
                 await row.done.wait()
         except BaseException:
@@ -111,7 +120,7 @@ class RequestBatcher:
 
     def _drop(self, batch: _Batch, row: PendingRow) -> None:
         row.abandoned = True
-        if all(r.abandoned for r in batch.rows):
+        if all(r.abandoned or r.done.is_set() for r in batch.rows):
             self._forget(batch)  # a later request for the same prompt must not join it
             batch.scope.cancel()
 

@@ -33,9 +33,10 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
-from ._openai import parse_completion_response
+from ._openai import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
-from ._validate import http_urls
+from ._sse import read_events
+from ._validate import a_bool, http_urls
 from ._validate import non_negative as _non_negative
 from ._validate import positive as _positive
 
@@ -225,13 +226,29 @@ class VLLMEngine:
     runs entirely on the new weights; one in flight during a reload is reported as the older
     version (never fresher than it is).
 
-    **Abort** (:attr:`GenerateRequest.abort`): the sample is dropped like a cancelled one and
-    returns at once with no tokens and finish reason ``abort``: a non-streaming answer carries
-    no partial output, so the aborted span is lost and a continuation starts again from the
-    tokens the sample had before this request.
+    **Streaming** (``stream``, default True): the request asks for ``"stream": true`` and
+    the answer is read as server-sent events (:func:`~trio_rl.engines._sse.read_events`), each
+    chunk's choices parsed by :func:`~trio_rl.engines._openai.parse_completion_chunk` and
+    routed to their sample by ``choices[k].index``. A choice that finishes releases its sample
+    at once, before its siblings finish. The completions equal the non-streamed ones
+    (``stream=False`` posts ``"stream": false`` and reads one JSON body). A malformed event (bad
+    JSON, an error object, a bad or missing ``index``, tokens after a choice's finish reason)
+    or a stream that ends with a choice unfinished is an :class:`EngineResponseError` naming
+    the event, for every unreleased sample of the request; it is not retried. A stream cut
+    mid-way is a transport error and is retried, unfinished choices starting afresh.
 
-    **Cancellation.** A cancelled caller's sample is dropped; when every sample of an HTTP
-    request is dropped the request is closed, which makes vLLM abort it.
+    **Abort** (:attr:`GenerateRequest.abort`): the sample leaves its request at once and
+    returns a completion with finish reason ``abort`` holding exactly the tokens and logprobs
+    streamed for its choice so far (a chunk is taken whole or not at all; none when not
+    streaming, or before its first chunk), stamped with the request's version; a continuation
+    goes on from them. vLLM cannot stop one choice of an ``n`` request, so the siblings keep
+    streaming and get their full completions (the server goes on decoding the aborted choice
+    too, unread); once every sample has aborted, been cancelled or been released the request is
+    closed, which makes vLLM abort it.
+
+    **Cancellation.** A cancelled caller's sample leaves its request the same way, with no
+    completion (``trio.Cancelled`` propagates); a request whose samples are all gone is closed
+    (vLLM aborts it), and leaving :func:`open_vllm_engine` closes every request.
     """
 
     base_url: str = attrs.field(converter=_url, validator=http_urls, kw_only=False)
@@ -242,6 +259,9 @@ class VLLMEngine:
     max_n: int = attrs.field(default=64, validator=_positive)
     max_attempts: int = attrs.field(default=3, validator=_positive)
     backoff: float = attrs.field(default=0.25, validator=_non_negative)
+    #: Ask for a streamed answer (server-sent events, one chunk per choice and step), so that
+    #: an abort keeps the tokens generated so far; False posts ``"stream": false``.
+    stream: bool = attrs.field(default=True, validator=a_bool)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
@@ -283,6 +303,10 @@ class VLLMEngine:
         """Counters since opening: samples requested, HTTP requests, tokens, weight loads."""
         return dict(self._counts)
 
+    def count(self, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to the counter ``name`` of :meth:`statistics`."""
+        self._counts[name] += amount
+
     async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None:
         """Reload the server from the safetensors directory ``path`` as policy ``version``.
 
@@ -312,6 +336,7 @@ class VLLMEngine:
                 nursery.start_soon(self._run_request, run)
 
     async def _run_request(self, rows: list[_Row]) -> None:
+        client = self._client
         first = rows[0].request
         p = first.params
         rid = first.request_id or uuid.uuid4().hex
@@ -324,75 +349,193 @@ class VLLMEngine:
             "top_p": p.top_p,
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
-            "stream": False,
+            "stream": self.stream,
             **({"seed": p.seed} if p.seed is not None else {}),
             **self.extra_body,
         }
-        version = self.version.value
         url = self.base_url + "/v1/completions"
-        where = f"{url} (request {rid!r}, n={len(rows)})"
         try:
-            data = await self._post(url, rid, body, where)
-            choices = data.get("choices") if isinstance(data, dict) else None
-            if not isinstance(choices, list) or len(choices) != len(rows):
-                got = len(choices) if isinstance(choices, list) else choices
-                raise EngineResponseError(f"{where}: expected {len(rows)} choices, got {got!r}")
-            ordered: list[Any] = [None] * len(rows)
-            for i, choice in enumerate(choices):
-                index = choice.get("index", i) if isinstance(choice, dict) else i
-                if not isinstance(index, int) or not 0 <= index < len(rows) or ordered[index]:
-                    raise EngineResponseError(
-                        f"{where}: field 'choices[{i}].index' = {index!r} is out of range "
-                        "or repeated"
-                    )
-                ordered[index] = choice
-            for i, (r, choice) in enumerate(zip(rows, ordered, strict=True)):
-                tokens, logprobs, finish = parse_completion_response(
-                    {"choices": [choice]}, where=f"{where} choice {i}"
-                )
-                r.completion = Completion(tokens, logprobs, finish, version)
-                self._counts["tokens"] += len(tokens)
+            if client is None:
+                raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
+            request = _NRequest(self, client, rows, body, rid, url, self.version.value)
+            await request.run()
         except (EngineError, trio.ClosedResourceError) as exc:
             for r in rows:
-                r.error = exc
+                if r.completion is None:
+                    r.error = exc
 
-    async def _post(self, url: str, rid: str, body: dict[str, Any], where: str) -> Any:
-        client = self._client
-        if client is None:
-            raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
+
+@attrs.define(slots=True, eq=False)
+class _NRequest:
+    """One ``/v1/completions`` request of ``engine`` with ``n = len(rows)``: choice ``i``
+    fills ``rows[i]`` (its ``completion``; streamed, also its ``tokens`` and ``logprobs`` so
+    far). Every row is stamped ``version``. :meth:`run` owns the deadline and the retries."""
+
+    engine: VLLMEngine
+    client: httpx.AsyncClient
+    rows: list[_Row]
+    body: dict[str, Any]
+    rid: str
+    url: str
+    version: PolicyVersion
+    #: whether each choice has streamed its finish reason in the current attempt
+    _finished: list[bool] = attrs.field(init=False, factory=list)
+    #: cancelled to stop reading once no sample wants more (see :meth:`_take`)
+    _reading: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
+
+    @property
+    def where(self) -> str:
+        return f"{self.url} (request {self.rid!r}, n={len(self.rows)})"
+
+    async def run(self) -> None:
+        """Post the request and fill the rows, retrying transport errors and 5xx answers
+        (``max_attempts`` in all, then :class:`EngineTransportError`), all under
+        ``trio.fail_after(timeout)`` (:class:`EngineTimeoutError`). A retry starts every
+        unfinished choice afresh (their streamed tokens are discarded); a row already
+        released keeps its completion. Cancellation: the response is closed (vLLM aborts the
+        request on disconnect) and ``Cancelled`` propagates."""
+        e = self.engine
         failures: list[str] = []
+        for r in self.rows:
+            r.version = self.version
         try:
-            with trio.fail_after(self.timeout):
-                for attempt in range(self.max_attempts):
+            with trio.fail_after(e.timeout):
+                for attempt in range(e.max_attempts):
                     if attempt:
-                        await trio.sleep(self.backoff * 2 ** (attempt - 1))
-                    self._counts["http_requests"] += 1
+                        await trio.sleep(e.backoff * 2 ** (attempt - 1))
+                    e.count("http_requests")
+                    self._reset()
                     try:
-                        response = await client.post(url, json=body, headers={"X-Request-Id": rid})
+                        failure = await (self._streamed() if e.stream else self._posted())
                     except httpx.TransportError as exc:
-                        failures.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    if response.status_code >= 500:
-                        failures.append(f"HTTP {response.status_code}")
-                        continue
-                    if response.status_code >= 400:
-                        raise EngineRequestError(
-                            f"{where} refused with HTTP {response.status_code}: "
-                            f"{response.text[:500]}",
-                            status_code=response.status_code,
-                            body=response.text[:2000],
-                        )
-                    try:
-                        return json.loads(response.content)
-                    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                        raise EngineResponseError(
-                            f"{where}: body is not valid JSON ({exc})"
-                        ) from None
+                        failure = f"{type(exc).__name__}: {exc}"
+                    if failure is None:
+                        return
+                    failures.append(failure)
         except trio.TooSlowError:
-            raise EngineTimeoutError(f"{where} did not finish within {self.timeout}s") from None
+            raise EngineTimeoutError(f"{self.where} did not finish within {e.timeout}s") from None
         raise EngineTransportError(
-            f"{where} failed after {self.max_attempts} attempts: " + "; ".join(failures)
+            f"{self.where} failed after {e.max_attempts} attempts: " + "; ".join(failures)
         )
+
+    def _reset(self) -> None:
+        self._finished = [False] * len(self.rows)
+        for r in self.rows:
+            if r.completion is None:
+                r.tokens, r.logprobs = [], []
+
+    def _refused(self, response: httpx.Response) -> EngineRequestError:
+        return EngineRequestError(
+            f"{self.where} refused with HTTP {response.status_code}: {response.text[:500]}",
+            status_code=response.status_code,
+            body=response.text[:2000],
+        )
+
+    def _complete(self, row: _Row, tokens: list[int], logprobs: list[float], finish: Any) -> None:
+        """Release ``row`` with its completion at once (its siblings may still be running)."""
+        row.completion = Completion(tokens, logprobs, finish, self.version)
+        row.done.set()
+        self.engine.count("tokens", len(tokens))
+
+    async def _posted(self) -> str | None:
+        """One non-streamed attempt: None once every row is filled, else why to retry."""
+        headers = {"X-Request-Id": self.rid}
+        response = await self.client.post(self.url, json=self.body, headers=headers)
+        if response.status_code >= 500:
+            return f"HTTP {response.status_code}"
+        if response.status_code >= 400:
+            raise self._refused(response)
+        where, n = self.where, len(self.rows)
+        try:
+            data = json.loads(response.content)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EngineResponseError(f"{where}: body is not valid JSON ({exc})") from None
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or len(choices) != n:
+            got = len(choices) if isinstance(choices, list) else choices
+            raise EngineResponseError(f"{where}: expected {n} choices, got {got!r}")
+        ordered: list[Any] = [None] * n
+        for i, choice in enumerate(choices):
+            index = choice.get("index", i) if isinstance(choice, dict) else i
+            if not _is_index(index, n) or ordered[index]:
+                raise EngineResponseError(
+                    f"{where}: field 'choices[{i}].index' = {index!r} is out of range or repeated"
+                )
+            ordered[index] = choice
+        parsed = [
+            parse_completion_response({"choices": [c]}, where=f"{where} choice {i}")
+            for i, c in enumerate(ordered)
+        ]
+        for r, (tokens, logprobs, finish) in zip(self.rows, parsed, strict=True):
+            if r.completion is None and not r.abandoned:
+                self._complete(r, tokens, logprobs, finish)
+        return None
+
+    async def _streamed(self) -> str | None:
+        """One streamed attempt: None once every row is filled, else why to retry. Each
+        chunk lands in its choice's row at once, so an abort finds it there; a choice that
+        finishes releases its row at once; leaving the ``stream`` block closes the response
+        (also when reading stops because no row wants more)."""
+        headers = {"X-Request-Id": self.rid}
+        async with self.client.stream("POST", self.url, json=self.body, headers=headers) as resp:
+            if resp.status_code >= 500:
+                return f"HTTP {resp.status_code}"
+            if resp.status_code >= 400:
+                await resp.aread()
+                raise self._refused(resp)
+            with trio.CancelScope() as self._reading:
+                await read_events(resp, self._take)
+        unfinished = [i for i, r in enumerate(self.rows) if r.completion is None]
+        unfinished = [i for i in unfinished if not self.rows[i].abandoned]
+        if unfinished:
+            raise EngineResponseError(
+                f"{self.where}: the stream ended without a finish reason for choices {unfinished}"
+            )
+        return None
+
+    def _take(self, payload: str, event: int) -> None:
+        """One server-sent event: every choice it carries is checked, then taken whole."""
+        where, n = f"{self.where}, event {event}", len(self.rows)
+        try:
+            data = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise EngineResponseError(
+                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
+            ) from None
+        parse_completion_chunk(data, where=where)  # an error event, no 'choices' list
+        parsed = []
+        for k, choice in enumerate(data["choices"]):
+            tokens, logprobs, finish = parse_completion_chunk(
+                {"choices": [choice]}, where=f"{where}, choices[{k}]"
+            )
+            index = choice.get("index", 0 if n == 1 else None)
+            if not _is_index(index, n):
+                raise EngineResponseError(
+                    f"{where}: field 'choices[{k}].index' = {index!r} is missing or not in "
+                    f"0..{n - 1}"
+                )
+            if self._finished[index]:
+                raise EngineResponseError(f"{where}: choice {index} goes on after its finish")
+            self._finished[index] = finish is not None
+            parsed.append((index, tokens, logprobs, finish))
+        for index, tokens, logprobs, finish in parsed:
+            r = self.rows[index]
+            if r.completion is not None or r.abandoned:
+                continue  # released or left: nothing more goes in
+            r.tokens += tokens
+            r.logprobs += logprobs
+            if finish is not None:
+                self._complete(r, r.tokens, r.logprobs, finish)
+        rows = self.rows
+        if all(r.completion or r.abandoned for r in rows) and any(r.abandoned for r in rows):
+            # the last sibling of an aborted sample is released: the server still decodes the
+            # aborted choice for no one, so close the request now (the batcher closes it when
+            # the last to go is an abort or a cancellation)
+            self._reading.cancel()
+
+
+def _is_index(value: object, n: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n
 
 
 @asynccontextmanager

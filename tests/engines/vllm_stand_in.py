@@ -1,0 +1,214 @@
+"""A real loopback HTTP server that stands in for vLLM (stdlib ``http.server`` in a thread).
+
+It records every request and answers like vLLM 0.32: ``/collective_rpc`` and
+``/reset_prefix_cache`` with an empty 200, ``/v1/completions`` with ``n`` choices whose tokens
+encode the seed each choice got (``seed + index``): choice ``i`` of a request seeded ``s`` is
+``[s + i, s + i + 1000, ..., EOS]``, ``lengths[i]`` tokens long (2 by default), cut at
+``max_tokens`` (finish reason ``length``, else ``stop``).
+
+Asked for ``"stream": true`` it streams as vLLM does: server-sent events in a chunked HTTP/1.1
+body, one event per choice and decode step (each with one choice and its ``index``; the choices
+of a step in index order, or reversed with ``reverse_choices``), ``step_delay`` seconds between
+steps, the finish reason on a choice's last token, a usage event with no choices, then
+``data: [DONE]``. A choice listed in ``stall`` sends that many tokens and then nothing more: the
+server keeps the connection until the client leaves (counted in ``disconnects``). ``cut_after``
+cuts the connection after that many events, once; ``raw_stream`` is sent as the whole body.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+EOS = 1
+
+
+class StandIn:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        #: path -> (status, body) overriding the normal answer
+        self.override: dict[str, tuple[int, bytes]] = {}
+        self.delay = 0.0
+        self.reverse_choices = False
+        #: this many coming requests get their connection closed without an answer
+        self.drop_next = 0
+        self.lengths: list[int] | None = None
+        self.step_delay = 0.0
+        self.stall: dict[int, int] = {}
+        self.cut_after: int | None = None
+        self.raw_stream: bytes | None = None
+        #: (choice index, token) of every streamed token event, all streams together
+        self.sent: list[tuple[int, int]] = []
+        self.disconnects = 0
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+
+    def choice(self, body: dict[str, Any], i: int) -> tuple[list[int], list[float], str]:
+        seed, length = body.get("seed", 0), (self.lengths or [])[i : i + 1] or [2]
+        tokens = [seed + i + 1000 * k for k in range(length[0] - 1)] + [EOS]
+        logprobs = [-0.5 - i - k / 8 for k in range(length[0] - 1)] + [-0.25]
+        if len(tokens) > body["max_tokens"]:
+            n = body["max_tokens"]
+            return tokens[:n], logprobs[:n], "length"
+        return tokens, logprobs, "stop"
+
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for i in range(body.get("n", 1)):
+            tokens, logprobs, finish = self.choice(body, i)
+            choices.append(
+                {
+                    "index": i,
+                    "text": "",
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in tokens],
+                        "token_logprobs": logprobs,
+                    },
+                    "finish_reason": finish,
+                    "token_ids": None,
+                }
+            )
+        if self.reverse_choices:
+            choices.reverse()
+        return {"choices": choices}
+
+    def events(self, body: dict[str, Any]) -> Iterator[tuple[int, int, dict[str, Any]]]:
+        """(choice index, token, event) in the order vLLM streams them."""
+        answers = [self.choice(body, i) for i in range(body.get("n", 1))]
+        order = list(range(len(answers)))
+        if self.reverse_choices:
+            order.reverse()
+        for k in range(max(len(tokens) for tokens, _, _ in answers)):
+            for i in order:
+                tokens, logprobs, finish = answers[i]
+                if k >= len(tokens) or k >= self.stall.get(i, len(tokens)):
+                    continue
+                choice = {
+                    "index": i,
+                    "text": "",
+                    "logprobs": {
+                        "text_offset": [k],
+                        "token_logprobs": [logprobs[k]],
+                        "tokens": [f"token_id:{tokens[k]}"],
+                        "top_logprobs": [{f"token_id:{tokens[k]}": logprobs[k]}],
+                    },
+                    "finish_reason": finish if k == len(tokens) - 1 else None,
+                    "stop_reason": None,
+                }
+                event = {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
+                yield i, tokens[k], event
+
+
+@contextmanager
+def serve() -> Iterator[tuple[StandIn, str]]:
+    state = StandIn()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body: Any = json.loads(raw) if raw else None
+            with state.lock:
+                state.requests.append((method, self.path, body))
+                drop = state.drop_next > 0
+                state.drop_next -= drop
+            if drop:
+                # what a uvicorn keep-alive timeout looks like to a client reusing the connection
+                self.close_connection = True
+                return
+            if state.delay:
+                time.sleep(state.delay)
+            status, payload = 200, b""
+            if self.path in state.override:
+                status, payload = state.override[self.path]
+            elif self.path == "/v1/completions" and body.get("stream"):
+                self._stream(body)
+                return
+            elif self.path == "/v1/completions":
+                payload = json.dumps(state.completions(body)).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _write_chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        def _stream(self, body: dict[str, Any]) -> None:
+            # HTTP/1.1 with a chunked body, as uvicorn sends it: a cut connection is then an
+            # incomplete body for the client, not a clean end
+            self.protocol_version = "HTTP/1.1"
+            self.close_connection = True
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            if state.raw_stream is not None:
+                self._write_chunk(state.raw_stream)
+                self._write_chunk(b"")
+                return
+            step = -1
+            for written, (i, token, event) in enumerate(state.events(body)):
+                with state.lock:
+                    cut = state.cut_after == written
+                    if cut:
+                        state.cut_after = None
+                if cut:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if state.step_delay and event["choices"][0]["logprobs"]["text_offset"][0] != step:
+                    step = event["choices"][0]["logprobs"]["text_offset"][0]
+                    time.sleep(state.step_delay)
+                self._write_chunk(b"data: " + json.dumps(event).encode() + b"\n\n")
+                with state.lock:
+                    state.sent.append((i, token))
+            if state.stall:
+                self._wait_for_disconnect()
+                return
+            usage = {"id": "cmpl-1", "choices": [], "usage": {"completion_tokens": 0}}
+            self._write_chunk(b"data: " + json.dumps(usage).encode() + b"\n\n")
+            self._write_chunk(b"data: [DONE]\n\n")
+            self._write_chunk(b"")
+
+        def _wait_for_disconnect(self) -> None:
+            sock = self.connection
+            while not state.release.is_set():
+                readable, _, _ = select.select([sock], [], [], 0.02)
+                if readable and sock.recv(1, socket.MSG_PEEK) == b"":
+                    with state.lock:
+                        state.disconnects += 1
+                    return
+
+        def do_GET(self) -> None:
+            self._answer("GET")
+
+        def do_POST(self) -> None:
+            self._answer("POST")
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a client that went away (aborted, cancelled) is expected here
+
+    server = Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        state.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
