@@ -6,20 +6,32 @@
   sample still PENDING, as the rollout layer runs it;
 - :func:`scripted_engine`: the library's :class:`~trio_rl.testing.ScriptedEngine` scripted to
   end every call by itself after ``delay`` (virtual) seconds with a finish reason looked up by
-  the request's seed.
+  the request's seed;
+- :class:`WatchedCell`: a policy-version cell that records every wait on it, so a test sees
+  the ship gate hold without sleeping.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+import trio
 
 from trio_rl.engines import FinishReason, GenerateRequest
+from trio_rl.policy import PolicyVersionCell
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.testing import Fate, ScriptedEngine
 
-__all__ = ["PROMPT", "make_group", "make_sample", "pending_group", "scripted_engine"]
+__all__ = [
+    "PROMPT",
+    "WatchedCell",
+    "make_group",
+    "make_sample",
+    "pending_group",
+    "scripted_engine",
+]
 
 #: The prompt :func:`pending_group` makes groups from by default.
 PROMPT = Prompt(key="q", tokens=(5, 6, 7), label="answer")
@@ -123,3 +135,36 @@ def scripted_engine(
         return Fate(reasons.get(request.params.seed, "stop"), after=delay, tokens=tokens)
 
     return ScriptedEngine(script, policy_version=version)
+
+
+class WatchedCell(PolicyVersionCell):
+    """A :class:`~trio_rl.policy.PolicyVersionCell` (pass it as ``open_orchestrator(...,
+    version=cell)``) that records each wait that parks: ``floors`` lists the versions waited
+    for. Only the orchestrator's ship gate waits on the cell, so :meth:`start_held` tells a
+    test the gate holds a batch without any sleep."""
+
+    __slots__ = ("_woken", "floors")
+
+    def __init__(self, version: int = 0) -> None:
+        super().__init__(version)
+        self.floors: list[int] = []
+        self._woken = trio.Event()
+
+    async def wait_at_least(self, floor: int) -> int:
+        if self.value < floor:
+            self.floors.append(floor)
+            self._woken.set()
+        return await super().wait_at_least(floor)
+
+    async def start_held(self, nursery: trio.Nursery, run: Callable[[], Awaitable[object]]) -> None:
+        """Start ``run()`` in ``nursery``; return once a task parks on the cell (the ship gate
+        holds a batch) or ``run()`` returned without that, when ``floors`` is unchanged: a
+        gate that fails to hold fails the test's assertion on ``floors`` instead of hanging."""
+        self._woken = trio.Event()
+
+        async def go() -> None:
+            await run()
+            self._woken.set()
+
+        nursery.start_soon(go)
+        await self._woken.wait()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import trio
 
+from builders import WatchedCell, scripted_engine
 from trio_rl import cli
 from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
 from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
@@ -192,33 +193,40 @@ def test_cli_runs_and_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "step   4:" in second
 
 
-async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(tmp_path: Path) -> None:
+async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(
+    mock_clock: trio.testing.MockClock,
+) -> None:
     """With ``max_async_level=0`` batch S ships only once the policy is at version S - 1; the
-    time held is reported as policy wait."""
+    time held is reported as policy wait, to the (virtual) second.
+
+    The clock moves only when the test jumps it, and the engine answers at once, so the whole
+    wait is the jump: exact, and no worker thread can race a deadline."""
     rec = _Recorder()
+    cell = WatchedCell()
     async with (
         MemorySender(1) as sender,
         open_orchestrator(
-            _engine(),
+            scripted_engine(delay=0.0, version=0),
             InMemorySource(_prompts(100)),
             sender,
             config=_config(max_async_level=0),
             group_reward=rec.group_reward,
             monitor=rec.shipments.append,
+            version=cell,
         ) as orch,
     ):
         await orch.run(1)  # batch 1 needs version 0: ships at once
         assert rec.shipments[0].record.policy_wait == 0.0
+        assert cell.floors == []
         async with trio.open_nursery() as nursery:
-            started = trio.current_time()
-            nursery.start_soon(orch.run, 1)
-            await trio.sleep(0.3)
-            assert len(rec.shipments) == 1, "batch 2 waits for policy version 1"
-            held = trio.current_time() - started
+            await cell.start_held(nursery, functools.partial(orch.run, 1))
+            assert cell.floors == [1], "batch 2 waits for policy version 1"
+            mock_clock.jump(3.0)  # less than the gate's 5 s warning interval
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(rec.shipments) == 1, "held at the gate, time passing or not"
             orch.set_policy_version(1)
         assert [s.record.step for s in rec.shipments] == [1, 2]
-        # the gate closed a little after the run started (it first collected the batch)
-        assert 0.1 <= rec.shipments[1].record.policy_wait <= held
+        assert rec.shipments[1].record.policy_wait == 3.0
         with pytest.raises(ValueError, match="cannot go back"):
             orch.set_policy_version(0)
 

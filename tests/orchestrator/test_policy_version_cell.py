@@ -11,6 +11,7 @@ import torch
 import trio
 import trio.testing
 
+from builders import WatchedCell, scripted_engine
 from trio_rl.engines import SamplingParams, SimulatedEngine
 from trio_rl.errors import PolicyVersionError
 from trio_rl.learn import watch_weights
@@ -98,23 +99,26 @@ async def test_orchestrator_driver_and_engine_share_one_cell() -> None:
             assert orch.step == 3
 
 
-async def test_the_ship_gate_waits_on_the_cell() -> None:
-    engine = SimulatedEngine(distribution="long-cot", slots=8, seed=3, seconds_per_token=1e-7)
-    with trio.fail_after(20):
-        async with open_orchestrator(
-            engine,
-            InMemorySource(_prompts(40)),
-            MemorySender(1),
-            config=_config(),
-            sample_reward=_reward,
-        ) as orch:
-            await orch.run(1)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(orch.run, 1)
-                await trio.sleep(0.2)
-                assert orch.step == 2, "batch 2 waits for version 1"
-                orch.version.advance(1)  # advancing the shared cell opens the gate
-            assert orch.step == 3
+async def test_the_ship_gate_waits_on_the_cell(mock_clock: trio.testing.MockClock) -> None:
+    # Virtual time that moves only when told: the gate is seen parked on the cell, not slept for.
+    cell = WatchedCell()
+    async with open_orchestrator(
+        scripted_engine(delay=0.0, version=0),
+        InMemorySource(_prompts(40)),
+        MemorySender(1),
+        config=_config(),
+        sample_reward=_reward,
+        version=cell,
+    ) as orch:
+        assert orch.version is cell
+        await orch.run(1)
+        async with trio.open_nursery() as nursery:
+            await cell.start_held(nursery, functools.partial(orch.run, 1))
+            assert cell.floors == [1]
+            assert orch.step == 2, "batch 2 waits for version 1"
+            orch.version.advance(1)  # advancing the shared cell opens the gate
+        assert orch.step == 3
+    assert trio.current_time() == 0.0  # nothing slept
 
 
 class _Loader:
