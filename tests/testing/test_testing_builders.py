@@ -1,14 +1,13 @@
-"""The shared test builders (tests/builders.py) build what the layers' tests rely on."""
+"""The shared test builders (tests/builders.py) build what the layers' tests rely on.
+
+``scripted_engine`` is checked where the rollout tests use it
+(tests/rollout/test_rollout_group.py: finish reasons, versions, tokens, delay, deadline);
+``WatchedCell`` by the ship-gate tests in tests/orchestrator.
+"""
 
 from __future__ import annotations
 
-import pytest
-import trio
-import trio.testing
-
-from builders import PROMPT, make_group, make_sample, pending_group, scripted_engine
-from trio_rl.engines import SamplingParams
-from trio_rl.rollout import GroupFailed, engine_generate, run_group
+from builders import PROMPT, make_group, make_sample, pending_group
 from trio_rl.samples import SampleStatus
 
 
@@ -39,30 +38,3 @@ def test_pending_group() -> None:
     assert [s.status for s in group.samples] == [SampleStatus.PENDING] * 3
     assert [s.seed for s in group.samples] == [42, 43, 44]
     assert all(s.routing_key for s in group.samples)
-
-
-async def test_scripted_engine_finish_reasons_versions_and_delay(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    engine = scripted_engine({42: "stop", 43: "length", 44: "abort"}, delay=2, version=7)
-    group = pending_group(3, seed=42, routing_keys=True)
-    keys = sorted(str(s.routing_key) for s in group.samples)
-    start = trio.current_time()
-    await run_group(group, engine_generate(engine, SamplingParams(max_tokens=9), timeout=10))
-    assert trio.current_time() - start == pytest.approx(2)
-    assert [s.status for s in group.samples] == [
-        SampleStatus.COMPLETED,
-        SampleStatus.TRUNCATED,
-        SampleStatus.ABORTED,
-    ]
-    assert sorted(r.params.seed or 0 for r in engine.requests) == [42, 43, 44]
-    assert sorted(str(r.routing_key) for r in engine.requests) == keys
-    assert all(s.policy_versions == [7] and len(s.completion_tokens) == 2 for s in group.samples)
-
-
-async def test_scripted_engine_delay_meets_a_deadline(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    with pytest.raises(GroupFailed) as info:
-        await run_group(pending_group(1), engine_generate(scripted_engine(delay=100), timeout=5))
-    assert isinstance(info.value.__cause__, trio.TooSlowError)

@@ -6,22 +6,43 @@ The broken drivers are the real one with one behaviour switched off (pytest's mo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from hypothesis import Phase, settings
+from test_testing_catches_bugs import HUNT
 
 from trio_rl.rollout import AsyncRolloutDriver
 from trio_rl.testing import Invariant, InvariantViolation, RolloutSubject, async_driver_property
 
-HUNT = settings(
-    max_examples=500,
-    database=None,
-    report_multiple_bugs=False,
-    derandomize=True,
-    phases=[Phase.generate, Phase.shrink],
-)
+
+def plant_ignore_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BUG: ``paused()`` never tells the worker, which goes on submitting."""
+
+    @contextlib.asynccontextmanager
+    async def ignore_pause(self: AsyncRolloutDriver) -> AsyncIterator[None]:
+        yield
+
+    monkeypatch.setattr(AsyncRolloutDriver, "paused", ignore_pause)
+
+
+def plant_unbounded_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BUG: the buffer's capacity is never reached, so backpressure never applies."""
+    original = AsyncRolloutDriver.__init__
+
+    def unbounded(self: AsyncRolloutDriver, *args: Any, **kwargs: Any) -> None:
+        kwargs["buffer_capacity"] = 1_000_000
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncRolloutDriver, "__init__", unbounded)
+
+
+#: The planted bugs of the fully-async driver and the detail that catching each must report
+#: (under ASYNC_BOUNDED_PAUSED_CLOSED, within 12 steps); test_testing_machine.py plants them too.
+ASYNC_BUGS = [
+    pytest.param(plant_ignore_pause, "submitted while paused", id="ignore-pause"),
+    pytest.param(plant_unbounded_buffer, "buffer holds", id="unbounded-buffer"),
+]
 
 
 def _hunt() -> InvariantViolation:
@@ -31,27 +52,12 @@ def _hunt() -> InvariantViolation:
     return info.value
 
 
-def test_catches_submission_while_paused(monkeypatch: pytest.MonkeyPatch) -> None:
-    @contextlib.asynccontextmanager
-    async def ignore_pause(self: AsyncRolloutDriver) -> AsyncIterator[None]:
-        yield  # BUG: the worker is never told
-
-    monkeypatch.setattr(AsyncRolloutDriver, "paused", ignore_pause)
+@pytest.mark.parametrize(("plant", "detail"), ASYNC_BUGS)
+def test_catches_a_planted_async_driver_bug(
+    monkeypatch: pytest.MonkeyPatch, plant: Callable[[pytest.MonkeyPatch], None], detail: str
+) -> None:
+    plant(monkeypatch)
     error = _hunt()
-    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED
-    assert "submitted while paused" in error.detail
-    assert len(error.steps) <= 12, str(error)
-
-
-def test_catches_buffer_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = AsyncRolloutDriver.__init__
-
-    def unbounded(self: AsyncRolloutDriver, *args: Any, **kwargs: Any) -> None:
-        kwargs["buffer_capacity"] = 1_000_000  # BUG: backpressure never applies
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(AsyncRolloutDriver, "__init__", unbounded)
-    error = _hunt()
-    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED
-    assert "buffer holds" in error.detail
+    assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, str(error)
+    assert detail in error.detail
     assert len(error.steps) <= 12, str(error)
