@@ -156,6 +156,9 @@ class _Booked:
     annotations: list[Annotation]
     counters: dict[str, Any]
     policy_wait: float
+    #: (ranks, micro-batches per rank, payload bytes), measured at booking: the deferred release
+    #: empties the grid and the payloads before the record is built.
+    shape: tuple[int, int, int]
 
     def containers(self, *, pending: bool) -> list[Container]:
         """What the deferred release empties (a pending step's bytes are kept: re-sent)."""
@@ -169,16 +172,16 @@ class _Booked:
         return containers
 
     def record(self, threads: ThreadStats, all_stats: AttemptStats) -> ShipRecord:
-        grid = self.grid
+        ranks, per_rank, nbytes = self.shape
         return ShipRecord(
             step=self.step,
             all=all_stats,
             effective=self.effective,
             counters=self.counters,
             policy_wait=self.policy_wait,
-            ranks=len(grid),
-            micro_batches_per_rank=len(grid[0]) if grid else 0,
-            payload_bytes=self.encoded.nbytes,
+            ranks=ranks,
+            micro_batches_per_rank=per_rank,
+            payload_bytes=nbytes,
             timings=ShipTimings(total=time.perf_counter() - self.started, **self.timings),
             threads=threads,
             selection=self.selection,
@@ -377,6 +380,7 @@ class Publisher:
             annotations=annotations,
             counters=attrs.asdict(self.sink.counters),
             policy_wait=policy_wait,
+            shape=(len(grid), len(grid[0]) if grid else 0, encoded.nbytes),
         )
 
     async def _deliver_booked(self, booked: _Booked) -> ShipRecord:
