@@ -109,9 +109,10 @@ class SinkMachine(RuleBasedStateMachine):
     @rule(rewards=st.lists(REWARDS, min_size=3, max_size=3), by_handle=st.booleans())
     def resumed_group_completes(self, rewards: list[float], by_handle: bool) -> None:
         r = self.resumed.pop(0)
-        assert r.missing > 0  # never a zero-rollout request
+        # `r` is the book's own record: members that arrived since the restore are in it
         if r.group_id not in self.sink.open_group_ids():
             return  # completed member by member already
+        assert r.missing > 0  # an open group always waits for someone
         new = [
             self._member(rewards[i % 3], 0, by_handle, SampleStatus.COMPLETED)
             for i in range(r.missing)
@@ -155,6 +156,8 @@ class SinkMachine(RuleBasedStateMachine):
         self.dispatched = dispatched
         self.unread = []  # the trainer restarts from the checkpoint too
         self.resumed = list(report.resumed)
+        # never a zero-rollout request: a resumed group handed back waits for a member
+        assert all(r.missing > 0 for r in self.resumed)
         assert all(r.missing > 0 for r in report.resumed)
 
     @precondition(lambda self: bool(self.unread))
