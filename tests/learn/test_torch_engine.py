@@ -267,3 +267,21 @@ async def test_an_aborted_row_returns_its_tokens_and_a_continuation_decodes_on()
         early = await engine.generate(attrs.evolve(_request("ab=", 5), abort=signal))
     assert early.finish_reason == "abort"
     assert early.tokens == []
+
+
+async def test_occupancy_counts_the_rows_of_each_batch_over_its_decode_time() -> None:
+    # one batch of 8 rows on an engine of 16 slots, then idle as long again: under a quarter
+    with trio.fail_after(30):
+        async with TorchEngine.open(_model(), eos_token_id=EOS, max_len=48, max_batch=16) as engine:
+            assert engine.statistics().occupancy == 0.0  # no batch yet
+            await _generate_group(engine, "abcab=", 8)
+            busy = engine.statistics()
+            assert busy.slots == 16
+            assert busy.batches == 1
+            assert 0 < busy.busy_row_seconds <= 8 * busy.elapsed
+            assert busy.occupancy == pytest.approx(busy.busy_row_seconds / (16 * busy.elapsed))
+            assert busy.occupancy <= 0.5
+            await trio.sleep(busy.elapsed)
+            idle = engine.statistics()
+    assert idle.busy_row_seconds == busy.busy_row_seconds  # nothing ran meanwhile
+    assert idle.occupancy < busy.occupancy / 1.5

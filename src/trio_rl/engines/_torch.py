@@ -45,6 +45,20 @@ class TorchEngineStatistics:
     decode_steps: int
     running_batches: int
     weight_loads: int
+    #: ``max_batch``: the rows a decode batch may hold (the engine's slots).
+    slots: int = 0
+    #: Row-seconds of finished batches: each row counts its whole batch's decode time (a row
+    #: holds its place until the batch ends, no KV cache to free it early).
+    busy_row_seconds: float = 0.0
+    #: Seconds (trio clock) since the first batch started.
+    elapsed: float = 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Busy row-seconds over available row-seconds (0.0 before any batch)."""
+        if self.elapsed <= 0 or self.slots <= 0:
+            return 0.0
+        return min(1.0, self.busy_row_seconds / (self.slots * self.elapsed))
 
 
 def _sample(
@@ -197,6 +211,9 @@ class TorchEngine:
         )
         self._running = 0
         self._loads = 0
+        self._slots = max_batch
+        self._busy_row_seconds = 0.0
+        self._t0: float | None = None
 
     @classmethod
     @asynccontextmanager
@@ -226,8 +243,14 @@ class TorchEngine:
         return self._model
 
     def statistics(self) -> TorchEngineStatistics:
+        elapsed = 0.0 if self._t0 is None else trio.current_time() - self._t0
         return TorchEngineStatistics(
-            **self._counts, running_batches=self._running, weight_loads=self._loads
+            **self._counts,
+            running_batches=self._running,
+            weight_loads=self._loads,
+            slots=self._slots,
+            busy_row_seconds=self._busy_row_seconds,
+            elapsed=elapsed,
         )
 
     async def generate(self, request: GenerateRequest) -> Completion:
@@ -265,6 +288,9 @@ class TorchEngine:
         model, version = self._model, self.version.value
         self._running += 1
         self._counts["batches"] += 1
+        begun = trio.current_time()
+        if self._t0 is None:
+            self._t0 = begun
         try:
             decode = functools.partial(_decode, eos=self._eos, rng=self._rng, counts=self._counts)
             results = await trio.to_thread.run_sync(
@@ -276,6 +302,7 @@ class TorchEngine:
             return
         finally:
             self._running -= 1
+            self._busy_row_seconds += len(rows) * (trio.current_time() - begun)
         for r, completion in zip(rows, results, strict=True):
             r.completion = completion
             if completion is not None:

@@ -299,6 +299,10 @@ async def _watch_convergence(
     scope.cancel()
 
 
+def _percent(value: float | None) -> str:
+    return "  -" if value is None else f"{value * 100:3.0f}%"
+
+
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
@@ -409,6 +413,7 @@ async def run_learning(
 
     async def consume(receive: trio.MemoryReceiveChannel[Shipment]) -> None:
         last_wall = 0.0
+        busy_last = (0.0, 0.0)  # the engine's (elapsed, busy row-seconds) at the last record
         async with receive:
             async for shipment in receive:
                 rec = _record(shipment, lags, started, last_wall, version[0])
@@ -416,6 +421,17 @@ async def run_learning(
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
+                # the engine's rows busy over the interval (batches finished in it)
+                stats = engine.statistics()
+                span = stats.elapsed - busy_last[0]
+                rec["slot_occupancy"] = (
+                    round(
+                        min(1.0, (stats.busy_row_seconds - busy_last[1]) / (stats.slots * span)), 4
+                    )
+                    if span > 0 and stats.slots > 0
+                    else None
+                )
+                busy_last = (stats.elapsed, stats.busy_row_seconds)
                 lags.clear()
                 last_wall = rec["wall_s"]
                 metrics.append(rec)
@@ -433,7 +449,8 @@ async def run_learning(
                         f"  policy v{rec['policy_version']:<4} off-policy max "
                         f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
                         f"{rec['samples_per_s']:>6.1f} samples/s  "
-                        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  {rec['wall_s']:.1f} s",
+                        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
+                        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s",
                         flush=True,
                     )
         drained.set()

@@ -48,7 +48,10 @@ FIELDS: Mapping[str, str] = {
     "tokens": "tokens shipped in this step's batch",
     "samples_per_s": "samples scored per second since the previous step",
     "tokens_per_s": "tokens shipped per second since the previous step",
-    "slot_occupancy": "busy fraction of the engine's decode slots since the previous step",
+    "slot_occupancy": (
+        "busy fraction of the engine's decode slots since the previous step "
+        "(TorchEngine: of its max_batch rows)"
+    ),
     "loop_lag_p95_ms": "95th percentile of the event loop's scheduling lag (ms)",
     "queue_depth": "training samples queued in the sink after the step shipped",
     "off_policy_max": "largest off-policy lag (versions) of a shipped sample",
