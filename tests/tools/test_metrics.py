@@ -134,7 +134,10 @@ def _wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
     """The history rows of an offline ``.wandb`` file: a 7-byte header, then LevelDB-log
     records (crc32c u32, length u16, type u8; 1 full, 2 first, 3 middle, 4 last) in 32 KiB
     blocks, each a ``Record`` protobuf."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    import importlib
+
+    # generated protobuf code: its stubs do not name the message classes
+    pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")
 
     data = run_file.read_bytes()
     assert data[:4] == b":W&B"
