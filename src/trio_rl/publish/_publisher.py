@@ -158,7 +158,12 @@ class _Booked:
     policy_wait: float
     #: (ranks, micro-batches per rank, payload bytes), measured at booking: the deferred release
     #: empties the grid and the payloads before the record is built.
-    shape: tuple[int, int, int]
+    shape: tuple[int, int, int] = attrs.field(
+        default=attrs.Factory(
+            lambda b: (len(b.grid), len(b.grid[0]) if b.grid else 0, b.encoded.nbytes),
+            takes_self=True,
+        )
+    )
 
     def containers(self, *, pending: bool) -> list[Container]:
         """What the deferred release empties (a pending step's bytes are kept: re-sent)."""
@@ -380,7 +385,6 @@ class Publisher:
             annotations=annotations,
             counters=attrs.asdict(self.sink.counters),
             policy_wait=policy_wait,
-            shape=(len(grid), len(grid[0]) if grid else 0, encoded.nbytes),
         )
 
     async def _deliver_booked(self, booked: _Booked) -> ShipRecord:
