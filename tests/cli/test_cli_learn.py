@@ -19,6 +19,12 @@ pytest.importorskip("torch")
 QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
 
 
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill the process if it still runs, and close its pipes (no ResourceWarning later)."""
+    proc.kill()
+    proc.communicate(timeout=60)
+
 def _cmd(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "trio_rl", "run", QUICK, "--out", str(out), *args]
 
@@ -37,7 +43,9 @@ def _wait_for_step(proc: subprocess.Popen[str], step: int, deadline: float = 90)
     end = time.monotonic() + deadline
     while time.monotonic() < end:
         line = proc.stdout.readline()
-        assert line, f"the run ended before step {step}"
+        if not line:
+            _, stderr = proc.communicate(timeout=60)
+            pytest.fail(f"the run ended (status {proc.returncode}) before step {step}: {stderr}")
         if re.match(rf"step\s+{step}\s", line):
             return
     pytest.fail(f"no step {step} within {deadline} s")
@@ -57,7 +65,7 @@ def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, si
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        _reap(proc)
     assert proc.returncode == 128 + signum, stderr
     assert "Traceback" not in stderr
     name = signal.Signals(signum).name
@@ -95,7 +103,7 @@ def test_a_second_signal_exits_the_learning_run_at_once(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     finally:
-        proc.kill()
+        _reap(proc)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
