@@ -271,6 +271,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     unknown schema version, or malformed (a delta's: naming the file of the chain that is).
     """
     p = Path(path)
+    name = str(p)
     head = _read_part(p)
     parts = [head]
     while parts[-1].link.parent is not None:
@@ -281,7 +282,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             parent = _read_part(parent_path)
         except CheckpointError as exc:
             raise CheckpointError(
-                str(child.path), f"a delta after {parent_path.name}, which is unusable: {exc}"
+                name, f"replays {parent_path.name}, which is unusable: {exc}"
             ) from exc
         if parent.link.chain != child.link.chain or parent.link.seq != child.link.seq - 1:
             raise CheckpointError(
@@ -813,6 +814,7 @@ class CheckpointManager:
             raise
         mirror.path, mirror.step, mirror.chain, mirror.seq = target, snap.step, chain, seq
         self._mirror = mirror
+        self._written.add(target)
         self.written_bytes.append(size)
         self._maybe_compact()
         return target
