@@ -325,6 +325,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
+def file_schema_version(path: str | os.PathLike[str]) -> int:
+    """The schema version in a checkpoint file's header (1: full, 2: a delta); call it on a
+    file that `read_checkpoint` accepted."""
+    with open(path, "rb") as f:
+        return int(_HEADER.unpack(f.read(_HEADER.size))[1])
+
+
 def _apply(queued: dict[int, TrainingSample], groups: dict[str, OpenGroup], d: SinkDelta) -> None:
     """Replay one delta onto a chain's state: removals, puts, closes, then group records."""
     for a in d.removed:
