@@ -77,6 +77,8 @@ _NAME = re.compile(r"^step_(\d+)\.ckpt$")
 _TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.tmp$")
 _COMPACT_TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.compact$")
 _FLUSH = 8 << 20
+#: A background compaction sleeps this long every 8 records (GIL handed to the loop).
+_YIELD = 0.0005
 _OUTBOX = re.compile(r"^outbox_step_(\d+)\.bin$")
 
 
@@ -199,8 +201,12 @@ def _write_body(
     except (TypeError, ValueError) as exc:
         raise CheckpointError(name, f"progress or cursor is not MessagePack-able: {exc}") from exc
     for i, ts in enumerate(queued):
-        if abort is not None and i & 255 == 0 and abort.is_set():
-            raise _Aborted
+        if abort is not None and i & 7 == 0:
+            # a background compaction: stop when told to, and leave the GIL to the event
+            # loop between records (a compaction is never waited for, a loop pause is)
+            if abort.is_set():
+                raise _Aborted
+            time.sleep(_YIELD)
         try:
             body.add(packer.pack(encode_training_sample(ts)))
         except (TypeError, ValueError, OverflowError) as exc:
