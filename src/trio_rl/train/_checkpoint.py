@@ -640,6 +640,8 @@ class CheckpointManager:
         self._written: set[Path] = set()
         # incremental state (the lock guards all of it: written by worker threads)
         self._lock = threading.RLock()
+        # snapshots taken on the loop, not written yet: its own lock, never held during I/O
+        self._pending_lock = threading.Lock()
         self._pending: list[tuple[int, SinkState | SinkDelta]] = []
         self._mirror: _Mirror | None = None
         self._need_full = False
@@ -693,7 +695,7 @@ class CheckpointManager:
             part = sink.state_dict()
             changes.start(self)
             self._need_full = False
-        with self._lock:
+        with self._pending_lock:
             self._pending.append((changes.epoch, part))
         return IncrementalSnapshot(
             step=sink.step - 1 if step is None else step,
@@ -761,8 +763,9 @@ class CheckpointManager:
         """Apply the pending snapshots up to ``snap``'s to the mirror; write a delta after the
         mirror's file, or a full file when there is none to follow (the first, a re-save of the
         same step, after a failure). Then maybe start a compaction."""
-        parts = [(e, p) for e, p in self._pending if e <= snap.epoch]
-        self._pending = [(e, p) for e, p in self._pending if e > snap.epoch]
+        with self._pending_lock:
+            parts = [(e, p) for e, p in self._pending if e <= snap.epoch]
+            self._pending = [(e, p) for e, p in self._pending if e > snap.epoch]
         mirror = self._mirror
         fulls = [i for i, (_, p) in enumerate(parts) if isinstance(p, SinkState)]
         try:
