@@ -31,9 +31,8 @@ import attrs
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_checkpoint import HEARTBEAT, build_sink, heartbeat, pct  # noqa: E402
-
-from trio_rl.train import CheckpointManager, TrainingSample, TrainSink  # noqa: E402
+from bench_checkpoint import HEARTBEAT, build_sink, heartbeat, pct
+from trio_rl.train import CheckpointManager, TrainingSample, TrainSink
 
 
 def arrive(sink: TrainSink, template: list[TrainingSample], k: int, version: int) -> None:

@@ -448,7 +448,8 @@ async def open_orchestrator(
         ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
             policy_version = _restore_run_state(ckpt, source, factory)
-            restore = sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+            # an incremental manager goes on from the checkpoint's file (its next is a delta)
+            restore = manager.restore(sink, ckpt)
             outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
             if outbox is not None:
                 pending = (ckpt.step, outbox)

@@ -119,8 +119,8 @@ async def _random_run(
             latest = await mgr.load_latest()
             assert latest is not None
             sink = TrainSink(config)
-            sink.load_state_dict(latest.sink)
             mgr = _incremental(tmp_path, **kw)
+            mgr.restore(sink, latest)  # the next checkpoint: a delta after the loaded one
         expected = state_dicts(sink.state_dict())
         path = await mgr.save(mgr.snapshot(sink, step=step, cursor={"step": step}))
         kinds.add(_version(path))
@@ -297,3 +297,34 @@ async def test_a_sink_nobody_checkpoints_records_nothing() -> None:
         sink.add_group(make_group([1.0, 0.0]))
     assert not sink.changes.active
     assert not sink.changes.queued
+
+
+async def test_a_resumed_run_goes_on_with_a_delta_after_the_loaded_file(tmp_path: Path) -> None:
+    """`CheckpointManager.restore`: the first checkpoint after a resume is a delta after the
+    file resumed from, holding what the restore itself dropped (here: work stale under the
+    resumed run's tighter staleness), and it never deletes the earlier run's files."""
+    sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
+    first = _incremental(tmp_path, compact_ratio=1e9)
+    for step in range(1, 5):
+        sink.add_group(make_group([1.0, 0.0, 0.5], version=step - 1))
+        await sink.take_batch()
+        sink.open_group(f"open{step}", Prompt("k", (1,)), 3, step - 1)
+        sink.add_member(f"open{step}", make_sample(0, 1.0, version=step - 1))
+        await first.save(first.snapshot(sink, step=step))
+    before = {p.name: p.read_bytes() for p in first.list_checkpoints()}
+    mgr = _incremental(tmp_path, compact_ratio=1e9, keep=1)
+    latest = await mgr.load_latest()
+    assert latest is not None
+    assert [f.path.name for f in latest.chain] == [f"step_0000000{i}.ckpt" for i in (4, 3, 2, 1)]
+    resumed = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=1))
+    report = mgr.restore(resumed, latest)
+    assert report.dropped_queued_stale + report.dropped_members_stale > 0
+    for step in (5, 6):
+        resumed.add_group(make_group([0.5, 0.0], version=4))
+        path = await mgr.save(mgr.snapshot(resumed, step=step))
+        assert _version(path) == DELTA_SCHEMA_VERSION
+        assert len(path.read_bytes()) < len(before["step_00000001.ckpt"]) + 4096
+        assert state_dicts(read_checkpoint(path).sink) == state_dicts(resumed.state_dict())
+    # keep=1 prunes only this manager's own files: the first run's are all still there
+    assert {n: (tmp_path / n).read_bytes() for n in before} == before
+    assert [p.name for p in mgr.list_checkpoints()][-1] == "step_00000006.ckpt"

@@ -36,6 +36,8 @@ class ChangeLog:
     active: bool = False
     epoch: int = 0
     owner: object = None
+    #: The epoch of the last `start` (the state the first drained changes apply to).
+    start_epoch: int = 0
 
     def put(self, ts: TrainingSample) -> None:
         if self.active:
@@ -78,6 +80,7 @@ class ChangeLog:
         self.active, self.owner = True, owner
         self.queued, self.groups, self.closed = {}, {}, {}
         self.epoch += 1
+        self.start_epoch = self.epoch
         return self.epoch
 
     def drain(self) -> tuple[dict[int, TrainingSample | None], dict[str, None], dict[str, None]]:

@@ -47,7 +47,14 @@ from ._codec import (
 from ._errors import CheckpointError
 from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
 from ._sink import TrainSink
-from ._sink_state import SinkDelta, SinkState, payload_files_of_state, snapshot_changes
+from ._sink_state import (
+    RestoreReport,
+    SinkDelta,
+    SinkState,
+    payload_files_of_state,
+    restore_sink,
+    snapshot_changes,
+)
 from ._types import TrainingSample
 
 __all__ = [
@@ -104,6 +111,19 @@ class IncrementalSnapshot:
 
 
 @attrs.frozen
+class ChainFile:
+    """One file a checkpoint was read from: itself, or one it replays (see `Checkpoint.chain`)."""
+
+    path: Path
+    #: the file it was written after (None: a full checkpoint)
+    parent: Path | None
+    #: its chain id and position (None / 0: a full checkpoint without them, schema 1 of old)
+    chain: int | None
+    seq: int
+    size: int
+
+
+@attrs.frozen
 class Checkpoint:
     """A loaded checkpoint. ``missing_files`` are payload files its samples name that are gone
     (computed when the manager knows the payload root); pass them to
@@ -116,6 +136,8 @@ class Checkpoint:
     cursor: Any
     sink: SinkState
     missing_files: frozenset[str] = frozenset()
+    #: The files it was read from, itself first, back to the full one it replays from.
+    chain: tuple[ChainFile, ...] = ()
 
 
 class _Body:
@@ -301,7 +323,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if len(parts) == 1:
         assert head.sink is not None
         return Checkpoint(
-            path=p, step=head.step, progress=head.progress, cursor=head.cursor, sink=head.sink
+            path=p,
+            step=head.step,
+            progress=head.progress,
+            cursor=head.cursor,
+            sink=head.sink,
+            chain=_chain_of(parts),
         )
     base = parts[-1].sink
     assert base is not None
@@ -327,7 +354,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             str(p), f"{exc.field}: {exc.reason} (replayed from {parts[-1].path.name})"
         ) from exc
     return Checkpoint(
-        path=p, step=head.step, progress=head.progress, cursor=head.cursor, sink=state
+        path=p,
+        step=head.step,
+        progress=head.progress,
+        cursor=head.cursor,
+        sink=state,
+        chain=_chain_of(parts),
     )
 
 
@@ -354,6 +386,7 @@ def _apply(queued: dict[int, TrainingSample], groups: dict[str, OpenGroup], d: S
 class _Part:
     """One decoded file: a full checkpoint (``sink``) or a delta."""
 
+    size: int
     path: Path
     step: int
     progress: Mapping[str, Any]
@@ -361,6 +394,21 @@ class _Part:
     link: Link
     sink: SinkState | None = None
     delta: SinkDelta | None = None
+
+
+def _chain_of(parts: list[_Part]) -> tuple[ChainFile, ...]:
+    return tuple(
+        ChainFile(
+            path=part.path,
+            parent=None
+            if part.link.parent is None
+            else part.path.with_name(f"step_{part.link.parent:08d}.ckpt"),
+            chain=part.link.chain,
+            seq=part.link.seq,
+            size=part.size,
+        )
+        for part in parts
+    )
 
 
 def _read_part(p: Path) -> _Part:
@@ -470,6 +518,7 @@ def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int, *, delta: b
             f"more data follows at byte offset {_HEADER.size + unpacker.tell()}",
         )
     common = {
+        "size": body_len + _HEADER.size + _TRAILER.size,
         "path": p,
         "step": meta.step,
         "progress": meta.progress,
@@ -704,6 +753,29 @@ class CheckpointManager:
             epoch=changes.epoch,
         )
 
+    def restore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
+        """`TrainSink.load_state_dict` from ``ckpt`` (with its ``missing_files``); an incremental
+        manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
+        (what the restore itself changed included) rather than a full one. The files it replays
+        stay the run's that wrote them: never deleted by this manager."""
+        head = ckpt.chain[0] if ckpt.chain else None
+        if not self.incremental or head is None or head.chain is None:
+            return sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+        report = restore_sink(sink, ckpt.sink, missing_files=ckpt.missing_files, track=self)
+        mirror = _Mirror.of(ckpt.sink, sink.changes.start_epoch)
+        mirror.path, mirror.step, mirror.chain, mirror.seq = (
+            ckpt.path,
+            ckpt.step,
+            head.chain,
+            head.seq,
+        )
+        mirror.progress, mirror.cursor = ckpt.progress, ckpt.cursor
+        with self._lock:
+            for f in ckpt.chain:
+                self._links[f.path] = (f.parent, f.chain or 0, f.seq, f.size)
+            self._mirror, self._need_full = mirror, False
+        return report
+
     def write(self, snap: CheckpointSnapshot | IncrementalSnapshot) -> Path:
         """Blocking save: atomic write, then rotation.
 
@@ -784,12 +856,8 @@ class CheckpointManager:
                     )
                 deltas = [p for _, p in parts]
                 parent = mirror.path
-                if (
-                    mirror.step >= snap.step
-                    or parent not in self._written
-                    or parent not in self._links
-                    or not parent.exists()
-                ):
+                # the parent: this manager's last file, or the one it resumed from (`restore`)
+                if mirror.step >= snap.step or parent not in self._links or not parent.exists():
                     parent = None
             delta = _compose([d for d in deltas if isinstance(d, SinkDelta)]) if deltas else None
             if delta is not None:

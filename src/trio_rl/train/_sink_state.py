@@ -362,7 +362,11 @@ def snapshot_changes(sink: TrainSink) -> SinkDelta:
 
 
 def restore_sink(
-    sink: TrainSink, state: SinkState, *, missing_files: Collection[str] = ()
+    sink: TrainSink,
+    state: SinkState,
+    *,
+    missing_files: Collection[str] = (),
+    track: object = None,
 ) -> RestoreReport:
     """Replace the sink's state with a checkpoint's.
 
@@ -375,6 +379,10 @@ def restore_sink(
 
     A state that breaks the sink's invariants (see :func:`state_problem`) raises
     :class:`TrainSinkError` naming the field, and the sink is left unchanged.
+
+    ``track`` (an incremental checkpoint manager) starts the sink's change log at ``state`` as
+    saved: what the restore changes in it (dropped work, groups scored now) is logged, so the
+    next checkpoint is a delta after the one restored from.
     """
     problem = state_problem(state)
     if problem is not None:
@@ -385,17 +393,28 @@ def restore_sink(
     sink._books.window = state.window.copy()
     book = sink.book
     book.groups.clear()
-    book.changes.invalidate()
+    changes = book.changes
+    changes.invalidate()
+    if track is not None:
+        changes.start(track)
+        changes.active = False  # the bulk restore below is ``state`` itself: not a change
     missing = set(missing_files)
     q_missing = q_stale = m_missing = m_stale = 0
+    dropped: list[int] = []
     for ts in state.queued:
         if missing and any(seg.file in missing for seg in ts.payload or ()):
             q_missing += 1
+            dropped.append(ts.arrival)
         elif sink.queue.is_stale(ts.policy_version):
             q_stale += 1
+            dropped.append(ts.arrival)
         else:
             sink.queue.enqueue(ts)
             sink._next_arrival = max(sink._next_arrival, ts.arrival + 1)
+    if track is not None:
+        changes.active = True  # from here on, what the restore changes in ``state`` is logged
+        for a in dropped:
+            changes.remove(a)
     sink._books.book("filtered", q_missing)
     sink._books.book("stale", q_stale)
     resumed: list[OpenGroup] = []
@@ -414,6 +433,8 @@ def restore_sink(
         g = book.groups[og.group_id] = OpenGroup(
             og.group_id, og.prompt, og.group_size, fresh, og.policy_version_at_start
         )
+        if len(fresh) != len(og.arrived):
+            changes.group(og.group_id)  # members dropped
         # A full group is scored now only when every member has its reward; otherwise its
         # group reward had not run at the checkpoint, and it goes back to the rollout layer,
         # which dispatches nothing for it and only runs the reward.
