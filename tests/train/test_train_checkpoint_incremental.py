@@ -59,7 +59,7 @@ async def test_a_delta_costs_what_arrived_not_the_queue(tmp_path: Path) -> None:
             sink.add_group(make_group([1.0, 0.0, 0.5, 0.25], completion=64))
         await sink.take_batch()
         snap = mgr.snapshot(sink, step=step, cursor={"step": step})
-        delta_puts.append(len(getattr(mgr._pending[-1][1], "put", sink.queued_samples())))
+        delta_puts.append(len(getattr(mgr._chain.pending[-1][1], "put", sink.queued_samples())))
         await mgr.save(snap)
         full_sizes.append(len(encode_checkpoint(CheckpointManager(tmp_path).snapshot(sink))))
     assert sink.queued == 30 * 8

@@ -44,7 +44,7 @@ from ._codec import (
     encode_sample,
     encode_training_sample,
 )
-from ._errors import CheckpointError
+from ._errors import CheckpointError, TrainError
 from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
 from ._sink import TrainSink
 from ._sink_state import (
@@ -161,7 +161,7 @@ class _Body:
             self.chunks, self.pending = [], 0
 
 
-class _Aborted(Exception):
+class _CompactionStoppedError(TrainError):
     """A background compaction was told to stop (the manager is closing)."""
 
 
@@ -227,7 +227,7 @@ def _write_body(
             # a background compaction: stop when told to, and leave the GIL to the event
             # loop between records (a compaction is never waited for, a loop pause is)
             if abort.is_set():
-                raise _Aborted
+                raise _CompactionStoppedError
             time.sleep(_YIELD)
         try:
             body.add(packer.pack(encode_training_sample(ts)))
@@ -636,7 +636,285 @@ def _compose(deltas: Sequence[SinkDelta]) -> SinkDelta:
     )
 
 
-class CheckpointManager:
+class _Chain:
+    """An incremental manager's chain: the snapshots taken and not written yet, the mirror of
+    its last file, the links between its files, and the background compaction."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.m = manager
+        # snapshots taken on the loop, not written yet: its own lock, never held during I/O
+        self.pending_lock = threading.Lock()
+        self.pending: list[tuple[int, SinkState | SinkDelta]] = []
+        self.mirror: _Mirror | None = None
+        self.need_full = False
+        self.links: dict[Path, tuple[Path | None, int, int, int]] = {}  # parent, chain, seq, size
+        self.compactor: threading.Thread | None = None
+        self.abort = threading.Event()
+
+    def snapshot(
+        self, sink: TrainSink, step: int | None, cursor: Any, progress: Mapping[str, Any] | None
+    ) -> IncrementalSnapshot:
+        changes = sink.changes
+        part: SinkState | SinkDelta
+        if changes.active and changes.owner is self and not self.need_full:
+            part = snapshot_changes(sink)
+        else:
+            part = sink.state_dict()
+            changes.start(self)
+            self.need_full = False
+        with self.pending_lock:
+            self.pending.append((changes.epoch, part))
+        return IncrementalSnapshot(
+            step=sink.step - 1 if step is None else step,
+            progress=copy.deepcopy(dict(progress or {})),
+            cursor=copy.deepcopy(cursor),
+            epoch=changes.epoch,
+        )
+
+    def restore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
+        """`TrainSink.load_state_dict` from ``ckpt`` (with its ``missing_files``); an incremental
+        manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
+        (what the restore itself changed included) rather than a full one. The files it replays
+        stay the run's that wrote them: never deleted by this manager."""
+        head = ckpt.chain[0] if ckpt.chain else None
+        same_dir = ckpt.path.parent.resolve() == self.m.directory.resolve()
+        if not self.m.incremental or head is None or head.chain is None or not same_dir:
+            return sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+        report = restore_sink(sink, ckpt.sink, missing_files=ckpt.missing_files, track=self)
+        mirror = _Mirror.of(ckpt.sink, sink.changes.start_epoch)
+        mirror.path, mirror.step, mirror.chain, mirror.seq = (
+            ckpt.path,
+            ckpt.step,
+            head.chain,
+            head.seq,
+        )
+        mirror.progress, mirror.cursor = ckpt.progress, ckpt.cursor
+        with self.m._lock:
+            for f in ckpt.chain:
+                self.links[f.path] = (f.parent, f.chain or 0, f.seq, f.size)
+            self.mirror, self.need_full = mirror, False
+        return report
+
+    def write(self, target: Path, snap: IncrementalSnapshot) -> Path:
+        """Apply the pending snapshots up to ``snap``'s to the mirror; write a delta after the
+        mirror's file, or a full file when there is none to follow (the first, a re-save of the
+        same step, after a failure). Then maybe start a compaction."""
+        with self.pending_lock:
+            parts = [(e, p) for e, p in self.pending if e <= snap.epoch]
+            self.pending = [(e, p) for e, p in self.pending if e > snap.epoch]
+        mirror = self.mirror
+        fulls = [i for i, (_, p) in enumerate(parts) if isinstance(p, SinkState)]
+        try:
+            if fulls:
+                _, state = parts[fulls[-1]]
+                assert isinstance(state, SinkState)
+                mirror = _Mirror.of(state, parts[fulls[-1]][0])
+                deltas = [p for _, p in parts[fulls[-1] + 1 :]]
+                parent: Path | None = None
+            else:
+                if mirror is None or not parts or parts[0][0] != mirror.epoch + 1:
+                    raise CheckpointError(
+                        str(target),
+                        "incremental snapshot out of order (an earlier one was not written, or "
+                        "its write failed): the next checkpoint will be a full one",
+                    )
+                deltas = [p for _, p in parts]
+                parent = mirror.path
+                # the parent: this manager's last file, or the one it resumed from (`restore`)
+                if mirror.step >= snap.step or parent not in self.links or not parent.exists():
+                    parent = None
+            delta = _compose([d for d in deltas if isinstance(d, SinkDelta)]) if deltas else None
+            if delta is not None:
+                _apply(mirror.queued, mirror.groups, delta)
+                mirror.head = _head_of(delta)
+            mirror.epoch = snap.epoch
+            mirror.progress, mirror.cursor = snap.progress, snap.cursor
+            if parent is None or delta is None:
+                chain, seq = secrets.randbits(62), 0
+                full = CheckpointSnapshot(snap.step, snap.progress, snap.cursor, mirror.state())
+                link = {"chain": chain, "seq": seq}
+                size = _atomic_write(
+                    target, lambda f: _write_stream(f, full, str(target), link=link)
+                )
+                self.links[target] = (None, chain, seq, size)
+            else:
+                chain, seq = mirror.chain, mirror.seq + 1
+                d = delta
+                meta = _meta(
+                    snap.step, snap.progress, snap.cursor, d, len(d.put), len(d.groups)
+                ) | {
+                    "kind": "delta",
+                    "chain": chain,
+                    "seq": seq,
+                    "parent": mirror.step,
+                    "removed": list(d.removed),
+                    "closed": list(d.closed),
+                }
+                size = _atomic_write(
+                    target,
+                    lambda f: _write_body(
+                        f, DELTA_SCHEMA_VERSION, meta, d.put, d.groups, str(target)
+                    ),
+                )
+                self.links[target] = (parent, chain, seq, size)
+        except BaseException:
+            self.mirror, self.need_full = None, True
+            raise
+        mirror.path, mirror.step, mirror.chain, mirror.seq = target, snap.step, chain, seq
+        self.mirror = mirror
+        self.m._written.add(target)
+        self.m.written_bytes.append(size)
+        self.maybe_compact()
+        return target
+
+    def maybe_compact(self) -> None:
+        mirror = self.mirror
+        if mirror is None or (self.compactor is not None and self.compactor.is_alive()):
+            return
+        n, delta_bytes, q = 0, 0, mirror.path
+        link = self.links.get(q)
+        while link is not None and link[0] is not None:
+            n, delta_bytes = n + 1, delta_bytes + link[3]
+            q = link[0]
+            link = self.links.get(q)
+        if link is None or n == 0:
+            return
+        if delta_bytes <= self.m.compact_ratio * link[3] and n < self.m.max_chain:
+            return
+        # an owned view of the mirror (samples shared): the writer goes on changing the mirror
+        job = (
+            mirror.path,
+            mirror.chain,
+            mirror.seq,
+            CheckpointSnapshot(
+                mirror.step,
+                mirror.progress,
+                mirror.cursor,
+                SinkState(
+                    step=mirror.head.step,
+                    next_arrival=mirror.head.next_arrival,
+                    counters=mirror.head.counters,
+                    window=mirror.head.window,
+                    queued=tuple(mirror.queued.values()),
+                    open_groups=tuple(mirror.groups.values()),
+                ),
+            ),
+        )
+        if not self.m.background_compaction:
+            self.compact(*job)
+            return
+        self.compactor = threading.Thread(
+            target=self.compact, args=job, name="trio-rl checkpoint compaction", daemon=True
+        )
+        self.compactor.start()
+
+    def compact(self, path: Path, chain: int, seq: int, snap: CheckpointSnapshot) -> None:
+        """Rewrite the delta ``path`` as a full file with the same content (atomically); the
+        files before it are then needed only by older checkpoints, and pruned with them."""
+        s = snap.sink
+        state = attrs.evolve(s, queued=tuple(sorted(s.queued, key=lambda ts: ts.arrival)))
+        full = attrs.evolve(snap, sink=state)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.compact")
+        try:
+            with open(tmp, "wb") as f:
+                _write_stream(
+                    f, full, str(path), link={"chain": chain, "seq": seq}, abort=self.abort
+                )
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            with self.m._lock:
+                link = self.links.get(path)
+                if path not in self.m._written or link is None or link[1:3] != (chain, seq):
+                    tmp.unlink(missing_ok=True)  # replaced or pruned meanwhile
+                    return
+                os.replace(tmp, path)
+                fsync_dir(path.parent)
+                self.links[path] = (None, chain, seq, size)
+                self.m.compactions += 1
+                mirror = self.mirror
+                self.prune(mirror.step if mirror is not None else _step_of(path))
+        except _CompactionStoppedError:
+            tmp.unlink(missing_ok=True)
+        except Exception:
+            tmp.unlink(missing_ok=True)
+            logger.exception("checkpoint compaction of %s failed (the deltas stay)", path)
+
+    def close(self) -> None:
+        """Blocking: stop a background compaction (its temporary file is removed; the deltas
+        stay valid) and wait for its thread."""
+        t = self.compactor
+        if t is not None:
+            self.abort.set()
+            t.join()
+            self.abort.clear()
+            self.compactor = None
+
+    def wait(self) -> None:
+        """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
+        t = self.compactor
+        if t is not None:
+            t.join()
+
+    def prune(self, step: int) -> None:
+        """Delete own checkpoints newer than ``step`` (an abandoned run's) and all but the newest
+        ``keep`` others, except files a kept one depends on."""
+        own = [p for p in self.m.list_checkpoints() if p in self.m._written]
+        newer = [p for p in own if _step_of(p) > step]
+        kept = [p for p in own if p not in newer][-self.m.keep :]
+        needed: set[Path] = set()
+        for p in kept:
+            q: Path | None = p
+            while q is not None and q not in needed:
+                needed.add(q)
+                link = self.links.get(q)
+                q = None if link is None else link[0]
+        for old in own:
+            if old not in needed:
+                old.unlink(missing_ok=True)
+                self.m._written.discard(old)
+                self.links.pop(old, None)
+
+
+class _Outboxes:
+    """The outbox files next to the checkpoints (see `CheckpointManager`)."""
+
+    directory: Path
+
+    def outbox_path(self, step: int) -> Path:
+        """Where the payload bytes of ``step`` wait until their delivery is confirmed."""
+        return self.directory / f"outbox_step_{step:08d}.bin"
+
+    # -- outbox: the payload bytes of a step whose delivery is not confirmed yet --
+
+    def write_outbox(self, step: int, payloads: Sequence[bytes | bytearray | memoryview]) -> Path:
+        """Blocking: write step ``step``'s payloads (one per rank) atomically and durably."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return write_outbox_file(self.outbox_path(step), step, payloads)
+
+    def read_outbox(self, step: int) -> list[bytes] | None:
+        """Blocking: step ``step``'s pending payloads, or None when it has no outbox file.
+
+        A truncated or corrupt outbox raises `CheckpointError` naming the file and offset.
+        """
+        return read_outbox_file(self.outbox_path(step), step)
+
+    def clear_outbox(self, step: int) -> None:
+        """Blocking: step ``step``'s delivery is confirmed; forget its payload bytes."""
+        self.outbox_path(step).unlink(missing_ok=True)
+
+    def pending_outboxes(self) -> list[int]:
+        """Steps with an outbox file (a delivery not confirmed), in order."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(
+            int(m.group(1))
+            for e in os.scandir(self.directory)
+            if (m := _OUTBOX.match(e.name)) is not None
+        )
+
+
+class CheckpointManager(_Outboxes):
     """One checkpoint per step in ``directory``, keeping the last ``keep`` it wrote itself.
 
     With ``incremental=True`` a checkpoint costs what changed since the previous one: the first
@@ -687,16 +965,9 @@ class CheckpointManager:
         self.max_chain = max_chain
         self.background_compaction = background_compaction
         self._written: set[Path] = set()
-        # incremental state (the lock guards all of it: written by worker threads)
+        # incremental state (the lock guards the files and links: written by worker threads)
         self._lock = threading.RLock()
-        # snapshots taken on the loop, not written yet: its own lock, never held during I/O
-        self._pending_lock = threading.Lock()
-        self._pending: list[tuple[int, SinkState | SinkDelta]] = []
-        self._mirror: _Mirror | None = None
-        self._need_full = False
-        self._links: dict[Path, tuple[Path | None, int, int, int]] = {}  # parent, chain, seq, size
-        self._compactor: threading.Thread | None = None
-        self._abort = threading.Event()
+        self._chain = _Chain(self)
         #: Bytes each `write` put in its checkpoint file (compactions excluded), newest last.
         self.written_bytes: list[int] = []
         #: Compactions completed (a delta rewritten as a full file).
@@ -704,10 +975,6 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.ckpt"
-
-    def outbox_path(self, step: int) -> Path:
-        """Where the payload bytes of ``step`` wait until their delivery is confirmed."""
-        return self.directory / f"outbox_step_{step:08d}.bin"
 
     def snapshot(
         self,
@@ -725,7 +992,7 @@ class CheckpointManager:
         a full state the first time), else a `CheckpointSnapshot`.
         """
         if self.incremental:
-            return self._snapshot_incremental(sink, step, cursor, progress)
+            return self._chain.snapshot(sink, step, cursor, progress)
         return CheckpointSnapshot(
             step=sink.step - 1 if step is None else step,
             progress=copy.deepcopy(dict(progress or {})),
@@ -733,48 +1000,21 @@ class CheckpointManager:
             sink=sink.state_dict(),
         )
 
-    def _snapshot_incremental(
-        self, sink: TrainSink, step: int | None, cursor: Any, progress: Mapping[str, Any] | None
-    ) -> IncrementalSnapshot:
-        changes = sink.changes
-        part: SinkState | SinkDelta
-        if changes.active and changes.owner is self and not self._need_full:
-            part = snapshot_changes(sink)
-        else:
-            part = sink.state_dict()
-            changes.start(self)
-            self._need_full = False
-        with self._pending_lock:
-            self._pending.append((changes.epoch, part))
-        return IncrementalSnapshot(
-            step=sink.step - 1 if step is None else step,
-            progress=copy.deepcopy(dict(progress or {})),
-            cursor=copy.deepcopy(cursor),
-            epoch=changes.epoch,
-        )
-
     def restore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
         """`TrainSink.load_state_dict` from ``ckpt`` (with its ``missing_files``); an incremental
         manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
         (what the restore itself changed included) rather than a full one. The files it replays
         stay the run's that wrote them: never deleted by this manager."""
-        head = ckpt.chain[0] if ckpt.chain else None
-        if not self.incremental or head is None or head.chain is None:
-            return sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
-        report = restore_sink(sink, ckpt.sink, missing_files=ckpt.missing_files, track=self)
-        mirror = _Mirror.of(ckpt.sink, sink.changes.start_epoch)
-        mirror.path, mirror.step, mirror.chain, mirror.seq = (
-            ckpt.path,
-            ckpt.step,
-            head.chain,
-            head.seq,
-        )
-        mirror.progress, mirror.cursor = ckpt.progress, ckpt.cursor
-        with self._lock:
-            for f in ckpt.chain:
-                self._links[f.path] = (f.parent, f.chain or 0, f.seq, f.size)
-            self._mirror, self._need_full = mirror, False
-        return report
+        return self._chain.restore(sink, ckpt)
+
+    def close(self) -> None:
+        """Blocking: stop a background compaction (its temporary file is removed; the deltas
+        stay valid) and wait for its thread."""
+        self._chain.close()
+
+    def wait_compaction(self) -> None:
+        """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
+        self._chain.wait()
 
     def write(self, snap: CheckpointSnapshot | IncrementalSnapshot) -> Path:
         """Blocking save: atomic write, then rotation.
@@ -798,199 +1038,20 @@ class CheckpointManager:
             if foreign:
                 self._move_aside(foreign, "superseded by a resumed run")
             if isinstance(snap, IncrementalSnapshot):
-                path = self._write_incremental(target, snap)
+                path = self._chain.write(target, snap)
             else:
                 path = write_checkpoint(target, snap)
                 self.written_bytes.append(path.stat().st_size)
-                self._links.pop(path, None)
+                self._chain.links.pop(path, None)
             self._written.add(path)
-            self._prune(snap.step)
-            compacting = self._compactor is not None and self._compactor.is_alive()
+            self._chain.prune(snap.step)
+            compactor = self._chain.compactor
+            compacting = compactor is not None and compactor.is_alive()
             for entry in os.scandir(self.directory):
                 # left behind by a writer (or a compaction) that crashed mid-save
                 if _TMP.match(entry.name) or (not compacting and _COMPACT_TMP.match(entry.name)):
                     Path(entry.path).unlink(missing_ok=True)
         return path
-
-    def _prune(self, step: int) -> None:
-        """Delete own checkpoints newer than ``step`` (an abandoned run's) and all but the newest
-        ``keep`` others, except files a kept one depends on."""
-        own = [p for p in self.list_checkpoints() if p in self._written]
-        newer = [p for p in own if _step_of(p) > step]
-        kept = [p for p in own if p not in newer][-self.keep :]
-        needed: set[Path] = set()
-        for p in kept:
-            q: Path | None = p
-            while q is not None and q not in needed:
-                needed.add(q)
-                link = self._links.get(q)
-                q = None if link is None else link[0]
-        for old in own:
-            if old not in needed:
-                old.unlink(missing_ok=True)
-                self._written.discard(old)
-                self._links.pop(old, None)
-
-    def _write_incremental(self, target: Path, snap: IncrementalSnapshot) -> Path:
-        """Apply the pending snapshots up to ``snap``'s to the mirror; write a delta after the
-        mirror's file, or a full file when there is none to follow (the first, a re-save of the
-        same step, after a failure). Then maybe start a compaction."""
-        with self._pending_lock:
-            parts = [(e, p) for e, p in self._pending if e <= snap.epoch]
-            self._pending = [(e, p) for e, p in self._pending if e > snap.epoch]
-        mirror = self._mirror
-        fulls = [i for i, (_, p) in enumerate(parts) if isinstance(p, SinkState)]
-        try:
-            if fulls:
-                _, state = parts[fulls[-1]]
-                assert isinstance(state, SinkState)
-                mirror = _Mirror.of(state, parts[fulls[-1]][0])
-                deltas = [p for _, p in parts[fulls[-1] + 1 :]]
-                parent: Path | None = None
-            else:
-                if mirror is None or not parts or parts[0][0] != mirror.epoch + 1:
-                    raise CheckpointError(
-                        str(target),
-                        "incremental snapshot out of order (an earlier one was not written, or "
-                        "its write failed): the next checkpoint will be a full one",
-                    )
-                deltas = [p for _, p in parts]
-                parent = mirror.path
-                # the parent: this manager's last file, or the one it resumed from (`restore`)
-                if mirror.step >= snap.step or parent not in self._links or not parent.exists():
-                    parent = None
-            delta = _compose([d for d in deltas if isinstance(d, SinkDelta)]) if deltas else None
-            if delta is not None:
-                _apply(mirror.queued, mirror.groups, delta)
-                mirror.head = _head_of(delta)
-            mirror.epoch = snap.epoch
-            mirror.progress, mirror.cursor = snap.progress, snap.cursor
-            if parent is None or delta is None:
-                chain, seq = secrets.randbits(62), 0
-                full = CheckpointSnapshot(snap.step, snap.progress, snap.cursor, mirror.state())
-                link = {"chain": chain, "seq": seq}
-                size = _atomic_write(
-                    target, lambda f: _write_stream(f, full, str(target), link=link)
-                )
-                self._links[target] = (None, chain, seq, size)
-            else:
-                chain, seq = mirror.chain, mirror.seq + 1
-                d = delta
-                meta = _meta(
-                    snap.step, snap.progress, snap.cursor, d, len(d.put), len(d.groups)
-                ) | {
-                    "kind": "delta",
-                    "chain": chain,
-                    "seq": seq,
-                    "parent": mirror.step,
-                    "removed": list(d.removed),
-                    "closed": list(d.closed),
-                }
-                size = _atomic_write(
-                    target,
-                    lambda f: _write_body(
-                        f, DELTA_SCHEMA_VERSION, meta, d.put, d.groups, str(target)
-                    ),
-                )
-                self._links[target] = (parent, chain, seq, size)
-        except BaseException:
-            self._mirror, self._need_full = None, True
-            raise
-        mirror.path, mirror.step, mirror.chain, mirror.seq = target, snap.step, chain, seq
-        self._mirror = mirror
-        self._written.add(target)
-        self.written_bytes.append(size)
-        self._maybe_compact()
-        return target
-
-    def _maybe_compact(self) -> None:
-        mirror = self._mirror
-        if mirror is None or (self._compactor is not None and self._compactor.is_alive()):
-            return
-        n, delta_bytes, q = 0, 0, mirror.path
-        link = self._links.get(q)
-        while link is not None and link[0] is not None:
-            n, delta_bytes = n + 1, delta_bytes + link[3]
-            q = link[0]
-            link = self._links.get(q)
-        if link is None or n == 0:
-            return
-        if delta_bytes <= self.compact_ratio * link[3] and n < self.max_chain:
-            return
-        # an owned view of the mirror (samples shared): the writer goes on changing the mirror
-        job = (
-            mirror.path,
-            mirror.chain,
-            mirror.seq,
-            CheckpointSnapshot(
-                mirror.step,
-                mirror.progress,
-                mirror.cursor,
-                SinkState(
-                    step=mirror.head.step,
-                    next_arrival=mirror.head.next_arrival,
-                    counters=mirror.head.counters,
-                    window=mirror.head.window,
-                    queued=tuple(mirror.queued.values()),
-                    open_groups=tuple(mirror.groups.values()),
-                ),
-            ),
-        )
-        if not self.background_compaction:
-            self._compact(*job)
-            return
-        self._compactor = threading.Thread(
-            target=self._compact, args=job, name="trio-rl checkpoint compaction", daemon=True
-        )
-        self._compactor.start()
-
-    def _compact(self, path: Path, chain: int, seq: int, snap: CheckpointSnapshot) -> None:
-        """Rewrite the delta ``path`` as a full file with the same content (atomically); the
-        files before it are then needed only by older checkpoints, and pruned with them."""
-        s = snap.sink
-        state = attrs.evolve(s, queued=tuple(sorted(s.queued, key=lambda ts: ts.arrival)))
-        full = attrs.evolve(snap, sink=state)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.compact")
-        try:
-            with open(tmp, "wb") as f:
-                _write_stream(
-                    f, full, str(path), link={"chain": chain, "seq": seq}, abort=self._abort
-                )
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            with self._lock:
-                link = self._links.get(path)
-                if path not in self._written or link is None or link[1:3] != (chain, seq):
-                    tmp.unlink(missing_ok=True)  # replaced or pruned meanwhile
-                    return
-                os.replace(tmp, path)
-                fsync_dir(path.parent)
-                self._links[path] = (None, chain, seq, size)
-                self.compactions += 1
-                mirror = self._mirror
-                self._prune(mirror.step if mirror is not None else _step_of(path))
-        except _Aborted:
-            tmp.unlink(missing_ok=True)
-        except Exception:
-            tmp.unlink(missing_ok=True)
-            logger.exception("checkpoint compaction of %s failed (the deltas stay)", path)
-
-    def close(self) -> None:
-        """Blocking: stop a background compaction (its temporary file is removed; the deltas
-        stay valid) and wait for its thread."""
-        t = self._compactor
-        if t is not None:
-            self._abort.set()
-            t.join()
-            self._abort.clear()
-            self._compactor = None
-
-    def wait_compaction(self) -> None:
-        """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
-        t = self._compactor
-        if t is not None:
-            t.join()
 
     async def save(self, snap: CheckpointSnapshot | IncrementalSnapshot) -> Path:
         """Serialise and write ``snap`` in a worker thread.
@@ -1102,31 +1163,3 @@ class CheckpointManager:
         fsync_dir(self.directory)
         logger.warning("moved %d checkpoint file(s) (%s) to %s", len(files), why, aside)
         return aside
-
-    # -- outbox: the payload bytes of a step whose delivery is not confirmed yet --
-
-    def write_outbox(self, step: int, payloads: Sequence[bytes | bytearray | memoryview]) -> Path:
-        """Blocking: write step ``step``'s payloads (one per rank) atomically and durably."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        return write_outbox_file(self.outbox_path(step), step, payloads)
-
-    def read_outbox(self, step: int) -> list[bytes] | None:
-        """Blocking: step ``step``'s pending payloads, or None when it has no outbox file.
-
-        A truncated or corrupt outbox raises `CheckpointError` naming the file and offset.
-        """
-        return read_outbox_file(self.outbox_path(step), step)
-
-    def clear_outbox(self, step: int) -> None:
-        """Blocking: step ``step``'s delivery is confirmed; forget its payload bytes."""
-        self.outbox_path(step).unlink(missing_ok=True)
-
-    def pending_outboxes(self) -> list[int]:
-        """Steps with an outbox file (a delivery not confirmed), in order."""
-        if not self.directory.is_dir():
-            return []
-        return sorted(
-            int(m.group(1))
-            for e in os.scandir(self.directory)
-            if (m := _OUTBOX.match(e.name)) is not None
-        )
