@@ -12,6 +12,12 @@ File format (schema version 1), ``step_<N>.ckpt``::
 All integers little-endian. A file without a complete trailer is truncated; a checksum mismatch
 is corruption; both, and an unknown schema version, raise :class:`CheckpointError` naming the file.
 Loading never executes code (no pickle).
+
+A *delta* (schema version 2, written by an incremental `CheckpointManager`) has the same framing;
+its meta map adds ``kind: "delta"``, ``chain``, ``seq``, ``parent`` (the step of the file it was
+written after) and the lists ``removed`` (arrivals) and ``closed`` (group ids); its records are
+the samples queued and the open groups changed since the parent. A full file written by an
+incremental manager carries ``chain`` and ``seq`` too. See docs/train.md.
 """
 
 from __future__ import annotations
