@@ -115,6 +115,10 @@ class OrchestratorConfig:
     seed: int | None = None
     failure: FailurePolicy = attrs.field(factory=FailurePolicy)
     checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
+    #: Incremental checkpoints: a full one first, then per step a delta of what changed since
+    #: the previous one, compacted into a full file in the background (see
+    #: :class:`~trio_rl.train.CheckpointManager`). False: a full checkpoint every step.
+    checkpoint_incremental: bool = True
     #: Deadline in seconds of each sample (generation plus its reward); expiry fails the sample
     #: and so its group, which then follows ``failure``. None: only the engine's own deadlines.
     sample_timeout: float | None = None
@@ -429,6 +433,7 @@ async def open_orchestrator(
             keep=config.checkpoint_keep,
             limiter=limiter,
             payload_root=None if payloads is None else payloads.root,
+            incremental=config.checkpoint_incremental,
         )
     )
     policy_version: PolicyVersion = 0
@@ -443,7 +448,8 @@ async def open_orchestrator(
         ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
             policy_version = _restore_run_state(ckpt, source, factory)
-            restore = sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
+            # an incremental manager goes on from the checkpoint's file (its next is a delta)
+            restore = manager.restore(sink, ckpt)
             outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
             if outbox is not None:
                 pending = (ckpt.step, outbox)
@@ -485,44 +491,50 @@ async def open_orchestrator(
         num_ranks=sender.world_size,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )
-    with collapse_single():
-        async with (
-            open_async_rollout(
-                source,
-                factory,
-                runner,
-                batch_size=config.batch_groups,
-                policy=config.make_policy(),
-                max_groups_in_flight=budget,
-                # The sink's staleness filter is the hard guarantee; the driver passes everything.
-                max_staleness=None,
-                aborted="recycle",
-                on_failure=config.failure,
-                # the sink's book is the one record of work in flight: the driver reports to it
-                book=sink.book,
-                resumed=() if restore is None else restore.resumed,
-                policy_version=orch.version,
-            ) as driver,
-            open_publisher(
-                sink,
-                sender,
-                pack=pack,
-                limiter=limiter,
-                checkpointer=None
-                if manager is None
-                else SinkCheckpointer(
-                    manager,
+    try:
+        with collapse_single():
+            async with (
+                open_async_rollout(
+                    source,
+                    factory,
+                    runner,
+                    batch_size=config.batch_groups,
+                    policy=config.make_policy(),
+                    max_groups_in_flight=budget,
+                    # The sink's staleness filter is the hard guarantee; the driver passes all.
+                    max_staleness=None,
+                    aborted="recycle",
+                    on_failure=config.failure,
+                    # the sink's book is the one record of work in flight: the driver reports to it
+                    book=sink.book,
+                    resumed=() if restore is None else restore.resumed,
+                    policy_version=orch.version,
+                ) as driver,
+                open_publisher(
                     sink,
-                    cursor=lambda: {"source": source.state(), "factory": factory.state()},
-                    progress=lambda: {"policy_version": orch.policy_version},
-                ),
-                monitor=monitor,
-            ) as publisher,
-        ):
-            orch._driver, orch._publisher = driver, publisher
-            if pending is not None:
-                publisher.add_pending(*pending)
-            try:
-                yield orch
-            finally:
-                orch._driver = orch._publisher = None
+                    sender,
+                    pack=pack,
+                    limiter=limiter,
+                    checkpointer=None
+                    if manager is None
+                    else SinkCheckpointer(
+                        manager,
+                        sink,
+                        cursor=lambda: {"source": source.state(), "factory": factory.state()},
+                        progress=lambda: {"policy_version": orch.policy_version},
+                    ),
+                    monitor=monitor,
+                ) as publisher,
+            ):
+                orch._driver, orch._publisher = driver, publisher
+                if pending is not None:
+                    publisher.add_pending(*pending)
+                try:
+                    yield orch
+                finally:
+                    orch._driver = orch._publisher = None
+    finally:
+        if manager is not None:
+            # a background compaction stops (the deltas it would replace stay valid)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(manager.close)

@@ -111,7 +111,8 @@ PINNED: dict[str, set[str]] = {
     },
     "trio_rl.train": {
         *("Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointSnapshot"),
-        *("CodecError", "Cut", "DetachedBatch", "PayloadError", "PayloadFileMissing"),
+        *("CodecError", "Cut", "DetachedBatch", "IncrementalSnapshot", "PayloadError"),
+        "PayloadFileMissing",
         *("PayloadFileMissingError", "PruneMode", "PruneResult", "RestoreReport"),
         *("ScoringConfig", "SequenceLists", "SinkConfig", "SinkCounters", "SinkState"),
         *("SinkWindow", "TrainBatch", "TrainError", "TrainSink", "TrainSinkError"),

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from train_helpers import crash_sink_steps
 
 from conftest import scaled
@@ -25,9 +26,11 @@ import sys
 sys.path.insert(0, sys.argv[2])
 from train_helpers import crash_sink_steps
 from trio_rl.train import CheckpointManager
-mgr = CheckpointManager(sys.argv[1], keep=3)
+incremental = sys.argv[3] == "1"
+# incremental: deltas, compacted in the background often (a kill lands in one too)
+mgr = CheckpointManager(sys.argv[1], keep=3, incremental=incremental, compact_ratio=0.3)
 print("ready", flush=True)
-for step, snap in crash_sink_steps(10_000):
+for step, snap in crash_sink_steps(10_000, mgr):
     mgr.write(snap)
     print("saved", step, flush=True)
 """
@@ -40,12 +43,15 @@ def expected_bytes(step: int) -> bytes:
     raise AssertionError(step)
 
 
-def test_sigkilled_writer_never_loses_a_complete_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+def test_sigkilled_writer_never_loses_a_complete_checkpoint(
+    tmp_path: Path, incremental: bool
+) -> None:
     rng = random.Random(1234)
     for trial in range(scaled(5)):
         d = tmp_path / f"trial{trial}"
         proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(d), str(HERE)],
+            [sys.executable, "-c", WRITER, str(d), str(HERE), str(int(incremental))],
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -75,9 +81,10 @@ def test_sigkilled_writer_never_loses_a_complete_checkpoint(tmp_path: Path) -> N
         assert encode_checkpoint(loaded) == expected_bytes(ck.step), (
             f"trial {trial}, step {ck.step}"
         )
-        assert len(CheckpointManager(d).list_checkpoints()) <= 4  # keep=3, plus one mid-rotation
+        if not incremental:  # keep=3, plus one mid-rotation (incremental: and what they replay)
+            assert len(CheckpointManager(d).list_checkpoints()) <= 4
         # the next save clears whatever the killed writer left behind
         mgr = CheckpointManager(d, keep=3)
         mgr.write(loaded)
-        assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+        assert not [n for n in os.listdir(d) if n.endswith((".tmp", ".compact"))]
         assert mgr.read_latest() is not None

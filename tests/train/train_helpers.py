@@ -16,16 +16,19 @@ def manager(tmp_path: object, **kw: object) -> CheckpointManager:
     return CheckpointManager(tmp_path, **kw)  # type: ignore[arg-type]
 
 
-def crash_sink_steps(last_step: int) -> object:
+def crash_sink_steps(last_step: int, mgr: object = None) -> object:
     """Yield ``(step, snapshot)`` for a deterministic run: each step adds a group and saves.
 
     Sample indices are explicit so a writer subprocess and the test build identical states.
+    ``mgr`` takes the snapshots (an incremental manager must take its own); default: a full one.
     """
     from trio_rl.samples import Group, Prompt, Sample, SampleStatus
     from trio_rl.train import CheckpointManager, SinkConfig, TrainSink
 
     sink = TrainSink(SinkConfig(batch_size=10**9, max_off_policy_steps=None))
-    mgr = CheckpointManager("unused")
+    if mgr is None:
+        mgr = CheckpointManager("unused")
+    assert isinstance(mgr, CheckpointManager)
     for step in range(1, last_step + 1):
         samples = [
             Sample(

@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 import trio
 
-from ..train import CheckpointManager, CheckpointSnapshot, TrainSink
+from ..train import CheckpointManager, CheckpointSnapshot, IncrementalSnapshot, TrainSink
 from ..transport import Payload, Sender
 from ._encoding import Encoded, InMemory
 from ._errors import PublishError
@@ -60,12 +60,13 @@ class SinkCheckpointer:
     cursor: Callable[[], Any] = attrs.field(default=lambda: None)
     progress: Callable[[], Mapping[str, Any]] = attrs.field(default=dict)
 
-    def snapshot(self, step: int) -> CheckpointSnapshot:
-        return self.manager.snapshot(
+    def snapshot(self, step: int) -> CheckpointSnapshot | IncrementalSnapshot:
+        snap: CheckpointSnapshot | IncrementalSnapshot = self.manager.snapshot(
             self.sink, step=step, cursor=self.cursor(), progress=self.progress()
         )
+        return snap
 
-    def write(self, snapshot: CheckpointSnapshot) -> Path:
+    def write(self, snapshot: CheckpointSnapshot | IncrementalSnapshot) -> Path:
         return self.manager.write(snapshot)
 
     def write_outbox(self, step: int, payloads: Sequence[Payload]) -> Path:

@@ -33,7 +33,7 @@ import attrs
 from ..errors import TrioRLError
 from ..samples import Sample
 from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint import SCHEMA_VERSION
+from ..train._checkpoint import file_schema_version
 from ..train._sink_state import payload_files_of_state
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode
@@ -136,7 +136,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         "kind": "checkpoint",
         "file": str(path),
         "bytes": path.stat().st_size,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": file_schema_version(path),
         "step": ckpt.step,
         "next_step": sink.step,
         "progress": dict(ckpt.progress),

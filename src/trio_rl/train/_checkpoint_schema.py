@@ -26,7 +26,7 @@ from ._codec import (
 from ._queue import SinkCounters, SinkWindow
 from ._sink_state import SinkState, state_problem
 
-__all__ = ["Meta", "check_state", "decode_meta", "decode_open_group"]
+__all__ = ["Link", "Meta", "check_state", "decode_link", "decode_meta", "decode_open_group"]
 
 _COUNTERS = tuple(f.name for f in attrs.fields(SinkCounters))
 _WINDOW = tuple(f.name for f in attrs.fields(SinkWindow))
@@ -139,3 +139,42 @@ def check_state(state: SinkState) -> None:
     problem = state_problem(state)
     if problem is not None:
         raise CodecError(f"sink.{problem[0]}", problem[1])
+
+
+@attrs.frozen
+class Link:
+    """Where a file sits in an incremental chain: ``chain`` (an id shared by a base and the
+    deltas written after it), ``seq`` (0 for the base, n for the n-th delta after it) and, for a
+    delta, the ``parent`` step it was written after (None: a full checkpoint)."""
+
+    chain: int | None
+    seq: int
+    parent: int | None
+    removed: tuple[int, ...] = ()
+    closed: tuple[str, ...] = ()
+
+
+def decode_link(obj: object, *, delta: bool, step: int) -> Link:
+    """The chain fields of a header record: optional in a full checkpoint (one written by an
+    incremental manager has them), required in a delta."""
+    m = want_map(obj, "meta")
+    if not delta:
+        if "chain" not in m:
+            return Link(chain=None, seq=0, parent=None)
+        return Link(
+            chain=want_int(m["chain"], "chain"), seq=want_int(m.get("seq"), "seq"), parent=None
+        )
+    for name in ("kind", "chain", "seq", "parent", "removed", "closed"):
+        if name not in m:
+            raise CodecError(name, "missing from the header record")
+    if m["kind"] != "delta":
+        raise CodecError("kind", f"{m['kind']!r} in a delta checkpoint (expected 'delta')")
+    removed = want_list(m["removed"], "removed")
+    closed = want_list(m["closed"], "closed")
+    return Link(
+        chain=want_int(m["chain"], "chain"),
+        seq=want_int(m["seq"], "seq", 1),
+        parent=want_int(m["parent"], "parent", 0, step - 1),
+        removed=tuple(want_int(a, f"removed[{i}]") for i, a in enumerate(removed)),
+        closed=tuple(want_str(g, f"closed[{i}]") for i, g in enumerate(closed)),
+    )

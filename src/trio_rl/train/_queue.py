@@ -16,6 +16,7 @@ import attrs
 import trio
 
 from ..samples import PolicyVersion
+from ._changes import ChangeLog
 from ._errors import TrainSinkError
 from ._scoring import STALENESS_RULES, PruneResult, ScoringConfig, StalenessRule, prune_detached
 from ._types import TrainingSample
@@ -241,9 +242,18 @@ class SampleQueue:
     ``v < (S - 1) - max_off_policy_steps``. Outcomes are booked in the shared ``books``.
     """
 
-    def __init__(self, config: SinkConfig, books: SinkBooks, *, step: int = 1) -> None:
+    def __init__(
+        self,
+        config: SinkConfig,
+        books: SinkBooks,
+        *,
+        step: int = 1,
+        changes: ChangeLog | None = None,
+    ) -> None:
         self.config = config
         self.books = books
+        #: What an incremental checkpoint saves that changed (see `ChangeLog`).
+        self.changes = ChangeLog() if changes is None else changes
         self.step = step
         self._queue: dict[int, TrainingSample] = {}
         self._tokens = 0
@@ -290,10 +300,16 @@ class SampleQueue:
         self.step = step
         self._queue, self._tokens, self._in_cut, self._unread = {}, 0, {}, {}
         self._swept_step = step
+        self.changes.invalidate()
 
     def enqueue(self, ts: TrainingSample) -> None:
         self._queue[ts.arrival] = ts
         self._tokens += ts.num_tokens
+        changes = self.changes
+        if changes.active:
+            changes.queued[ts.arrival] = ts
+            if len(changes.queued) & 0xFFF == 0:
+                changes.check_bound(len(self._queue))
 
     def is_stale(self, version: PolicyVersion) -> bool:
         m = self.config.max_off_policy_steps
@@ -306,6 +322,7 @@ class SampleQueue:
         stale = [k for k, s in self._queue.items() if self.is_stale(s.policy_version)]
         for k in stale:
             self._tokens -= self._queue.pop(k).num_tokens
+            self.changes.remove(k)
         self.books.book("stale", len(stale))
         if stale:
             logger.warning(
@@ -364,6 +381,7 @@ class SampleQueue:
         detached.settled = True
         for s in detached.samples:
             self._in_cut.pop(s.arrival, None)
+            self.changes.remove(s.arrival)
         kept = pruned.kept if pruned is not None else detached.samples
         self.books.book("pruned", len(pruned.pruned) if pruned is not None else 0)
         if not kept:
@@ -389,6 +407,7 @@ class SampleQueue:
         detached.settled = True
         for s in detached.samples:
             self._in_cut.pop(s.arrival, None)
+            self.changes.remove(s.arrival)
         back = detached.samples if pruned is None else pruned.kept
         self.books.book("pruned", 0 if pruned is None else len(pruned.pruned))
         for s in back:
@@ -445,5 +464,6 @@ class SampleQueue:
         n = len(self._queue)
         self._queue.clear()
         self._tokens = 0
+        self.changes.invalidate()
         self.books.book("cancelled", n)
         return n

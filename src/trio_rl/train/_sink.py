@@ -15,6 +15,7 @@ from typing import Literal
 import trio
 
 from ..samples import Group, PolicyVersion, Prompt, Sample
+from ._changes import ChangeLog
 from ._queue import (
     Cut,
     DetachedBatch,
@@ -74,12 +75,14 @@ class TrainSink:
     def __init__(self, config: SinkConfig, *, step: int = 1) -> None:
         self.config = config
         self._books = SinkBooks()
+        #: What changed since the last incremental checkpoint (queue and book record it).
+        self.changes = ChangeLog()
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
-        self.queue = SampleQueue(config, self._books, step=step)
+        self.queue = SampleQueue(config, self._books, step=step, changes=self.changes)
         self._next_arrival = 0
         #: The open-group book: the one record of work in flight, and the
         #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
-        self.book = OpenBook(self._books, self._finalize)
+        self.book = OpenBook(self._books, self._finalize, changes=self.changes)
 
     # -- inspection -----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus
+from ._changes import ChangeLog
 from ._errors import TrainSinkError
 from ._queue import Outcome, SinkBooks, SinkCounters, SinkWindow
 from ._scoring import GroupScore, sample_version, validate_sample
@@ -26,10 +27,13 @@ __all__ = [
     "OpenBook",
     "OpenGroup",
     "RestoreReport",
+    "SinkDelta",
     "SinkState",
+    "copy_open_group",
     "copy_sample",
     "payload_files_of_state",
     "restore_sink",
+    "snapshot_changes",
     "snapshot_sink",
     "state_problem",
 ]
@@ -81,6 +85,8 @@ class OpenBook:
     #: Scores a complete group (``TrainSink._finalize``): takes it out with :meth:`close`.
     finalize: Callable[[str], None]
     groups: dict[str, OpenGroup] = attrs.field(factory=dict)
+    #: What an incremental checkpoint saves that changed (shared with the queue).
+    changes: ChangeLog = attrs.field(factory=ChangeLog)
 
     @property
     def held(self) -> int:
@@ -96,6 +102,7 @@ class OpenBook:
         g = self.groups[group_id] = OpenGroup(
             group_id, prompt, group_size, policy_version_at_start=start
         )
+        self.changes.opened(group_id)
         return g
 
     def member(self, group_id: str, sample: Sample) -> OpenGroup:
@@ -110,6 +117,7 @@ class OpenBook:
         """A finished group arrives whole; members the book already holds for it (same sample
         index: reported by the driver, or restored) are recognised and not counted twice."""
         g = self._opened(group)
+        self.changes.group(g.group_id)  # rewards of held members are set below
         rewards = {s.index: s.reward for s in group.samples if s.index in g.seen}
         for m in g.arrived:
             # the group reward ran over the whole group, restored members included
@@ -134,6 +142,8 @@ class OpenBook:
                 raise TrainSinkError(f"{where}, sample {s.index}: still pending")
             validate_sample(s, where, rewarded=rewarded)
         self.books.dispatched(len(samples))
+        if samples:
+            self.changes.group(g.group_id)
         for s in samples:
             g.seen.add(s.index)
             if s.status is SampleStatus.FAILED:
@@ -166,6 +176,7 @@ class OpenBook:
         """Take a complete group out to be scored; the attempt budget counts every member that
         arrived, stale ones included (defect 2)."""
         g = self.groups.pop(group_id)
+        self.changes.close(group_id)
         self._attempts(len(g.arrived) + g.failed + g.cancelled, groups=1)
         return g
 
@@ -234,6 +245,7 @@ class OpenBook:
         self._failures(error)
         self._settle(g, group, "failed")
         g.arrived, g.seen, g.failed, g.cancelled, g.aborted = [], set(), 0, 0, False
+        self.changes.group(g.group_id)
 
     def group_discarded(
         self, group: Group, reason: str, error: BaseException | None = None
@@ -253,6 +265,7 @@ class OpenBook:
         g = self._opened(group)
         self._settle(g, group, outcome)
         del self.groups[group.group_id]
+        self.changes.close(group.group_id)
 
     def _settle(self, g: OpenGroup, group: Group, outcome: Outcome) -> None:
         unseen = [s for s in group.samples if s.index not in g.seen]
@@ -295,21 +308,65 @@ def snapshot_sink(sink: TrainSink) -> SinkState:
         counters=sink._books.counters,
         window=sink._books.window.copy(),
         queued=sink.queue.saved(),
-        open_groups=tuple(
-            OpenGroup(
-                g.group_id,
-                g.prompt,
-                g.group_size,
-                [copy_sample(m) for m in g.arrived],
-                g.policy_version_at_start,
-            )
-            for g in sink.book.groups.values()
-        ),
+        open_groups=tuple(copy_open_group(g) for g in sink.book.groups.values()),
+    )
+
+
+@attrs.frozen
+class SinkDelta:
+    """What changed in the sink since the previous incremental snapshot (O(changes)).
+
+    The small part (step, arrival counter, counters, window) is whole; of the queue only the
+    samples ``put`` under an arrival since then and the arrivals ``removed``; of the open groups
+    the records that changed (``groups``, owned copies; a new one goes after the others) and the
+    ids ``closed``. Applied in that order: removals first, then puts; closes, then groups.
+    """
+
+    step: int
+    next_arrival: int
+    counters: SinkCounters
+    window: SinkWindow
+    put: tuple[TrainingSample, ...]
+    removed: tuple[int, ...]
+    groups: tuple[OpenGroup, ...]
+    closed: tuple[str, ...]
+
+
+def copy_open_group(g: OpenGroup) -> OpenGroup:
+    """An owned copy of an open group's saved record (its arrived members copied)."""
+    return OpenGroup(
+        g.group_id,
+        g.prompt,
+        g.group_size,
+        [copy_sample(m) for m in g.arrived],
+        g.policy_version_at_start,
+    )
+
+
+def snapshot_changes(sink: TrainSink) -> SinkDelta:
+    """Drain the sink's change log into a :class:`SinkDelta`, on the loop: O(what changed).
+    Queued samples are shared (never mutated once queued), open-group records copied."""
+    queued, dirty, closed = sink.changes.drain()
+    groups = sink.book.groups
+    gone = [gid for gid in dirty if gid not in groups]  # defensive: closed without a record
+    return SinkDelta(
+        step=sink.queue.step,
+        next_arrival=sink._next_arrival,
+        counters=sink._books.counters,
+        window=sink._books.window.copy(),
+        put=tuple(ts for _, ts in sorted(queued.items()) if ts is not None),
+        removed=tuple(sorted(a for a, ts in queued.items() if ts is None)),
+        groups=tuple(copy_open_group(groups[gid]) for gid in dirty if gid in groups),
+        closed=(*closed, *gone),
     )
 
 
 def restore_sink(
-    sink: TrainSink, state: SinkState, *, missing_files: Collection[str] = ()
+    sink: TrainSink,
+    state: SinkState,
+    *,
+    missing_files: Collection[str] = (),
+    track: object = None,
 ) -> RestoreReport:
     """Replace the sink's state with a checkpoint's.
 
@@ -322,6 +379,10 @@ def restore_sink(
 
     A state that breaks the sink's invariants (see :func:`state_problem`) raises
     :class:`TrainSinkError` naming the field, and the sink is left unchanged.
+
+    ``track`` (an incremental checkpoint manager) starts the sink's change log at ``state`` as
+    saved: what the restore changes in it (dropped work, groups scored now) is logged, so the
+    next checkpoint is a delta after the one restored from.
     """
     problem = state_problem(state)
     if problem is not None:
@@ -332,16 +393,28 @@ def restore_sink(
     sink._books.window = state.window.copy()
     book = sink.book
     book.groups.clear()
+    changes = book.changes
+    changes.invalidate()
+    if track is not None:
+        changes.start(track)
+        changes.active = False  # the bulk restore below is ``state`` itself: not a change
     missing = set(missing_files)
     q_missing = q_stale = m_missing = m_stale = 0
+    dropped: list[int] = []
     for ts in state.queued:
         if missing and any(seg.file in missing for seg in ts.payload or ()):
             q_missing += 1
+            dropped.append(ts.arrival)
         elif sink.queue.is_stale(ts.policy_version):
             q_stale += 1
+            dropped.append(ts.arrival)
         else:
             sink.queue.enqueue(ts)
             sink._next_arrival = max(sink._next_arrival, ts.arrival + 1)
+    if track is not None:
+        changes.active = True  # from here on, what the restore changes in ``state`` is logged
+        for a in dropped:
+            changes.remove(a)
     sink._books.book("filtered", q_missing)
     sink._books.book("stale", q_stale)
     resumed: list[OpenGroup] = []
@@ -360,6 +433,8 @@ def restore_sink(
         g = book.groups[og.group_id] = OpenGroup(
             og.group_id, og.prompt, og.group_size, fresh, og.policy_version_at_start
         )
+        if len(fresh) != len(og.arrived):
+            changes.group(og.group_id)  # members dropped
         # A full group is scored now only when every member has its reward; otherwise its
         # group reward had not run at the checkpoint, and it goes back to the rollout layer,
         # which dispatches nothing for it and only runs the reward.
