@@ -10,9 +10,10 @@ Three profiles (the options each script gets are printed before it runs):
   off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
   scale, scales 1.25x apart, loop lag at the reference's highest >= 0.95 rate); publication x 3
   with the asyncio reference design; encoding x 3; transport x 3; checkpoint 1k, 10k and 100k
-  queued x 3 (4.3 GB per save at 100k: needs ~4.5 GB free under the temp dir).
+  queued x 3 (4.3 GB per save at 100k: needs ~4.5 GB free under the temp dir); incremental
+  checkpoints (base + 20 deltas + a background compaction) at 10k queued.
 * ``--full`` (~15-20 min more): as default, plus part B at 1M in flight x 3, so the 1k -> 1M
-  growth is printed from one process.
+  growth is printed from one process; incremental checkpoints at 100k queued too.
 * ``--quick``: tiny sizes, one repetition: a smoke test that every script runs, not figures.
 
 Lines starting ``goal N:`` are collected and printed again at the end, one block per run.
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ALL = ["scheduler", "publish", "encode", "transport", "checkpoint"]
+ALL = ["scheduler", "publish", "encode", "transport", "checkpoint", "checkpoint_incremental"]
 
 PROFILES: dict[str, dict[str, list[str]]] = {
     "default": {
@@ -37,6 +38,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "encode": ["--trials", "3"],
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
+        "checkpoint_incremental": ["--sizes", "10000", "--steps", "20"],
     },
     "full": {
         "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3"],
@@ -44,6 +46,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "encode": ["--trials", "3"],
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
+        "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
     },
     "quick": {
         "scheduler": [
@@ -54,6 +57,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "encode": ["--trials", "1", "--list-mib", "1"],
         "transport": ["--size-mib", "4", "--messages", "4", "--repeat", "1"],
         "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
+        "checkpoint_incremental": ["--sizes", "200", "--tokens", "256", "--steps", "3"],
     },
 }  # fmt: skip
 
