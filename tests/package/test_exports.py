@@ -128,7 +128,7 @@ PINNED: dict[str, set[str]] = {
         *("pack_samples", "release_containers"),
         # the types of ShipRecord's fields, and the lazy packer the publisher streams from
         *("Annotation", "PackedRank", "SelectionStats", "ShipWarning", "ThreadStats"),
-        *("WarningKind", "pack_lazily"),
+        *("WarningKind", "pack_lazily", "step_record"),
     },
 }
 

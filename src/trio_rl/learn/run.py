@@ -27,7 +27,7 @@ import trio
 
 from ..engines import SamplingParams, TorchEngine
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
-from ..publish import Shipment
+from ..publish import Shipment, step_record
 from ..rollout import InMemorySource
 from ..samples import PolicyVersion
 from ..train import CheckpointError
@@ -311,27 +311,16 @@ async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
 def _record(
     shipment: Shipment, lags: list[float], started: float, last_wall: float, version: int
 ) -> dict[str, Any]:
-    r = shipment.record
+    # the standard record, as `trio-rl simulate` writes it; queue depth, open groups and the
+    # engine's occupancy are added by the caller once it has read them
     wall = time.perf_counter() - started
-    dt = max(wall - last_wall, 1e-9)
-    # Every flat key of the publication record (train/all/..., train/selected/..., warnings/...,
-    # threads/..., time/...), then the standard fields (which win a clash: `step` stays an int).
-    return r.as_dict() | {
-        "step": r.step,
-        "reward_mean": r.all.reward_mean,
-        "reward_count": r.all.reward_count,
-        "samples": r.effective.samples,
-        "tokens": r.effective.tokens,
-        "off_policy_max": r.effective.off_policy.max or 0,
-        "loop_lag_p95_ms": round(_p95(lags) * 1e3, 3),
-        "wall_s": round(wall, 3),
-        "samples_per_s": round(r.all.reward_count / dt, 2),
-        "tokens_per_s": round(r.effective.tokens / dt, 1),
-        "policy_version": version,
-        "stale": int(r.counters.get("stale", 0)),
-        "pruned": int(r.counters.get("pruned", 0)),
-        "policy_wait_s": round(r.policy_wait, 4),
-    }
+    return step_record(
+        shipment.record,
+        wall_s=wall,
+        interval_s=wall - last_wall,
+        loop_lag_p95_ms=round(_p95(lags) * 1e3, 3),
+        policy_version=version,
+    )
 
 
 class Display(Protocol):

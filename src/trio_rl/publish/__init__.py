@@ -19,6 +19,7 @@ from ._metrics import ShipWarning as ShipWarning
 from ._metrics import ThreadStats as ThreadStats
 from ._metrics import WarningKind as WarningKind
 from ._metrics import cohort_stats as cohort_stats
+from ._metrics import step_record as step_record
 from ._packing import PackedRank as PackedRank
 from ._packing import PackingError as PackingError
 from ._packing import pack_lazily as pack_lazily

@@ -13,6 +13,7 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
+from typing import Any
 
 import attrs
 import numpy as np
@@ -510,3 +511,49 @@ def batch_stats(
         selection_stats(selected),
         annotate(samples, step, shipped_at),
     )
+
+
+def step_record(
+    record: ShipRecord,
+    *,
+    wall_s: float,
+    interval_s: float,
+    loop_lag_p95_ms: float | None = None,
+    policy_version: int | None = None,
+    slot_occupancy: float | None = None,
+    queue_depth: int | None = None,
+) -> dict[str, Any]:
+    """The standard metrics record of one shipped step (its fields: :data:`trio_rl.tools.FIELDS`),
+    what ``metrics.jsonl`` holds and every metrics sink gets.
+
+    ``record`` is the publisher's :class:`ShipRecord` (``Shipment.record``);
+    ``wall_s`` the seconds since the run started and ``interval_s`` since the previous step
+    shipped (rates are per that interval). The others are what the caller measures: the event
+    loop's lag, the current policy version, the engine's slot occupancy over the interval and
+    the sink's queue (``orch.sink.queued``). Fields left ``None`` are written as null.
+
+    The record also carries every key of :meth:`ShipRecord.as_dict
+    <trio_rl.publish.ShipRecord.as_dict>` (``train/all/...``, ``train/selected/...``,
+    ``warnings/<kind>``, ``threads/...``, ``time/...``, ...); the standard fields win a clash
+    (``step`` stays an int).
+    """
+    dt = max(interval_s, 1e-9)
+    off_policy = record.effective.off_policy.max
+    return record.as_dict() | {
+        "step": record.step,
+        "reward_mean": record.all.reward_mean,
+        "reward_count": record.all.reward_count,
+        "samples": record.effective.samples,
+        "tokens": record.effective.tokens,
+        "samples_per_s": round(record.all.reward_count / dt, 2),
+        "tokens_per_s": round(record.effective.tokens / dt, 1),
+        "slot_occupancy": slot_occupancy,
+        "loop_lag_p95_ms": loop_lag_p95_ms,
+        "queue_depth": queue_depth,
+        "off_policy_max": 0 if off_policy is None else off_policy,
+        "policy_version": policy_version,
+        "stale": int(record.counters.get("stale", 0)),
+        "pruned": int(record.counters.get("pruned", 0)),
+        "policy_wait_s": round(record.policy_wait, 4),
+        "wall_s": round(wall_s, 3),
+    }
