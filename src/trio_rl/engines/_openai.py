@@ -24,7 +24,7 @@ from ._errors import (
     EngineTransportError,
 )
 from ._protocol import Completion, FinishReason, GenerateRequest
-from ._sse import read_events
+from ._sse import event_json, read_events
 from ._validate import a_bool, http_urls, non_negative, positive
 
 __all__ = ["OpenAICompatibleEngine", "parse_completion_chunk", "parse_completion_response"]
@@ -489,12 +489,7 @@ class _Exchange:
         )
 
     def _chunk(self, payload: str, received: _Received, where: str) -> None:
-        try:
-            chunk = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise EngineResponseError(
-                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
-            ) from None
+        chunk = event_json(payload, where)
         tokens, logprobs, finish = parse_completion_chunk(chunk, where=where)
         version = _json_version(chunk, self.engine.version_field, where)
         # all checks passed: take the chunk whole

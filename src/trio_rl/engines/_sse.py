@@ -3,7 +3,9 @@ make one event's data, where the stream ends); what a chunk means is the engine'
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import httpx
 import trio
@@ -57,3 +59,14 @@ async def abandon(lines: AsyncIterator[str]) -> None:
         scope.cancel()
         async for _ in lines:
             pass
+
+
+def event_json(payload: str, where: str) -> Any:
+    """An event's data as JSON, or :class:`EngineResponseError` naming ``where`` (the request
+    and the event's index) and how the data starts."""
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError as exc:
+        raise EngineResponseError(
+            f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
+        ) from None

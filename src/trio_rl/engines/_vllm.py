@@ -35,7 +35,7 @@ from ._errors import (
 )
 from ._openai import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
-from ._sse import read_events
+from ._sse import event_json, read_events
 from ._validate import a_bool, http_urls
 from ._validate import non_negative as _non_negative
 from ._validate import positive as _positive
@@ -496,12 +496,7 @@ class _NRequest:
     def _take(self, payload: str, event: int) -> None:
         """One server-sent event: every choice it carries is checked, then taken whole."""
         where, n = f"{self.where}, event {event}", len(self.rows)
-        try:
-            data = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise EngineResponseError(
-                f"{where}: event data is not valid JSON ({exc}); starts with {payload[:80]!r}"
-            ) from None
+        data = event_json(payload, where)
         parse_completion_chunk(data, where=where)  # an error event, no 'choices' list
         parsed = []
         for k, choice in enumerate(data["choices"]):
