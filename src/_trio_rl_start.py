@@ -1,36 +1,28 @@
-"""The ``trio-rl`` console script's first module: it makes SIGINT and SIGTERM one line while
-the package is still importing (``import trio_rl`` takes most of a second), then hands over to
-:func:`trio_rl.cli.main`, which keeps them one line until the event loop's watcher takes over.
+"""The ``trio-rl`` console script's first module: it holds SIGINT and SIGTERM back (blocked,
+so the operating system keeps them pending) while the package imports, so a signal during
+start-up is never lost to a handler swap, never kills the process without a word and never
+prints a traceback from the middle of an import. :func:`trio_rl.cli.main` keeps them blocked
+until the event loop's signal watcher listens, which then receives a pending one and stops the
+command as it would later (one line, exit 130 / 143).
 
-It imports nothing but the standard library before its handlers are in place.
+It imports nothing but the standard library before the signals are blocked.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-from typing import NoReturn
 
-_received: list[int] = []
-
-
-def _raise(signum: int, frame: object) -> NoReturn:
-    _received.append(signum)
-    raise KeyboardInterrupt
+#: The signal mask the process started with, restored once the watcher listens.
+ORIGINAL_MASK = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def main() -> int:
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         from trio_rl.cli import main as cli_main
-    except KeyboardInterrupt:
-        signum = _received[0] if _received else signal.SIGINT
-        name = signal.Signals(signum).name
-        print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
-        return 128 + signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, ORIGINAL_MASK)
+        raise
     return cli_main()
 
 

@@ -680,6 +680,7 @@ async def _stop_on_signals(
     """The first SIGINT or SIGTERM cancels ``stop.scope`` (the run then checkpoints what it
     holds); a second one exits at once, leaving the last checkpoint as it is."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        _STARTUP.release()  # a signal held back during start-up arrives here now
         task_status.started()
         async for signum in received:
             name = signal.Signals(signum).name
@@ -832,19 +833,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; a failure the user can cause is one line on stderr and exit status 1
     (usage errors, a bad configuration included: 2); ``-v`` adds the traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    early = _early_signals()
+    _STARTUP.hold()
     try:
-        return _main_guarded(argv)
-    except KeyboardInterrupt:
-        signum = _EARLY.received
-        if signum is None:  # inside the event loop, before its watcher (or a tool's own)
-            print("trio-rl: interrupted", file=sys.stderr)
-            return 130
-        name = signal.Signals(signum).name
-        print(f"trio-rl: stopped by {name} before any work started", file=sys.stderr)
-        return 128 + signum
-    finally:
-        early.close()
+        try:
+            return _main_guarded(argv)
+        finally:
+            # A signal still held (the command ended before its loop) arrives here, where the
+            # handler below sees its KeyboardInterrupt.
+            _STARTUP.release()
+    except KeyboardInterrupt:  # trio's own, before the watcher listens or after it stopped
+        print("trio-rl: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main_guarded(argv: list[str]) -> int:
@@ -870,41 +869,41 @@ def _main_guarded(argv: list[str]) -> int:
 
 
 @attrs.define
-class _EarlySignals:
-    """Until the event loop starts (imports, configuration, torch's import) SIGINT and SIGTERM
-    both raise ``KeyboardInterrupt`` (SIGTERM's default would kill the process without a word)
-    and ``received`` says which came; ``close`` restores the previous handlers. Inside
-    ``trio.run`` the signal watcher (``_stop_on_signals``) takes over."""
+class _StartupSignals:
+    """SIGINT and SIGTERM are blocked (the operating system keeps them pending) from the start
+    of the command until the event loop's watcher listens (``_stop_on_signals``), which then
+    receives a pending one: a signal during imports, configuration or torch's import is never
+    lost to a handler swap and stops the command like any later one. The console script's first
+    module (``_trio_rl_start``) blocks them before the package imports; ``release`` restores the
+    mask the process started with. Commands without an event loop release at once."""
 
-    previous: dict[int, Any] = attrs.field(factory=dict)
-    received: int | None = None
+    original: set[int] | None = None
 
-    def close(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous.clear()
+    def hold(self) -> None:
+        if self.original is not None:
+            return
+        before = set(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}))
+        # the launcher blocked them already: what to restore is the mask from before it
+        launched: set[int] | None = getattr(
+            sys.modules.get("_trio_rl_start"), "ORIGINAL_MASK", None
+        )
+        self.original = before if launched is None else set(launched)
+
+    def release(self) -> None:
+        if self.original is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.original)
+            self.original = None
 
 
-_EARLY = _EarlySignals()
-
-
-def _early_signals() -> _EarlySignals:
-    def interrupt(signum: int, frame: object) -> NoReturn:
-        _EARLY.received = signum
-        raise KeyboardInterrupt
-
-    if not _EARLY.previous:
-        with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                _EARLY.previous[signum] = signal.signal(signum, interrupt)
-    return _EARLY
+_STARTUP = _StartupSignals()
 
 
 def _trio_run(fn: Callable[..., Any], *args: Any) -> int:
-    # The loop's own watcher handles signals from here on; trio installs its KeyboardInterrupt
-    # handler only over the default one.
-    _EARLY.close()
-    return int(trio.run(fn, *args))
+    # The loop's first task, the signal watcher, releases the held signals once it listens.
+    try:
+        return int(trio.run(fn, *args))
+    finally:
+        _STARTUP.release()
 
 
 def _resume_command(argv: Sequence[str]) -> str:
@@ -914,6 +913,7 @@ def _resume_command(argv: Sequence[str]) -> str:
 
 def _main(args: argparse.Namespace) -> int:
     if args.command == "config":
+        _STARTUP.release()  # no event loop: Ctrl-C is a KeyboardInterrupt
         schema: type[Any] = SimulateConfig if args.target == "simulate" else LearnRunConfig
         cfg, _ = load(schema, args.configs, _overrides(args, ()))
         sys.stdout.write(to_toml(cfg))
@@ -965,7 +965,7 @@ def _main(args: argparse.Namespace) -> int:
         store(cfg, args.out)
         return _trio_run(_run, args, cfg)
     if hasattr(args, "tool"):
-        _EARLY.close()  # the tools handle their own KeyboardInterrupt (watch --follow: 130)
+        _STARTUP.release()  # the tools handle their own KeyboardInterrupt (watch --follow: 130)
         return int(args.tool.run(args))
     return 2  # pragma: no cover - argparse rejects unknown commands
 
