@@ -328,3 +328,39 @@ async def test_a_resumed_run_goes_on_with_a_delta_after_the_loaded_file(tmp_path
     # keep=1 prunes only this manager's own files: the first run's are all still there
     assert {n: (tmp_path / n).read_bytes() for n in before} == before
     assert [p.name for p in mgr.list_checkpoints()][-1] == "step_00000006.ckpt"
+
+
+async def test_close_gives_up_on_a_stalled_compaction_with_a_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+    import time
+
+    from trio_rl.train import _checkpoint
+
+    stalled, release = threading.Event(), threading.Event()
+    real = _checkpoint._write_stream
+
+    def write(*args: Any, **kw: Any) -> None:
+        if kw.get("abort") is not None:  # the compaction's write: a disk that stalls
+            stalled.set()
+            release.wait(30)
+        real(*args, **kw)
+
+    monkeypatch.setattr(_checkpoint, "_write_stream", write)
+    sink = TrainSink(SinkConfig(batch_size=10**9, max_off_policy_steps=None))
+    mgr = CheckpointManager(tmp_path, incremental=True, compact_ratio=0.5, keep=1)
+    for step in range(1, 8):
+        sink.add_group(make_group([1.0, 0.0]))
+        await mgr.save(mgr.snapshot(sink, step=step))
+        if stalled.is_set():
+            break
+    assert stalled.wait(10), "no compaction started"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+        mgr.close(timeout=0.2)
+    assert time.monotonic() - started < 5
+    assert "did not stop within" in caplog.text
+    release.set()
+    mgr.close()  # the write goes on, sees the stop between records, and ends
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".compact")]

@@ -846,13 +846,22 @@ class _Chain:
             tmp.unlink(missing_ok=True)
             logger.exception("checkpoint compaction of %s failed (the deltas stay)", path)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         """Blocking: stop a background compaction (its temporary file is removed; the deltas
-        stay valid) and wait for its thread."""
+        stay valid) and wait for its thread, at most ``timeout`` seconds: it stops between two
+        records, so only a hung write (a stalled disk) outlasts that; it is then logged and
+        left to finish (a daemon thread: it never holds the interpreter's exit)."""
         t = self.compactor
         if t is not None:
             self.abort.set()
-            t.join()
+            t.join(timeout)
+            if t.is_alive():
+                logger.warning(
+                    "checkpoint compaction did not stop within %.0f s (a stalled write?); "
+                    "leaving it: the deltas it would replace stay valid",
+                    timeout,
+                )
+                return
             self.abort.clear()
             self.compactor = None
 
@@ -1013,10 +1022,10 @@ class CheckpointManager(_Outboxes):
         stay the run's that wrote them: never deleted by this manager."""
         return self._chain.restore(sink, ckpt)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         """Blocking: stop a background compaction (its temporary file is removed; the deltas
-        stay valid) and wait for its thread."""
-        self._chain.close()
+        stay valid) and wait for its thread, at most ``timeout`` seconds (then logged)."""
+        self._chain.close(timeout)
 
     def wait_compaction(self) -> None:
         """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
