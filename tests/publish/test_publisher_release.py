@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,36 @@ async def test_each_shipped_batch_is_released_once_and_a_monitor_keeps_its_list(
     for shipment in shipments:
         assert len(shipment.samples) == 2  # the monitor's own list survived the release
         assert all(s.num_tokens == 6 for s in shipment.samples)
+
+
+@pytest.mark.parametrize("monitor", ["none", "callback that keeps nothing"])
+async def test_shipped_samples_are_freed_in_the_release_worker_not_on_the_loop(
+    tmp_path: Path, monitor: str
+) -> None:
+    # Freeing a big step's token lists in one go stalls the loop (~80 ms at 166 MiB), so the
+    # last reference to each shipped sample must drop in the release worker, where the samples
+    # are popped one at a time: not in the publisher's frame on the loop.
+    sink = make_sink(batch_size=4, groups=2)
+    freed_on: list[str] = []
+    for sample in sink.queued_samples():
+        weakref.finalize(sample, lambda: freed_on.append(threading.current_thread().name))
+    del sample  # the test holds no reference of its own
+    seen: list[int] = []
+    async with (
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
+        open_publisher(
+            sink,
+            sender,
+            pack=one_per_sample_packer(1),
+            monitor=None if monitor == "none" else (lambda s: seen.append(len(s.samples))),
+        ) as pub,
+    ):
+        assert await pub.publish() is not None
+        await pub.release.wait()
+        assert len(freed_on) == 4
+    assert seen == ([] if monitor == "none" else [4])
+    loop_thread = threading.current_thread().name
+    assert all(name != loop_thread for name in freed_on), freed_on
 
 
 async def test_the_next_ship_waits_for_the_pending_release(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import trio
 
 from ..engines import SamplingParams, TorchEngine
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
-from ..publish import Shipment, step_record
+from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource
 from ..samples import PolicyVersion
 from ..train import CheckpointError
@@ -406,6 +406,10 @@ async def run_learning(
         async with receive:
             async for shipment in receive:
                 rec = _record(shipment, lags, started, last_wall, version[0])
+                # the consumer holds the last references to the step's samples: free them in a
+                # worker, one at a time, not in one pause of the loop (see `Shipment`)
+                await trio.to_thread.run_sync(release_containers, [shipment.samples])
+                del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["queue_depth"] = orch.sink.queued

@@ -110,7 +110,14 @@ class BatchSource(Protocol):
 @attrs.frozen
 class Shipment:
     """What a monitor receives per shipped batch: the record and its *own* list of the shipped
-    samples (the publisher's lists are emptied by the deferred release; this one is not)."""
+    samples (the publisher's lists are emptied by the deferred release; this one is not).
+
+    The samples are freed where the last reference to them drops. A callback monitor that keeps
+    nothing leaves that to the release worker. A channel consumer holds the only references
+    once the release ran, and dropping a big step's shipment on the loop frees its token lists
+    in one pause (tens of ms at 166 MiB): when done with it, empty the list in a worker instead,
+    ``await trio.to_thread.run_sync(release_containers, [shipment.samples])``.
+    """
 
     record: ShipRecord
     samples: list[TrainingSample]
@@ -417,19 +424,29 @@ class Publisher:
 
     async def _finish(self, booked: _Booked) -> ShipRecord:
         # A booked step: schedule its memory release, summarize its window, tell the monitor.
-        monitor_copy = list(booked.samples)
-        mark = time.perf_counter()
-        containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
-        if self._closed:
-            # The nursery may be gone: release here (shielded: it must happen exactly once).
-            await self._release.run_now(containers)
-        else:
-            await self._release.schedule(self._nursery, containers)
-        booked.timings["release_wait"] = time.perf_counter() - mark
-        record = booked.record(self._workers.stats(), await _window_stats(self._workers, booked))
-        _log_warnings(record)
-        shipment = Shipment(record, monitor_copy, booked.annotations)
-        await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
+        # The release of this step starts only once the monitor has had its copy of the samples
+        # and this frame dropped it: the worker's pops then drop the last reference to each
+        # sample (unless the monitor kept it), so the step's token lists are freed in the worker
+        # one sample at a time. A copy dropped here after the release had emptied the
+        # publisher's lists freed them all on the loop, in one pause of ~80 ms for a 166 MiB step.
+        try:
+            mark = time.perf_counter()
+            await self._release.wait()  # the previous step's release
+            booked.timings["release_wait"] = time.perf_counter() - mark
+            stats = await _window_stats(self._workers, booked)
+            record = booked.record(self._workers.stats(), stats)
+            _log_warnings(record)
+            if self._monitor is not None:
+                shipment = Shipment(record, list(booked.samples), booked.annotations)
+                await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
+                del shipment
+        finally:
+            containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
+            if self._closed:
+                # The nursery may be gone: release here (shielded: it must happen exactly once).
+                await self._release.run_now(containers)
+            else:
+                await self._release.schedule(self._nursery, containers)
         return record
 
     @property
