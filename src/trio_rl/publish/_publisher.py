@@ -235,6 +235,22 @@ async def deliver_to_monitor(monitor: Monitor | None, shipment: Shipment, patien
         monitor(shipment)
 
 
+async def _report(
+    monitor: Monitor | None, record: ShipRecord, booked: _Booked, patience: float
+) -> None:
+    """Log the record's warnings and hand the monitor its own copy of the samples.
+
+    Called before the step's release is scheduled, and the copy lives only in this frame (and
+    the monitor), so the release's pops drop the last reference to each sample and free it in
+    the worker. Dropped on the loop after the release, the copy freed a 166 MiB step's token
+    lists in one ~80 ms pause.
+    """
+    _log_warnings(record)
+    if monitor is not None:
+        shipment = Shipment(record, list(booked.samples), booked.annotations)
+        await deliver_to_monitor(monitor, shipment, patience)
+
+
 @attrs.define(eq=False, kw_only=True)
 class Publisher:
     """Ships the train sink's batches. Create it with `open_publisher` (its fields are
@@ -423,27 +439,17 @@ class Publisher:
         return await self._finish(booked)
 
     async def _finish(self, booked: _Booked) -> ShipRecord:
-        # A booked step: schedule its memory release, summarize its window, tell the monitor.
-        # The release of this step starts only once the monitor has had its copy of the samples
-        # and this frame dropped it: the worker's pops then drop the last reference to each
-        # sample (unless the monitor kept it), so the step's token lists are freed in the worker
-        # one sample at a time. A copy dropped here after the release had emptied the
-        # publisher's lists freed them all on the loop, in one pause of ~80 ms for a 166 MiB step.
+        # A booked step: summarize its window, report it, then schedule its memory release.
         try:
             mark = time.perf_counter()
             await self._release.wait()  # the previous step's release
             booked.timings["release_wait"] = time.perf_counter() - mark
             stats = await _window_stats(self._workers, booked)
             record = booked.record(self._workers.stats(), stats)
-            _log_warnings(record)
-            if self._monitor is not None:
-                shipment = Shipment(record, list(booked.samples), booked.annotations)
-                await deliver_to_monitor(self._monitor, shipment, self.monitor_timeout)
-                del shipment
+            await _report(self._monitor, record, booked, self.monitor_timeout)
         finally:
             containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
-            if self._closed:
-                # The nursery may be gone: release here (shielded: it must happen exactly once).
+            if self._closed:  # the nursery may be gone: release here, shielded, exactly once
                 await self._release.run_now(containers)
             else:
                 await self._release.schedule(self._nursery, containers)
