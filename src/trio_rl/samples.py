@@ -99,7 +99,7 @@ class Prompt:
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, on_setattr=attrs.setters.NO_OP)
 class Sample:
     """One rollout. Mutable: the engine and reward functions fill it in place.
 
@@ -128,9 +128,22 @@ class Sample:
     label: Any = None
     env_name: str = "default"
     metadata: dict[str, Any] = attrs.field(factory=dict)
-    payload: tuple[PayloadSegment, ...] = attrs.field(
-        default=(), converter=_segments, validator=_check_payload
+    # No attribute hooks on the class: attrs would route every assignment (``status``, ``reward``,
+    # several per sample on the hot path) through a Python-level ``__setattr__``; ``payload``,
+    # the one checked field, is a property over this slot instead.
+    _payload: tuple[PayloadSegment, ...] = attrs.field(
+        default=(), converter=_segments, validator=_check_payload, alias="payload"
     )
+
+    @property
+    def payload(self) -> tuple[PayloadSegment, ...]:
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: Sequence[PayloadSegment]) -> None:
+        segments = _segments(value)
+        _check_payload(self, _PAYLOAD_FIELD, segments)
+        self._payload = segments
 
     @property
     def oldest_version(self) -> PolicyVersion | None:
@@ -156,6 +169,9 @@ class Sample:
         self.status = SampleStatus.PENDING
         self.policy_versions = []
         self.payload = ()
+
+
+_PAYLOAD_FIELD = attrs.fields(Sample)._payload
 
 
 @attrs.define(slots=True, eq=False)

@@ -29,7 +29,7 @@ def test_payload_is_a_typed_tuple_field() -> None:
     with pytest.raises(PayloadError, match=r"sample 9: payload\[1\] must be a PayloadSegment"):
         Sample(9, 0, (1,), payload=[_seg(), {"file": "x"}])  # type: ignore[list-item]
     with pytest.raises(PayloadError, match=r"sample 7: payload\[0\] must be a PayloadSegment"):
-        s.payload = ["x"]  # type: ignore[assignment]
+        s.payload = ["x"]  # type: ignore[list-item]
     with pytest.raises(PayloadError, match="list or tuple of PayloadSegment, got NoneType"):
         s.payload = None  # type: ignore[assignment]
     assert s.payload == (_seg(),)  # a rejected assignment leaves the field as it was
