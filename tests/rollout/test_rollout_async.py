@@ -8,18 +8,22 @@ import trio.testing
 from rollout_helpers import Puppet, prompts, source
 
 from trio_rl.rollout import (
+    CreditScheduler,
     DriverFailed,
     FailurePolicy,
     GroupFactory,
     GroupFailed,
     GroupGranularity,
     GroupRunner,
+    GroupStatus,
     InMemorySource,
     RolloutError,
     SampleBackfill,
     SourceExhausted,
     open_async_rollout,
+    run_reporting,
 )
+from trio_rl.rollout._buffer import run_booked
 from trio_rl.samples import Group, OpenGroup, Sample, SampleStatus
 
 G = 2
@@ -413,6 +417,40 @@ async def test_closing_cancels_every_in_flight_group() -> None:
     assert sorted(puppet.cancelled) == list(range(6))
     with pytest.raises(RolloutError, match="closed"):
         await driver.next_batch()
+
+
+async def test_closing_lets_arrived_replies_finish_and_starts_no_new_group() -> None:
+    # Replies that arrived before the block ends are not thrown away: a sample whose task is
+    # runnable finishes (and its group with it); the rest is cancelled; a group admitted in
+    # that last moment never calls the engine.
+    puppet = Puppet()
+    async with open_async_rollout(*parts(puppet), batch_size=2) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(puppet.started_indices()) == [0, 1, 2, 3]
+        puppet.finish(0, 1, 2)  # group 0's replies and one of group 1's: runnable, not run
+        submitted = driver.statistics().submitted
+    assert sorted(puppet.finished) == [0, 1, 2]
+    assert puppet.cancelled == [3]
+    assert driver.statistics().submitted == submitted  # nothing admitted while closing
+    assert sorted(puppet.started_indices()) == [0, 1, 2, 3]
+    assert driver.scheduler.ledger.in_flight == 0
+
+
+@pytest.mark.parametrize("task", [run_reporting, run_booked])
+async def test_a_group_task_starting_while_its_driver_closes_runs_nothing(task) -> None:  # type: ignore[no-untyped-def]
+    # What a group admitted in the driver's last moment does when its task first runs.
+    puppet = Puppet()
+    scheduler = CreditScheduler(SampleBackfill(), G)
+    group = GroupFactory(group_size=G).make(prompts(1)[0])
+    scheduler.submitted(group.group_id, G)
+    scheduler.winding_down = True
+    args = (GroupRunner(puppet), group, scheduler)
+    await (task(*args) if task is run_reporting else task(*args, None))
+    assert puppet.started == []
+    (outcome,) = scheduler.poll()
+    assert outcome.status is GroupStatus.CANCELLED
+    assert scheduler.ledger.in_flight == 0
+    assert scheduler.ledger.pending_groups == 0
 
 
 async def test_cancelling_a_waiting_consumer_keeps_taken_groups(

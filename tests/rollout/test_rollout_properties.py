@@ -200,6 +200,7 @@ def test_async_driver_invariants(
             max_staleness=2,
         ) as driver:
             policy.scheduler_of = lambda: driver.scheduler
+            policy.seen = driver.scheduler  # also when no admission happens before the close
             version = 0
             for step in steps:
                 with trio.move_on_after(200):

@@ -73,7 +73,8 @@ async def run_booked(
     per started sample, then one :class:`GroupDone`), and each finished member to ``book`` as
     it arrives, so a checkpoint taken meanwhile holds it. A :class:`GroupFailed` is reported,
     not raised. Cancellation: the samples settle, the outcome is CANCELLED and
-    ``trio.Cancelled`` propagates."""
+    ``trio.Cancelled`` propagates. A group whose task starts after the driver began closing
+    (``scheduler.winding_down``) is not run: its outcome is CANCELLED at once."""
     report, gid = scheduler.sample_done, group.group_id
 
     def sample_done(sample: Sample) -> None:
@@ -82,6 +83,9 @@ async def run_booked(
             book.members_arrived(group, (sample,))
 
     status, error = GroupStatus.CANCELLED, None
+    if scheduler.winding_down:  # the driver is closing: this group does not start
+        scheduler.group_done(GroupOutcome(group, status, error))
+        return
     try:
         await runner.run(group, on_sample_done=sample_done)
         status = GroupStatus.COMPLETED

@@ -322,6 +322,9 @@ class CreditScheduler:
         #: The event the driver waits on, while it waits (set at most once per wait).
         self._wakeup: trio.Event | None = None
         self._closed = False
+        #: Set by a driver that is closing: a group task that has not started yet ends at once,
+        #: CANCELLED, instead of starting its samples (see `run_reporting`).
+        self.winding_down = False
         #: The first report the ledger refused, raised on the driver's side.
         self._error: CreditError | None = None
         self._admitted = 0

@@ -323,6 +323,8 @@ async def run_reporting(
     :class:`GroupFailed`), or CANCELLED (cancelled from outside; ``trio.Cancelled``
     propagates). Applying the ``GroupDone`` returns any credit no sample returned. A
     :class:`GroupFailed` is reported, not raised; any other exception (a bug) propagates.
+    A group whose task starts after its driver began closing (``scheduler.winding_down``) is not
+    run: its outcome is CANCELLED at once.
     """
     group_id = group.group_id
     report = scheduler.sample_done
@@ -330,6 +332,9 @@ async def run_reporting(
     error: GroupFailed | None = None
     if abort is not None:
         _ABORT.set(abort)  # this task's own context: nothing outside it sees the signal
+    if scheduler.winding_down:  # the driver is closing: this group does not start
+        scheduler.group_done(GroupOutcome(group, status, error))
+        return
     try:
         await runner.run(group, on_sample_done=lambda _sample: report(group_id))
         status = GroupStatus.COMPLETED
