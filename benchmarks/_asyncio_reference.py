@@ -202,12 +202,13 @@ async def fully_async_worker(
     group_budget: int,
     target_samples: int,
     on_target: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> int:
     """Keep ``group_budget`` groups' worth of work in flight until ``target_samples`` finished
     samples were produced; returns the number of finished samples. Finished groups go into an
     output buffer that a consumer drains at once (the trainer never lags here). ``on_target``
     is called with that number once the target is reached, before the tasks still in flight
-    are cancelled."""
+    are cancelled; ``on_progress`` with the running count after each wake-up."""
     pendings: set[asyncio.Task[Any]] = set()
     output: deque[list[Any]] = deque()
     finished = 0
@@ -226,6 +227,8 @@ async def fully_async_worker(
                 output.append(task.result())
             while output:
                 finished += len(output.popleft())
+            if on_progress is not None:
+                on_progress(finished)
         if on_target is not None:
             on_target(finished)
     finally:

@@ -193,6 +193,21 @@ _traced: list[int] = []
 _delivered: list[int] = []
 
 
+#: ``(time.process_time(), samples finished by then)`` when the current part-B run first had
+#: ``_half[0]`` samples finished: the start of the steady window. Zero-latency samples finish
+#: in waves (the N in flight at once, then the N admitted in their place), so the window starts
+#: once the first wave (the initial fill: N samples built before any finishes) is done, at N
+#: finished (half the target if that is smaller), and spans whole waves after it: inside it,
+#: each finished sample pays for one new sample, as in a long run.
+_midway: list[tuple[float, int]] = []
+_half = [0]
+
+
+def _progress(finished: int) -> None:
+    if not _midway and finished >= _half[0]:
+        _midway.append((time.process_time(), finished))
+
+
 def _mark_target(finished: int) -> None:
     _reached.append((time.process_time(), finished))
     if tracemalloc.is_tracing():
@@ -204,12 +219,15 @@ async def _zero_latency(sample: Sample) -> None:
     sample.status = SampleStatus.COMPLETED
 
 
-#: The trio consumer's batch and the driver's buffer, as fractions of B (set by :func:`main`).
-#: The reference's consumer drains its output at once and its worker never runs ahead; the
-#: driver's worker runs ahead of the consumer by up to the buffer's capacity, and every group it
-#: finishes ahead is work (and live memory) the whole-run figure pays for.
-_batch_fraction = 1.0
-_buffer_fraction = 1.0
+#: The trio consumer's batch and the driver's buffer, as fractions of B, at least one group
+#: (set by :func:`main`; default 0: one group each). The reference's consumer drains its output
+#: at once (every finished group is counted and dropped after each wake-up) and its worker
+#: never runs ahead; the like-for-like trio consumer takes each group as it comes, and a
+#: one-group buffer keeps the worker from running ahead. A consumer that holds a batch of B
+#: groups while the buffer holds another (``--batch 1 --buffer 1``) keeps up to 3N samples
+#: alive against the reference's N, and its memory per in-flight sample is 2-3x for that alone.
+_batch_fraction = 0.0
+_buffer_fraction = 0.0
 
 
 async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -> int:
@@ -228,6 +246,7 @@ async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -
         finished = 0
         while finished < target:
             finished += sum(g.size for g in await driver.next_batch())
+            _progress(finished)
         # Every group the worker finished, taken or still buffered (the worker runs ahead of
         # the consumer by up to the buffer's capacity).
         _mark_target(driver.statistics().completed * G)
@@ -254,6 +273,7 @@ async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> 
             for outcome in await scheduler.wait_for_progress():
                 if outcome.status is GroupStatus.COMPLETED:
                     finished += outcome.group.size
+            _progress(finished)
         _mark_target(finished)
         nursery.cancel_scope.cancel()
     scheduler.close()
@@ -303,6 +323,7 @@ async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) 
         group_budget=budget,
         target_samples=target,
         on_target=_mark_target,
+        on_progress=_progress,
     )
 
 
@@ -343,6 +364,7 @@ async def _plain_trio(policy: SubmissionPolicy, concurrent: int, target: int) ->
                     event = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
+            _progress(finished)
         _mark_target(finished)
         nursery.cancel_scope.cancel()
     return finished
@@ -352,11 +374,14 @@ def _run_asyncio(granularity: str, concurrent: int, target: int) -> int:
     return asyncio.run(_asyncio_zero_latency(granularity, concurrent, target))
 
 
-def _measure(fn: Callable[[], int], gc_on: bool) -> tuple[float, float]:
-    """CPU us per sample: the whole run per sample delivered, and the run up to the target
-    (no shutdown) per sample finished by then."""
+def _measure(fn: Callable[[], int], gc_on: bool, target: int, n: int) -> tuple[float, float]:
+    """CPU us per sample: the whole run (initial fill, run, shutdown) per sample finished, and
+    the steady window (from the first wave's end, N finished, to the target: no fill, no
+    shutdown) per sample finished in it."""
     gc.collect()
     _reached.clear()
+    _midway.clear()
+    _half[0] = min(n, target // 2)
     if gc_on:
         gc.enable()
     else:
@@ -368,7 +393,8 @@ def _measure(fn: Callable[[], int], gc_on: bool) -> tuple[float, float]:
     finally:
         gc.enable()
     ((reached, finished_then),) = _reached
-    return cpu / finished * 1e6, (reached - t0) / finished_then * 1e6
+    ((midway, finished_midway),) = _midway
+    return cpu / finished * 1e6, (reached - midway) / (finished_then - finished_midway) * 1e6
 
 
 def _memory(fn: Callable[[], int], n: int) -> float:
@@ -409,7 +435,7 @@ def part_b(
     print(
         f"\n== B. scheduler CPU per finished sample (us, time.process_time), zero-latency samples, "
         f"G = {G}; each run finishes max({factor:g} x N, {minimum}) samples; trio-rl: {loop} loop "
-        f"(batch {_batch_fraction:g} B, buffer {_buffer_fraction:g} B); "
+        f"(batch {_batch_fraction:g} B, buffer {_buffer_fraction:g} B, at least one group); "
         f"asyncio: {_reference_label}, samples built as {_asyncio_samples} builds them"
     )
     print(
@@ -439,10 +465,10 @@ def part_b(
             for _ in range(repeat):
                 for gc_on in (True, False) if gc_off else (True,):
                     suffix = "" if gc_on else "_nogc"
-                    whole, steady = _measure(trio_call, gc_on)
+                    whole, steady = _measure(trio_call, gc_on, target, n)
                     runs["trio" + suffix].append(whole)
                     runs["trio_steady" + suffix].append(steady)
-                    whole, steady = _measure(asyncio_call, gc_on)
+                    whole, steady = _measure(asyncio_call, gc_on, target, n)
                     runs["asyncio" + suffix].append(whole)
                     runs["asyncio_steady" + suffix].append(steady)
             row: dict[str, Any] = {"policy": granularity, "n": n}
@@ -812,7 +838,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32, help="B, in groups (part A)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sizes", default="1000,10000,100000", help="samples in flight (part B)")
-    parser.add_argument("--factor", type=float, default=1.0, help="finished samples per run / N")
+    parser.add_argument(
+        "--factor",
+        type=float,
+        default=3.0,
+        help="finished samples per run / N (default 3: the steady window, N to the target, "
+        "spans two waves of N)",
+    )
     parser.add_argument(
         "--minimum", type=int, default=20000, help="minimum finished samples per run"
     )
@@ -829,15 +861,16 @@ def main() -> None:
     parser.add_argument(
         "--batch",
         type=float,
-        default=1.0,
-        help="part B driver: the consumer's batch, as a fraction of B groups (default 1)",
+        default=0.0,
+        help="part B driver: the consumer's batch, as a fraction of B groups, at least one "
+        "(default 0: one group, as the reference's consumer drains each group at once)",
     )
     parser.add_argument(
         "--buffer",
         type=float,
-        default=1.0,
-        help="part B driver: buffer_capacity as a fraction of B groups (default 1: one batch; "
-        "the driver's own default is 2 batches)",
+        default=0.0,
+        help="part B driver: buffer_capacity as a fraction of B groups, at least one (default "
+        "0: one group, so the worker does not run ahead; the driver's own default is 2 batches)",
     )
     parser.add_argument(
         "--gc-threshold",

@@ -51,9 +51,9 @@ class GroupFactory:
             )
         return uuid.uuid4().hex if self.routing_keys else None
 
-    def _sample(self, prompt: Prompt, group_index: int, position: int) -> Sample:
-        sample = Sample(
-            index=self.next_sample_index,
+    def _sample(self, prompt: Prompt, group_index: int, position: int, index: int) -> Sample:
+        return Sample(
+            index=index,
             group_index=group_index,
             prompt_tokens=prompt.tokens,
             seed=None if self.seed is None else self.seed + position,
@@ -62,14 +62,14 @@ class GroupFactory:
             env_name=prompt.env_name,
             metadata={"prompt_key": prompt.key},
         )
-        self.next_sample_index += 1
-        return sample
 
     def make(self, prompt: Prompt, policy_version: PolicyVersion = 0) -> Group:
         """A new group for ``prompt``, opened at ``policy_version``."""
-        group_index = self.next_group_index
-        self.next_group_index += 1
-        samples = [self._sample(prompt, group_index, i) for i in range(self.group_size)]
+        # The counters are validated fields: one assignment each per group, not per sample.
+        group_index, first = self.next_group_index, self.next_sample_index
+        size = self.group_size
+        samples = [self._sample(prompt, group_index, i, first + i) for i in range(size)]
+        self.next_group_index, self.next_sample_index = group_index + 1, first + size
         return Group(
             group_id=f"{self._id_prefix}-{group_index}",
             prompt=prompt,
@@ -98,9 +98,12 @@ class GroupFactory:
             self.next_group_index += 1
         arrived = list(resumed.arrived)
         start = len(arrived)
+        first = self.next_sample_index
         missing = [
-            self._sample(resumed.prompt, group_index, start + i) for i in range(resumed.missing)
+            self._sample(resumed.prompt, group_index, start + i, first + i)
+            for i in range(resumed.missing)
         ]
+        self.next_sample_index = first + resumed.missing
         return Group(
             group_id=resumed.group_id,
             prompt=resumed.prompt,
