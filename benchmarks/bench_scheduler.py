@@ -184,8 +184,10 @@ _PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
 _reached: list[tuple[float, int]] = []
 
 
-#: Traced bytes when the current memory run reached its target (the samples still in flight
-#: and everything the loop holds for them are alive then).
+#: The peak of traced bytes over the current memory run's steady window (from its start to
+#: the target): a wave of N samples in flight with their tasks, and whatever the loop holds for
+#: them. The bytes alive at the target alone depend on where in a wave it falls (between waves
+#: no task is alive on either side).
 _traced: list[int] = []
 
 
@@ -206,12 +208,14 @@ _half = [0]
 def _progress(finished: int) -> None:
     if not _midway and finished >= _half[0]:
         _midway.append((time.process_time(), finished))
+        if tracemalloc.is_tracing():
+            tracemalloc.reset_peak()
 
 
 def _mark_target(finished: int) -> None:
     _reached.append((time.process_time(), finished))
     if tracemalloc.is_tracing():
-        _traced.append(tracemalloc.get_traced_memory()[0])
+        _traced.append(tracemalloc.get_traced_memory()[1])
 
 
 async def _zero_latency(sample: Sample) -> None:
@@ -397,12 +401,13 @@ def _measure(fn: Callable[[], int], gc_on: bool, target: int, n: int) -> tuple[f
     return cpu / finished * 1e6, (reached - midway) / (finished_then - finished_midway) * 1e6
 
 
-def _memory(fn: Callable[[], int], n: int) -> float:
-    """Traced bytes per in-flight sample when the run reached its target (everything alive
-    then: the N samples in flight, their tasks, and whatever the loop holds for them)."""
+def _memory(fn: Callable[[], int], n: int, target: int) -> float:
+    """Peak traced bytes over the steady window per in-flight sample (see ``_traced``)."""
     gc.collect()
     _reached.clear()
     _traced.clear()
+    _midway.clear()
+    _half[0] = min(n, target // 2)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     try:
@@ -489,11 +494,11 @@ def part_b(
                     print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
             print()
             if memory:
-                trio_bytes = _memory(trio_call, n)
-                asyncio_bytes = _memory(asyncio_call, n)
+                trio_bytes = _memory(trio_call, n, target)
+                asyncio_bytes = _memory(asyncio_call, n, target)
                 row["trio_bytes"], row["asyncio_bytes"] = trio_bytes, asyncio_bytes
                 print(
-                    f"   traced memory per in-flight sample at the target: trio-rl "
+                    f"   traced memory per in-flight sample (peak over the steady window): trio-rl "
                     f"{trio_bytes / 1024:.2f} KiB, asyncio {asyncio_bytes / 1024:.2f} KiB "
                     f"({trio_bytes / asyncio_bytes:.2f}x)"
                 )
