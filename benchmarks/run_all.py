@@ -38,10 +38,10 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "encode": ["--trials", "3"],
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
-        "checkpoint_incremental": ["--sizes", "10000", "--steps", "20"],
+        "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
     },
     "full": {
-        "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3"],
+        "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3", "--factor", "2"],
         "publish": ["--repeat", "3"],
         "encode": ["--trials", "3"],
         "transport": ["--repeat", "3"],
