@@ -65,8 +65,8 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark, each printing its side-by-side figures and its ``goal N:`` lines.
 
-    ``nox -s bench`` (default, ~12 min), ``nox -s bench -- --full`` (adds 1M samples in
-    flight, ~15-20 min more), ``nox -s bench -- --quick`` (smoke); names pick benchmarks:
+    ``nox -s bench`` (default, ~16 min), ``nox -s bench -- --full`` (adds 1M samples in
+    flight, ~30 min more), ``nox -s bench -- --quick`` (smoke); names pick benchmarks:
     ``nox -s bench -- scheduler publish``.
     """
     _install(session, "test", torch=True)

@@ -99,6 +99,7 @@ async def main() -> None:
         f"{'wall p50':>9} {'wall max':>9} {'lag p50':>8} {'lag p95':>8} {'lag max':>8}"
     )
     goals = []
+    compaction_lags: dict[int, list[float]] = {}
     for n in (int(s) for s in args.sizes.split(",")):
         sink = build_sink(n, args.tokens)
         sink.queue.config = attrs.evolve(sink.config, batch_size=args.arrivals)
@@ -132,15 +133,18 @@ async def main() -> None:
                 r[k].extend(r2[k])
         took = time.perf_counter() - t0
         print(line("compaction", n, r) + f"   (compaction done in {took:.1f} s)", flush=True)
+        compaction_lags[n] = r["lags"]
         inc.close()
         shutil.rmtree(inc_dir, ignore_errors=True)
         del sink
     for n, r in goals:
-        p95, worst = 1e3 * pct(r["lags"], 0.95), 1e3 * max(r["lags"])
+        # the deltas' steps and the steps taken while a compaction ran, together
+        lags = r["lags"] + compaction_lags.get(n, [])
+        p95, worst = 1e3 * pct(lags, 0.95), 1e3 * max(lags)
         print(
-            f"goal 4: {n:,} queued, incremental: lag p95 {p95:.1f} ms (goal <= 20: "
-            f"{'reached' if p95 <= 20 else 'not reached'}), max {worst:.1f} ms (goal <= 50: "
-            f"{'reached' if worst <= 50 else 'not reached'}); "
+            f"goal 4: {n:,} queued, incremental (deltas, and steps during a compaction): lag "
+            f"p95 {p95:.1f} ms (goal <= 20: {'reached' if p95 <= 20 else 'not reached'}), max "
+            f"{worst:.1f} ms (goal <= 50: {'reached' if worst <= 50 else 'not reached'}); "
             f"{statistics.median(r['bytes']) / 1e6:.1f} MB and "
             f"{statistics.median(r['wall']):.2f} s per checkpoint for {args.arrivals} arrivals"
         )

@@ -5,15 +5,15 @@
 
 Three profiles (the options each script gets are printed before it runs):
 
-* default (~12 min on 2 cores): every goal of issue 12 with >= 3 repetitions, median and
-  spread: scheduler part A (virtual time), part B at 1k / 10k / 100k in flight x 3 (GC on and
-  off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
+* default (~16 min on 2 cores): every goal of issue 12 with >= 3 repetitions, median and
+  spread: scheduler part A (virtual time), part B at 1k / 10k / 100k in flight x 3, 3N
+  finished per run (GC on and off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
   scale, scales 1.25x apart, loop lag at the reference's highest >= 0.95 rate); publication x 3
   with the asyncio reference design; encoding x 3; transport x 3; checkpoint 1k, 10k and 100k
   queued x 3 (4.3 GB per save at 100k: needs ~4.5 GB free under the temp dir); incremental
-  checkpoints (base + 20 deltas + a background compaction) at 10k queued.
-* ``--full`` (~15-20 min more): as default, plus part B at 1M in flight x 3, so the 1k -> 1M
-  growth is printed from one process; incremental checkpoints at 100k queued too.
+  checkpoints (base + 20 deltas + a background compaction) at 10k and 100k queued.
+* ``--full`` (~30 min more): as default, plus part B at 1M in flight x 3 (every size with 2N
+  finished per run), so the 1k -> 1M growth is printed from one process.
 * ``--quick``: tiny sizes, one repetition: a smoke test that every script runs, not figures.
 
 Lines starting ``goal N:`` are collected and printed again at the end, one block per run.
