@@ -456,8 +456,9 @@ def part_b(
         f"asyncio: {_reference_label}, samples built as {_asyncio_samples} builds them"
     )
     print(
-        f"   median [min-max] of {repeat} interleaved repetitions; whole run incl. the shutdown "
-        "that cancels the N samples in flight; 'steady': up to the target, no shutdown"
+        f"   median [min-max] of {repeat} interleaved repetitions; whole run: fill, run and "
+        "shutdown, per sample generated to completion; 'steady': per sample finished from N "
+        "finished to the target (after the first wave)"
     )
     columns = [
         ("trio", "trio-rl whole"),
