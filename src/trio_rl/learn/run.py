@@ -408,7 +408,9 @@ async def run_learning(
                 rec = _record(shipment, lags, started, last_wall, version[0])
                 # the consumer holds the last references to the step's samples: free them in a
                 # worker, one at a time, not in one pause of the loop (see `Shipment`)
-                await trio.to_thread.run_sync(release_containers, [shipment.samples])
+                await trio.to_thread.run_sync(
+                    release_containers, [shipment.samples], limiter=limiter
+                )
                 del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)

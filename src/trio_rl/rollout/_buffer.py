@@ -17,7 +17,7 @@ import trio_util
 from ..samples import Group, GroupBook, Sample
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailed
-from ._group import GroupRunner
+from ._group import GroupRunner, refused_while_closing
 
 __all__ = ["GroupBuffer", "run_booked"]
 
@@ -83,8 +83,7 @@ async def run_booked(
             book.members_arrived(group, (sample,))
 
     status, error = GroupStatus.CANCELLED, None
-    if scheduler.winding_down:  # the driver is closing: this group does not start
-        scheduler.group_done(GroupOutcome(group, status, error))
+    if refused_while_closing(scheduler, group):
         return
     try:
         await runner.run(group, on_sample_done=sample_done)

@@ -332,8 +332,7 @@ async def run_reporting(
     error: GroupFailed | None = None
     if abort is not None:
         _ABORT.set(abort)  # this task's own context: nothing outside it sees the signal
-    if scheduler.winding_down:  # the driver is closing: this group does not start
-        scheduler.group_done(GroupOutcome(group, status, error))
+    if refused_while_closing(scheduler, group):
         return
     try:
         await runner.run(group, on_sample_done=lambda _sample: report(group_id))
@@ -342,6 +341,16 @@ async def run_reporting(
         status, error = GroupStatus.FAILED, exc
     finally:
         scheduler.group_done(GroupOutcome(group, status, error))
+
+
+def refused_while_closing(scheduler: CreditScheduler, group: Group) -> bool:
+    """If the group's driver began closing (``scheduler.winding_down``) before the group task
+    first ran, report the group CANCELLED (its credits come back) and return True: the task
+    ends without starting a sample. The drivers' group tasks call it first."""
+    if not scheduler.winding_down:
+        return False
+    scheduler.group_done(GroupOutcome(group, GroupStatus.CANCELLED, None))
+    return True
 
 
 def pending_samples(group: Group) -> int:
