@@ -197,6 +197,16 @@ class _GroupRun:
                 self.on_sample_done(sample)
 
 
+def _start_samples(nursery: trio.Nursery, run: _GroupRun, group: Group) -> None:
+    """One task per PENDING sample. A function of its own: the bound methods and the list it
+    uses die with its frame instead of living in the group task's for the group's lifetime."""
+    start, sample_task = nursery.start_soon, run.sample_task
+    for sample in group.samples:
+        if sample.status is SampleStatus.PENDING:
+            # A name: without one trio formats the function's qualified name per task.
+            start(sample_task, sample, name=_SAMPLE_TASK)
+
+
 async def run_group(
     group: Group,
     generate: GenerateFn,
@@ -235,9 +245,8 @@ async def run_group(
     Cancellation from outside: the sample tasks are cancelled and settled (each calls
     ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
     """
-    to_run = [s for s in group.samples if s.status is SampleStatus.PENDING]
     run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout)
-    if to_run:
+    if any(s.status is SampleStatus.PENDING for s in group.samples):
         # Already cancelled (a driver shutting down before this group's task first ran): start
         # no sample task just to cancel it; the group's end returns the untaken credits.
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -246,10 +255,7 @@ async def run_group(
         try:
             async with trio.open_nursery() as nursery:
                 run.scope = nursery.cancel_scope
-                start, sample_task = nursery.start_soon, run.sample_task
-                for sample in to_run:
-                    # A name: without one trio formats the function's qualified name per task.
-                    start(sample_task, sample, name=_SAMPLE_TASK)
+                _start_samples(nursery, run, group)
         finally:
             if token is not None:
                 _ABORT.reset(token)
@@ -326,8 +332,6 @@ async def run_reporting(
     A group whose task starts after its driver began closing (``scheduler.winding_down``) is not
     run: its outcome is CANCELLED at once.
     """
-    group_id = group.group_id
-    report = scheduler.sample_done
     status = GroupStatus.CANCELLED
     error: GroupFailed | None = None
     if abort is not None:
@@ -335,12 +339,24 @@ async def run_reporting(
     if refused_while_closing(scheduler, group):
         return
     try:
-        await runner.run(group, on_sample_done=lambda _sample: report(group_id))
+        await runner.run(group, on_sample_done=_Report(scheduler, group.group_id))
         status = GroupStatus.COMPLETED
     except GroupFailed as exc:
         status, error = GroupStatus.FAILED, exc
     finally:
         scheduler.group_done(GroupOutcome(group, status, error))
+
+
+@attrs.define(slots=True, eq=False)
+class _Report:
+    """A group's ``on_sample_done`` under `run_reporting`: the credit back to the scheduler.
+    One slotted object per group, not a closure (a function and a cell per captured name)."""
+
+    scheduler: CreditScheduler
+    group_id: str
+
+    def __call__(self, sample: Sample) -> None:
+        self.scheduler.sample_done(self.group_id)
 
 
 def refused_while_closing(scheduler: CreditScheduler, group: Group) -> bool:
