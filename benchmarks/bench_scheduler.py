@@ -9,9 +9,10 @@ Part B (real CPU time): zero-latency samples (each yields once), G = 8, with 1k 
 samples in flight (B = N / 8 groups), scheduled by trio-rl's sample backfill
 (``CreditScheduler`` + ``run_reporting``) and by the asyncio reference design
 (``_asyncio_reference.py``) in the same process; ``time.process_time`` per finished sample, with
-the cyclic GC on and off. Each run is timed in full (including the shutdown that cancels the N
-samples still in flight once the target is reached) and up to the target (steady state, no
-shutdown).
+the cyclic GC on and off. Each run is timed in full (fill, run and the shutdown once the target
+is reached, per sample generated to completion) and over its steady window (from the N-th sample
+generated, the first wave's end, to the target-th: no fill, no shutdown), with the collector's
+time per generation.
 
 Part C (real time): 256 slots, lognormal latencies, both sides in turn; 3 runs per latency scale
 with scales 1.25x apart, each side's highest sample rate at median occupancy >= 0.95, and the
@@ -179,15 +180,9 @@ def part_a(scale: float, slots: int, budget: int, seed: int, loop: str) -> list[
 
 _PROMPT = Prompt(key="bench", tokens=(1, 2, 3))
 
-#: ``(time.process_time(), samples finished by then)`` when the current part-B run reached its
-#: target, before shutdown.
-_reached: list[tuple[float, int]] = []
-
-
-#: The peak of traced bytes over the current memory run's steady window (from its start to
-#: the target): a wave of N samples in flight with their tasks, and whatever the loop holds for
-#: them. The bytes alive at the target alone depend on where in a wave it falls (between waves
-#: no task is alive on either side).
+#: The peak of traced bytes over the current memory run's steady window: a wave of N samples
+#: in flight with their tasks, and whatever the loop holds for them. The bytes alive at one
+#: instant depend on where in a wave it falls (between waves no task is alive on either side).
 _traced: list[int] = []
 
 
@@ -195,38 +190,38 @@ _traced: list[int] = []
 _delivered: list[int] = []
 
 
-#: ``(time.process_time(), samples finished by then)`` when the current part-B run first had
-#: ``_half[0]`` samples finished: the start of the steady window. Zero-latency samples finish
-#: in waves (the N in flight at once, then the N admitted in their place), so the window starts
-#: once the first wave (the initial fill: N samples built before any finishes) is done, at N
-#: finished (half the target if that is smaller), and spans whole waves after it: inside it,
-#: each finished sample pays for one new sample, as in a long run.
-_midway: list[tuple[float, int]] = []
-_half = [0]
-
-
-def _progress(finished: int) -> None:
-    if not _midway and finished >= _half[0]:
-        _midway.append((time.process_time(), finished))
-        if tracemalloc.is_tracing():
-            tracemalloc.reset_peak()
-
-
-def _mark_target(finished: int) -> None:
-    _reached.append((time.process_time(), finished))
-    if tracemalloc.is_tracing():
-        _traced.append(tracemalloc.get_traced_memory()[1])
-
-
 #: Samples generated to completion in the current part-B run, on either side (taken by the
-#: consumer or not): the whole run's divisor.
+#: consumer or not): the whole run's divisor, and the clock of the steady window.
 _generated = [0]
+
+#: The steady window, in samples generated: from the N-th (the end of the first wave, the
+#: initial fill of N samples built before any finishes) to the target-th. Zero-latency samples
+#: are generated in bursts, a wave at a time, and where the consumer's count falls against a
+#: burst depends on the order trio runs one batch of tasks in (it reverses half the batches),
+#: so a window marked by the consumer's count held one wave's generation or two (10k, 2N
+#: finished: 6.8-88 us); marked by samples generated it holds waves 2 to the last, whole, and
+#: the consumption of the waves before them.
+_window = (0, 0)
+#: ``time.process_time()`` at the window's two ends.
+_marks: list[float] = []
+
+
+def _window_mark() -> None:
+    """Called by a generate function when ``_generated[0]`` is an end of ``_window``."""
+    _marks.append(time.process_time())
+    if tracemalloc.is_tracing():
+        if len(_marks) == 1:
+            tracemalloc.reset_peak()
+        else:
+            _traced.append(tracemalloc.get_traced_memory()[1])
 
 
 async def _zero_latency(sample: Sample) -> None:
     await trio.lowlevel.checkpoint()
     sample.status = SampleStatus.COMPLETED
     _generated[0] += 1
+    if _generated[0] in _window:
+        _window_mark()
 
 
 #: The trio consumer's batch and the driver's buffer, as fractions of B, at least one group
@@ -256,10 +251,6 @@ async def _trio_driver(policy: SubmissionPolicy, concurrent: int, target: int) -
         finished = 0
         while finished < target:
             finished += sum(g.size for g in await driver.next_batch())
-            _progress(finished)
-        # Every group the worker finished, taken or still buffered (the worker runs ahead of
-        # the consumer by up to the buffer's capacity).
-        _mark_target(driver.statistics().completed * G)
     _delivered.append(finished)
     # The whole run is charged per sample the worker finished (taken or left in the buffer),
     # as the asyncio worker's figure is: the work the scheduler did. What the consumer took is
@@ -283,8 +274,6 @@ async def _trio_bare(policy: SubmissionPolicy, concurrent: int, target: int) -> 
             for outcome in await scheduler.wait_for_progress():
                 if outcome.status is GroupStatus.COMPLETED:
                     finished += outcome.group.size
-            _progress(finished)
-        _mark_target(finished)
         nursery.cancel_scope.cancel()
     scheduler.close()
     return finished
@@ -320,6 +309,8 @@ async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) 
         await asyncio.sleep(0)
         sample.status = completed
         _generated[0] += 1
+        if _generated[0] in _window:
+            _window_mark()
         return sample
 
     scheduler: Any
@@ -333,8 +324,6 @@ async def _asyncio_zero_latency(granularity: str, concurrent: int, target: int) 
         generate,
         group_budget=budget,
         target_samples=target,
-        on_target=_mark_target,
-        on_progress=_progress,
     )
 
 
@@ -375,8 +364,6 @@ async def _plain_trio(policy: SubmissionPolicy, concurrent: int, target: int) ->
                     event = receive.receive_nowait()
                 except trio.WouldBlock:
                     break
-            _progress(finished)
-        _mark_target(finished)
         nursery.cancel_scope.cancel()
     return finished
 
@@ -385,49 +372,78 @@ def _run_asyncio(granularity: str, concurrent: int, target: int) -> int:
     return asyncio.run(_asyncio_zero_latency(granularity, concurrent, target))
 
 
+class _Collector:
+    """The cyclic collector's share of a run (the profile goal 1's growth needs): wall seconds
+    spent in collections of each generation (``gc.callbacks``, a few thousand calls per run)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.counts = [0, 0, 0]
+        self.samples = 1
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.seconds[generation] += time.perf_counter() - self._start
+            self.counts[generation] += 1
+
+
+#: The last GC-on run's collector profile (set by :func:`_measure`).
+_last_collector: list[_Collector] = []
+
+
 def _measure(fn: Callable[[], int], gc_on: bool, target: int, n: int) -> tuple[float, float]:
-    """CPU us per sample: the whole run (initial fill, run, shutdown) per sample finished, and
-    the steady window (from the first wave's end, N finished, to the target: no fill, no
-    shutdown) per sample finished in it."""
+    """CPU us per sample: the whole run (initial fill, run, shutdown) per sample generated to
+    completion, and the steady window (see ``_window``: no fill, no shutdown) per sample
+    generated in it."""
+    global _window
     gc.collect()
-    _reached.clear()
-    _midway.clear()
-    _half[0] = min(n, target // 2)
+    _marks.clear()
+    _window = (n, target)
     if gc_on:
         gc.enable()
     else:
         gc.disable()
     _generated[0] = 0
+    collector = _Collector()
+    if gc_on:
+        gc.callbacks.append(collector)
+        _last_collector[:] = [collector]
     try:
         t0 = time.process_time()
         fn()
         cpu = time.process_time() - t0
     finally:
         gc.enable()
-    ((reached, finished_then),) = _reached
-    ((midway, finished_midway),) = _midway
+        if gc_on:
+            gc.callbacks.remove(collector)
+            collector.samples = max(1, _generated[0])
+    (start, end) = _marks
     # Whole run: per sample generated to completion, whoever took it. The trio driver's exit
     # lets samples whose reply is in finish; the reference's cancels them: each side is
     # charged for the work it did and credited with the samples it finished.
-    steady = (reached - midway) / (finished_then - finished_midway) * 1e6
-    return cpu / _generated[0] * 1e6, steady
+    return cpu / _generated[0] * 1e6, (end - start) / (target - n) * 1e6
 
 
 def _memory(fn: Callable[[], int], n: int, target: int) -> float:
     """Peak traced bytes over the steady window per in-flight sample (see ``_traced``)."""
+    global _window
     gc.collect()
-    _reached.clear()
+    _marks.clear()
     _traced.clear()
-    _midway.clear()
-    _half[0] = min(n, target // 2)
+    _window = (n, target)
+    _generated[0] = 0
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     try:
         fn()
     finally:
         tracemalloc.stop()
-    (at_target,) = _traced
-    return (at_target - base) / n
+    (peak,) = _traced
+    return (peak - base) / n
 
 
 def _spread(values: list[float]) -> str:
@@ -457,8 +473,8 @@ def part_b(
     )
     print(
         f"   median [min-max] of {repeat} interleaved repetitions; whole run: fill, run and "
-        "shutdown, per sample generated to completion; 'steady': per sample finished from N "
-        "finished to the target (after the first wave)"
+        "shutdown, per sample generated to completion; 'steady': per sample generated from the "
+        "N-th to the target-th (after the first wave, before the shutdown)"
     )
     columns = [
         ("trio", "trio-rl whole"),
@@ -478,6 +494,7 @@ def part_b(
         for n in sizes:
             target = max(int(factor * n), minimum)
             runs: dict[str, list[float]] = {key: [] for key, _ in columns}
+            collected: dict[str, list[_Collector]] = {"trio-rl": [], "asyncio": []}
             trio_call = functools.partial(trio.run, trio_fn, policy, n, target)
             asyncio_call = functools.partial(_run_asyncio, granularity, n, target)
             for _ in range(repeat):
@@ -486,9 +503,13 @@ def part_b(
                     whole, steady = _measure(trio_call, gc_on, target, n)
                     runs["trio" + suffix].append(whole)
                     runs["trio_steady" + suffix].append(steady)
+                    if gc_on:
+                        collected["trio-rl"] += _last_collector
                     whole, steady = _measure(asyncio_call, gc_on, target, n)
                     runs["asyncio" + suffix].append(whole)
                     runs["asyncio_steady" + suffix].append(steady)
+                    if gc_on:
+                        collected["asyncio"] += _last_collector
             row: dict[str, Any] = {"policy": granularity, "n": n}
             print(
                 f"{granularity} backfill, N = {n:,} in flight:"
@@ -506,6 +527,7 @@ def part_b(
                 if side in row:
                     print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
             print()
+            print("   collector, GC-on runs (medians): " + _collector_line(collected))
             if memory:
                 trio_bytes = _memory(trio_call, n, target)
                 asyncio_bytes = _memory(asyncio_call, n, target)
@@ -518,6 +540,20 @@ def part_b(
             rows.append(row)
     _goal_1(rows)
     return rows
+
+
+def _collector_line(collected: dict[str, list[_Collector]]) -> str:
+    """Per side: collections and seconds per generation, medians over the GC-on runs."""
+    parts = []
+    for side, profiles in collected.items():
+        gens = ", ".join(
+            f"gen{g} {statistics.median(c.counts[g] for c in profiles):.0f} x "
+            f"{statistics.median(c.seconds[g] for c in profiles):.2f} s"
+            for g in range(3)
+        )
+        per_sample = statistics.median(sum(c.seconds) / c.samples * 1e6 for c in profiles)
+        parts.append(f"{side} {gens} ({per_sample:.1f} us per sample generated)")
+    return "; ".join(parts)
 
 
 def _goal_1(rows: list[dict[str, Any]]) -> None:
@@ -577,6 +613,9 @@ class _RealTime:
     busy: float = 0.0
     finished: int = 0
     lags: list[float] = attrs.field(factory=list)
+    #: How late each reply reached its sample task (from its due time to the task running):
+    #: the share of a slot's idle time that is the loop's timer, not the scheduler.
+    late: list[float] = attrs.field(factory=list)
     draws: Any = None
 
     def start(self) -> None:
@@ -591,9 +630,11 @@ class _RealTime:
         self.busy += max(0.0, min(start + latency, self.t1) - max(start, self.t0))
         return latency
 
-    def done(self) -> None:
-        if self.t0 <= time.perf_counter() <= self.t1:
+    def done(self, due: float) -> None:
+        now = time.perf_counter()
+        if self.t0 <= now <= self.t1:
             self.finished += 1
+            self.late.append(now - due)
 
     def lag(self, overshoot: float) -> None:
         if self.t0 <= time.perf_counter() <= self.t1:
@@ -601,11 +642,13 @@ class _RealTime:
 
     def figures(self, cpu: float) -> dict[str, float]:
         lags = sorted(self.lags) or [0.0]
+        late = sorted(self.late) or [0.0]
         return {
             "occupancy": self.busy / (self.slots * self.seconds),
             "rate": self.finished / self.seconds,
             "cpu_us": cpu / max(1, self.finished) * 1e6,
             "lag_p95_ms": lags[int(0.95 * (len(lags) - 1))] * 1e3,
+            "reply_ms": late[len(late) // 2] * 1e3,
         }
 
 
@@ -650,12 +693,14 @@ async def _trio_real_time(rt: _RealTime) -> float:
     replies = _Replies()
 
     async def generate(sample: Sample) -> None:
+        latency = rt.latency()
+        due = time.perf_counter() + latency
         if _rt_engine == "sleep":
-            await trio.sleep(rt.latency())
+            await trio.sleep(latency)
         else:
-            await replies.wait(rt.latency())
+            await replies.wait(latency)
         sample.status = SampleStatus.COMPLETED
-        rt.done()
+        rt.done(due)
 
     async def probe() -> None:
         while True:
@@ -697,9 +742,11 @@ async def _asyncio_real_time(rt: _RealTime) -> float:
     prompt = ref.MilesSample(prompt="p", tokens=list(_PROMPT.tokens), label="x")
 
     async def generate(sample: Any) -> Any:
-        await asyncio.sleep(rt.latency())
+        latency = rt.latency()
+        due = time.perf_counter() + latency
+        await asyncio.sleep(latency)
         sample.status = completed
-        rt.done()
+        rt.done(due)
         return sample
 
     async def probe() -> None:
@@ -734,6 +781,46 @@ async def _asyncio_real_time(rt: _RealTime) -> float:
     return cpu_at[1] - cpu_at[0]
 
 
+async def _trio_idle(seconds: float) -> list[float]:
+    lags = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        before = time.perf_counter()
+        await trio.sleep(_PROBE)
+        lags.append(time.perf_counter() - before - _PROBE)
+    return lags
+
+
+async def _asyncio_idle(seconds: float) -> list[float]:
+    lags = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        before = time.perf_counter()
+        await asyncio.sleep(_PROBE)
+        lags.append(time.perf_counter() - before - _PROBE)
+    return lags
+
+
+def _idle_probe(repeat: int, seconds: float = 2.0) -> dict[str, tuple[float, float]]:
+    """Each side's 1 ms probe on an otherwise idle loop: (median p50, median p95) in ms over
+    ``repeat`` interleaved runs. What a loop's own timer adds to every lag figure: trio wakes a
+    sleeper by cancelling its deadline's scope, asyncio runs a timer callback."""
+    found: dict[str, list[tuple[float, float]]] = {"trio-rl": [], "asyncio": []}
+    for _ in range(repeat):
+        for side, lags in (
+            ("trio-rl", trio.run(_trio_idle, seconds)),
+            ("asyncio", asyncio.run(_asyncio_idle(seconds))),
+        ):
+            ordered = sorted(lags)
+            found[side].append(
+                (ordered[len(ordered) // 2] * 1e3, ordered[int(0.95 * (len(ordered) - 1))] * 1e3)
+            )
+    return {
+        side: (statistics.median(p[0] for p in v), statistics.median(p[1] for p in v))
+        for side, v in found.items()
+    }
+
+
 def _real_time(side: str, median: float, seconds: float, slots: int, seed: int) -> dict[str, float]:
     rt = _RealTime(slots=slots, median=median, seconds=seconds, seed=seed)
     gc.collect()
@@ -755,6 +842,13 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
         f"asyncio: {_reference_label}"
     )
     base = 0.020
+    idle = _idle_probe(repeat)
+    print(
+        f"-- each loop's own timer: the 1 ms probe on an idle loop ({repeat} interleaved runs of "
+        "2 s, medians): lag p50 / p95 trio-rl "
+        f"{idle['trio-rl'][0]:.3f} / {idle['trio-rl'][1]:.3f} ms, asyncio "
+        f"{idle['asyncio'][0]:.3f} / {idle['asyncio'][1]:.3f} ms"
+    )
     print(f"-- at scale 1/10 (median 2 ms), median [min-max] of {repeat} interleaved runs")
     figures: dict[str, dict[str, list[float]]] = {"trio-rl": {}, "asyncio": {}}
     for r in range(repeat):
@@ -766,11 +860,12 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
         ("rate", "samples/s"),
         ("cpu_us", "CPU us/sample"),
         ("lag_p95_ms", "loop lag p95 ms"),
+        ("reply_ms", "reply late ms"),
     ]:
         t, a = figures["trio-rl"][key], figures["asyncio"][key]
         fmt = (
             (lambda v: f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]")
-            if key == ("occupancy")
+            if key in ("occupancy", "reply_ms")
             else _spread
         )
         print(f"   {label:<16} trio-rl {fmt(t):>24}   asyncio {fmt(a):>24}")
@@ -794,7 +889,8 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
                 f"   scale {scale:<7.4g} {side:<8} occupancy {statistics.median(occ):.3f} "
                 f"[{min(occ):.3f}-{max(occ):.3f}]  {statistics.median(f['rate']):>9,.0f} "
                 f"samples/s  CPU {_spread(f['cpu_us'])} us/sample  "
-                f"lag p95 {_spread(f['lag_p95_ms'])} ms"
+                f"lag p95 {_spread(f['lag_p95_ms'])} ms  reply late "
+                f"{statistics.median(f['reply_ms']):.3f} ms"
             )
         if all(statistics.median(runs[s]["occupancy"]) < 0.95 for s in runs):
             break
@@ -835,6 +931,13 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
             + f" [{fmt.format(min(f_a[key]))}-{fmt.format(max(f_a[key]))}]: "
             + ("reached" if ok else f"not reached (by {mt - ma:+.3g})")
         )
+    print(
+        f"goal 2: at that rate, each reply reached its sample a median "
+        f"{statistics.median(f_t['reply_ms']):.3f} ms (trio-rl) against "
+        f"{statistics.median(f_a['reply_ms']):.3f} ms (asyncio) after its due time; on an idle "
+        f"loop the probe's lag p95 is {idle['trio-rl'][1]:.3f} against {idle['asyncio'][1]:.3f} "
+        "ms (each loop's timer alone)"
+    )
 
 
 def _scales(text: str) -> list[float]:
@@ -860,8 +963,8 @@ def main() -> None:
         "--factor",
         type=float,
         default=3.0,
-        help="finished samples per run / N (default 3: the steady window, N to the target, "
-        "spans two waves of N)",
+        help="finished samples per run / N, more than 1 (default 3: the steady window, from the "
+        "N-th sample generated to the target-th, spans two waves of N)",
     )
     parser.add_argument(
         "--minimum", type=int, default=20000, help="minimum finished samples per run"
@@ -936,6 +1039,10 @@ def main() -> None:
     global _reference, _reference_label, _asyncio_samples, _batch_fraction, _buffer_fraction
     global _rt_engine
     _rt_engine = args.rt_engine
+    if args.factor <= 1:
+        parser.error(
+            f"--factor must be more than 1 (the steady window is N to the target), got {args.factor:g}"
+        )
     _batch_fraction, _buffer_fraction = args.batch, args.buffer
     # The application's levers on the collector (both sides run under the same settings); the
     # library never touches the GC.

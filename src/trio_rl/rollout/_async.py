@@ -58,6 +58,8 @@ logger = logging.getLogger("trio_rl.rollout")
 
 #: At most this many scheduling passes for ready work when the driver closes (`_wind_down`).
 _WIND_DOWN_PASSES = 8
+#: ... ending early after this many passes in a row that settled nothing.
+_WIND_DOWN_IDLE = 3
 
 
 class AsyncRolloutDriver:
@@ -315,9 +317,12 @@ async def _wind_down(driver: AsyncRolloutDriver) -> None:
     its group a step later; cancelling it instead throws that work away and costs trio's
     cancellation path (~30 us per task, more than running it). So submission pauses for good
     and the loop runs a few scheduling passes (no wait: a pass is one turn of the run
-    queue), until nothing is pending or two passes in a row settled nothing (the first pass
-    may only finish the current turn). Shielded: a cancelled caller gets the same passes,
-    in which its cancelled samples end as they would have in the cancellation.
+    queue), until nothing is pending or three passes in a row settled nothing. Two are not
+    enough: trio runs each batch of runnable tasks in either order, so in the pass after a
+    sample's first step (which settles nothing) this task may look before the samples
+    finish, and half the closing drivers cancelled a whole wave that was one step from done.
+    Shielded: a cancelled caller gets the same passes, in which its cancelled samples end as
+    they would have in the cancellation.
     """
     driver._pauses += 1  # never resumed: the driver is closing
     driver.scheduler.winding_down = True  # groups not started yet do not start
@@ -327,7 +332,7 @@ async def _wind_down(driver: AsyncRolloutDriver) -> None:
         await trio.lowlevel.cancel_shielded_checkpoint()
         now = (ledger.in_flight, ledger.pending_groups)
         idle = idle + 1 if now == before else 0
-        if idle == 2 or not ledger.pending_groups:
+        if idle == _WIND_DOWN_IDLE or not ledger.pending_groups:
             return
         before = now
 
