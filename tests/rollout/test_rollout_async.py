@@ -436,36 +436,42 @@ async def test_closing_lets_arrived_replies_finish_and_starts_no_new_group() -> 
     assert driver.scheduler.ledger.in_flight == 0
 
 
+async def _close_with_samples_one_step_from_done() -> tuple[int, list[int], list[int]]:
+    """Replies arrive just before the block ends; each sample then takes one step that
+    settles nothing (a checkpoint) and one that finishes it. Returns the samples in flight at
+    the close, and those that finished and were cancelled."""
+    gate = trio.Event()
+    finished: list[int] = []
+    cancelled: list[int] = []
+
+    async def generate(sample: Sample) -> None:
+        try:
+            await gate.wait()
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled:
+            cancelled.append(sample.index)
+            raise
+        sample.status = SampleStatus.COMPLETED
+        finished.append(sample.index)
+
+    async with open_async_rollout(
+        source(1000), GroupFactory(group_size=G), GroupRunner(generate), batch_size=1
+    ) as driver:
+        await trio.testing.wait_all_tasks_blocked()
+        in_flight = driver.statistics().in_flight_samples
+        gate.set()
+    assert driver.scheduler.ledger.in_flight == 0
+    return in_flight, finished, cancelled
+
+
 async def test_closing_finishes_samples_one_step_from_done_whatever_order_trio_runs_them() -> None:
-    # Replies arrive just before the block ends; each sample then takes one step that settles
-    # nothing (a checkpoint) and one that finishes it. trio runs each batch of tasks in either
-    # order, so a closing driver that looked too few times cancelled the whole lot about half
-    # the time; ten closings in a row must all finish every sample.
+    # trio runs each batch of tasks in either order, so a closing driver that looked too few
+    # times cancelled the whole lot about half the time; ten closings must all finish them.
     for _ in range(10):
-        gate = trio.Event()
-        finished: list[int] = []
-        cancelled: list[int] = []
-
-        async def generate(sample: Sample) -> None:
-            try:
-                await gate.wait()
-                await trio.lowlevel.checkpoint()
-            except trio.Cancelled:
-                cancelled.append(sample.index)
-                raise
-            sample.status = SampleStatus.COMPLETED
-            finished.append(sample.index)
-
-        async with open_async_rollout(
-            source(1000), GroupFactory(group_size=G), GroupRunner(generate), batch_size=1
-        ) as driver:
-            await trio.testing.wait_all_tasks_blocked()
-            in_flight = driver.statistics().in_flight_samples
-            assert in_flight > 0
-            gate.set()
+        in_flight, finished, cancelled = await _close_with_samples_one_step_from_done()
+        assert in_flight > 0
         assert cancelled == []
         assert len(finished) == in_flight
-        assert driver.scheduler.ledger.in_flight == 0
 
 
 @pytest.mark.parametrize("task", [run_reporting, run_booked])
