@@ -655,11 +655,57 @@ class _RealTime:
 _PROBE = 0.001
 
 
-#: How the trio side's simulated engine delivers a reply: "reactor" (default) wakes each sample
-#: from one timer task, as replies arriving on sockets wake their tasks; "sleep" is a
-#: ``trio.sleep`` per sample (a cancel scope and a deadline-driven cancellation per sample,
-#: which asyncio's ``call_later`` does not pay). Set by :func:`main`.
-_rt_engine = "reactor"
+#: How the trio side's simulated engine delivers a reply: "io" (default) as trio's I/O manager
+#: delivers a socket's readiness (:class:`_IoReplies`); "reactor" from one timer task that sets
+#: an event per reply (a task hop between the timer and the sample that a socket reply does not
+#: have); "sleep" a ``trio.sleep`` per sample (a cancel scope and a deadline-driven
+#: cancellation per sample, which asyncio's ``call_later`` does not pay). Set by :func:`main`.
+_rt_engine = "io"
+
+
+class _IoReplies(trio.abc.Instrument):
+    """Replies delivered the way trio delivers a socket's readiness: right after each I/O wait
+    of the run loop (``after_io_wait``, where trio's I/O manager reschedules the tasks whose
+    sockets are ready), every sample whose reply is due is rescheduled, and runs in the batch
+    that follows. A timer task only keeps the loop's I/O wait no longer than the next due
+    time. (asyncio's side: ``asyncio.sleep``, a timer callback resolving the sample's future,
+    the way a socket reader's callback would.)"""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, list[trio.lowlevel.Task | None]]] = []
+        self._n = itertools.count()
+        self._changed = trio.Event()
+
+    async def wait(self, latency: float) -> None:
+        due = trio.current_time() + latency
+        entry: list[trio.lowlevel.Task | None] = [trio.lowlevel.current_task()]
+        if not self._heap or due < self._heap[0][0]:
+            self._changed.set()
+        heapq.heappush(self._heap, (due, next(self._n), entry))
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            entry[0] = None  # cancelled: the reply is dropped when it comes due
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def after_io_wait(self, timeout: float) -> None:
+        heap = self._heap
+        if heap and heap[0][0] <= (now := trio.current_time()):
+            while heap and heap[0][0] <= now:
+                task = heapq.heappop(heap)[2][0]
+                if task is not None:
+                    trio.lowlevel.reschedule(task)
+
+    async def run(self) -> None:
+        trio.lowlevel.add_instrument(self)
+        try:
+            while True:
+                self._changed = trio.Event()
+                with trio.move_on_at(self._heap[0][0] if self._heap else math.inf):
+                    await self._changed.wait()
+        finally:
+            trio.lowlevel.remove_instrument(self)
 
 
 class _Replies:
@@ -690,7 +736,7 @@ class _Replies:
 
 
 async def _trio_real_time(rt: _RealTime) -> float:
-    replies = _Replies()
+    replies = _IoReplies() if _rt_engine == "io" else _Replies()
 
     async def generate(sample: Sample) -> None:
         latency = rt.latency()
@@ -1003,9 +1049,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--rt-engine",
-        choices=["reactor", "sleep"],
-        default="reactor",
-        help="part C, trio side: replies delivered by one timer task (default) or a trio.sleep "
+        choices=["io", "reactor", "sleep"],
+        default="io",
+        help="part C, trio side: replies delivered as trio's I/O manager delivers a socket's "
+        "readiness (default), by one timer task setting an event per reply, or by a trio.sleep "
         "per sample",
     )
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
