@@ -827,42 +827,82 @@ async def _asyncio_real_time(rt: _RealTime) -> float:
     return cpu_at[1] - cpu_at[0]
 
 
-async def _trio_idle(seconds: float) -> list[float]:
-    lags = []
+class _IoReturn(trio.abc.Instrument):
+    """When trio's run loop last came back from its I/O wait."""
+
+    at = 0.0
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.at = time.perf_counter()
+
+
+async def _trio_idle(seconds: float) -> tuple[list[float], list[float]]:
+    """The probe alone: its lags, and the time from the loop's I/O wait returning to the
+    probe running again (trio: the deadline's scope cancelled, ``Cancelled`` thrown in and
+    caught by ``trio.sleep``)."""
+    lags, wakes = [], []
+    returned = _IoReturn()
+    trio.lowlevel.add_instrument(returned)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         before = time.perf_counter()
         await trio.sleep(_PROBE)
-        lags.append(time.perf_counter() - before - _PROBE)
-    return lags
+        now = time.perf_counter()
+        lags.append(now - before - _PROBE)
+        wakes.append(now - returned.at)
+    trio.lowlevel.remove_instrument(returned)
+    return lags, wakes
 
 
-async def _asyncio_idle(seconds: float) -> list[float]:
-    lags = []
+async def _asyncio_idle(seconds: float) -> tuple[list[float], list[float]]:
+    """As :func:`_trio_idle`, on asyncio (the selector's ``select`` timed: a timer callback
+    resolves the sleep's future, the task runs in the next iteration)."""
+    lags, wakes = [], []
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    select, returned = selector.select, [0.0]
+
+    def timed_select(timeout: float | None = None) -> Any:
+        events = select(timeout)
+        returned[0] = time.perf_counter()
+        return events
+
+    selector.select = timed_select
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         before = time.perf_counter()
         await asyncio.sleep(_PROBE)
-        lags.append(time.perf_counter() - before - _PROBE)
-    return lags
+        now = time.perf_counter()
+        lags.append(now - before - _PROBE)
+        wakes.append(now - returned[0])
+    selector.select = select
+    return lags, wakes
 
 
-def _idle_probe(repeat: int, seconds: float = 2.0) -> dict[str, tuple[float, float]]:
-    """Each side's 1 ms probe on an otherwise idle loop: (median p50, median p95) in ms over
-    ``repeat`` interleaved runs. What a loop's own timer adds to every lag figure: trio wakes a
-    sleeper by cancelling its deadline's scope, asyncio runs a timer callback."""
-    found: dict[str, list[tuple[float, float]]] = {"trio-rl": [], "asyncio": []}
+def _idle_probe(repeat: int, seconds: float = 2.0) -> dict[str, tuple[float, float, float]]:
+    """Each side's 1 ms probe on an otherwise idle loop, medians over ``repeat`` interleaved
+    runs: lag p50 and p95 (ms), and the median time from the loop's I/O wait returning to the
+    probe running (us). What a loop's own timer adds to every lag figure: trio wakes a sleeper
+    by cancelling its deadline's scope, asyncio runs a timer callback."""
+    found: dict[str, list[tuple[float, float, float]]] = {"trio-rl": [], "asyncio": []}
     for _ in range(repeat):
-        for side, lags in (
+        for side, (lags, wakes) in (
             ("trio-rl", trio.run(_trio_idle, seconds)),
             ("asyncio", asyncio.run(_asyncio_idle(seconds))),
         ):
             ordered = sorted(lags)
             found[side].append(
-                (ordered[len(ordered) // 2] * 1e3, ordered[int(0.95 * (len(ordered) - 1))] * 1e3)
+                (
+                    ordered[len(ordered) // 2] * 1e3,
+                    ordered[int(0.95 * (len(ordered) - 1))] * 1e3,
+                    statistics.median(wakes) * 1e6,
+                )
             )
     return {
-        side: (statistics.median(p[0] for p in v), statistics.median(p[1] for p in v))
+        side: (
+            statistics.median(p[0] for p in v),
+            statistics.median(p[1] for p in v),
+            statistics.median(p[2] for p in v),
+        )
         for side, v in found.items()
     }
 
@@ -893,7 +933,9 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
         f"-- each loop's own timer: the 1 ms probe on an idle loop ({repeat} interleaved runs of "
         "2 s, medians): lag p50 / p95 trio-rl "
         f"{idle['trio-rl'][0]:.3f} / {idle['trio-rl'][1]:.3f} ms, asyncio "
-        f"{idle['asyncio'][0]:.3f} / {idle['asyncio'][1]:.3f} ms"
+        f"{idle['asyncio'][0]:.3f} / {idle['asyncio'][1]:.3f} ms; from the loop's I/O wait "
+        f"returning to the sleeper running: trio-rl {idle['trio-rl'][2]:.1f} us, asyncio "
+        f"{idle['asyncio'][2]:.1f} us"
     )
     print(f"-- at scale 1/10 (median 2 ms), median [min-max] of {repeat} interleaved runs")
     figures: dict[str, dict[str, list[float]]] = {"trio-rl": {}, "asyncio": {}}
@@ -982,7 +1024,8 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
         f"{statistics.median(f_t['reply_ms']):.3f} ms (trio-rl) against "
         f"{statistics.median(f_a['reply_ms']):.3f} ms (asyncio) after its due time; on an idle "
         f"loop the probe's lag p95 is {idle['trio-rl'][1]:.3f} against {idle['asyncio'][1]:.3f} "
-        "ms (each loop's timer alone)"
+        f"ms, and a sleeper runs {idle['trio-rl'][2]:.1f} against {idle['asyncio'][2]:.1f} us "
+        "after the loop's I/O wait returns (each loop's timer alone)"
     )
 
 
