@@ -12,31 +12,14 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-import attrs
 import trio_util
 
-from ..samples import Group, GroupBook, Sample
+from ..samples import Group, GroupBook
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailed
-from ._group import GroupRunner, refused_while_closing
+from ._group import GroupRunner, SampleReport, refused_while_closing
 
 __all__ = ["GroupBuffer", "run_booked"]
-
-
-@attrs.define(slots=True, eq=False)
-class _BookedReport:
-    """A group's ``on_sample_done`` in the async driver: the credit back, and a finished
-    member to the book. One slotted object per group (a closure would be a function and a
-    cell per captured name, all walked by the cyclic collector while the group runs)."""
-
-    scheduler: CreditScheduler
-    group: Group
-    book: GroupBook | None
-
-    def __call__(self, sample: Sample) -> None:
-        self.scheduler.sample_done(self.group.group_id)
-        if self.book is not None and sample.status.is_finished:
-            self.book.members_arrived(self.group, (sample,))
 
 
 class _Wakeup(Protocol):
@@ -96,7 +79,7 @@ async def run_booked(
     if refused_while_closing(scheduler, group):
         return
     try:
-        await runner.run(group, on_sample_done=_BookedReport(scheduler, group, book))
+        await runner.run(group, on_sample_done=SampleReport(scheduler, group, book))
         status = GroupStatus.COMPLETED
     except GroupFailed as exc:
         status, error = GroupStatus.FAILED, exc

@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from ..engines import AbortSignal, Engine, GenerateRequest, SamplingParams
-from ..samples import Group, Sample, SampleStatus
+from ..samples import Group, GroupBook, Sample, SampleStatus
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailed
 from ._validate import check_timeout, timeout
@@ -339,7 +339,7 @@ async def run_reporting(
     if refused_while_closing(scheduler, group):
         return
     try:
-        await runner.run(group, on_sample_done=_Report(scheduler, group.group_id))
+        await runner.run(group, on_sample_done=SampleReport(scheduler, group))
         status = GroupStatus.COMPLETED
     except GroupFailed as exc:
         status, error = GroupStatus.FAILED, exc
@@ -348,15 +348,19 @@ async def run_reporting(
 
 
 @attrs.define(slots=True, eq=False)
-class _Report:
-    """A group's ``on_sample_done`` under `run_reporting`: the credit back to the scheduler.
-    One slotted object per group, not a closure (a function and a cell per captured name)."""
+class SampleReport:
+    """A group task's ``on_sample_done``: the sample's credit back to the scheduler and, with a
+    book, a finished member to it. One slotted object per group, not a closure (a function and
+    a cell per captured name, all walked by the cyclic collector while the group runs)."""
 
     scheduler: CreditScheduler
-    group_id: str
+    group: Group
+    book: GroupBook | None = None
 
     def __call__(self, sample: Sample) -> None:
-        self.scheduler.sample_done(self.group_id)
+        self.scheduler.sample_done(self.group.group_id)
+        if self.book is not None and sample.status.is_finished:
+            self.book.members_arrived(self.group, (sample,))
 
 
 def refused_while_closing(scheduler: CreditScheduler, group: Group) -> bool:
