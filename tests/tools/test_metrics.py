@@ -4,14 +4,13 @@ endpoint scraped over real HTTP, all fed the same records."""
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tools_helpers import extra
+from tools_helpers import extra, tf_events, wandb_history
 
 from trio_rl.errors import TrioRLError
 from trio_rl.tools import (
@@ -96,19 +95,6 @@ def test_a_record_without_a_step_is_refused(tmp_path: Path) -> None:
     sink.close()
 
 
-def _tf_events(logdir: Path) -> list[bytes]:
-    """The records of the TFRecord event files under ``logdir`` (length, crc, data, crc)."""
-    out = []
-    for file in sorted(logdir.glob("events.out.tfevents.*")):
-        data = file.read_bytes()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack_from("<Q", data, pos)
-            out.append(data[pos + 12 : pos + 12 + n])
-            pos += 12 + n + 4
-    return out
-
-
 def test_tensorboard_scalars_at_each_step(tmp_path: Path) -> None:
     extra("tensorboardX")  # the `tensorboard` extra; CI's test group installs it
     from tensorboardX.proto.event_pb2 import Event
@@ -118,7 +104,7 @@ def test_tensorboard_scalars_at_each_step(tmp_path: Path) -> None:
         sink.write(r)
     sink.close()
     scalars: dict[str, dict[int, float]] = {}
-    for raw in _tf_events(tmp_path / "tb"):
+    for raw in tf_events(tmp_path / "tb"):
         event = Event.FromString(raw)
         for value in event.summary.value:
             scalars.setdefault(value.tag, {})[event.step] = value.simple_value
@@ -128,38 +114,6 @@ def test_tensorboard_scalars_at_each_step(tmp_path: Path) -> None:
     assert not {"trio_rl/note", "trio_rl/flag", "trio_rl/reward_none", "trio_rl/step"} & set(
         scalars
     )
-
-
-def _wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
-    """The history rows of an offline ``.wandb`` file: a 7-byte header, then LevelDB-log
-    records (crc32c u32, length u16, type u8; 1 full, 2 first, 3 middle, 4 last) in 32 KiB
-    blocks, each a ``Record`` protobuf."""
-    import importlib
-
-    # generated protobuf code: its stubs do not name the message classes
-    pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")
-
-    data = run_file.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, part, rows = 7, b"", {}
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # block trailer too short for a record header
-            pos += 32768 - pos % 32768
-            continue
-        _, n, kind = struct.unpack_from("<IHB", data, pos)
-        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
-        part = chunk if kind in (1, 2) else part + chunk
-        if kind not in (1, 4):
-            continue
-        record = pb.Record()
-        record.ParseFromString(part)
-        if record.WhichOneof("record_type") == "history":
-            items = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in record.history.item
-            }
-            rows[record.history.step.num] = items
-    return rows
 
 
 def test_wandb_offline_run_gets_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,14 +126,14 @@ def test_wandb_offline_run_gets_every_step(tmp_path: Path, monkeypatch: pytest.M
         sink.write(r)
     sink.close()
     (run_file,) = run_dir.glob("*.wandb")  # what `wandb sync` uploads
-    rows = _wandb_history(run_file)
+    rows = wandb_history(run_file)
     assert sorted(rows) == [1, 2, 3]
     for r in RECORDS:
         row = rows[r["step"]]
-        assert row["_step"] == r["step"]
+        assert row["step"] == r["step"]
         assert row["reward_mean"] == pytest.approx(r["reward_mean"])
         assert row["queue_depth"] == r["queue_depth"]
-        assert not {"note", "flag", "reward_none", "step"} & set(row)
+        assert not {"note", "flag", "reward_none"} & set(row)
 
 
 def test_prometheus_endpoint_over_http(tmp_path: Path) -> None:
@@ -357,10 +311,10 @@ def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> N
     assert steps == [1, 2, 3]
     tb_steps = {
         event.step
-        for raw in _tf_events(out / "tensorboard")
+        for raw in tf_events(out / "tensorboard")
         for event in [Event.FromString(raw)]
         if any(v.tag == "trio_rl/reward_mean" for v in event.summary.value)
     }
     assert tb_steps == set(steps)
     (run_file,) = (out / "wandb").glob("offline-run-*/*.wandb")
-    assert sorted(_wandb_history(run_file)) == steps
+    assert sorted(wandb_history(run_file)) == steps

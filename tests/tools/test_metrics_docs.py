@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import trio_rl.tools as tools
-from trio_rl.tools import FIELDS
+from trio_rl.tools import FIELDS, TRAINER_FIELDS
 from trio_rl.tools.console import format_line
 from trio_rl.tools.plot_cmd import PANELS
 
@@ -17,6 +17,11 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
 def test_the_field_table_is_the_code_s() -> None:
     rows = re.findall(r"^\| `(\w+)` \| (.+?) \|$", DOC, re.MULTILINE)
     assert dict(rows) == dict(FIELDS)
+
+
+def test_the_trainer_field_table_is_the_code_s() -> None:
+    rows = re.findall(r"^\| `(trainer/\w+)` \| (.+?) \|$", DOC, re.MULTILINE)
+    assert dict(rows) == dict(TRAINER_FIELDS)
 
 
 def test_every_sink_is_documented() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +54,76 @@ def extra(module: str) -> Any:
         return importlib.import_module(module)
     except ImportError as exc:
         pytest.fail(f"{module!r} is not installed: install the test dependency group ({exc})")
+
+
+def tf_events(logdir: Path) -> list[bytes]:
+    """The records of the TFRecord event files under ``logdir`` (length, crc, data, crc)."""
+    out = []
+    for file in sorted(logdir.glob("events.out.tfevents.*")):
+        data = file.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack_from("<Q", data, pos)
+            out.append(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4
+    return out
+
+
+def tf_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` of every scalar in the event files under ``logdir``."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, dict[int, float]] = {}
+    for raw in tf_events(logdir):
+        event = Event.FromString(raw)
+        for value in event.summary.value:
+            scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def wandb_records(run_file: Path) -> list[Any]:
+    """The ``Record`` protobufs of an offline ``.wandb`` file: a 7-byte header, then LevelDB-log
+    records (crc32c u32, length u16, type u8; 1 full, 2 first, 3 middle, 4 last) in 32 KiB
+    blocks."""
+    # generated protobuf code: its stubs do not name the message classes
+    pb: Any = importlib.import_module("wandb.proto.wandb_internal_pb2")
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, part, records = 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer too short for a record header
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack_from("<IHB", data, pos)
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
+        part = chunk if kind in (1, 2) else part + chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(part)
+        records.append(record)
+    return records
+
+
+def wandb_rows(run_file: Path) -> list[dict[str, Any]]:
+    """The history rows of an offline run file, in the order they were logged."""
+    rows = []
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
+    return rows
+
+
+def wandb_history(run_file: Path) -> dict[int, dict[str, Any]]:
+    """The history rows of an offline run file by the record's ``step`` (the charts' x axis;
+    a later row of one step adds to the earlier one's fields)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in wandb_rows(run_file):
+        by_step.setdefault(int(row["step"]), {}).update(row)
+    return by_step

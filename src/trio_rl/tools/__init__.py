@@ -10,7 +10,9 @@ from ._errors import MetricsFileError as MetricsFileError
 from ._errors import MissingExtraError as MissingExtraError
 from ._errors import ToolsError as ToolsError
 from .console import ConsoleDisplay as ConsoleDisplay
+from .metrics import ALL_FIELDS as ALL_FIELDS
 from .metrics import FIELDS as FIELDS
+from .metrics import TRAINER_FIELDS as TRAINER_FIELDS
 from .metrics import FanOut as FanOut
 from .metrics import JsonlSink as JsonlSink
 from .metrics import MetricsSink as MetricsSink

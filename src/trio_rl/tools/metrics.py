@@ -25,12 +25,15 @@ from ..publish import step_record
 from ._errors import MetricsFileError, MissingExtraError
 
 __all__ = [
+    "ALL_FIELDS",
     "FIELDS",
     "FanOut",
     "JsonlSink",
     "MetricsSink",
     "PrometheusSink",
+    "TRAINER_FIELDS",
     "TensorBoardSink",
+    "WANDB_ID_FILE",
     "WandbSink",
     "numeric_fields",
     "open_sinks",
@@ -61,6 +64,26 @@ FIELDS: Mapping[str, str] = {
     "policy_wait_s": "seconds the ship gate waited for the policy version",
     "wall_s": "seconds since the run started",
 }
+
+#: The trainer's fields of a record (the trainer's report of a trained step, in the same record
+#: stream as the orchestrator's fields): every sink exports them like the others, TensorBoard and
+#: W&B under their own ``trainer/`` section, Prometheus as ``trio_rl_trainer_<name>``.
+TRAINER_FIELDS: Mapping[str, str] = {
+    "trainer/loss": "the trainer's policy loss of the step (mean over its updates)",
+    "trainer/clip_frac": "fraction of tokens whose importance ratio was clipped",
+    "trainer/ratio_mean": "mean importance ratio (new policy / behaviour policy) over tokens",
+    "trainer/kl": "KL divergence to the behaviour policy (k3 estimator), mean over tokens",
+    "trainer/entropy": "the policy's entropy over the trained tokens (nats)",
+    "trainer/grad_norm": "gradient norm before clipping",
+    "trainer/lr": "the learning rate of the step",
+    "trainer/tokens_per_s": "tokens trained per second",
+}
+
+#: Where a run directory keeps the id of its W&B run (a resumed run continues it).
+WANDB_ID_FILE = "wandb/run_id"
+
+#: Every documented field: the orchestrator's, then the trainer's.
+ALL_FIELDS: Mapping[str, str] = {**FIELDS, **TRAINER_FIELDS}
 
 
 @runtime_checkable
@@ -178,7 +201,9 @@ class FanOut:
 
 
 class TensorBoardSink:
-    """Every numeric field as a TensorBoard scalar ``<prefix>/<field>`` at the record's step.
+    """Every numeric field as a TensorBoard scalar ``<prefix>/<field>`` at the record's step; a
+    field of the trainer's section (``trainer/loss``, see :data:`TRAINER_FIELDS`) keeps its own
+    name, so TensorBoard shows the trainer's scalars as a section of their own.
 
     Uses ``tensorboardX`` (``trio-rl[tensorboard]``), or ``torch.utils.tensorboard`` when only
     the ``tensorboard`` package is installed.
@@ -201,28 +226,56 @@ class TensorBoardSink:
     def write(self, record: Mapping[str, Any]) -> None:
         step = _step_of(record)
         for key, value in numeric_fields(record).items():
-            if key != "step":
-                self._writer.add_scalar(f"{self._prefix}/{key}", value, global_step=step)
+            if key == "step":
+                continue
+            tag = key if key.startswith("trainer/") else f"{self._prefix}/{key}"
+            self._writer.add_scalar(tag, value, global_step=step)
 
     def close(self) -> None:
         self._writer.close()
 
 
 class WandbSink:
-    """Every numeric field logged to a Weights & Biases run at the record's step.
+    """Every numeric field logged to a Weights & Biases run, against the record's ``step``.
 
-    ``init`` is passed to ``wandb.init`` (``project``, ``name``, ``config``, ``dir``, ``mode``;
-    ``WANDB_MODE=offline`` writes the run locally for ``wandb sync``). Needs
-    ``trio-rl[wandb]``.
+    ``init`` is passed to ``wandb.init`` (``project``, ``name``, ``entity``, ``tags``,
+    ``config``, ``dir``, ``mode``; ``WANDB_MODE=offline`` writes the run locally for ``wandb
+    sync``). Needs ``trio-rl[wandb]``.
+
+    ``step`` is the x axis of every chart (``define_metric("*", step_metric="step")``), not
+    W&B's own row counter: a record may arrive for a step older than one already logged (the
+    trainer reports a step after the orchestrator shipped the next), which W&B would drop if it
+    were logged with ``step=``.
+
+    ``id_file``: where the run's id is kept (the run directory's ``wandb/run_id``). With
+    ``resume`` and an id there, the run continues that W&B run (``resume="allow"``); the id of
+    the run opened is written there either way.
     """
 
-    def __init__(self, **init: Any) -> None:
+    def __init__(
+        self, *, id_file: str | os.PathLike[str] | None = None, resume: bool = False, **init: Any
+    ) -> None:
         try:
             wandb = importlib.import_module("wandb")
         except ImportError:
             raise MissingExtraError("the Weights & Biases sink", "wandb", "wandb") from None
         self._wandb = wandb
+        self.id_file = None if id_file is None else Path(id_file)
+        if self.id_file is not None and resume and "id" not in init:
+            try:
+                known = self.id_file.read_text(encoding="utf-8").strip()
+            except FileNotFoundError:
+                known = ""
+            if known:
+                init = {"id": known, "resume": "allow", **init}
         self._run = wandb.init(**init)
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+        if self.id_file is not None:
+            self.id_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.id_file.with_name(self.id_file.name + ".tmp")
+            tmp.write_text(str(self._run.id) + "\n", encoding="utf-8")
+            tmp.replace(self.id_file)
 
     @property
     def run(self) -> Any:
@@ -230,10 +283,8 @@ class WandbSink:
         return self._run
 
     def write(self, record: Mapping[str, Any]) -> None:
-        step = _step_of(record)
-        values = numeric_fields(record)
-        values.pop("step", None)
-        self._run.log(values, step=step)
+        _step_of(record)
+        self._run.log(numeric_fields(record))
 
     def close(self) -> None:
         """Finish the run; when no other W&B run is active, also shut wandb's service down:
@@ -279,7 +330,7 @@ class PrometheusSink:
             gauge = self._gauges.get(key)
             if gauge is None:
                 name = f"{self._prefix}_{''.join(c if c.isalnum() else '_' for c in key)}"
-                doc = FIELDS.get(key, f"the metrics record's {key!r} field")
+                doc = ALL_FIELDS.get(key, f"the metrics record's {key!r} field")
                 gauge = self._prom.Gauge(name, doc, registry=self._registry)
                 self._gauges[key] = gauge
             gauge.set(value)
@@ -318,7 +369,7 @@ def open_sinks(
         if tensorboard:
             sinks.append(TensorBoardSink(root / "tensorboard"))
         if wandb is not None:
-            sinks.append(WandbSink(**{"dir": str(root), **wandb}))
+            sinks.append(WandbSink(**{"dir": str(root), "id_file": root / WANDB_ID_FILE, **wandb}))
         if prometheus_port is not None:
             sinks.append(PrometheusSink(prometheus_port))
     except BaseException:
