@@ -490,6 +490,7 @@ class _SimulateMetrics:
                 policy_version=orch.policy_version,
                 slot_occupancy=occupancy,
                 queue_depth=orch.sink.queued,
+                cancelled_stale=orch.driver.statistics().cancelled_stale_samples,
             )
         )
         self.wall_last = now
@@ -590,6 +591,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         )
         first = orch.step
         last = first + cfg.run.steps - 1
+        orch.final_step = last  # no rollouts for steps after the last: none left over
         if orch.restore is not None:
             r = orch.restore
             print(
@@ -942,8 +944,6 @@ def _main(args: argparse.Namespace) -> int:
 
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
-        # ... and the per-step counters (stale, pruned) say what the quality warnings would
-        logging.getLogger("trio_rl.publish.quality").setLevel(logging.ERROR)
         torch.set_num_threads(learn_cfg.run.threads)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))

@@ -73,6 +73,7 @@ __all__ = [
     "Orchestrator",
     "OrchestratorConfig",
     "RunSummary",
+    "StalenessAdmission",
     "open_orchestrator",
 ]
 
@@ -122,9 +123,66 @@ class OrchestratorConfig:
     #: Deadline in seconds of each sample (generation plus its reward); expiry fails the sample
     #: and so its group, which then follows ``failure``. None: only the engine's own deadlines.
     sample_timeout: float | None = None
+    #: Staleness-aware admission (:class:`StalenessAdmission`): a new group starts only if its
+    #: samples can still ship within ``max_off_policy_steps`` (and before the run's last step),
+    #: and a running group whose work can no longer be trained is cancelled early. False: the
+    #: credit policy alone admits, and the sink drops what went stale.
+    stale_admission: bool = True
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
+
+
+@attrs.define(slots=True, eq=False)
+class StalenessAdmission:
+    """Admission at dispatch from the sink's own books (a :class:`~trio_rl.rollout.Admission`).
+
+    Batch ``S`` trains on policy ``S - 1``, and the sink drops a sample of version ``v`` from
+    batch ``S`` when ``v < S - 1 - max_off_policy_steps``: work started now, at version ``v``,
+    is trainable in batches up to ``v + 1 + max_off_policy_steps``. Batches are cut oldest
+    version first, so every sample already queued or still to come from an open group goes
+    before it: with ``ahead`` such samples (each open group counted as its full size, an upper
+    bound) a new group of ``G`` lands at the latest in batch ``step + (ahead + G - 1) //
+    batch_size``. It is admitted if that batch is within the staleness limit and not after
+    ``horizon`` (the run's last step: work for later steps would be left over). The trainer's
+    pace enters through the version: when it lags, admission waits for it instead of
+    generating work that would be dropped.
+
+    Liveness: when the work ahead cannot fill the batch being collected (``ahead <
+    batch_size``), a group that straddles the limit is still admitted unless a shipped batch is
+    waiting to be trained (then the version will advance and admit it whole).
+
+    A running group expires once the sink would judge its start version stale for the batch
+    being collected (certain: steps only advance); the driver then cancels it.
+    """
+
+    sink: TrainSink
+    #: The last step the run will ship (None: unbounded).
+    horizon: int | None = None
+
+    def ahead(self) -> int:
+        """Samples that go before new work: queued, in a cut, or still to come from open groups."""
+        return self.sink.queue.held + sum(g.group_size for g in self.sink.book.groups.values())
+
+    def admits(self, version: PolicyVersion, samples: int) -> bool:
+        config = self.sink.config
+        size = config.batch_size
+        m = config.max_off_policy_steps
+        if size is None or (m is None and self.horizon is None):
+            return True
+        step = self.sink.step
+        ahead = self.ahead()
+        lands = step + (ahead + samples - 1) // size
+        fresh = m is None or lands <= version + 1 + m
+        if fresh and (self.horizon is None or lands <= self.horizon):
+            return True
+        if ahead >= size or (self.horizon is not None and step > self.horizon):
+            return False  # the batch being collected fills from work ahead (or the run is done)
+        # the batch being collected needs this work: wait only if the version will advance
+        return fresh or version >= step - 1
+
+    def expired(self, version: PolicyVersion) -> bool:
+        return self.sink.queue.is_stale(version)
 
 
 @attrs.frozen
@@ -177,6 +235,14 @@ class Orchestrator:
         self._ended = False
         #: Seconds the ship gate holds before it logs what it waits for (and between repeats).
         self.gate_warn_after = 5.0
+        #: The staleness-aware admission the driver asks (None when switched off).
+        self.admission: StalenessAdmission | None = (
+            StalenessAdmission(sink) if config.stale_admission else None
+        )
+        #: The last step the run will ship, when known (None: open-ended, e.g. a run resumed
+        #: later for more steps): admission generates nothing for later steps, so no work is
+        #: left over when the run ends. Read by `run`.
+        self.final_step: int | None = None
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -207,8 +273,13 @@ class Orchestrator:
         # The trainer broadcasts v_S after training batch S: batches up to S have been read.
         for step in range(old + 1, new + 1):
             self.sink.mark_read(step)
+        self._reconsider("policy version")
         for hook in self._on_version:
             hook(new)
+
+    def _reconsider(self, reason: str) -> None:
+        if self._driver is not None and self.admission is not None:
+            self._driver.reconsider(reason)
 
     async def _ship_gate(self, step: int) -> None:
         """Wait until batch ``step`` may ship; the wait is reported as policy-wait time.
@@ -263,12 +334,16 @@ class Orchestrator:
         await self.publisher.resend_pending()
         first = self.sink.step
         last = first + steps - 1
+        if self.admission is not None and self.admission.horizon != self.final_step:
+            self.admission.horizon = self.final_step
+            self._reconsider("run")
         records: list[ShipRecord] = []
         exhausted = False
         while self.sink.step <= last:
             if self.sink.ready() or (exhausted and self.sink.queued):
                 await self._ship_gate(self.sink.step)
                 record = await self.publisher.publish(force=exhausted)
+                self._reconsider("shipped")
                 if record is not None:
                     records.append(record)
                     await self.sweep_payloads()
@@ -290,6 +365,8 @@ class Orchestrator:
                 # the driver always reaches the sink. No checkpoint can be taken meanwhile:
                 # only this task publishes.
                 await self.sink.ingest_group(group, limiter=self.limiter)
+            if groups:
+                self._reconsider("scored")
             if len(groups) < wanted:
                 exhausted = True
         if exhausted and not self._ended:
@@ -509,6 +586,7 @@ async def open_orchestrator(
                     book=sink.book,
                     resumed=() if restore is None else restore.resumed,
                     policy_version=orch.version,
+                    admission=orch.admission,
                 ) as driver,
                 open_publisher(
                     sink,

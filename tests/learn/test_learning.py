@@ -56,24 +56,45 @@ async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> Non
     assert all((p / "model.safetensors").exists() and (p / "meta.json").exists() for p in published)
 
 
-async def test_forced_staleness_drops_stale_samples_and_still_learns(tmp_path: Path) -> None:
+async def test_forced_staleness_is_held_back_at_admission_and_still_learns(tmp_path: Path) -> None:
     config = LearnConfig(
         out=tmp_path,
         steps=40,
         seed=1,
         max_off_policy_steps=0,
-        trainer_delay=0.3,  # a deliberately slow trainer: rollouts outrun it and go stale
+        trainer_delay=0.3,  # a deliberately slow trainer: rollouts would outrun it
         stop_at_reward=0.4,
         verbose=False,
         plot=False,
     )
     with trio.fail_after(900):
         result = await run_learning(config)
-    assert result.counters["stale"] > 0
-    assert result.metrics[-1]["stale"] == result.counters["stale"]
+    # admission generated only what could still train: next to nothing was thrown away
+    c = result.counters
+    assert c["stale"] + c["cancelled"] <= 0.1 * c["dispatched"], c
+    assert result.metrics[-1]["stale"] == c["stale"]
+    assert result.metrics[-1]["waste_total"] <= 0.1
     # nothing older than the staleness limit was trained on
     assert all(m["off_policy_max"] == 0 for m in result.metrics)
     assert _gain(_rewards(result.metrics)) >= 0.2, _rewards(result.metrics)
+
+
+async def test_without_stale_admission_the_sink_drops_what_went_stale(tmp_path: Path) -> None:
+    config = LearnConfig(
+        out=tmp_path,
+        steps=6,
+        seed=1,
+        max_off_policy_steps=0,
+        trainer_delay=0.3,
+        stale_admission=False,
+        verbose=False,
+        plot=False,
+    )
+    with trio.fail_after(600):
+        result = await run_learning(config)
+    assert result.counters["stale"] > 0
+    assert result.metrics[-1]["waste_total"] > 0
+    assert all(m["off_policy_max"] == 0 for m in result.metrics)
 
 
 async def test_a_deterministic_policy_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ async def test_a_previous_runs_weights_and_batches_are_cleared(tmp_path: Path) -
         assert m["train/all/completion_length/count"] >= m["samples"]
         assert m["train/all/attempts"] >= m["samples"]
         assert "time/total" in m
-        flat = ("warnings/", "train/", "threads/", "time/", "batch/", "counters/")
+        flat = ("warnings/", "train/", "trainer/", "threads/", "time/", "batch/", "counters/")
         assert all(k.startswith(flat) or k in {*FIELDS, "open_groups"} for k in m)
     latest = latest_weights(tmp_path / "weights")
     assert latest is None or latest.version <= 2

@@ -19,10 +19,12 @@ from ._task import Task as Task
 from ._task import Tokenizer as Tokenizer
 from ._task import char_reward as char_reward
 from ._task import make_prompts as make_prompts
+from ._trainer import TRAINER_KEYS as TRAINER_KEYS
 from ._trainer import GRPOTrainer as GRPOTrainer
 from ._trainer import StepStats as StepStats
 from ._trainer import TrainerConfig as TrainerConfig
 from ._trainer import grpo_token_losses as grpo_token_losses
+from ._trainer import grpo_token_terms as grpo_token_terms
 from ._watcher import watch_weights as watch_weights
 from ._weights import PublishedWeights as PublishedWeights
 from ._weights import latest_weights as latest_weights

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CharTransformer", "ModelConfig", "sequence_logprobs"]
+__all__ = ["CharTransformer", "ModelConfig", "sequence_logprobs", "sequence_logprobs_entropy"]
 
 
 @attrs.frozen
@@ -105,3 +105,25 @@ def sequence_logprobs(
     for i, s in enumerate(sequences):
         out.append(torch.cat([logp.new_zeros(1), logp[i, : len(s) - 1]]))
     return out
+
+
+def sequence_logprobs_entropy(
+    model: nn.Module, sequences: list[torch.Tensor], temperature: float = 1.0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`sequence_logprobs` and, per position, the entropy (nats) of the distribution the
+    token was sampled from, at ``temperature`` (entry 0 of each is 0.0)."""
+    if not sequences:
+        return [], []
+    longest = max(len(s) for s in sequences)
+    batch = torch.zeros((len(sequences), longest), dtype=torch.int64)
+    for i, s in enumerate(sequences):
+        batch[i, : len(s)] = s
+    logits = model(batch)[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(2, batch[:, 1:, None]).squeeze(2)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    lps, ents = [], []
+    for i, s in enumerate(sequences):
+        lps.append(torch.cat([logp.new_zeros(1), logp[i, : len(s) - 1]]))
+        ents.append(torch.cat([entropy.new_zeros(1), entropy[i, : len(s) - 1]]))
+    return lps, ents

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -20,9 +22,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..trainer import TrainerTensors, to_torch
 from ..wire import MicroBatch
-from ._model import sequence_logprobs
+from ._model import sequence_logprobs_entropy
 
-__all__ = ["GRPOTrainer", "StepStats", "TrainerConfig", "grpo_token_losses"]
+__all__ = [
+    "TRAINER_KEYS",
+    "GRPOTrainer",
+    "StepStats",
+    "TrainerConfig",
+    "grpo_token_losses",
+    "grpo_token_terms",
+]
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -36,6 +45,9 @@ class TrainerConfig:
 
     Each step runs ``epochs`` AdamW updates over the whole batch (PPO-style reuse); the
     importance ratio against the inference logprobs is clipped to ``[1 - clip, 1 + clip]``.
+    ``entropy_coef`` adds ``-entropy_coef x`` the mean token entropy (of the distributions the
+    trained tokens were sampled from) to the loss: an entropy bonus that keeps the policy from
+    collapsing onto one reply per prompt while it is still wrong (docs/learning.md).
     """
 
     lr: float = attrs.field(default=2e-3, validator=_positive)
@@ -44,19 +56,48 @@ class TrainerConfig:
     clip: float = attrs.field(default=0.2, validator=_positive)
     epochs: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_grad_norm: float | None = 1.0
+    entropy_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen
 class StepStats:
-    """What one :meth:`GRPOTrainer.train_step` did, over every rank. ``loss``, ``ratio_mean``
-    (importance ratio against the inference logprobs) and ``clipped_fraction`` are those of the
-    step's first update, before the policy moved."""
+    """What one :meth:`GRPOTrainer.train_step` did, over every rank. ``loss`` (the clipped
+    policy-gradient loss, token mean, without the entropy bonus), ``ratio_mean`` (importance
+    ratio against the inference logprobs), ``clipped_fraction``, ``kl`` (the k3 estimator of
+    KL(behaviour || current), ``mean(r - 1 - log r)``) and ``entropy`` (mean token entropy,
+    nats) are those of the step's first update, before the policy moved; ``grad_norm`` is the
+    first update's gradient norm before clipping; ``lr`` the learning rate of the step;
+    ``seconds`` its wall time and ``tokens_per_s`` the loss tokens over it."""
 
     step: int
     loss_tokens: int
     loss: float
     ratio_mean: float
     clipped_fraction: float
+    kl: float = math.nan
+    entropy: float = math.nan
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+
+    def metrics(self) -> dict[str, Any]:
+        """The ``trainer/...`` fields of the step's metrics record (non-finite values: None)."""
+        values = {
+            "trainer/loss": self.loss,
+            "trainer/clip_frac": self.clipped_fraction,
+            "trainer/ratio_mean": self.ratio_mean,
+            "trainer/kl": self.kl,
+            "trainer/entropy": self.entropy,
+            "trainer/grad_norm": self.grad_norm,
+            "trainer/lr": self.lr,
+            "trainer/tokens_per_s": self.tokens_per_s,
+        }
+        return {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+
+
+#: The keys :meth:`StepStats.metrics` adds to every trained step's record.
+TRAINER_KEYS = tuple(StepStats(0, 0, 0.0, 0.0, 0.0).metrics())
 
 
 def _sequences(t: TrainerTensors) -> list[tuple[int, int]]:
@@ -77,6 +118,16 @@ def grpo_token_losses(
     unpacked by ``seq_lens`` and scored at their own temperature; the ratio is
     ``exp(logprob - inference_logprob)``.
     """
+    losses, ratios, clipped, _, _ = grpo_token_terms(model, t, clip)
+    return losses, ratios, clipped
+
+
+def grpo_token_terms(
+    model: nn.Module, t: TrainerTensors, clip: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`grpo_token_losses` plus, per loss token, the entropy of its distribution (with
+    gradient, for the entropy bonus) and the k3 KL estimate against the behaviour policy
+    (``r - 1 - log r``, detached): ``(losses, ratios, clipped, entropies, kl)``."""
     ids = t.input_ids[0]
     spans = _sequences(t)
     seqs = [ids[s : s + n] for s, n in spans]
@@ -84,20 +135,27 @@ def grpo_token_losses(
     by_temp: dict[float, list[int]] = {}
     for i, (s, _) in enumerate(spans):
         by_temp.setdefault(float(temps[s]), []).append(i)
-    logps: list[torch.Tensor] = [ids.new_zeros(0, dtype=torch.float32)] * len(seqs)
+    empty = ids.new_zeros(0, dtype=torch.float32)
+    logps: list[torch.Tensor] = [empty] * len(seqs)
+    ents: list[torch.Tensor] = [empty] * len(seqs)
     for temp, members in by_temp.items():
-        scored = sequence_logprobs(model, [seqs[i] for i in members], temperature=temp or 1.0)
-        for i, lp in zip(members, scored, strict=True):
-            logps[i] = lp
+        scored, entropy = sequence_logprobs_entropy(
+            model, [seqs[i] for i in members], temperature=temp or 1.0
+        )
+        for i, lp, h in zip(members, scored, entropy, strict=True):
+            logps[i], ents[i] = lp, h
     new = torch.cat(logps)
     mask = t.loss_mask[0]
     old = t.inference_logprobs[0][mask]
     adv = t.advantages[0][mask]
-    ratio = torch.exp(new[mask] - old)
+    log_ratio = new[mask] - old
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - clip, 1.0 + clip)
     losses = -torch.minimum(ratio * adv, clipped_ratio * adv)
     clipped = (ratio * adv) > (clipped_ratio * adv)
-    return losses, ratio.detach(), clipped
+    lr_d = log_ratio.detach()
+    kl = torch.exp(lr_d) - 1.0 - lr_d
+    return losses, ratio.detach(), clipped, torch.cat(ents)[mask], kl
 
 
 class GRPOTrainer:
@@ -132,13 +190,17 @@ class GRPOTrainer:
 
     def train_step(self, step: int, micro_batches: Sequence[MicroBatch]) -> StepStats:
         """One optimisation step on this rank's ``micro_batches`` (every rank must call it)."""
+        started = time.perf_counter()
         tensors = [to_torch(mb) for mb in micro_batches]
         total = self._global_tokens(tensors)
         self.model.train()
         if self.distributed and not tensors:  # pragma: no cover - the packer gives every rank some
             raise RuntimeError("a rank got no micro-batch; DDP needs one per rank")
+        coef = self.config.entropy_coef
+        scale = self.world_size / max(total, 1)
         # the figures of the first update: the policy as it was against the inference logprobs
-        loss_sum = ratio_sum = clipped_sum = 0.0
+        sums = [0.0] * 5  # loss, ratio, clipped, entropy, kl
+        grad_norm = math.nan
         for epoch in range(self.config.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for k, t in enumerate(tensors):
@@ -146,25 +208,46 @@ class GRPOTrainer:
                 sync = self.distributed and not last
                 ctx = self._wrapped.no_sync() if sync else contextlib.nullcontext()  # type: ignore[operator]
                 with ctx:
-                    losses, ratios, clipped = grpo_token_losses(self._wrapped, t, self.config.clip)
-                    loss = losses.sum() * (self.world_size / max(total, 1))
-                    loss.backward()  # type: ignore[no-untyped-call]
+                    losses, ratios, clipped, entropy, kl = grpo_token_terms(
+                        self._wrapped, t, self.config.clip
+                    )
+                    objective = losses.sum()
+                    if coef:
+                        objective = objective - coef * entropy.sum()
+                    (objective * scale).backward()  # type: ignore[no-untyped-call]
                 if epoch == 0:
-                    loss_sum += float(losses.detach().sum())
-                    ratio_sum += float(ratios.sum())
-                    clipped_sum += float(clipped.sum())
-            if self.config.max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+                    for i, v in enumerate((losses.detach(), ratios, clipped, entropy.detach(), kl)):
+                        sums[i] += float(v.sum())
+            norm = self._clip_gradients()
+            if epoch == 0:
+                grad_norm = norm
             self.optimizer.step()
-        local = torch.tensor([loss_sum, ratio_sum, clipped_sum], dtype=torch.float64)
+        local = torch.tensor(sums, dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(local)
         denom = max(total, 1)
-        loss_v, ratio_v, clipped_v = (float(x) for x in local.tolist())
+        loss_v, ratio_v, clipped_v, entropy_v, kl_v = (float(x) for x in local.tolist())
+        seconds = time.perf_counter() - started
         return StepStats(
             step=step,
             loss_tokens=total,
             loss=loss_v / denom,
             ratio_mean=ratio_v / denom if total else math.nan,
             clipped_fraction=clipped_v / denom,
+            kl=kl_v / denom if total else math.nan,
+            entropy=entropy_v / denom if total else math.nan,
+            grad_norm=grad_norm,
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            seconds=seconds,
+            tokens_per_s=total / seconds if seconds > 0 else math.nan,
         )
+
+    def _clip_gradients(self) -> float:
+        """Clip to ``max_grad_norm`` (if set); the norm before clipping (after DDP's
+        all-reduce, so every rank sees the global gradient's norm)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.max_grad_norm is not None:
+            return float(nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        if not params:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))  # type: ignore[union-attr]

@@ -80,6 +80,8 @@ class LearnConfig:
     #: Rollout concurrency in groups (default ``batch_groups``).
     max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
+    #: Staleness-aware admission (see :attr:`OrchestratorConfig.stale_admission`).
+    stale_admission: bool = True
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     d_model: int = 64
     n_layers: int = 3
@@ -376,6 +378,7 @@ async def run_learning(
         max_off_policy_steps=config.max_off_policy_steps,
         staleness=config.staleness,
         max_async_level=config.max_async_level,
+        stale_admission=config.stale_admission,
         max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
         sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=config.temperature),
         seed=config.seed,
@@ -416,6 +419,7 @@ async def run_learning(
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
+                rec["cancelled_stale"] = orch.driver.statistics().cancelled_stale_samples
                 # the engine's rows busy over the interval (batches finished in it)
                 stats = engine.statistics()
                 span = stats.elapsed - busy_last[0]
@@ -493,6 +497,8 @@ async def run_learning(
             )
         elif config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
+        # admission generates nothing for steps after the run's last
+        orch.final_step = orch.step + config.steps - 1
         if trained > orch.policy_version:
             orch.set_policy_version(trained)  # the engine serves the trainer's saved state
         if resuming:

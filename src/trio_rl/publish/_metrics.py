@@ -25,6 +25,7 @@ from ._pacing import Pacer
 __all__ = [
     "DISCARD_WARN_ABOVE",
     "TRAINABLE_WARN_AT",
+    "WASTE_OUTCOMES",
     "Annotation",
     "AttemptStats",
     "CohortStats",
@@ -45,8 +46,13 @@ __all__ = [
 
 #: A batch whose selected samples are at most this fraction trainable gets a warning.
 TRAINABLE_WARN_AT = 0.10
-#: A window in which more than this fraction of attempts was discarded gets a warning.
-DISCARD_WARN_ABOVE = 0.50
+#: A window in which more than this fraction of attempts was wasted (stale, failed or filtered:
+#: thrown away for a scheduling or engine reason, pruned ones excluded) gets a warning. With
+#: staleness-aware admission a healthy learning run wastes 0-2 % per step; without it, 30-60 %
+#: (docs/learning.md): above a fifth something is wrong, and the message says what to change.
+DISCARD_WARN_ABOVE = 0.20
+#: The outcomes that are wasted rollouts (generated, never trained, for a scheduling reason).
+WASTE_OUTCOMES = ("stale", "cancelled", "failed", "filtered")
 
 
 def _frozen_mapping(value: Mapping[str, int]) -> Mapping[str, int]:
@@ -180,6 +186,12 @@ class AttemptStats:
     @property
     def discarded_fraction(self) -> float | None:
         return self.discarded / self.attempts if self.attempts else None
+
+    @property
+    def wasted(self) -> int:
+        """Attempts thrown away for a scheduling or engine reason: stale, failed and filtered
+        (pruned ones are not: the reward gave them no signal, see ``LOW_TRAINABLE``)."""
+        return sum(self.outcomes.get(k, 0) for k in ("stale", "failed", "filtered"))
 
     def items(self, prefix: str) -> Iterable[tuple[str, float]]:
         yield f"{prefix}/attempts", float(self.attempts)
@@ -485,17 +497,26 @@ def ship_warnings(
                 + (f"; {zero_selected} selected samples have none" if zero_selected else ""),
             )
         )
-    discarded = attempts.discarded_fraction
-    if discarded is not None and discarded > DISCARD_WARN_ABOVE:
-        warnings.append(
-            ShipWarning(
-                WarningKind.HIGH_DISCARD,
-                f"step {step}: {attempts.discarded} of {attempts.attempts} attempts of the "
-                f"window ({discarded:.0%}) were discarded (stale, failed, pruned or filtered; "
-                f"more than {DISCARD_WARN_ABOVE:.0%})",
-            )
-        )
+    if attempts.attempts and attempts.wasted / attempts.attempts > DISCARD_WARN_ABOVE:
+        warnings.append(ShipWarning(WarningKind.HIGH_DISCARD, _waste_message(step, attempts)))
     return tuple(warnings)
+
+
+def _waste_message(step: int, attempts: AttemptStats) -> str:
+    counts = {k: attempts.outcomes.get(k, 0) for k in ("stale", "failed", "filtered")}
+    worst = max(counts, key=lambda k: counts[k])
+    advice = {
+        "stale": "rollouts outran the trainer: keep stale_admission on, raise "
+        "max_off_policy_steps, or lower max_groups_in_flight",
+        "failed": "the engine or the reward failed: see train/all/failures and the log",
+        "filtered": "the dynamic filter dropped them: check its reasons and the rewards",
+    }[worst]
+    detail = ", ".join(f"{k} {n}" for k, n in counts.items())
+    return (
+        f"step {step}: {attempts.wasted} of {attempts.attempts} attempts of the window "
+        f"({attempts.wasted / attempts.attempts:.0%}) were thrown away ({detail}; more than "
+        f"{DISCARD_WARN_ABOVE:.0%}): {advice}"
+    )
 
 
 def batch_stats(
@@ -522,6 +543,7 @@ def step_record(
     policy_version: int | None = None,
     slot_occupancy: float | None = None,
     queue_depth: int | None = None,
+    cancelled_stale: int | None = None,
 ) -> dict[str, Any]:
     """The standard metrics record of one shipped step (its fields: :data:`trio_rl.tools.FIELDS`),
     what ``metrics.jsonl`` holds and every metrics sink gets.
@@ -530,7 +552,15 @@ def step_record(
     ``wall_s`` the seconds since the run started and ``interval_s`` since the previous step
     shipped (rates are per that interval). The others are what the caller measures: the event
     loop's lag, the current policy version, the engine's slot occupancy over the interval and
-    the sink's queue (``orch.sink.queued``). Fields left ``None`` are written as null.
+    the sink's queue (``orch.sink.queued``), and the samples of groups the driver cancelled
+    early as too stale (``AsyncDriverStatistics.cancelled_stale_samples``; they are counted in
+    ``stale`` too). Fields left ``None`` are written as null.
+
+    ``waste`` is the step's rate of wasted rollouts: of the samples settled in the step's
+    window, the fraction that will never train for a scheduling reason (stale, cancelled,
+    failed or filtered); ``waste_total`` the same over the run so far, of every dispatched
+    sample. Pruned samples (zero advantage: the reward gives GRPO no gradient) are not waste
+    here: they were generated to be scored, and the ``pruned`` field counts them.
 
     The record also carries every key of :meth:`ShipRecord.as_dict
     <trio_rl.publish.ShipRecord.as_dict>` (``train/all/...``, ``train/selected/...``,
@@ -539,6 +569,11 @@ def step_record(
     """
     dt = max(interval_s, 1e-9)
     off_policy = record.effective.off_policy.max
+    outcomes, counters = record.all.outcomes, record.counters
+    wasted = sum(outcomes.get(k, 0) for k in WASTE_OUTCOMES)
+    settled = sum(outcomes.values())
+    wasted_total = sum(counters.get(k, 0) for k in WASTE_OUTCOMES)
+    dispatched = counters.get("dispatched", 0)
     return record.as_dict() | {
         "step": record.step,
         "reward_mean": record.all.reward_mean,
@@ -556,4 +591,7 @@ def step_record(
         "pruned": int(record.counters.get("pruned", 0)),
         "policy_wait_s": round(record.policy_wait, 4),
         "wall_s": round(wall_s, 3),
+        "waste": round(wasted / settled, 4) if settled else 0.0,
+        "waste_total": round(wasted_total / dispatched, 4) if dispatched else 0.0,
+        "cancelled_stale": cancelled_stale,
     }

@@ -1,5 +1,6 @@
 """Rollout layer: data sources, credits and submission policies, the group runner, drivers."""
 
+from ._async import Admission as Admission
 from ._async import AsyncDriverStatistics as AsyncDriverStatistics
 from ._async import AsyncRolloutDriver as AsyncRolloutDriver
 from ._async import DiscardHook as DiscardHook

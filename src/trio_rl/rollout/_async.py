@@ -11,6 +11,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 import trio
 
@@ -21,6 +22,7 @@ from ._credits import (
     CreditLedger,
     CreditScheduler,
     GroupOutcome,
+    GroupStatus,
     SampleBackfill,
     SubmissionPolicy,
 )
@@ -45,6 +47,7 @@ from ._triage import (
 from ._validate import check_choice, check_int, check_optional_int
 
 __all__ = [
+    "Admission",
     "AsyncDriverStatistics",
     "DiscardHook",
     "DiscardReason",
@@ -60,6 +63,26 @@ logger = logging.getLogger("trio_rl.rollout")
 _WIND_DOWN_PASSES = 8
 #: ... ending early after this many passes in a row that settled nothing.
 _WIND_DOWN_IDLE = 3
+
+
+class Admission(Protocol):
+    """Staleness-aware admission: whether new work can still be trained in time.
+
+    The driver asks :meth:`admits` before it takes a new prompt (after the credit policy said
+    yes), and, after :meth:`AsyncRolloutDriver.reconsider`, asks :meth:`expired` of every group
+    still running: a group whose work can no longer be trained is cancelled early, its credits
+    come back, its prompt is recycled, and it is discarded as ``"stale"`` (counted in
+    ``AsyncDriverStatistics.cancelled_stale``) instead of being generated to the end and
+    dropped. Both are called on the event loop and must not block.
+    """
+
+    def admits(self, version: PolicyVersion, samples: int) -> bool:
+        """May a new group of ``samples`` samples start now, at policy ``version``?"""
+        ...
+
+    def expired(self, version: PolicyVersion) -> bool:
+        """Is work that started at ``version`` certain to be too stale to train now?"""
+        ...
 
 
 class AsyncRolloutDriver:
@@ -79,6 +102,7 @@ class AsyncRolloutDriver:
         policy_version: PolicyVersion | PolicyVersionCell,
         book: GroupBook | None = None,
         ledger: CreditLedger | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.source = source
         self.factory = factory
@@ -103,6 +127,13 @@ class AsyncRolloutDriver:
         self._closed = False
         self._failure: BaseException | None = None
         self._running: dict[str, Group] = {}
+        #: Staleness-aware admission (None: only the credit policy decides).
+        self.admission = admission
+        #: The cancel scope of every group task still running (for early stale cancellation).
+        self._scopes: dict[str, trio.CancelScope] = {}
+        #: Groups cancelled because their work expired; discarded as stale when they report.
+        self._expired: set[str] = set()
+        self._recheck = False
 
     # -- consumer side ------------------------------------------------------------------
 
@@ -186,6 +217,13 @@ class AsyncRolloutDriver:
         self._tally.consumed_batch(batch, self.version.value)
         batch.sort(key=lambda g: g.first_index)
         return batch
+
+    def reconsider(self, reason: str = "") -> None:
+        """Something the :class:`Admission` reads changed (a batch shipped, the policy version
+        advanced, work was scored): decide again, and check running groups for expiry."""
+        self._recheck = True
+        if not self._closed:
+            self.scheduler.nudge(reason or "reconsider")
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
@@ -279,8 +317,19 @@ class AsyncRolloutDriver:
                 if not outcomes:
                     break
                 await self._reap(outcomes.popleft())
+            if self._recheck:
+                self._recheck = False
+                self._cancel_expired()
             budget = self.max_groups_in_flight
+            admission = self.admission
             while not self.is_paused and scheduler.admits(budget):
+                if (
+                    admission is not None
+                    and not self._queued
+                    and not admission.admits(self.version.value, self.factory.group_size)
+                ):
+                    self._tally.held_back += 1
+                    break
                 group = self._next_group()
                 if group is None:
                     break
@@ -289,7 +338,8 @@ class AsyncRolloutDriver:
                 self._tally.submitted += 1
                 if self.book is not None:
                     self.book.group_opened(group)
-                groups.start_soon(run_booked, self.runner, group, scheduler, self.book)
+                scope = self._scopes[group.group_id] = trio.CancelScope()
+                groups.start_soon(self._run_group, group, scope)
             dry = (
                 scheduler.ledger.pending_groups == 0
                 and not self._queued
@@ -301,8 +351,40 @@ class AsyncRolloutDriver:
                 self._buffer.changed.set()
             outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
 
+    async def _run_group(self, group: Group, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                await run_booked(self.runner, group, self.scheduler, self.book)
+        finally:
+            self._scopes.pop(group.group_id, None)
+
+    def _cancel_expired(self) -> None:
+        admission = self.admission
+        if admission is None:
+            return
+        for gid, scope in self._scopes.items():
+            group = self._running.get(gid)
+            if (
+                group is not None
+                and gid not in self._expired
+                and admission.expired(group.policy_version_at_start)
+            ):
+                self._expired.add(gid)
+                scope.cancel()
+
     async def _reap(self, outcome: GroupOutcome) -> None:
         group = outcome.group
+        if group.group_id in self._expired:
+            self._expired.discard(group.group_id)
+            if outcome.status is not GroupStatus.FAILED:
+                # Cancelled early (or finished as it was cancelled): too stale to train either
+                # way. Its prompt goes back to the source; every member settles as stale.
+                self._tally.cancelled_stale += 1
+                self._tally.cancelled_stale_samples += group.size
+                self._running.pop(group.group_id, None)
+                self._recycle(group)
+                self.triage.discard(group, "stale")
+                return
         if self.triage.keep(outcome):
             await self._buffer.put(group)  # backpressure: nothing is submitted meanwhile
         # Only now: a finished group waiting for buffer space still counts as running for
@@ -376,6 +458,7 @@ async def open_async_rollout(
     on_discard: DiscardHook | None = None,
     book: GroupBook | None = None,
     ledger: CreditLedger | None = None,
+    admission: Admission | None = None,
 ) -> AsyncIterator[AsyncRolloutDriver]:
     """Run a fully-async rollout worker for the duration of the block.
 
@@ -393,6 +476,9 @@ async def open_async_rollout(
     (:class:`~trio_rl.samples.GroupBook`), so its state is a checkpoint's. ``ledger`` is
     the empty :class:`CreditLedger` the worker's scheduler keeps its books in (default a new
     one); pass your own (a subclass, say) to observe every credit the worker hands out.
+    ``admission`` (see :class:`Admission`) holds back new groups whose work could no longer
+    be trained in time and cancels running ones whose work expired (call
+    :meth:`AsyncRolloutDriver.reconsider` when what it reads changes).
 
     Leaving the block stops submission, lets work that is ready finish (a sample whose reply
     has arrived completes, as does its group; a group whose task has not started does not
@@ -441,6 +527,7 @@ async def open_async_rollout(
         policy_version=policy_version,
         book=book,
         ledger=ledger,
+        admission=admission,
     )
     driver.resume(resumed)
     # The body's exception is re-raised outside the nursery, so callers see it unwrapped.

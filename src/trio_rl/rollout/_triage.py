@@ -73,7 +73,10 @@ class AsyncDriverStatistics:
 
     ``submitted`` counts group starts (retries included); ``buffered`` is the buffer's
     current size; ``consumed`` groups were handed to the consumer. ``max_staleness`` and
-    ``mean_staleness`` are over consumed groups.
+    ``mean_staleness`` are over consumed groups. ``cancelled_stale`` groups
+    (``cancelled_stale_samples`` samples) were cancelled while running because their work
+    could no longer be trained in time; ``held_back`` counts admission decisions the driver's
+    :class:`~trio_rl.rollout.Admission` refused.
     """
 
     policy_version: PolicyVersion
@@ -93,6 +96,9 @@ class AsyncDriverStatistics:
     filtered: Mapping[str, int]
     max_staleness: int
     mean_staleness: float
+    cancelled_stale: int = 0
+    cancelled_stale_samples: int = 0
+    held_back: int = 0
 
 
 @attrs.define(slots=True, eq=False)
@@ -111,6 +117,9 @@ class AsyncTally:
     filtered: Counter[str] = attrs.field(factory=Counter)
     max_staleness: int = 0
     staleness_total: int = 0
+    cancelled_stale: int = 0
+    cancelled_stale_samples: int = 0
+    held_back: int = 0
 
     def consumed_batch(self, batch: Sequence[Group], version: PolicyVersion) -> None:
         self.consumed += len(batch)
@@ -146,6 +155,9 @@ class AsyncTally:
             filtered=dict(self.filtered),
             max_staleness=self.max_staleness,
             mean_staleness=self.staleness_total / self.consumed if self.consumed else 0.0,
+            cancelled_stale=self.cancelled_stale,
+            cancelled_stale_samples=self.cancelled_stale_samples,
+            held_back=self.held_back,
         )
 
 

@@ -63,6 +63,12 @@ FIELDS: Mapping[str, str] = {
     "pruned": "samples pruned (zero advantage) for this step",
     "policy_wait_s": "seconds the ship gate waited for the policy version",
     "wall_s": "seconds since the run started",
+    "waste": (
+        "fraction of the samples settled for this step that will never train (stale, "
+        "cancelled, failed, filtered; pruned ones excluded)"
+    ),
+    "waste_total": "the same fraction over the run so far, of every dispatched sample",
+    "cancelled_stale": "samples cancelled while generating because they could no longer train",
 }
 
 #: The trainer's fields of a record (the trainer's report of a trained step, in the same record
