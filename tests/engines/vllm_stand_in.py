@@ -232,6 +232,7 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
 
     class Server(ThreadingHTTPServer):
         daemon_threads = True
+        request_queue_size = 256  # a burst of connections is not refused (the default is 5)
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # a client that went away (aborted, cancelled) is expected here

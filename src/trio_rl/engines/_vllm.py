@@ -151,6 +151,24 @@ class VLLMAdmin:
                 f"{self.base_url}/health did not answer 200 within {within}s"
             ) from None
 
+    async def models(self) -> list[str]:
+        """The ids of the models the server serves (``GET /v1/models``).
+
+        Cancellation: the request is abandoned."""
+        response = await self._call("GET", "/v1/models")
+        where = f"{self.base_url}/v1/models"
+        try:
+            data = json.loads(response.content)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EngineResponseError(f"{where}: body is not JSON ({exc})") from None
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise EngineResponseError(f"{where}: field 'data' is missing or not a list")
+        ids = [e.get("id") for e in entries if isinstance(e, dict)]
+        if len(ids) != len(entries) or not all(isinstance(i, str) for i in ids):
+            raise EngineResponseError(f"{where}: an entry of 'data' has no string 'id'")
+        return [str(i) for i in ids]
+
     async def collective_rpc(self, method: str, kwargs: Mapping[str, Any]) -> object:
         """``POST /collective_rpc {"method": method, "kwargs": kwargs}``; the ``results`` list of
         the answer (one entry per worker), or None for an empty 200.
