@@ -198,9 +198,9 @@ async def test_cancelled_wait_keeps_applied_outcomes(
     scheduler.close()
 
 
-async def test_a_report_updates_the_ledger_at_once_and_wakes_the_driver_once() -> None:
-    """No event queue between reporters and the ledger: the books are current after each
-    report, and many completions before the driver runs make one wake-up."""
+async def test_a_backlog_of_reports_is_one_wake_up_applied_whole() -> None:
+    """Reports queue on the channel until the driver runs; its one wake-up applies them all
+    (one ``receive()``, then ``receive_nowait()`` until the channel is empty)."""
     scheduler = CreditScheduler(SampleBackfill(), group_size=G)
     scheduler.submitted("a", G)
     results: list[list[GroupOutcome]] = []
@@ -211,18 +211,113 @@ async def test_a_report_updates_the_ledger_at_once_and_wakes_the_driver_once() -
     async with trio.open_nursery() as nursery:
         nursery.start_soon(waiter)
         await trio.testing.wait_all_tasks_blocked()
-        for left in range(G - 1, 0, -1):
+        for _ in range(G - 1):
             scheduler.sample_done("a")
-            assert scheduler.ledger.in_flight == left
+        # the first report went straight to the waiting driver, the rest are queued
+        assert scheduler.queued == G - 2
+        assert scheduler.statistics().queued == G - 2
+        assert scheduler.ledger.in_flight == G  # nothing applied before the driver runs
     assert results == [[]]
+    assert scheduler.queued == 0
+    assert scheduler.ledger.in_flight == 1
     assert scheduler.statistics().wakeups == 1
     assert scheduler.statistics().sample_events == G - 1
     scheduler.close()
 
 
+@pytest.mark.parametrize(
+    "report_first", [False, True], ids=["cancel-then-report", "report-then-cancel"]
+)
+async def test_a_report_sent_while_the_wait_is_cancelled_is_delivered_by_the_next_wait(
+    report_first: bool,
+) -> None:
+    """The driver's wait is cancelled and, in the same step, a group reports its end: whichever
+    comes first, the outcome is returned once, by the cancelled wait or by the next one."""
+    scheduler = CreditScheduler(GroupGranularity(), group_size=1)
+    scheduler.submitted("a", 1)
+    scheduler.submitted("b", 1)
+    got: list[list[GroupOutcome]] = []
+    cancelled: list[bool] = []
+
+    async def driver(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            got.append(await scheduler.wait_for_progress())
+            await trio.lowlevel.checkpoint()
+        cancelled.append(scope.cancelled_caught)
+
+    async with trio.open_nursery() as nursery:
+        scope = await nursery.start(driver)
+        await trio.testing.wait_all_tasks_blocked()
+        if report_first:
+            scheduler.group_done(GroupOutcome(group("a", 1), GroupStatus.COMPLETED))
+            scope.cancel()
+        else:
+            scope.cancel()
+            scheduler.group_done(GroupOutcome(group("a", 1), GroupStatus.COMPLETED))
+    assert cancelled == [True]
+    if report_first:
+        # handed to the waiting driver before the cancellation: the wait returned it
+        assert [[o.group_id for o in batch] for batch in got] == [["a"]]
+        assert scheduler.poll() == []
+    else:
+        # the wait was cancelled before the report: it stays queued for the next wait
+        assert got == []
+        assert scheduler.queued == 1
+        with trio.fail_after(1):
+            assert [o.group_id for o in await scheduler.wait_for_progress()] == ["a"]
+    assert scheduler.ledger.pending() == {"b": 1}
+    scheduler.group_done(GroupOutcome(group("b", 1), GroupStatus.COMPLETED))
+    with trio.fail_after(1):
+        assert [o.group_id for o in await scheduler.wait_for_progress()] == ["b"]
+    scheduler.ledger.check()
+    scheduler.close()
+
+
+async def test_a_refused_admission_clears_only_sample_progress(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Samples a refused decision already read do not wake the next wait; a finished group
+    or a nudge applied with them still does."""
+    scheduler = CreditScheduler(SampleBackfill(), group_size=2)
+    scheduler.submitted("a", 2)
+    scheduler.submitted("b", 2)
+    scheduler.sample_done("a")
+    scheduler.settle()  # applied outside a wait: the progress is kept for the driver
+    assert scheduler.ledger.in_flight == 3
+    assert not scheduler.admits(budget=2)  # read it, refused: the sample progress is spent
+    with trio.move_on_after(0.05) as scope:
+        await scheduler.wait_for_progress()
+    assert scope.cancelled_caught
+    scheduler.sample_done("b")
+    scheduler.nudge("resume")
+    scheduler.settle()
+    assert not scheduler.admits(budget=1)
+    with trio.fail_after(1):
+        assert await scheduler.wait_for_progress() == []  # the nudge survived the refusal
+    scheduler.close()
+
+
+async def test_closing_applies_the_backlog_and_refuses_later_reports() -> None:
+    scheduler = CreditScheduler(GroupGranularity(), group_size=1)
+    scheduler.submitted("a", 1)
+    scheduler.group_done(GroupOutcome(group("a", 1), GroupStatus.COMPLETED))
+    scheduler.close()
+    assert scheduler.ledger.pending_groups == 0
+    assert [o.group_id for o in scheduler.poll()] == ["a"]
+    with pytest.raises(trio.ClosedResourceError):
+        scheduler.sample_done("a")
+    with pytest.raises(trio.ClosedResourceError):
+        scheduler.group_done(GroupOutcome(group("a", 1), GroupStatus.COMPLETED))
+    with pytest.raises(trio.ClosedResourceError):
+        scheduler.nudge()
+    with pytest.raises(trio.ClosedResourceError):
+        await scheduler.wait_for_progress()  # nothing left: a wait would never end
+
+
 async def test_a_refused_report_raises_on_the_driver_side() -> None:
     """A reporter calls from a ``finally`` and must not raise there: a report the ledger
-    refuses surfaces as CreditError from the driver's next wait (or poll)."""
+    refuses surfaces as CreditError from the driver's wait (or poll) that applies it."""
     scheduler = CreditScheduler(SampleBackfill(), group_size=G)
     scheduler.submitted("a", 1)
     scheduler.sample_done("a")
@@ -235,3 +330,27 @@ async def test_a_refused_report_raises_on_the_driver_side() -> None:
     scheduler.close()
     with pytest.raises(trio.ClosedResourceError):
         scheduler.sample_done("a")
+
+
+async def test_settling_while_the_driver_waits_keeps_the_channel_order() -> None:
+    """A report sent while the driver waits goes to it directly; the ones behind it queue. A
+    settle (the wind-down's) then must not apply the queued group end before the sample the
+    driver holds: it leaves the backlog to the driver."""
+    scheduler = CreditScheduler(GroupGranularity(), group_size=1)
+    scheduler.submitted("a", 1)
+    got: list[list[GroupOutcome]] = []
+
+    async def driver() -> None:
+        got.append(await scheduler.wait_for_progress())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(driver)
+        await trio.testing.wait_all_tasks_blocked()
+        scheduler.sample_done("a")  # handed to the waiting driver
+        scheduler.group_done(GroupOutcome(group("a", 1), GroupStatus.COMPLETED))  # queued
+        scheduler.settle()
+        assert scheduler.ledger.pending() == {"a": 1}
+    assert [[o.group_id for o in batch] for batch in got] == [["a"]]
+    assert scheduler.ledger.pending_groups == 0
+    scheduler.ledger.check()
+    scheduler.close()

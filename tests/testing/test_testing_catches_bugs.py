@@ -138,6 +138,21 @@ class LateArmScheduler(CreditScheduler):
         return finished
 
 
+class OneReportPerWakeScheduler(CreditScheduler):
+    """The channel design without the drain (the bug): each wake-up applies the one report
+    ``receive()`` returned and leaves the rest of the backlog queued, so the driver decides
+    on a ledger that misses reports made before the decision."""
+
+    async def wait_for_progress(self) -> list[GroupOutcome]:
+        report = await self._receive.receive()  # BUG: no receive_nowait() until WouldBlock
+        if isinstance(report, str):
+            self.ledger.sample_done(report)
+        elif isinstance(report, GroupOutcome):
+            self.ledger.close(report.group_id)
+            return [report]
+        return []
+
+
 def _hunt(prop: Callable[[], None]) -> InvariantViolation:
     with pytest.raises(InvariantViolation) as info:
         prop()
@@ -174,6 +189,15 @@ def test_catches_a_lost_wakeup() -> None:
     error = _hunt(credit_loop_property(RolloutSubject(scheduler=LateArmScheduler), settings_=HUNT))
     assert error.invariant is Invariant.NO_LOST_WAKEUP
     _shrunk(error, most_steps=10)
+
+
+def test_catches_a_backlog_left_on_the_channel() -> None:
+    error = _hunt(
+        credit_loop_property(RolloutSubject(scheduler=OneReportPerWakeScheduler), settings_=HUNT)
+    )
+    assert error.invariant is Invariant.CREDITS_MATCH_PENDING_SAMPLES
+    assert "not drained before deciding" in error.detail
+    _shrunk(error, most_steps=8)
 
 
 class EagerRunner(LeakyRunner):

@@ -408,10 +408,15 @@ async def _wind_down(driver: AsyncRolloutDriver) -> None:
     """
     driver._pauses += 1  # never resumed: the driver is closing
     driver.scheduler.winding_down = True  # groups not started yet do not start
-    ledger = driver.scheduler.ledger
+    scheduler = driver.scheduler
+    ledger = scheduler.ledger
+    scheduler.settle()
     before, idle = (ledger.in_flight, ledger.pending_groups), 0
     for _ in range(_WIND_DOWN_PASSES):
         await trio.lowlevel.cancel_shielded_checkpoint()
+        # The worker may be blocked on backpressure, not draining: the reports made in this
+        # pass reach the ledger here (their groups stay queued for the worker).
+        scheduler.settle()
         now = (ledger.in_flight, ledger.pending_groups)
         idle = idle + 1 if now == before else 0
         if idle == _WIND_DOWN_IDLE or not ledger.pending_groups:

@@ -11,12 +11,11 @@ The pieces, from the bottom up:
   group may start, and ``counts_samples`` says whether a sample completion is progress that is
   worth waking the driver for. :class:`GroupGranularity` and :class:`SampleBackfill` are the two
   reference policies; write your own by implementing the protocol.
-- :class:`CreditScheduler` ties a policy and a ledger to the driver's wake-up. Sample tasks
-  report a finished sample and group tasks a finished group with a synchronous call (safe in a
-  ``finally``, even while being cancelled) that updates the ledger at once and, if that is
-  progress for the policy, wakes the driver; the wake-ups of one scheduling round are batched
-  into one (a flag and at most one ``trio.Event`` per wait), so a wake-up can never be lost and
-  the ledger is always current when the driver decides.
+- :class:`CreditScheduler` ties a policy and a ledger to **one** trio memory channel. Sample
+  tasks report a finished sample and group tasks a finished group on it with a synchronous
+  ``send_nowait`` (safe in a ``finally``, even while being cancelled), so a report is never
+  lost and a wake-up never missed; the driver applies reports to the ledger only when it
+  drains the channel, and it drains the whole backlog before it decides again.
 
 Credits are conserved per group: when a group's end is reported, every credit of that group
 that no finished sample returned (samples that never started) comes back with it.
@@ -27,6 +26,8 @@ zero by construction, and :meth:`CreditLedger.check` reports it if it ever is no
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -179,6 +180,10 @@ class Nudge:
 
 CreditEvent = SampleDone | GroupDone | Nudge
 
+#: What travels on the scheduler's channel: a finished sample's group id, a finished group's
+#: outcome, or a nudge.
+_Report = str | GroupOutcome | Nudge
+
 
 # --------------------------------------------------------------------------- ledger
 
@@ -266,7 +271,8 @@ class CreditLedger:
 @attrs.frozen
 class SchedulerStatistics:
     """A snapshot of a :class:`CreditScheduler`: credits and groups in flight (as of the last
-    drain), groups admitted, admission decisions taken, events applied, and wake-ups."""
+    drain), groups admitted, admission decisions taken, events applied, wake-ups, and the
+    reports still queued on the channel."""
 
     in_flight: int
     pending_groups: int
@@ -275,10 +281,12 @@ class SchedulerStatistics:
     sample_events: int
     group_events: int
     wakeups: int
+    #: Reports on the channel not yet applied (the driver's backlog).
+    queued: int = 0
 
 
 class CreditScheduler:
-    """A policy, a ledger and the driver's wake-up; the driver's side of admission.
+    """A policy, a ledger and one memory channel of reports; the driver's side of admission.
 
     Typical driver loop::
 
@@ -290,12 +298,16 @@ class CreditScheduler:
             for outcome in await scheduler.wait_for_progress():
                 ...                               # reap finished groups
 
-    ``sample_done``, ``group_done`` and ``nudge`` are synchronous and never block, so they are
-    safe in a ``finally`` while the calling task is being cancelled. Each applies its report to
-    the ledger at once (one dict update for a sample: no event object, no channel) and marks
-    progress; a driver blocked in :meth:`wait_for_progress` is woken once however many reports
-    arrive before it runs. The scheduler must outlive every task that reports to it: close it
-    (:meth:`close`) only after the nursery running the groups has exited.
+    ``sample_done``, ``group_done`` and ``nudge`` put a report on one unbounded trio memory
+    channel with ``send_nowait``: synchronous, never blocking, so they are safe in a
+    ``finally`` while the calling task is being cancelled, and a report is never lost. The
+    driver owns the receive side and the ledger: :meth:`wait_for_progress` (one ``await
+    receive()`` when nothing is pending, then ``receive_nowait()`` until ``WouldBlock``) and
+    :meth:`poll` apply the whole backlog to the ledger before returning, so each decision reads
+    every report made before it, and a backlog of any size is one wake-up. The channel queues
+    reports in order and keeps them across a cancelled wait. The scheduler must outlive every
+    task that reports to it: close it (:meth:`close`) only after the nursery running the groups
+    has exited.
 
     ``ledger`` is the (empty) ledger to keep the books in, default a new :class:`CreditLedger`;
     pass one, e.g. a subclass that also records what it is told, to observe the driver's
@@ -315,13 +327,23 @@ class CreditScheduler:
         self.group_size = group_size
         self.ledger = ledger if ledger is not None else CreditLedger()
         self._counts_samples = bool(policy.counts_samples)
-        #: A sample finished (policy counting samples) since the driver last looked.
+        # A sample's report is its group id (a str: no object built per sample), a group's its
+        # GroupOutcome, a nudge a Nudge.
+        send, receive = trio.open_memory_channel[_Report](math.inf)
+        self._send = send
+        self._receive = receive
+        # Bound once: the reporting path is one call per finished sample.
+        self._send_nowait = send.send_nowait
+        self._receive_nowait = receive.receive_nowait
+        #: Sample progress (policy counting samples) applied to the ledger but not yet seen by
+        #: the driver: a backlog settled outside a wait (:meth:`settle`).
         self._progress = False
-        #: A nudge since the driver last looked (finished groups wait in ``_done``).
+        #: A nudge applied but not yet seen by the driver (finished groups wait in ``_done``).
         self._nudged = False
-        #: The event the driver waits on, while it waits (set at most once per wait).
-        self._wakeup: trio.Event | None = None
         self._closed = False
+        #: True while the driver is blocked in ``receive()``: the first report sent meanwhile
+        #: is handed to it directly, not queued, so nothing else may drain (see `settle`).
+        self._receiving = False
         #: Set by a driver that is closing: a group task that has not started yet ends at once,
         #: CANCELLED, instead of starting its samples (see `run_reporting`).
         self.winding_down = False
@@ -336,73 +358,89 @@ class CreditScheduler:
 
     # -- reporting side (called by group and sample tasks) -----------------------------
 
-    def _wake(self) -> None:
-        wakeup = self._wakeup
-        if wakeup is not None:
-            self._wakeup = None
-            wakeup.set()
-
     def sample_done(self, group_id: str) -> None:
         """Report that one sample of ``group_id`` finished (whatever its outcome).
 
-        Its credit comes back at once. Raises ``trio.ClosedResourceError`` after :meth:`close`.
-        A report the ledger refuses (a group that is not pending, or more credits back than it
-        took) does not raise here, in the reporting task's ``finally``: the driver's next
-        :meth:`poll` or :meth:`wait_for_progress` raises the :class:`CreditError`.
+        Its credit comes back when the driver next drains the channel. Raises
+        ``trio.ClosedResourceError`` after :meth:`close`. A report the ledger refuses (a group
+        that is not pending, or more credits back than it took) does not raise here, in the
+        reporting task's ``finally``: the driver's :meth:`poll` or :meth:`wait_for_progress`
+        that applies it raises the :class:`CreditError`.
         """
-        if self._closed:
-            raise trio.ClosedResourceError("the credit scheduler is closed")
-        self._sample_events += 1
-        try:
-            self.ledger.sample_done(group_id)
-        except CreditError as exc:
-            self._refuse(exc)
-            return
-        if self._counts_samples:
-            self._progress = True
-            wakeup = self._wakeup
-            if wakeup is not None:
-                self._wakeup = None
-                wakeup.set()
+        self._send_nowait(group_id)
+
+    def sample_reporter(self) -> Callable[[str], None]:
+        """What a group's sample tasks call to report (as :meth:`sample_done`), bound once
+        per group: the channel's ``send_nowait`` itself, one call per finished sample, unless
+        a subclass overrides :meth:`sample_done`."""
+        if type(self).sample_done is CreditScheduler.sample_done:
+            return self._send_nowait
+        return self.sample_done
 
     def group_done(self, outcome: GroupOutcome) -> None:
-        """Report that a group task ended (after all its samples reported): the group leaves the
-        ledger with its unreturned credits, and the outcome is handed to the driver."""
-        if self._closed:
-            raise trio.ClosedResourceError("the credit scheduler is closed")
-        self._group_events += 1
-        try:
-            self.ledger.close(outcome.group_id)
-        except CreditError as exc:
-            self._refuse(exc)
-            return
-        self._done.append(outcome)
-        self._wake()
+        """Report that a group task ended (after all its samples reported): when applied, the
+        group leaves the ledger with its unreturned credits, and the outcome is handed to the
+        driver."""
+        self._send_nowait(outcome)
+
+    def nudge(self, reason: str = "") -> None:
+        """Wake a driver waiting in :meth:`wait_for_progress` without any completion."""
+        self._send_nowait(Nudge(reason))
+
+    # -- driver side -------------------------------------------------------------------
+
+    def _apply(self, report: _Report | None) -> None:
+        """Apply ``report`` (if not None), then every queued report, to the ledger: one
+        ``receive_nowait()`` per report until ``WouldBlock``."""
+        receive = self._receive_nowait
+        sample_done = self.ledger.sample_done
+        samples = 0
+        while True:
+            if report is None:
+                try:
+                    report = receive()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            if report.__class__ is str:
+                samples += 1
+                try:
+                    sample_done(report)
+                except CreditError as exc:
+                    self._refuse(exc)
+            else:
+                self._apply_other(report)  # type: ignore[arg-type]
+            report = None
+        if samples:
+            self._sample_events += samples
+            if self._counts_samples:
+                self._progress = True
+
+    def _apply_other(self, report: GroupOutcome | Nudge) -> None:
+        if isinstance(report, GroupOutcome):
+            self._group_events += 1
+            try:
+                self.ledger.close(report.group_id)
+            except CreditError as exc:
+                self._refuse(exc)
+            else:
+                self._done.append(report)
+        else:
+            self._nudged = True
 
     def _refuse(self, error: CreditError) -> None:
         if self._error is None:
             self._error = error
-        self._wake()
 
     def _raise_refused(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def nudge(self, reason: str = "") -> None:
-        """Wake a driver waiting in :meth:`wait_for_progress` without any completion."""
-        if self._closed:
-            raise trio.ClosedResourceError("the credit scheduler is closed")
-        self._nudged = True
-        self._wake()
-
-    # -- driver side -------------------------------------------------------------------
-
     @property
     def queued(self) -> int:
-        """Reports not yet applied to the ledger: always 0, reports are applied as they come
-        (kept for the harness, which checks it at every decision)."""
-        return 0
+        """Reports on the channel not yet applied to the ledger (0 at every decision of a
+        correct driver: it drains before deciding)."""
+        return self._receive.statistics().current_buffer_used
 
     def view(self, budget: int) -> CreditView:
         return self.ledger.view(self.group_size, budget)
@@ -410,10 +448,10 @@ class CreditScheduler:
     def admits(self, budget: int) -> bool:
         """Ask the policy whether one more group may start under a budget of ``budget`` groups.
 
-        A refusal clears the sample progress seen so far (the reference's ``has_capacity``
-        clears its event the same way): it was already in the ledger this decision read, so
-        only later completions wake the next :meth:`wait_for_progress`. Finished groups and
-        nudges still do.
+        The ledger is as of the last drain (:meth:`poll`, :meth:`wait_for_progress`). A refusal
+        clears the sample progress seen so far (the reference's ``has_capacity`` clears its
+        event the same way): it was already in the ledger this decision read, so only later
+        completions wake the next :meth:`wait_for_progress`. Finished groups and nudges still do.
         """
         self._decisions += 1
         if self.policy.admits(self.ledger.view(self.group_size, budget)):
@@ -430,41 +468,70 @@ class CreditScheduler:
         done, self._done = self._done, []
         return done
 
+    def settle(self) -> None:
+        """Apply every queued report to the ledger now, without waiting; the finished groups
+        and the progress stay for the driver's next :meth:`poll` or :meth:`wait_for_progress`
+        (a closing driver's wind-down watches the ledger with it).
+
+        Does nothing while the driver is blocked in :meth:`wait_for_progress`: a report sent
+        then is handed to the waiting driver, not queued, and applying the queued ones behind
+        it first would break the channel's order (a group's end before its samples'); the
+        driver applies them all when it runs.
+        """
+        if not self._receiving:
+            self._apply(None)
+
     def poll(self) -> list[GroupOutcome]:
-        """Return the groups that finished since the last call, without waiting.
+        """Apply every queued report to the ledger without waiting; return the groups that
+        finished since the last call.
 
         Raises the :class:`CreditError` of a report the ledger refused, if any.
         """
+        self._apply(None)
         self._raise_refused()
         self._progress = self._nudged = False
         return self._take_done()
 
     async def wait_for_progress(self) -> list[GroupOutcome]:
-        """Wait for progress; return the groups that finished since the last call.
+        """Wait for progress, apply the whole backlog; return the groups that finished since
+        the last call.
 
         Progress is a group ending, a :meth:`nudge`, or (when the policy counts samples) a
-        sample finishing; every report is in the ledger already when this returns. Reports
-        made before the call count (unless a refused :meth:`admits` already saw them), so a
+        sample finishing; every report made before the return is in the ledger. Reports made
+        before the call count (unless a refused :meth:`admits` already saw them), so a
         completion can never be missed. The list may be empty (a sample finished, or a nudge).
-        On cancellation nothing is lost: the outcomes are returned by the next call. Raises
-        the :class:`CreditError` of a report the ledger refused (a bug in a runner).
+        Cancel-safe: a report is taken off the channel only when it is applied, so whatever
+        a cancelled wait did not apply the next call does. Raises the :class:`CreditError` of
+        a report the ledger refused (a bug in a runner), and ``trio.ClosedResourceError`` if
+        the scheduler is closed with nothing left to return.
         """
+        self._apply(None)
+        if not (self._progress or self._nudged or self._done or self._error):
+            receive = self._receive.receive
+            while True:
+                self._receiving = True
+                try:
+                    report = await receive()
+                finally:
+                    self._receiving = False
+                self._apply(report)
+                if self._progress or self._nudged or self._done or self._error:
+                    break
         self._raise_refused()
-        if not (self._progress or self._nudged or self._done):
-            wakeup = self._wakeup = trio.Event()
-            try:
-                await wakeup.wait()
-            finally:
-                if self._wakeup is wakeup:
-                    self._wakeup = None
-            self._raise_refused()
         self._progress = self._nudged = False
         self._wakeups += 1
         return self._take_done()
 
     def close(self) -> None:
-        """Close the scheduler; later reports raise ``trio.ClosedResourceError``."""
+        """Close the scheduler and its channel: later reports raise
+        ``trio.ClosedResourceError``. Reports queued before are applied to the ledger first
+        (:meth:`poll` still returns their groups)."""
+        if self._closed:
+            return
         self._closed = True
+        self._send.close()
+        self._apply(None)
+        self._receive.close()
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -475,4 +542,5 @@ class CreditScheduler:
             sample_events=self._sample_events,
             group_events=self._group_events,
             wakeups=self._wakeups,
+            queued=self.queued,
         )

@@ -356,9 +356,16 @@ class SampleReport:
     scheduler: CreditScheduler
     group: Group
     book: GroupBook | None = None
+    # Bound once per group: each finished sample then costs one call and one channel send.
+    _report: Callable[[str], None] = attrs.field(init=False, repr=False)
+    _group_id: str = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._report = self.scheduler.sample_reporter()
+        self._group_id = self.group.group_id
 
     def __call__(self, sample: Sample) -> None:
-        self.scheduler.sample_done(self.group.group_id)
+        self._report(self._group_id)
         if self.book is not None and sample.status.is_finished:
             self.book.members_arrived(self.group, (sample,))
 
