@@ -21,6 +21,9 @@ def write_tiny_llama(
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {c: 3 + i for i, c in enumerate(CHARS)}
     out.mkdir(parents=True, exist_ok=True)
