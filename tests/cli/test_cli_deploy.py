@@ -24,7 +24,7 @@ from hf_models import write_tiny_llama
 
 TRIO_RL = str(Path(sys.executable).with_name("trio-rl"))
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import json, os
 
 def score(record, completion):
@@ -38,22 +38,24 @@ def score(record, completion):
 
 async def ascore(record, completion):
     return score(record, completion)
-'''
+"""
 
 
-def _write_run(
-    tmp: Path, *, model: bool = True, extra: str = "", data: str | None = None
-) -> Path:
+def _write_run(tmp: Path, *, model: bool = True, extra: str = "", data: str | None = None) -> Path:
     if model:
         write_tiny_llama(tmp / "model")
     (tmp / "myreward.py").write_text(REWARD_MODULE)
-    lines = data if data is not None else "\n".join(
-        [
-            json.dumps({"prompt": "a3=", "answer": "aaa"}),
-            json.dumps({"prompt": "b2=", "answer": "bb", "explode": True}),
-            json.dumps({"messages": [{"role": "user", "content": "c4"}], "answer": "cccc"}),
-            json.dumps({"prompt": "d1=", "answer": "d"}),
-        ]
+    lines = (
+        data
+        if data is not None
+        else "\n".join(
+            [
+                json.dumps({"prompt": "a3=", "answer": "aaa"}),
+                json.dumps({"prompt": "b2=", "answer": "bb", "explode": True}),
+                json.dumps({"messages": [{"role": "user", "content": "c4"}], "answer": "cccc"}),
+                json.dumps({"prompt": "d1=", "answer": "d"}),
+            ]
+        )
     )
     (tmp / "data.jsonl").write_text(lines + "\n")
     config = tmp / "run.toml"
