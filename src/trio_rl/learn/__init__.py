@@ -23,6 +23,7 @@ from ._task import Task as Task
 from ._task import Tokenizer as Tokenizer
 from ._task import char_reward as char_reward
 from ._task import make_prompts as make_prompts
+from ._tiny import write_tiny_llama as write_tiny_llama
 from ._trainer import TRAINER_KEYS as TRAINER_KEYS
 from ._trainer import GRPOTrainer as GRPOTrainer
 from ._trainer import StepStats as StepStats

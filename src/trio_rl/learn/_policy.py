@@ -65,7 +65,7 @@ class Policy:
     description: str
 
 
-def check_model_dir(path: str | Path, where: str = "model.path") -> Path:
+def check_model_dir(path: str | Path, where: str = "configuration") -> Path:
     """``path`` as a model directory with a config and a tokenizer, or the `ConfigError` that
     names what is missing (before any model is loaded)."""
     root = Path(path)
@@ -174,7 +174,7 @@ def load_policy(
     seed: int,
     d_model: int,
     n_layers: int,
-    where: str = "model.path",
+    where: str = "configuration",
 ) -> Policy:
     """The run's initial policy: the model directory's, or the task's character model seeded by
     ``seed`` (every process builds the same one)."""

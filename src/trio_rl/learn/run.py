@@ -640,7 +640,9 @@ async def run_learning(
                 )
         if config.verbose:
             print(
-                f"learning run: {policy.description}, reward {config.reward_function}, "
+                f"learning run: {policy.description}, "
+                f"prompts {config.data.prompts or 'of the task'}, "
+                f"reward {config.reward_function}, "
                 f"{sum(p.numel() for p in model.parameters())} parameters, "
                 f"{config.batch_groups} groups x {config.group_size} samples per step, "
                 f"trainer {config.trainer_mode} x{config.ranks}, run directory {out}",
