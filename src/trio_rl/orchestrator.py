@@ -64,9 +64,11 @@ from .train import (
     CheckpointError,
     CheckpointManager,
     RestoreReport,
+    RunBounds,
     SinkConfig,
     SinkCounters,
     TrainSink,
+    check_run_bounds,
 )
 from .transport import Sender
 
@@ -532,8 +534,22 @@ async def open_orchestrator(
         ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
             policy_version = _restore_run_state(ckpt, source, factory)
-            # an incremental manager goes on from the checkpoint's file (its next is a delta)
-            restore = manager.restore(sink, ckpt)
+            # Nothing is restored or started for a checkpoint holding more than this run could
+            # have produced (a million-member open group would start a million sample tasks).
+            bounds = RunBounds(
+                group_size=config.group_size,
+                samples_made=factory.next_sample_index,
+                groups_made=factory.next_group_index,
+                # engine_generate never exceeds the configured cap; a custom generate may
+                max_completion_tokens=config.sampling.max_tokens if generate is None else None,
+                payload_files_per_call=payloads is not None,
+            )
+            await trio.to_thread.run_sync(
+                check_run_bounds, ckpt, bounds, limiter=limiter, abandon_on_cancel=True
+            )
+            # an incremental manager goes on from the checkpoint's file (its next is a delta);
+            # a checkpoint every few hundred records: a deadline around a resume always fires
+            restore = await manager.arestore(sink, ckpt)
             outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
             if outbox is not None:
                 pending = (ckpt.step, outbox)

@@ -269,12 +269,16 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
     from trio_rl.train import CheckpointSnapshot
 
     state = _open_state(members, 4)
-    path = await mgr.save(CheckpointSnapshot(step=0, progress={}, cursor=None, sink=state))
+    snap = CheckpointSnapshot(step=0, progress={}, cursor=None, sink=state)
     if extra:
-        # a checkpoint never holds an over-full open group: the reader names the damage ...
+        # a checkpoint never holds an over-full open group: the writer refuses what the reader
+        # would, and nothing reaches the directory ...
         with pytest.raises(CheckpointError, match=r"sink\.open_groups\[0\]\.members: 5 members"):
-            read_checkpoint(path)
+            await mgr.save(snap)
+        assert mgr.list_checkpoints() == []
+        assert not any(tmp_path.iterdir())  # noqa: ASYNC240 - a listing of an empty directory
     else:
+        await mgr.save(snap)
         ck = await mgr.load_latest()
         assert ck is not None
         state = ck.sink

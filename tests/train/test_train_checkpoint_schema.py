@@ -32,9 +32,11 @@ from trio_rl.train import (
     CheckpointError,
     CheckpointManager,
     PruneMode,
+    RunBounds,
     SinkConfig,
     TrainSink,
     TrainSinkError,
+    check_run_bounds,
     decode_checkpoint,
     encode_checkpoint,
 )
@@ -58,8 +60,14 @@ _FIELD = re.compile(
 )
 
 
-def _rich_sink() -> TrainSink:
-    """A sink that has shipped a batch and holds every kind of record a checkpoint can carry."""
+#: The group size of the run every base checkpoint comes from.
+GROUP_SIZE = 4
+
+
+def _rich_sink(n_open: int = 2) -> TrainSink:
+    """A sink that has shipped a batch and holds every kind of record a checkpoint can carry,
+    with ``n_open`` open groups of `GROUP_SIZE` (the first with rich members, the next empty,
+    the others at every stage: 0 to 3 members)."""
     sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
     sink.add_group(make_group([1.0, 0.0], version=0))
     sink.settle_batch(sink.detach_batch())
@@ -80,7 +88,10 @@ def _rich_sink() -> TrainSink:
     )
     rich.trace_id, rich.branch_index = "trace-1", 2
     rich.payload = [PayloadSegment("routed_experts", "v1/x.bin", 8, 1, n - 1, "<i4", [2, 3])]
-    sink.open_group("open-1", Prompt("k1", (1, 2, 3), label={"answer": 4}, env_name="math"), 4, 1)
+    if n_open < 1:
+        return sink
+    prompt = Prompt("k1", (1, 2, 3), label={"answer": 4}, env_name="math")
+    sink.open_group("open-1", prompt, GROUP_SIZE, 1)
     member = make_sample(9, 1.0, version=1, index=900)
     member.policy_versions = [1, 2]
     member.metadata = {"turns": 2}
@@ -88,12 +99,18 @@ def _rich_sink() -> TrainSink:
     sink.add_member("open-1", member)
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=901))
     sink.add_member("open-1", make_sample(9, 0.0, version=2, index=902, status=SampleStatus.FAILED))
-    sink.open_group("open-empty", Prompt("k2", (7,)), 2, 2)
+    if n_open >= 2:
+        sink.open_group("open-empty", Prompt("k2", (7,)), GROUP_SIZE, 2)
+    for k in range(n_open - 2):
+        gid = f"open-{k + 2}"
+        sink.open_group(gid, Prompt(f"k{k + 3}", (5, k)), GROUP_SIZE, 2)
+        for j in range(k % GROUP_SIZE):
+            sink.add_member(gid, make_sample(9, float(j % 2), version=2, index=2000 + 8 * k + j))
     return sink
 
 
-def _blob() -> bytes:
-    sink = _rich_sink()
+def _blob(n_open: int = 2) -> bytes:
+    sink = _rich_sink(n_open)
     assert_accounted(sink)
     snap = CheckpointManager("unused").snapshot(
         sink, cursor={"source": {"epoch": 1}}, progress={"policy_version": 2}
@@ -111,6 +128,9 @@ def _records(data: bytes) -> list[Any]:
 
 
 RECORDS = _records(BLOB)
+#: Base checkpoints by their number of open groups: the mutation test draws from all of them
+#: (a defect can depend on how many groups a resume continues).
+BASES = {n: _records(_blob(n)) for n in (0, 1, 2, 7, 13, 16)}
 
 
 def _file(objs: list[Any]) -> bytes:
@@ -130,7 +150,6 @@ def _paths(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-PATHS = _paths(RECORDS)[1:]  # every node below the list of records
 _ELEMENT_TYPES = [1, 2, 3, 4, 5]
 
 _OTHER = st.sampled_from(
@@ -309,6 +328,14 @@ def _resume_and_continue(ck: Checkpoint, config: SinkConfig) -> None:
     TrainSink(config).load_state_dict(again.sink)
 
 
+def _bounds_error(ck: Checkpoint) -> CheckpointError | None:
+    try:
+        check_run_bounds(ck, RunBounds(group_size=GROUP_SIZE))
+    except CheckpointError as exc:
+        return exc
+    return None
+
+
 def _decode(data: bytes) -> tuple[Checkpoint | None, CheckpointError | None]:
     try:
         return decode_checkpoint(data, _NAME), None
@@ -328,11 +355,16 @@ def test_the_intact_checkpoint_reencodes_identically_and_resumes() -> None:
 @settings(max_examples=scaled(400))
 @given(st.data())
 def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> None:
-    records = RECORDS
+    n_open = data.draw(st.sampled_from(sorted(BASES)), label="open groups in the base")
+    base = records = BASES[n_open]
+    event(f"base with {n_open} open groups")
     n_mut = data.draw(st.integers(1, 3), label="mutations")
     first: tuple[Any, ...] = ()
+    n_q = base[0]["n_queued"]
+    # the fault-injection run's case, weighted up: an open group's size (1,000,000, say)
+    sizes = [(1 + n_q + i, 2) for i in range(n_open)] * 50
     for k in range(n_mut):
-        paths = _paths(records)[1:] if k else PATHS
+        paths = _paths(records)[1:] + (sizes if k == 0 else [])
         path = data.draw(st.sampled_from(paths), label="path")
         first = first or path
         records = _replace(records, path, data.draw(_mutation(_get(records, path))))
@@ -344,6 +376,18 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
             meta = {**meta, "n_queued": len(records) - 1 - meta["n_open"]}
             records = [meta, *records[1:]]
     ck, error = _decode(_file(records))
+    if ck is not None:
+        # checked against the run that restores it: a group size other than the configured
+        # one (a mutation to a million members, say) is refused before anything is restored
+        refused = _bounds_error(ck)
+        if refused is not None:
+            event("refused by the run's bounds")
+            assert refused.path == _NAME
+            field, values = str(refused).removeprefix(f"checkpoint {_NAME}: ").split(": ", 1)
+            assert re.fullmatch(r"sink\.open_groups\[\d+\]\.group_size", field), str(refused)
+            got = _get(records, (1 + records[0]["n_queued"] + int(field[17:-12]), 2))
+            assert values.startswith(f"{got} in the checkpoint, {GROUP_SIZE} configured"), values
+            return
     if error is not None:
         event("rejected")
         assert error.path == _NAME
@@ -351,7 +395,7 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
         if n_mut == 1 and first[0] != 0 and not isinstance(_get(records, first), (list, dict)):
             # a single scalar replaced inside a record is reported at that record, or at the
             # cross-field invariant it breaks (accounting, arrival order, a duplicate)
-            where = _path_of(first, RECORDS[0]["n_queued"])
+            where = _path_of(first, base[0]["n_queued"])
             msg = str(error)
             cross = ("sink.counters", "arrival order", "duplicate")
             assert where in msg or any(c in msg for c in cross), msg
@@ -360,6 +404,28 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
     event("loaded and resumed")
     config = data.draw(st.sampled_from(_CONFIGS), label="config")
     _resume_and_continue(ck, config)
+
+
+@pytest.mark.parametrize("n_open", [n for n in sorted(BASES) if n])
+def test_a_million_members_is_refused_before_anything_is_restored(n_open: int) -> None:
+    base = BASES[n_open]
+    last = base[0]["n_queued"] + n_open  # the last open group's record
+    ck = decode_checkpoint(_file(_replace(base, (last, 2), 1_000_000)), _NAME)  # it loads
+    with pytest.raises(CheckpointError) as info:
+        check_run_bounds(ck, RunBounds(group_size=GROUP_SIZE))
+    assert str(info.value).startswith(
+        f"checkpoint {_NAME}: sink.open_groups[{n_open - 1}].group_size: 1000000 in the "
+        f"checkpoint, {GROUP_SIZE} configured: a configuration change"
+    ), str(info.value)
+
+
+@pytest.mark.parametrize("n_open", sorted(BASES))
+def test_every_base_resumes_intact(n_open: int) -> None:
+    ck = decode_checkpoint(_file(BASES[n_open]), _NAME)
+    assert len(ck.sink.open_groups) == n_open
+    check_run_bounds(ck, RunBounds(group_size=GROUP_SIZE))
+    for config in _CONFIGS:
+        _resume_and_continue(ck, config)
 
 
 def _with(path: tuple[Any, ...], value: Any) -> bytes:

@@ -110,12 +110,17 @@ async def test_old_checkpoint_file_restores_typed_payload(
     (r,) = restored.load_state_dict(ck.sink).resumed
     assert [m.payload for m in r.arrived] == [m.payload for m in members]
     assert restored.live_payload_versions() >= {1}
-    # a corrupt old record in a file is a CheckpointError naming the file and the field
+    # a corrupt old record: today's writer refuses it (the reader would) before writing ...
     monkeypatch.setattr(
         checkpoint_mod,
         "encode_sample",
         lambda s: [*_legacy_record(s, [])[:13], {"payload": [["routed_experts"]]}],
     )
+    with pytest.raises(CheckpointError, match=r"metadata\.payload\[0\].*refused by the writer"):
+        await mgr.save(mgr.snapshot(sink, step=5))
+    assert not mgr.path_for(5).exists()
+    # ... and in a file an older writer left, it is a CheckpointError naming file and field
+    monkeypatch.setattr(checkpoint_mod, "_judge", lambda name, rec, what, decode: rec)
     bad = await mgr.save(mgr.snapshot(sink))
     monkeypatch.undo()
     with pytest.raises(CheckpointError, match=r"metadata\.payload\[0\]"):

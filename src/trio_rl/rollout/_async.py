@@ -33,7 +33,7 @@ from ._errors import (
     SourceExhausted,
 )
 from ._factory import GroupFactory
-from ._group import GroupRunner, pending_samples
+from ._group import START_BATCH, GroupRunner, pending_samples
 from ._sources import DataSource
 from ._sync import DynamicFilter, recycled_prompt
 from ._triage import (
@@ -183,6 +183,20 @@ class AsyncRolloutDriver:
         if not self._closed:
             self.scheduler.nudge("resumed groups")
 
+    async def aresume(self, groups: Iterable[OpenGroup]) -> None:
+        """`resume`, with a checkpoint every ``START_BATCH`` groups: a resume of any size lets
+        a cancellation in. Cancelled, the groups made so far stay queued."""
+        made = 0
+        try:
+            for g in groups:
+                self._queued.append(self.factory.resume(g))
+                made += 1
+                if made % START_BATCH == 0:
+                    await trio.lowlevel.checkpoint()
+        finally:
+            if made and not self._closed:
+                self.scheduler.nudge("resumed groups")
+
     async def next_batch(
         self, batch_size: int | None = None, *, allow_partial: bool = False
     ) -> list[Group]:
@@ -322,6 +336,7 @@ class AsyncRolloutDriver:
                 self._cancel_expired()
             budget = self.max_groups_in_flight
             admission = self.admission
+            started = 0
             while not self.is_paused and scheduler.admits(budget):
                 if (
                     admission is not None
@@ -340,6 +355,11 @@ class AsyncRolloutDriver:
                     self.book.group_opened(group)
                 scope = self._scopes[group.group_id] = trio.CancelScope()
                 groups.start_soon(self._run_group, group, scope)
+                started += 1
+                if started % START_BATCH == 0:
+                    # a huge budget lets a cancellation in between batches of group starts
+                    # (after a start: a group taken is always submitted and booked)
+                    await trio.lowlevel.checkpoint()
             dry = (
                 scheduler.ledger.pending_groups == 0
                 and not self._queued
@@ -534,7 +554,7 @@ async def open_async_rollout(
         ledger=ledger,
         admission=admission,
     )
-    driver.resume(resumed)
+    await driver.aresume(resumed)
     # The body's exception is re-raised outside the nursery, so callers see it unwrapped.
     body_error: BaseException | None = None
     try:

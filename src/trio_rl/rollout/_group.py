@@ -197,14 +197,32 @@ class _GroupRun:
                 self.on_sample_done(sample)
 
 
-def _start_samples(nursery: trio.Nursery, run: _GroupRun, group: Group) -> None:
-    """One task per PENDING sample. A function of its own: the bound methods and the list it
-    uses die with its frame instead of living in the group task's for the group's lifetime."""
+#: Sample tasks started between two checkpoints: a group of any size lets a cancellation (a
+#: deadline around a resume, say) in after at most this many starts; real groups never reach it.
+START_BATCH = 256
+
+
+async def _start_samples(nursery: trio.Nursery, run: _GroupRun, group: Group) -> None:
+    """One task per PENDING sample, START_BATCH at a time with a checkpoint between batches. A
+    function of its own: the bound methods and the list it uses die with its frame instead of
+    living in the group task's for the group's lifetime.
+
+    Cancelled between two batches, it starts no more and returns with ``run.cancelled`` set
+    (the started tasks are cancelled with the nursery; `run_group` re-raises at its checkpoint):
+    no exception group for a cancellation."""
     start, sample_task = nursery.start_soon, run.sample_task
+    started = 0
     for sample in group.samples:
         if sample.status is SampleStatus.PENDING:
             # A name: without one trio formats the function's qualified name per task.
             start(sample_task, sample, name=_SAMPLE_TASK)
+            started += 1
+            if started % START_BATCH == 0:
+                try:
+                    await trio.lowlevel.checkpoint()
+                except trio.Cancelled:
+                    run.cancelled = True
+                    return
 
 
 async def run_group(
@@ -255,7 +273,7 @@ async def run_group(
         try:
             async with trio.open_nursery() as nursery:
                 run.scope = nursery.cancel_scope
-                _start_samples(nursery, run, group)
+                await _start_samples(nursery, run, group)
         finally:
             if token is not None:
                 _ABORT.reset(token)

@@ -5,6 +5,8 @@ from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import CheckpointSnapshot as CheckpointSnapshot
 from ._checkpoint import IncrementalSnapshot as IncrementalSnapshot
+from ._checkpoint import RunBounds as RunBounds
+from ._checkpoint import check_run_bounds as check_run_bounds
 from ._checkpoint import decode_checkpoint as decode_checkpoint
 from ._checkpoint import encode_checkpoint as encode_checkpoint
 from ._checkpoint import read_checkpoint as read_checkpoint

@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -42,7 +42,15 @@ import msgpack
 import trio
 
 from ..samples import OpenGroup
-from ._checkpoint_schema import Link, check_state, decode_link, decode_meta, decode_open_group
+from ._checkpoint_schema import (
+    Link,
+    RunBounds,
+    check_state,
+    decode_link,
+    decode_meta,
+    decode_open_group,
+    run_bound_problem,
+)
 from ._codec import (
     CodecError,
     decode_training_sample,
@@ -50,7 +58,7 @@ from ._codec import (
     encode_sample,
     encode_training_sample,
 )
-from ._errors import CheckpointError, TrainError
+from ._errors import CheckpointError, TrainError, TrainSinkError
 from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
 from ._sink import TrainSink
 from ._sink_state import (
@@ -58,8 +66,9 @@ from ._sink_state import (
     SinkDelta,
     SinkState,
     payload_files_of_state,
-    restore_sink,
+    restoring,
     snapshot_changes,
+    state_problem,
 )
 from ._types import TrainingSample
 
@@ -67,6 +76,8 @@ __all__ = [
     "SCHEMA_VERSION",
     "DELTA_SCHEMA_VERSION",
     "IncrementalSnapshot",
+    "RunBounds",
+    "check_run_bounds",
     "encode_checkpoint",
     "decode_checkpoint",
     "Checkpoint",
@@ -171,6 +182,34 @@ class _CompactionStoppedError(TrainError):
     """A background compaction was told to stop (the manager is closing)."""
 
 
+class ReadStoppedError(TrainError):
+    """A read in a worker thread was told to stop: its async caller was cancelled (the
+    caller sees `trio.Cancelled`; this never reaches it)."""
+
+
+#: Records (or payload files) a read handles between two looks at its stop event.
+_STOP_EVERY = 64
+
+
+def _stopped(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise ReadStoppedError
+
+
+async def _stoppable(fn: Callable[..., _R], limiter: trio.CapacityLimiter | None) -> _R:
+    """``fn(stop=stop)`` in a worker thread that a cancellation reaches at once: ``fn`` only reads
+    (or moves files aside only after its last look at ``stop``), so the thread is abandoned,
+    told to stop, and ends at its next look, within ``_STOP_EVERY`` records."""
+    stop = threading.Event()
+    try:
+        return await trio.to_thread.run_sync(
+            functools.partial(fn, stop=stop), limiter=limiter, abandon_on_cancel=True
+        )
+    except trio.Cancelled:
+        stop.set()
+        raise
+
+
 def _write_stream(
     f: BinaryIO,
     snap: CheckpointSnapshot,
@@ -182,6 +221,10 @@ def _write_stream(
     """A full checkpoint (schema version 1); ``link`` adds the chain fields of an incremental
     manager's base to the header record."""
     sink = snap.sink
+    try:
+        check_state(sink)
+    except CodecError as exc:
+        raise _refused(name, exc) from exc
     _write_body(
         f,
         SCHEMA_VERSION,
@@ -222,12 +265,16 @@ def _write_body(
     abort: threading.Event | None = None,
 ) -> None:
     packer = msgpack.Packer(use_bin_type=True)
+    try:
+        head = packer.pack(meta)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CheckpointError(name, f"progress or cursor is not MessagePack-able: {exc}") from exc
+    # The reader's own validator judges every record before it is written: what the writer
+    # accepts, the reader reads back (one set of rules, not two that can drift apart).
+    _judge(name, head, "meta", lambda obj, _: _judge_meta(obj, version))
     f.write(_HEADER.pack(_MAGIC, version, 0, 0))
     body = _Body(f)
-    try:
-        body.add(packer.pack(meta))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(name, f"progress or cursor is not MessagePack-able: {exc}") from exc
+    body.add(head)
     for i, ts in enumerate(queued):
         if abort is not None and i & 7 == 0:
             # a background compaction: stop when told to, and leave the GIL to the event
@@ -235,28 +282,59 @@ def _write_body(
             if abort.is_set():
                 raise _CompactionStoppedError
             time.sleep(_YIELD)
+        what = f"sink.queued[{i}]"
         try:
-            body.add(packer.pack(encode_training_sample(ts)))
+            rec = packer.pack(encode_training_sample(ts))
         except (TypeError, ValueError, OverflowError) as exc:
             raise CheckpointError(
-                name, f"queued[{i}] (group {ts.group_id}, sample {ts.sample_index}): {exc}"
+                name, f"{what} (group {ts.group_id}, sample {ts.sample_index}): {exc}"
             ) from exc
-    for og in open_groups:
+        body.add(_judge(name, rec, what, decode_training_sample))
+    for i, og in enumerate(open_groups):
+        what = f"sink.open_groups[{i}]"
         try:
-            rec = [
-                og.group_id,
-                encode_prompt(og.prompt),
-                og.group_size,
-                og.policy_version_at_start,
-                [encode_sample(m) for m in og.arrived],
-            ]
-            body.add(packer.pack(rec))
+            rec = packer.pack(
+                [
+                    og.group_id,
+                    encode_prompt(og.prompt),
+                    og.group_size,
+                    og.policy_version_at_start,
+                    [encode_sample(m) for m in og.arrived],
+                ]
+            )
         except (TypeError, ValueError, OverflowError) as exc:
             raise CheckpointError(
-                name, f"open group {og.group_id}: label or metadata not MessagePack-able: {exc}"
+                name,
+                f"{what} (group {og.group_id}): label or metadata not MessagePack-able: {exc}",
             ) from exc
+        body.add(_judge(name, rec, what, decode_open_group))
     body.flush()
     f.write(_TRAILER.pack(body.length, body.crc, _END))
+
+
+def _judge(name: str, rec: bytes, what: str, decode: Callable[[Any, str], object]) -> bytes:
+    """``rec`` (one packed record), judged by the reader's decoder; a record the reader would
+    refuse is a `CheckpointError` here, before it is written."""
+    try:
+        obj = msgpack.unpackb(rec, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack's zoo of types (an unhashable key read back, say)
+        raise CheckpointError(name, f"{what}: would not read back: {exc}") from exc
+    try:
+        decode(obj, what)
+    except CodecError as exc:
+        raise _refused(name, exc) from exc
+    return rec
+
+
+def _refused(name: str, exc: CodecError) -> CheckpointError:
+    return CheckpointError(
+        name, f"{exc.field}: {exc.reason} (refused by the writer: the reader would refuse it)"
+    )
+
+
+def _judge_meta(obj: object, version: int) -> None:
+    meta = decode_meta(obj, 2**62)
+    decode_link(obj, delta=version == DELTA_SCHEMA_VERSION, step=meta.step)
 
 
 def _atomic_write(target: Path, write: Callable[[BinaryIO], None], suffix: str = "tmp") -> int:
@@ -295,7 +373,9 @@ def write_checkpoint(path: str | os.PathLike[str], snap: CheckpointSnapshot) -> 
     return target
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def read_checkpoint(
+    path: str | os.PathLike[str], *, stop: threading.Event | None = None
+) -> Checkpoint:
     """Verify and decode a checkpoint file (blocking; run it in a worker thread).
 
     A delta checkpoint (schema version 2) is read with the files it was written after (named
@@ -303,17 +383,19 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
     Raises :class:`CheckpointError` naming the file when it is missing, truncated, corrupt, of an
     unknown schema version, or malformed (a delta's: naming the file of the chain that is).
+    ``stop`` set (by an async caller that was cancelled), the read stops at its next record
+    with `ReadStoppedError`.
     """
     p = Path(path)
     name = str(p)
-    head = _read_part(p)
+    head = _read_part(p, stop)
     parts = [head]
     while parts[-1].link.parent is not None:
         child = parts[-1]
         assert child.link.parent is not None
         parent_path = p.with_name(f"step_{child.link.parent:08d}.ckpt")
         try:
-            parent = _read_part(parent_path)
+            parent = _read_part(parent_path, stop)
         except CheckpointError as exc:
             raise CheckpointError(
                 name, f"replays {parent_path.name}, which is unusable: {exc}"
@@ -369,6 +451,22 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
+def _check_restorable(state: SinkState) -> None:
+    problem = state_problem(state)
+    if problem is not None:
+        raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
+
+
+def check_run_bounds(ckpt: Checkpoint, bounds: RunBounds) -> None:
+    """Refuse a checkpoint that holds more than the run restoring it could have produced (see
+    `RunBounds`): one `CheckpointError` naming the file, the field and both values. Call it
+    before restoring anything: it is O(records) and allocates nothing per token."""
+    problem = run_bound_problem(ckpt.sink, bounds)
+    if problem is not None:
+        field, got, allowed, why = problem
+        raise CheckpointError(str(ckpt.path), f"{field}: {got} in the checkpoint, {allowed}: {why}")
+
+
 def file_schema_version(path: str | os.PathLike[str]) -> int:
     """The schema version in a checkpoint file's header (1: full, 2: a delta); call it on a
     file that `read_checkpoint` accepted."""
@@ -417,14 +515,14 @@ def _chain_of(parts: list[_Part]) -> tuple[ChainFile, ...]:
     )
 
 
-def _read_part(p: Path) -> _Part:
+def _read_part(p: Path, stop: threading.Event | None = None) -> _Part:
     name = str(p)
     try:
         f = open(p, "rb")  # noqa: SIM115 - closed in finally
     except OSError as exc:
         raise CheckpointError(name, f"cannot open: {exc.strerror}") from exc
     try:
-        return _read_stream(f, os.fstat(f.fileno()).st_size, p, name)
+        return _read_stream(f, os.fstat(f.fileno()).st_size, p, name, stop)
     finally:
         f.close()
 
@@ -439,7 +537,9 @@ def decode_checkpoint(data: bytes, name: str = "<memory>") -> Checkpoint:
     )
 
 
-def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> _Part:
+def _read_stream(
+    f: BinaryIO, size: int, p: Path, name: str, stop: threading.Event | None = None
+) -> _Part:
     if size < _HEADER.size + _TRAILER.size:
         raise CheckpointError(name, f"truncated ({size} bytes)")
     magic, version, flags, reserved = _HEADER.unpack(f.read(_HEADER.size))
@@ -460,6 +560,7 @@ def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> _Part:
     f.seek(_HEADER.size)
     got, left = 0, body_len
     while left:
+        _stopped(stop)
         chunk = f.read(min(left, _FLUSH))
         if not chunk:
             raise CheckpointError(name, "truncated while reading")
@@ -474,10 +575,17 @@ def _read_stream(f: BinaryIO, size: int, p: Path, name: str) -> _Part:
         strict_map_key=False,
         max_buffer_size=max(1, min(body_len, 2**31 - 1)),
     )
-    return _decode_body(unpacker, p, body_len, delta=version == DELTA_SCHEMA_VERSION)
+    return _decode_body(unpacker, p, body_len, delta=version == DELTA_SCHEMA_VERSION, stop=stop)
 
 
-def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int, *, delta: bool) -> _Part:
+def _decode_body(
+    unpacker: msgpack.Unpacker,
+    p: Path,
+    body_len: int,
+    *,
+    delta: bool,
+    stop: threading.Event | None = None,
+) -> _Part:
     """Decode and fully validate the records; any fault is a :class:`CheckpointError` naming
     the file, the field path and the byte offset of the record holding it.
     """
@@ -507,6 +615,8 @@ def _decode_body(unpacker: msgpack.Unpacker, p: Path, body_len: int, *, delta: b
     def records(n: int, field: str, decode: Callable[[Any, str], _R]) -> tuple[_R, ...]:
         out = []
         for i in range(n):
+            if i % _STOP_EVERY == 0:
+                _stopped(stop)
             what = f"sink.{field}[{i}]"
             obj, off = nxt(what)
             try:
@@ -677,16 +787,17 @@ class _Chain:
             epoch=changes.epoch,
         )
 
-    def restore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
-        """`TrainSink.load_state_dict` from ``ckpt`` (with its ``missing_files``); an incremental
+    def restoring(self, sink: TrainSink, ckpt: Checkpoint) -> Generator[None, None, RestoreReport]:
+        """`TrainSink.load_state_dict` from ``ckpt`` (with its ``missing_files``), as a generator
+        (see :func:`restoring`; the caller checked the state's invariants); an incremental
         manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
         (what the restore itself changed included) rather than a full one. The files it replays
         stay the run's that wrote them: never deleted by this manager."""
         head = ckpt.chain[0] if ckpt.chain else None
         same_dir = ckpt.path.parent.resolve() == self.m.directory.resolve()
         if not self.m.incremental or head is None or head.chain is None or not same_dir:
-            return sink.load_state_dict(ckpt.sink, missing_files=ckpt.missing_files)
-        report = restore_sink(sink, ckpt.sink, missing_files=ckpt.missing_files, track=self)
+            return (yield from restoring(sink, ckpt.sink, missing_files=ckpt.missing_files))
+        report = yield from restoring(sink, ckpt.sink, missing_files=ckpt.missing_files, track=self)
         mirror = _Mirror.of(ckpt.sink, sink.changes.start_epoch)
         mirror.path, mirror.step, mirror.chain, mirror.seq = (
             ckpt.path,
@@ -1020,7 +1131,33 @@ class CheckpointManager(_Outboxes):
         manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
         (what the restore itself changed included) rather than a full one. The files it replays
         stay the run's that wrote them: never deleted by this manager."""
-        return self._chain.restore(sink, ckpt)
+        _check_restorable(ckpt.sink)
+        steps = self._chain.restoring(sink, ckpt)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                report: RestoreReport = done.value
+                return report
+
+    async def arestore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
+        """`restore` that lets a cancellation in, whatever ``ckpt`` holds: the invariants are
+        checked in a worker thread (abandoned on cancellation: it only reads), the records are
+        restored on the loop with a checkpoint every ``RESTORE_BATCH``. Cancelled, the sink
+        holds part of the checkpoint: discard it (a resume that is cancelled starts nothing)."""
+        problem = await trio.to_thread.run_sync(
+            state_problem, ckpt.sink, limiter=self.limiter, abandon_on_cancel=True
+        )
+        if problem is not None:
+            raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
+        steps = self._chain.restoring(sink, ckpt)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                report: RestoreReport = done.value
+                return report
+            await trio.lowlevel.checkpoint()
 
     def close(self, timeout: float = 60.0) -> None:
         """Blocking: stop a background compaction (its temporary file is removed; the deltas
@@ -1089,17 +1226,25 @@ class CheckpointManager(_Outboxes):
                 found.append((int(m.group(1)), Path(entry.path)))
         return [p for _, p in sorted(found)]
 
-    def read(self, path: str | os.PathLike[str]) -> Checkpoint:
-        """Blocking load of one checkpoint, with its missing payload files."""
-        ckpt = read_checkpoint(path)
+    def read(
+        self, path: str | os.PathLike[str], *, stop: threading.Event | None = None
+    ) -> Checkpoint:
+        """Blocking load of one checkpoint, with its missing payload files. ``stop`` set, it
+        stops at its next record or payload file (`ReadStoppedError`)."""
+        ckpt = read_checkpoint(path, stop=stop)
         if self.payload_root is None:
             return ckpt
-        missing = frozenset(
-            f for f in payload_files_of_state(ckpt.sink) if not (self.payload_root / f).exists()
-        )
-        return attrs.evolve(ckpt, missing_files=missing)
+        missing = set()
+        for i, f in enumerate(payload_files_of_state(ckpt.sink)):
+            if i % _STOP_EVERY == 0:
+                _stopped(stop)
+            if not (self.payload_root / f).exists():
+                missing.add(f)
+        return attrs.evolve(ckpt, missing_files=frozenset(missing))
 
-    def read_latest(self, *, require_usable: bool = False) -> Checkpoint | None:
+    def read_latest(
+        self, *, require_usable: bool = False, stop: threading.Event | None = None
+    ) -> Checkpoint | None:
         """Blocking: the newest checkpoint that loads; broken ones are skipped with a warning.
 
         Broken checkpoints newer than the one loaded are moved aside (never deleted), so that
@@ -1112,11 +1257,12 @@ class CheckpointManager(_Outboxes):
         reasons: list[str] = []
         for path in reversed(paths):
             try:
-                ckpt = self.read(path)
+                ckpt = self.read(path, stop=stop)
             except CheckpointError as exc:
                 broken.append(path)
                 reasons.append(str(exc))
                 continue
+            _stopped(stop)  # cancelled: nothing is moved
             for reason in reasons:
                 logger.warning("skipping unusable checkpoint: %s", reason)
             if broken:
@@ -1135,19 +1281,18 @@ class CheckpointManager(_Outboxes):
     async def load(self, path: str | os.PathLike[str]) -> Checkpoint:
         """:meth:`read` in a worker thread.
 
-        Cancellation: once the thread has started the read completes and its result is
-        returned; `trio.Cancelled` arrives at the caller's next checkpoint.
+        Cancellation arrives at once, whatever the file holds: the read (which changes
+        nothing) is abandoned and told to stop; its thread ends at its next record.
         """
-        return await trio.to_thread.run_sync(self.read, path, limiter=self.limiter)
+        return await _stoppable(functools.partial(self.read, path), self.limiter)
 
     async def load_latest(self, *, require_usable: bool = False) -> Checkpoint | None:
         """:meth:`read_latest` in a worker thread.
 
-        Cancellation: as for `load`.
+        Cancellation: as for `load` (unusable checkpoints are then not moved aside).
         """
-        return await trio.to_thread.run_sync(
-            functools.partial(self.read_latest, require_usable=require_usable),
-            limiter=self.limiter,
+        return await _stoppable(
+            functools.partial(self.read_latest, require_usable=require_usable), self.limiter
         )
 
     def set_aside(self) -> Path | None:

@@ -26,7 +26,17 @@ from ._codec import (
 from ._queue import SinkCounters, SinkWindow
 from ._sink_state import SinkState, state_problem
 
-__all__ = ["Link", "Meta", "check_state", "decode_link", "decode_meta", "decode_open_group"]
+__all__ = [
+    "BoundProblem",
+    "Link",
+    "Meta",
+    "RunBounds",
+    "check_state",
+    "decode_link",
+    "decode_meta",
+    "decode_open_group",
+    "run_bound_problem",
+]
 
 _COUNTERS = tuple(f.name for f in attrs.fields(SinkCounters))
 _WINDOW = tuple(f.name for f in attrs.fields(SinkWindow))
@@ -178,3 +188,107 @@ def decode_link(obj: object, *, delta: bool, step: int) -> Link:
         removed=tuple(want_int(a, f"removed[{i}]") for i, a in enumerate(removed)),
         closed=tuple(want_str(g, f"closed[{i}]") for i, g in enumerate(closed)),
     )
+
+
+@attrs.frozen(kw_only=True)
+class RunBounds:
+    """What the run restoring a checkpoint could have produced: a checkpoint holding more is
+    from another run, hand-edited or corrupt (see :func:`run_bound_problem`). None: unknown,
+    not checked."""
+
+    #: The configured group size: every open group's must equal it (else: a configuration
+    #: change, refused like a changed key of the stored configuration).
+    group_size: int
+    #: Samples the run's group factory has made (``next_sample_index`` of its saved state):
+    #: every sample index is below it, and no more samples are held.
+    samples_made: int | None = None
+    #: Groups the factory has made (``next_group_index``): no more groups are open.
+    groups_made: int | None = None
+    #: The completion cap of the run's generate function: no member generated more.
+    max_completion_tokens: int | None = None
+    #: Payload files are one per engine call (:meth:`PayloadStore.write_request`): a member
+    #: names at most one per call it made, a queued sample at most one per token.
+    payload_files_per_call: bool = False
+
+
+#: ``(field path, value in the checkpoint, the run's bound, why)``.
+BoundProblem = tuple[str, object, object, str]
+
+
+def run_bound_problem(state: SinkState, bounds: RunBounds) -> BoundProblem | None:
+    """The first count of ``state`` beyond what a run with ``bounds`` could have produced.
+
+    O(records), no allocation per token: it runs before anything is restored or started, so a
+    checkpoint that claims a million members is refused before one sample is made for it."""
+    size, made = bounds.group_size, bounds.samples_made
+    n_open = len(state.open_groups)
+    if bounds.groups_made is not None and n_open > bounds.groups_made:
+        return (
+            "sink.open_groups",
+            f"{n_open} open groups",
+            f"{bounds.groups_made} groups made",
+            "more groups open than the run's group factory made (cursor.factory)",
+        )
+    held = len(state.queued)
+    for i, og in enumerate(state.open_groups):
+        where = f"sink.open_groups[{i}]"
+        if og.group_size != size:
+            return (
+                f"{where}.group_size",
+                og.group_size,
+                f"{size} configured",
+                "a configuration change (the group size may not change on resume); resume "
+                "with the configuration that wrote the checkpoint, or start over",
+            )
+        for j, m in enumerate(og.arrived):
+            if made is not None and m.index >= made:
+                return (
+                    f"{where}.members[{j}].index",
+                    m.index,
+                    f"{made} samples made",
+                    "a sample the run's group factory never made (cursor.factory)",
+                )
+            cap = bounds.max_completion_tokens
+            if cap is not None and len(m.completion_tokens) > cap:
+                return (
+                    f"{where}.members[{j}].completion_tokens",
+                    f"{len(m.completion_tokens)} tokens",
+                    f"{cap} configured",
+                    "more tokens than the run's completion cap generates",
+                )
+            if bounds.payload_files_per_call and m.payload:
+                calls = max(1, len(m.policy_versions))
+                files = len({seg.file for seg in m.payload})
+                if files > calls:
+                    return (
+                        f"{where}.members[{j}].payload",
+                        f"{files} payload files",
+                        f"{calls} engine calls",
+                        "more payload files than engine calls (one file per call)",
+                    )
+        held += len(og.arrived)
+    for i, ts in enumerate(state.queued):
+        if made is not None and ts.sample_index >= made:
+            return (
+                f"sink.queued[{i}].sample_index",
+                ts.sample_index,
+                f"{made} samples made",
+                "a sample the run's group factory never made (cursor.factory)",
+            )
+        if bounds.payload_files_per_call and ts.payload:
+            files = len({seg.file for seg in ts.payload})
+            if files > len(ts.token_ids):
+                return (
+                    f"sink.queued[{i}].payload",
+                    f"{files} payload files",
+                    f"{len(ts.token_ids)} tokens",
+                    "more payload files than tokens (one file per engine call)",
+                )
+    if made is not None and held > made:
+        return (
+            "sink",
+            f"{held} samples held (queued and open-group members)",
+            f"{made} samples made",
+            "more samples than the run's group factory made (cursor.factory)",
+        )
+    return None

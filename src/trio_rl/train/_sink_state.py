@@ -8,7 +8,7 @@ import copy
 import itertools
 import logging
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -33,6 +33,7 @@ __all__ = [
     "copy_sample",
     "payload_files_of_state",
     "restore_sink",
+    "restoring",
     "snapshot_changes",
     "snapshot_sink",
     "state_problem",
@@ -387,6 +388,30 @@ def restore_sink(
     problem = state_problem(state)
     if problem is not None:
         raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
+    steps = restoring(sink, state, missing_files=missing_files, track=track)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            report: RestoreReport = done.value
+            return report
+
+
+#: Records a restore handles between two yields of :func:`restoring`.
+RESTORE_BATCH = 512
+
+
+def restoring(
+    sink: TrainSink,
+    state: SinkState,
+    *,
+    missing_files: Collection[str] = (),
+    track: object = None,
+) -> Generator[None, None, RestoreReport]:
+    """:func:`restore_sink` without the invariant check (the caller ran :func:`state_problem`),
+    as a generator that yields every ``RESTORE_BATCH`` records and returns the report: an async
+    caller checkpoints at each yield, so a restore of any size lets a cancellation in. Stopped
+    part-way, the sink holds part of ``state``: discard it."""
     sink.queue.reset(state.step)
     sink._next_arrival = state.next_arrival
     sink._books.counters = state.counters
@@ -401,7 +426,9 @@ def restore_sink(
     missing = set(missing_files)
     q_missing = q_stale = m_missing = m_stale = 0
     dropped: list[int] = []
-    for ts in state.queued:
+    for i, ts in enumerate(state.queued):
+        if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+            yield
         if missing and any(seg.file in missing for seg in ts.payload or ()):
             q_missing += 1
             dropped.append(ts.arrival)
@@ -419,7 +446,9 @@ def restore_sink(
     sink._books.book("stale", q_stale)
     resumed: list[OpenGroup] = []
     completed: list[str] = []
-    for og in state.open_groups:
+    for i, og in enumerate(state.open_groups):
+        if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+            yield
         fresh: list[Sample] = []
         for m in og.arrived:
             if missing and sample_files(m) & missing:
