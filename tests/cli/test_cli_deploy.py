@@ -285,3 +285,68 @@ def test_a_trainer_job_killed_and_started_again_trains_every_step_once(tmp_path:
     # ... and every sample shipped in a step is a sequence the trainer trained in that step
     assert [entry["sequences"] for entry in log] == [m["samples"] for m in shipped]
     assert not _left_behind(str(tmp_path))
+
+
+def test_an_orchestrator_killed_and_resumed_beside_a_running_trainer_job(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            [run]
+            out = "{out}"
+            steps = 6
+
+            [engine]
+            d_model = 32
+            n_layers = 1
+
+            [rollout]
+            batch_groups = 2
+            group_size = 4
+            prompts = 64
+
+            [trainer]
+            mode = "external"
+            connect_timeout = 120.0
+
+            [metrics]
+            plot = false
+            display = "plain"
+            """
+        )
+    )
+    orchestrator = subprocess.Popen(
+        [TRIO_RL, "run", str(config)], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    trainer = subprocess.Popen(
+        [TRIO_RL, "trainer", str(config)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        end = time.monotonic() + 240
+        while len(_trained(out)) < 3:
+            assert time.monotonic() < end, "the trainer job trained fewer than 3 steps in 240 s"
+            assert orchestrator.poll() is None, orchestrator.communicate()
+            time.sleep(0.05)
+        orchestrator.kill()  # SIGKILL: no checkpoint at exit, only the per-step ones
+        orchestrator.communicate(timeout=60)
+        resumed = subprocess.run(
+            [TRIO_RL, "run", str(config)], cwd=tmp_path, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resumed at step" in resumed.stdout
+        trainer.communicate(timeout=300)
+        assert trainer.returncode == 0
+    finally:
+        for proc in (trainer, orchestrator):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=60)
+    log = _trained(out)
+    last = int((out / "STOP").read_text())
+    # one trainer job saw both orchestrators: every shipped step trained once, none skipped
+    assert [entry["step"] for entry in log] == list(range(1, last + 1))
+    assert last >= 9  # the first ran at least 3 steps, the resumed one 6 more
+    assert not _left_behind(str(tmp_path))
