@@ -1071,7 +1071,12 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
         return 0
     out = config.out
     last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
-    if result.checkpoint is not None:
+    if result.checkpoint is not None and config.trainer_mode != "inprocess":
+        saved = (
+            f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
+            f"trainer job keeps its own state in {out / 'trainer'}); resume with: {resume}"
+        )
+    elif result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
             f"and {out / STORED_FILE}; resume with: {resume}"

@@ -216,8 +216,24 @@ def _trained(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
-def test_a_trainer_job_killed_and_started_again_trains_every_step_once(tmp_path: Path) -> None:
+def _rank_pids(parent: int) -> list[int]:
+    """The trainer ranks torchrun started: its child processes."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [int(c) for c in children]
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["alone", "torchrun-2-ranks"])
+def test_a_trainer_job_killed_and_started_again_trains_every_step_once(
+    tmp_path: Path, ranks: int
+) -> None:
     steps = 12
+    # one rank: `trio-rl trainer` itself; two: under torchrun (gloo), one rank killed
+    command = [TRIO_RL, "trainer", str(tmp_path / "run.toml")]
+    if ranks > 1:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={ranks}", "--no-python", *command,
+        ]  # fmt: skip
     config = tmp_path / "run.toml"
     out = tmp_path / "run"
     config.write_text(
@@ -226,6 +242,79 @@ def test_a_trainer_job_killed_and_started_again_trains_every_step_once(tmp_path:
             [run]
             out = "{out}"
             steps = {steps}
+
+            [engine]
+            d_model = 32
+            n_layers = 1
+
+            [rollout]
+            batch_groups = 2
+            group_size = 4
+            prompts = 64
+
+            [trainer]
+            mode = "external"
+            ranks = {ranks}
+            connect_timeout = 300.0
+
+            [metrics]
+            plot = false
+            display = "plain"
+            """
+        )
+    )
+    orchestrator = subprocess.Popen(
+        [TRIO_RL, "run", str(config)], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    trainer = subprocess.Popen(command, cwd=tmp_path)
+    try:
+        end = time.monotonic() + 400
+        while len(_trained(out)) < 4:
+            assert time.monotonic() < end, "the trainer job trained fewer than 4 steps in 400 s"
+            assert trainer.poll() is None, f"the trainer job exited with {trainer.returncode}"
+            time.sleep(0.05)
+        # the real process that trains (with torchrun: rank 1's, torchrun then ends the job)
+        victim = trainer.pid if ranks == 1 else _rank_pids(trainer.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        assert trainer.wait(timeout=120) != 0
+        killed_at = len(_trained(out))
+        assert killed_at < steps
+        restarted = subprocess.run(
+            command, cwd=tmp_path, capture_output=True, text=True, timeout=600
+        )
+        assert restarted.returncode == 0, restarted.stderr
+        assert "trainer job: resumed after step" in restarted.stdout
+        _, stderr = orchestrator.communicate(timeout=300)
+        assert orchestrator.returncode == 0, stderr
+    finally:
+        for proc in (trainer, orchestrator):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)
+        if orchestrator.stdout is not None:
+            orchestrator.communicate(timeout=60)
+    log = _trained(out)
+    # every shipped step trained exactly once, none skipped, in order, across the kill
+    assert [entry["step"] for entry in log] == list(range(1, steps + 1))
+    assert len({entry["pid"] for entry in log}) == 2
+    assert {entry["world_size"] for entry in log} == {ranks}
+    shipped = _lines(out / "metrics.jsonl")
+    assert [m["step"] for m in shipped] == list(range(1, steps + 1))
+    # ... and every sample shipped in a step is a sequence the trainer trained in that step
+    assert [entry["sequences"] for entry in log] == [m["samples"] for m in shipped]
+    assert not _left_behind(str(tmp_path))
+
+
+def test_an_orchestrator_killed_and_resumed_beside_a_running_trainer_job(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            [run]
+            out = "{out}"
+            steps = 6
 
             [engine]
             d_model = 32
@@ -250,38 +339,33 @@ def test_a_trainer_job_killed_and_started_again_trains_every_step_once(tmp_path:
         [TRIO_RL, "run", str(config)], cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    trainer = subprocess.Popen([TRIO_RL, "trainer", str(config)], cwd=tmp_path)
+    trainer = subprocess.Popen(
+        [TRIO_RL, "trainer", str(config)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
     try:
         end = time.monotonic() + 240
-        while len(_trained(out)) < 4:
-            assert time.monotonic() < end, "the trainer job trained fewer than 4 steps in 240 s"
-            assert trainer.poll() is None, f"the trainer job exited with {trainer.returncode}"
+        while len(_trained(out)) < 3:
+            assert time.monotonic() < end, "the trainer job trained fewer than 3 steps in 240 s"
+            assert orchestrator.poll() is None, orchestrator.communicate()
             time.sleep(0.05)
-        os.kill(trainer.pid, signal.SIGKILL)  # the real process: no handler runs
-        assert trainer.wait(timeout=60) == -signal.SIGKILL
-        killed_at = len(_trained(out))
-        assert killed_at < steps
-        restarted = subprocess.run(
-            [TRIO_RL, "trainer", str(config)], cwd=tmp_path, capture_output=True, text=True,
+        orchestrator.kill()  # SIGKILL: no checkpoint at exit, only the per-step ones
+        orchestrator.communicate(timeout=60)
+        resumed = subprocess.run(
+            [TRIO_RL, "run", str(config)], cwd=tmp_path, capture_output=True, text=True,
             timeout=300,
         )  # fmt: skip
-        assert restarted.returncode == 0, restarted.stderr
-        assert "trainer job: resumed after step" in restarted.stdout
-        _, stderr = orchestrator.communicate(timeout=300)
-        assert orchestrator.returncode == 0, stderr
+        assert resumed.returncode == 0, resumed.stderr
+        assert "resumed at step" in resumed.stdout
+        trainer.communicate(timeout=300)
+        assert trainer.returncode == 0
     finally:
         for proc in (trainer, orchestrator):
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(timeout=60)
-        if orchestrator.stdout is not None:
-            orchestrator.communicate(timeout=60)
+                proc.communicate(timeout=60)
     log = _trained(out)
-    # every shipped step trained exactly once, none skipped, in order, across the kill
-    assert [entry["step"] for entry in log] == list(range(1, steps + 1))
-    assert len({entry["pid"] for entry in log}) == 2
-    shipped = _lines(out / "metrics.jsonl")
-    assert [m["step"] for m in shipped] == list(range(1, steps + 1))
-    # ... and every sample shipped in a step is a sequence the trainer trained in that step
-    assert [entry["sequences"] for entry in log] == [m["samples"] for m in shipped]
+    last = int((out / "STOP").read_text())
+    # one trainer job saw both orchestrators: every shipped step trained once, none skipped
+    assert [entry["step"] for entry in log] == list(range(1, last + 1))
+    assert last >= 9  # the first ran at least 3 steps, the resumed one 6 more
     assert not _left_behind(str(tmp_path))

@@ -277,11 +277,9 @@ def _load_trainer_state(out: Path) -> dict[str, Any] | None:
 
 
 def _resumable(out: Path, config: LearnConfig) -> bool:
-    return (
-        config.resume
-        and config.trainer_mode == "inprocess"
-        and any((out / "checkpoints").glob("step_*.ckpt"))
-    )
+    # a torchrun or external trainer job resumes by itself (its own state and log): the
+    # orchestrator resumes from its checkpoint and the watcher catches up with the weights
+    return config.resume and any((out / "checkpoints").glob("step_*.ckpt"))
 
 
 async def _train_inprocess(
@@ -476,7 +474,11 @@ async def run_learning(
     # versions, its batch files for this run's steps.
     resuming = await trio.to_thread.run_sync(_resumable, out, config)
     await trio.to_thread.run_sync(_prepare_run_directory, out, config, resuming)
-    state = await trio.to_thread.run_sync(_load_trainer_state, out) if resuming else None
+    state = (
+        await trio.to_thread.run_sync(_load_trainer_state, out)
+        if resuming and config.trainer_mode == "inprocess"
+        else None
+    )
     trained = 0 if state is None else int(state["step"])
     trainer_done = trio.Event()
     policy = await trio.to_thread.run_sync(build_policy, config)
@@ -602,7 +604,7 @@ async def run_learning(
             sample_reward=record_reward,
             monitor=send,
             limiter=limiter,
-            checkpoint_dir=out / "checkpoints" if config.trainer_mode == "inprocess" else None,
+            checkpoint_dir=out / "checkpoints",
             resume=resuming,
         ) as orch,
         trio.open_nursery() as nursery,
@@ -692,7 +694,7 @@ async def run_learning(
             ):
                 stopped = "reward"
                 break
-        if stopped == "signal" and config.trainer_mode == "inprocess":
+        if stopped == "signal":
             # the groups finished since the last shipped step are saved, not regenerated
             checkpoint = await orch.save_checkpoint()
         counters = attrs.asdict(orch.sink.counters)

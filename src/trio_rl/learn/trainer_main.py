@@ -82,6 +82,19 @@ def _fsync_append(path: Path, line: str) -> None:
         os.fsync(f.fileno())
 
 
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line the job was killed while writing (no newline yet), so that the next
+    line starts on a line of its own."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    if data and not data.endswith(b"\n"):
+        with path.open("rb+") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            os.fsync(f.fileno())
+
+
 def _logged_steps(path: Path) -> list[int]:
     steps = []
     try:
@@ -151,8 +164,9 @@ class _Job:
         self.trained = self.start - 1
 
     def _reconcile(self, state: dict[str, Any]) -> None:
-        # killed between saving the state and logging its step: the log gets the saved line
         log = self.out / TRAINED_LOG
+        _drop_torn_line(log)
+        # killed between saving the state and logging its step: the log gets the saved line
         logged = _logged_steps(log)
         if (not logged or logged[-1] < state["step"]) and "log" in state:
             _fsync_append(log, state["log"])
