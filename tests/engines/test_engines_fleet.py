@@ -70,12 +70,14 @@ async def test_a_group_s_samples_go_to_one_server_and_groups_spread() -> None:
                 where.setdefault(headers["x-smg-routing-key"], set()).add(n)
     assert len(where) == 6
     assert all(len(on) == 1 for on in where.values())  # a group on one server ...
-    assert Counter(next(iter(on)) for on in where.values()) == {0: 3, 1: 3}  # ... groups spread
+    # ... and groups spread (a group goes to the server with fewer requests in flight when its
+    # first sample arrives)
+    assert set(Counter(next(iter(on)) for on in where.values())) == {0, 1}
 
 
 async def test_least_loaded_balancing_without_keys() -> None:
     with servers(2) as ss:
-        ss[0][0].step_delay = 0.3  # the first server is slow: its requests stay in flight
+        ss[0][0].step_delay = 5.0  # the first server is slow: its request stays in flight
         ss[0][0].lengths = [3]
         async with (
             open_engine_fleet([u for _, u in ss], **FAST) as fleet,
@@ -85,6 +87,7 @@ async def test_least_loaded_balancing_without_keys() -> None:
             await trio.sleep(0.05)
             for i in range(1, 6):
                 await fleet.generate(req(i))  # the other server is always less loaded
+            nursery.cancel_scope.cancel()
     assert len(completions(ss[0][0])) == 1
     assert len(completions(ss[1][0])) == 5
 

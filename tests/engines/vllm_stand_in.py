@@ -251,11 +251,27 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="a vLLM stand-in server process on loopback")
+    # ``vllm serve MODEL --host H --port P`` is accepted too, so it can stand in for ``vllm``
+    parser.add_argument("words", nargs="*", help="ignored: 'serve MODEL' as vllm takes them")
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--model", default="stand-in")
+    parser.add_argument("--model", "--served-model-name", dest="model", default="stand-in")
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--length", type=int, default=4, help="tokens per completion")
+    parser.add_argument(
+        "--child",
+        action="store_true",
+        help="start a child process, as vLLM starts its engine core (printed as 'child PID')",
+    )
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before listening")
     args = parser.parse_args()
+    if args.child:
+        import subprocess
+        import sys
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        print(f"child {child.pid}", flush=True)
+    time.sleep(args.start_delay)
     state = StandIn()
     state.model, state.step_delay, state.lengths = args.model, args.step_delay, [args.length] * 64
     with serve(args.port, state):

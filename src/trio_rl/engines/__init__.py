@@ -22,6 +22,7 @@ from ._fleet import FleetEvent as FleetEvent
 from ._fleet import FleetServer as FleetServer
 from ._fleet import ServerState as ServerState
 from ._fleet import open_engine_fleet as open_engine_fleet
+from ._launch import VLLMServers as VLLMServers
 from ._launch import launch_vllm_servers as launch_vllm_servers
 from ._launch import run_vllm_server as run_vllm_server
 from ._launch import vllm_command as vllm_command

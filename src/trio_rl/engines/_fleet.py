@@ -18,9 +18,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
 
 import attrs
+import httpx
 import trio
 import trio_util
 
+from ..errors import collapse_single
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
@@ -396,22 +398,43 @@ class EngineFleet:
 
     # ------------------------------------------------------------------ probes
 
-    async def _probe(self, server: _Server) -> bool:
+    async def _probe(self, server: _Server) -> Literal["ok", "failed", "refused"]:
+        """``GET /health`` within ``probe_timeout``: ``refused`` when nothing listens on the
+        server's port (the process is gone: no need to wait for a second probe)."""
         with trio.move_on_after(self.probe_timeout):
-            return bool(await server.admin.healthy())
-        return False
+            try:
+                await server.admin._call("GET", "/health")
+            except EngineTransportError as exc:
+                refused = isinstance(exc.__cause__, httpx.ConnectError)
+                return "refused" if refused else "failed"
+            except EngineError:
+                return "failed"
+            return "ok"
+        return "failed"
+
+    def take_out(self, url: str, reason: str) -> None:
+        """Take the server at ``url`` out now (e.g. its process exited: a launcher knows before
+        any probe does); it is probed back in like any server taken out."""
+        for server in self._servers:
+            if server.url == url.rstrip("/"):
+                self._take_out(server, reason)
+                return
+        raise EngineConfigError(f"{url} is not a server of this fleet ({list(self.urls)})")
 
     async def _watch(self, server: _Server) -> None:
         """Probe ``server`` forever: take it out after ``probe_failures`` failed probes in a
         row; bring it back in once it answers and has loaded the current weights."""
         while True:
             await trio.sleep(self.probe_interval)
-            ok = await self._probe(server)
+            probe = await self._probe(server)
             if server.state == "live":
-                server.probe_failures = 0 if ok else server.probe_failures + 1
+                if probe == "refused":
+                    self._take_out(server, "its port refuses connections")
+                    continue
+                server.probe_failures = 0 if probe == "ok" else server.probe_failures + 1
                 if server.probe_failures >= self.probe_failures:
                     self._take_out(server, f"{server.probe_failures} health probes in a row failed")
-            elif server.state == "out" and ok:
+            elif server.state == "out" and probe == "ok":
                 await self._bring_back(server)
 
     async def _bring_back(self, server: _Server) -> None:
@@ -455,15 +478,10 @@ class EngineFleet:
             if self.check_models:
                 models[server.url] = sorted(await server.admin.models())
 
-        try:
+        with collapse_single():
             async with trio.open_nursery() as nursery:
                 for server in self._servers:
                     nursery.start_soon(check, server)
-        except BaseExceptionGroup as group:
-            first = group.exceptions[0]
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from None
         if not self.check_models:
             return
         first_url = self._servers[0].url
@@ -487,9 +505,16 @@ async def open_engine_fleet(urls: str | Sequence[str], **kwargs: Any) -> AsyncIt
     same models (:class:`EngineConfigError` naming both), then probe them while the block runs.
     Leaving the block stops the probes and closes every client; requests still running get
     ``trio.ClosedResourceError`` or are cancelled with it."""
+    fleet = EngineFleet(urls, **kwargs)
+    with collapse_single():
+        async with _opened(fleet) as opened:
+            yield opened
+
+
+@asynccontextmanager
+async def _opened(fleet: EngineFleet) -> AsyncIterator[EngineFleet]:
     from ._vllm import VLLMAdmin
 
-    fleet = EngineFleet(urls, **kwargs)
     async with AsyncExitStack() as stack:
         for url in fleet.urls:
             engine = OpenAICompatibleEngine(

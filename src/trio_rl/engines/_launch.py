@@ -13,17 +13,19 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import attrs
 import trio
 
+from ..errors import collapse_single
 from ._errors import EngineConfigError, EngineTimeoutError, EngineTransportError
 
-__all__ = ["launch_vllm_servers", "run_vllm_server", "vllm_command"]
+__all__ = ["VLLMServers", "launch_vllm_servers", "run_vllm_server", "vllm_command"]
 
 logger = logging.getLogger("trio_rl.engines")
 
@@ -111,37 +113,67 @@ async def run_vllm_server(
         # opening a log file for appending does not block for long; closed in the finally
         output = open(log, "ab")  # noqa: SIM115, ASYNC230
     try:
-        async with trio.open_nursery() as nursery:
-            run = partial(
-                trio.run_process,
-                cmd,
-                check=False,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-                start_new_session=True,
-                deliver_cancel=partial(_stop_group, grace=grace),
-            )
-            process: trio.Process = await nursery.start(run)
-            try:
-                with trio.fail_after(start_timeout):
-                    while not await _healthy(url):
-                        if process.returncode is not None:
-                            break
-                        await trio.sleep(0.5)
-            except trio.TooSlowError:
-                raise EngineTimeoutError(
-                    f"{where} did not answer /health within {start_timeout}s"
-                ) from None
-            if process.returncode is None:
-                logger.info("%s is up", where)
-                task_status.started(url)
-            await process.wait()
-            raise EngineTransportError(f"{where} exited with code {process.returncode}")
+        with collapse_single():
+            await _run(cmd, child_env, output, url, where, start_timeout, grace, task_status)
     finally:
         if log is not None:
             output.close()
+
+
+async def _run(
+    cmd: list[str],
+    env: dict[str, str],
+    output: Any,
+    url: str,
+    where: str,
+    start_timeout: float,
+    grace: float,
+    task_status: trio.TaskStatus[str],
+) -> None:
+    async with trio.open_nursery() as nursery:
+        run = partial(
+            trio.run_process,
+            cmd,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            deliver_cancel=partial(_stop_group, grace=grace),
+        )
+        process: trio.Process = await nursery.start(run)
+        try:
+            with trio.fail_after(start_timeout):
+                while not await _healthy(url):
+                    if process.returncode is not None:
+                        break
+                    await trio.sleep(0.5)
+        except trio.TooSlowError:
+            raise EngineTimeoutError(
+                f"{where} did not answer /health within {start_timeout}s"
+            ) from None
+        if process.returncode is None:
+            logger.info("%s is up", where)
+            task_status.started(url)
+        await process.wait()
+        # what the server started in its group (vLLM's engine core) goes with it
+        _signal_group(process.pid, signal.SIGKILL)
+        raise EngineTransportError(f"{where} exited with code {process.returncode}")
+
+
+@attrs.define(slots=True, eq=False)
+class VLLMServers:
+    """The servers :func:`launch_vllm_servers` runs."""
+
+    urls: list[str]
+    #: Called with ``(url, reason)`` when a server's process exits while the block runs,
+    #: before it is restarted: set it to :meth:`EngineFleet.take_out
+    #: <trio_rl.engines.EngineFleet.take_out>`, so the fleet stops sending requests there and
+    #: has the restarted server load the current weights, however fast it comes back.
+    on_exit: Callable[[str, str], None] | None = None
+    #: How often each server was restarted.
+    restarts: dict[str, int] = attrs.field(factory=dict)
 
 
 @asynccontextmanager
@@ -152,17 +184,19 @@ async def launch_vllm_servers(
     log_dir: str | os.PathLike[str] | None = None,
     restarts: int = 3,
     **kwargs: Any,
-) -> AsyncIterator[list[str]]:
+) -> AsyncIterator[VLLMServers]:
     """Start ``count`` vLLM servers (keyword arguments as in :func:`run_vllm_server`) on free
-    loopback ports, wait until every one answers, and yield their URLs. A server that exits
-    while the block runs is restarted on the same port, at most ``restarts`` times (an
-    :class:`~trio_rl.engines.EngineFleet` takes it out meanwhile and back in once it answers
-    and has loaded the current weights). Leaving the block stops every server (SIGTERM to its
-    process group, SIGKILL after ``grace``) and waits for them to exit. ``log_dir``: each
+    loopback ports, wait until every one answers, and yield them (:class:`VLLMServers`). A
+    server that exits while the block runs is reported to ``on_exit`` and restarted on the same
+    port, at most ``restarts`` times (an :class:`~trio_rl.engines.EngineFleet` takes it out
+    meanwhile and back in once it answers and has loaded the current weights). Leaving the
+    block stops every server (SIGTERM to its process group, SIGKILL after ``grace``) and waits
+    for them to exit. ``log_dir``: each
     server's output goes to ``vllm-<i>.log`` there."""
     if count < 1:
         raise EngineConfigError(f"launch_vllm_servers: count must be >= 1, got {count}")
     ports = [free_port() for _ in range(count)]
+    launched = VLLMServers([f"http://127.0.0.1:{port}" for port in ports])
 
     async def supervise(i: int, task_status: trio.TaskStatus[str]) -> None:
         log = None if log_dir is None else Path(log_dir) / f"vllm-{i}.log"
@@ -175,14 +209,20 @@ async def launch_vllm_servers(
                 # a server that never came up fails the launch; one that ran is restarted
                 if not status.done or attempt == restarts:
                     raise
+                url = launched.urls[i]
+                if launched.on_exit is not None:
+                    launched.on_exit(url, str(exc))
+                launched.restarts[url] = launched.restarts.get(url, 0) + 1
                 logger.warning("%s; restarting it (%d of %d)", exc, attempt + 1, restarts)
 
-    async with trio.open_nursery() as nursery:
-        urls = [await nursery.start(supervise, i) for i in range(count)]
-        try:
-            yield urls
-        finally:
-            nursery.cancel_scope.cancel()
+    with collapse_single():
+        async with trio.open_nursery() as nursery:
+            for i in range(count):
+                await nursery.start(supervise, i)
+            try:
+                yield launched
+            finally:
+                nursery.cancel_scope.cancel()
 
 
 class _Started:
