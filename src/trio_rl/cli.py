@@ -167,6 +167,7 @@ _RUN_FLAGS = (
     _Flag("--trainer-delay", "trainer.delay", {"type": float}),
     _Flag("--no-plot", "metrics.plot", {"action": "store_const", "const": False}),
     _Flag("--plain", "metrics.display", {"action": "store_const", "const": "plain"}),
+    _Flag("--log-level", "run.log_level", {"choices": ["debug", "info", "warning", "error"]}),
 )
 
 
@@ -942,6 +943,11 @@ def _main(args: argparse.Namespace) -> int:
                 "trainer.ranks",
                 'the in-process trainer has one rank; set trainer.mode = "torchrun"',
             )
+        args.default_out = learn_cfg.run.out is None
+        if learn_cfg.run.out is None:  # runs/<time> under the current directory, kept
+            learn_cfg = attrs.evolve(
+                learn_cfg, run=attrs.evolve(learn_cfg.run, out=str(_default_run_directory()))
+            )
         if learn_cfg.run.out is not None:
             out = Path(learn_cfg.run.out)
             _check_out(out)
@@ -961,7 +967,10 @@ def _main(args: argparse.Namespace) -> int:
         torch.set_num_threads(learn_cfg.run.threads)
         _check_run_inputs(learn_cfg, origin)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
-        return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))
+        resume = _resume_command(args.argv)
+        if args.default_out:  # the command again must find this run's directory
+            resume = shlex.join([*shlex.split(resume), "--out", str(config.out)])
+        return _trio_run(_run_learning, config, learn_cfg, resume)
     if args.command == "simulate":
         cfg, _ = load(SimulateConfig, args.configs, _overrides(args, _SIMULATE_FLAGS))
         if importlib.util.find_spec("torch") is not None:
@@ -1051,21 +1060,36 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
     from . import learn
 
     stop = _Stop()
+    run_log = _RunLog(Path(config.out), file_config.run.log_level)
     async with trio.open_nursery() as watcher:
         await watcher.start(_stop_on_signals, stop)
         await trio.to_thread.run_sync(_store_learning_config, file_config, config.out)
-        sinks = await trio.to_thread.run_sync(_open_metric_sinks, file_config.metrics, config.out)
+        await trio.to_thread.run_sync(run_log.open)
         try:
-            result = await learn.run_learning(
-                config,
-                stop=stop.event,
-                display=_open_display(file_config.metrics.display),
-                sinks=sinks,
+            sinks = await trio.to_thread.run_sync(
+                lambda: _open_metric_sinks(
+                    file_config.metrics, config.out, file_config, _resuming(config)
+                )
             )
+            try:
+                result = await learn.run_learning(
+                    config,
+                    stop=stop.event,
+                    display=_open_display(
+                        file_config.metrics.display,
+                        total=config.steps,
+                        stream=run_log.terminal,
+                        log=run_log.console.info,
+                    ),
+                    sinks=sinks,
+                )
+            finally:
+                if sinks is not None:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(sinks.close)
+            _closing_lines(config, file_config, resume)
         finally:
-            if sinks is not None:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(sinks.close)
+            run_log.close()
         watcher.cancel_scope.cancel()
     if not stop.signals:
         return 0
@@ -1090,24 +1114,169 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
     return stop.status
 
 
-def _open_display(kind: str) -> Any:
-    """The live console table of `trio_rl.tools.console` for ``metrics.display`` ``table``, or
-    ``auto`` on a terminal with ``rich`` installed; None: the run prints plain lines."""
-    if kind == "plain":
-        return None
-    if kind == "auto" and not (
-        sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
-    ):
-        return None
+#: The run's log, in its run directory.
+RUN_LOG = "logs/run.log"
+
+
+def _default_run_directory() -> Path:
+    """``runs/<YYYYmmdd-HHMMSS>`` under the current directory (``-2``, ``-3``, ... when a run
+    started in the same second)."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+class _LogLines:
+    """``sys.stdout`` during a run: what is printed goes to the terminal and, line by line, to
+    the run's log (as records of ``trio_rl.console``)."""
+
+    def __init__(self, stream: Any, logger: logging.Logger) -> None:
+        self._stream, self._logger, self._part = stream, logger, ""
+
+    def write(self, text: str) -> int:
+        self._stream.write(text)
+        lines = (self._part + text).split("\n")
+        self._part = lines.pop()
+        for line in lines:
+            if line.strip():
+                self._logger.info("%s", line)
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(self._stream.isatty())
+
+    def fileno(self) -> int:
+        return int(self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _RunLog:
+    """``RUN_DIR/logs/run.log`` at ``level``: the library's log records, every line the run
+    prints and every step's plain line (the fields the terminal shows, as text). The console
+    handler keeps its level (warnings; ``-v``: info)."""
+
+    def __init__(self, out: Path, level: str) -> None:
+        self.path = out / RUN_LOG
+        self.level = getattr(logging, level.upper())
+        self.console = logging.getLogger("trio_rl.console")
+        self.terminal: Any = sys.stdout
+        self._handler: logging.Handler | None = None
+        self._saved: tuple[int, list[tuple[logging.Handler, int]]] | None = None
+
+    def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.path, encoding="utf-8")
+        handler.setLevel(self.level)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        # the handlers already there keep what they showed: their level becomes explicit
+        self._saved = (root.level, [(h, h.level) for h in root.handlers])
+        for h in root.handlers:
+            h.setLevel(max(h.level, root.level))
+        root.setLevel(min(root.level, self.level))
+        root.addHandler(handler)
+        # the printed lines go to the log only, not to the console handler a second time
+        self.console.propagate = False
+        self.console.setLevel(logging.INFO)
+        self.console.addHandler(handler)
+        self._handler = handler
+        self.terminal = sys.stdout
+        sys.stdout = _LogLines(sys.stdout, self.console)
+
+    def close(self) -> None:
+        if self._handler is None:
+            return
+        if isinstance(sys.stdout, _LogLines):
+            sys.stdout.flush()
+            sys.stdout = self.terminal
+        root = logging.getLogger()
+        root.removeHandler(self._handler)
+        self.console.removeHandler(self._handler)
+        self.console.propagate = True
+        if self._saved is not None:
+            level, handlers = self._saved
+            root.setLevel(level)
+            for h, h_level in handlers:
+                h.setLevel(h_level)
+        self._handler.close()
+        self._handler = None
+
+
+def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> None:
+    """The last lines of a run: where everything it wrote is, and how to go on."""
+    out = Path(config.out)
+    print(f"run directory: {out}", flush=True)
+    print(f"  metrics: {out / 'metrics.jsonl'}", flush=True)
+    if file_config.metrics.plot:
+        print(f"  plot:    {out / 'plot.png'}  (again: trio-rl plot {out})", flush=True)
+    print(f"  log:     {out / RUN_LOG}", flush=True)
+    if config.trainer_mode == "inprocess":
+        print(f"  resume:  {resume}", flush=True)
+    else:
+        print(f"  resume:  none (the {config.trainer_mode} trainer starts over)", flush=True)
+
+
+def _open_display(
+    kind: str, *, total: int | None = None, stream: Any = None, log: Any = None
+) -> Any:
+    """The console display of `trio_rl.tools.console` for ``metrics.display``: ``table`` (or
+    ``auto`` on a terminal with ``rich`` installed) the live table and progress bar, else one
+    plain line per step; ``log`` gets every step's plain line either way."""
     from .tools.console import ConsoleDisplay
 
-    return ConsoleDisplay(plain=False)
+    out = sys.stdout if stream is None else stream
+    if kind == "plain":
+        plain = True
+    elif kind == "table":
+        plain = False
+    else:
+        plain = not (out.isatty() and importlib.util.find_spec("rich") is not None)
+    # the plain lines are printed to the terminal stream itself: the log gets them from `log`
+    return ConsoleDisplay(out, plain=plain, total=total, log=log)
 
 
-def _open_metric_sinks(metrics: Any, out: Path) -> Any:
+def _resuming(config: Any) -> bool:
+    """Whether the learning run continues the run in its directory (as `trio_rl.learn` decides:
+    the in-process trainer, checkpoints there, no ``--fresh``)."""
+    return bool(
+        config.resume
+        and config.trainer_mode == "inprocess"
+        and any((Path(config.out) / "checkpoints").glob("step_*.ckpt"))
+    )
+
+
+def _wandb_init(metrics: Any, out: Path, file_config: Any) -> dict[str, Any]:
+    """``wandb.init`` arguments of ``[metrics]``: project, name, entity, tags and the
+    effective configuration (by section)."""
+    init: dict[str, Any] = {
+        "project": metrics.wandb_project,
+        "name": metrics.wandb_name or out.name,
+        "dir": str(out),
+    }
+    if metrics.wandb_entity is not None:
+        init["entity"] = metrics.wandb_entity
+    if metrics.wandb_tags is not None:
+        init["tags"] = [t.strip() for t in metrics.wandb_tags.split(",") if t.strip()]
+    if file_config is not None:
+        init["config"] = attrs.asdict(file_config)
+    return init
+
+
+def _open_metric_sinks(
+    metrics: Any, out: Path, file_config: Any = None, resume: bool = False
+) -> Any:
     """The optional metrics sinks ``[metrics]`` asks for (TensorBoard, W&B, Prometheus), fed
     the same records as ``metrics.jsonl``; None when none is asked for. A missing extra is a
-    one-line error naming the extra to install."""
+    one-line error naming the extra to install. ``resume``: the run continues the one in
+    ``out``, and so does its W&B run (its id kept in ``out``)."""
     if not (metrics.tensorboard or metrics.wandb_project is not None) and (
         metrics.prometheus_port is None
     ):
@@ -1119,7 +1288,13 @@ def _open_metric_sinks(metrics: Any, out: Path) -> Any:
         if metrics.tensorboard:
             opened.append(sinks.TensorBoardSink(out / "tensorboard"))
         if metrics.wandb_project is not None:
-            opened.append(sinks.WandbSink(project=metrics.wandb_project, dir=str(out)))
+            opened.append(
+                sinks.WandbSink(
+                    id_file=out / sinks.WANDB_ID_FILE,
+                    resume=resume,
+                    **_wandb_init(metrics, out, file_config),
+                )
+            )
         if metrics.prometheus_port is not None:
             prometheus = sinks.PrometheusSink(metrics.prometheus_port)
             print(f"metrics: Prometheus endpoint on port {prometheus.port}", flush=True)

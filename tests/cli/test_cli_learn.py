@@ -46,7 +46,7 @@ def _wait_for_step(proc: subprocess.Popen[str], step: int, deadline: float = 90)
         if not line:
             _, stderr = proc.communicate(timeout=60)
             pytest.fail(f"the run ended (status {proc.returncode}) before step {step}: {stderr}")
-        if re.match(rf"step\s+{step}\s", line):
+        if re.match(rf"step\s+{step}[\s/]", line):
             return
     pytest.fail(f"no step {step} within {deadline} s")
 

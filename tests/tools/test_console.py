@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import select
 import signal
 import subprocess
@@ -130,3 +131,73 @@ def test_a_damaged_metrics_file_is_one_line(tmp_path: Path) -> None:
     assert done.stdout == LINE + "\n" or done.stdout == ""
     (err,) = done.stderr.strip().splitlines()
     assert "metrics.jsonl: line 2 (byte offset" in err
+
+
+def _counted(step: int, shipped: int, stale: int, pruned: int) -> dict[str, object]:
+    """A record with the sink's cumulative counters, as `step_record` writes them."""
+    return {
+        **RECORD,
+        "step": step,
+        "stale": stale,
+        "pruned": pruned,
+        "counters/dispatched": 10_000,
+        "counters/shipped": shipped,
+        "counters/stale": stale,
+        "counters/pruned": pruned,
+        "counters/failed": 0,
+    }
+
+
+def test_stale_pruned_and_waste_are_per_step_not_cumulative() -> None:
+    from trio_rl.tools.console import StepRates
+
+    rates = StepRates()
+    assert rates.update(_counted(1, 32, 0, 8)) == pytest.approx(
+        {"stale": 0, "pruned": 8, "waste": 0.2}
+    )
+    # cumulative 40 stale: 40 more this step, against 32 shipped and 8 pruned
+    assert rates.update(_counted(2, 64, 40, 16)) == pytest.approx(
+        {"stale": 40, "pruned": 8, "waste": 0.6}
+    )
+    assert rates.update(_counted(3, 96, 40, 16)) == {"stale": 0, "pruned": 0, "waste": 0.0}
+    assert rates.update({"step": 4}) == {}
+
+
+def test_the_plain_line_shows_progress_rates_trainer_fields_and_eta() -> None:
+    out = io.StringIO()
+    logged: list[str] = []
+    display = ConsoleDisplay(out, total=3, log=logged.append)
+    display.write(_counted(7, 32, 0, 8))
+    display.write({"step": 7, "trainer/loss": 0.25, "trainer/kl": 0.001, "trainer/entropy": 1.5})
+    display.write(_counted(8, 64, 40, 16))
+    display.close()
+    lines = out.getvalue().splitlines()
+    assert lines == logged  # the log gets exactly the lines the terminal shows
+    first, trainer, second = lines
+    assert first.startswith(
+        LINE.replace("step 3", "step 7/9") + " | stale 0 | pruned 8 | waste 20%"
+    )
+    assert re.search(r" \| ETA \d+s$", first), first
+    assert trainer == "trainer step 7 | loss 0.2500 | kl 0.0010 | entropy 1.500"
+    assert " | stale 40 | pruned 8 | waste 60% | " in second
+
+
+def test_a_progress_bar_under_the_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra("rich")
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every column title in full
+    out = _Tty()
+    logged: list[str] = []
+    display = ConsoleDisplay(out, total=4, log=logged.append)
+    display.write(_counted(1, 32, 0, 8))
+    display.write({"step": 1, "trainer/loss": 0.25})
+    display.write(_counted(2, 64, 40, 16))
+    display.close()
+    text = out.getvalue()
+    assert "step 2/4" in text
+    assert "ETA " in text
+    assert "━" in text  # the bar
+    for title in ("stale", "pruned", "waste", "loss"):
+        assert title in text
+    assert "60%" in text
+    assert logged[0].startswith("step 1/4 | ")  # the log still gets plain lines
+    assert len(logged) == 3

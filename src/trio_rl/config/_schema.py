@@ -29,7 +29,11 @@ _STALENESS_HELP = (
 class LearnRun:
     """The run as a whole: where it writes, how long it lasts, its seed."""
 
-    out: str | None = option(None, "run directory (unset: a fresh temporary one)", may_change=True)
+    out: str | None = option(
+        None,
+        "run directory (unset: runs/<YYYYmmdd-HHMMSS> under the current directory)",
+        may_change=True,
+    )
     steps: int = option(
         200,
         "steps to ship in this invocation (not a total: a resumed run ships this many more)",
@@ -55,6 +59,12 @@ class LearnRun:
     )
     threads: int = option(
         1, "torch threads of this process", validator=at_least(1), may_change=True
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = option(
+        "info",
+        "level of RUN_DIR/logs/run.log (the library's log records, the printed lines and one "
+        "plain line per step); the terminal shows warnings (-v: info)",
+        may_change=True,
     )
 
 
@@ -184,6 +194,15 @@ class Metrics:
         "also log every record to a Weights & Biases run of this project, its files under "
         "RUN_DIR/wandb (trio-rl[wandb]; WANDB_MODE=offline keeps it local for `wandb sync`)",
         may_change=True,
+    )
+    wandb_name: str | None = option(
+        None, "the W&B run's name (unset: the run directory's name)", may_change=True
+    )
+    wandb_entity: str | None = option(
+        None, "the W&B entity (team or user) of the run (unset: your default)", may_change=True
+    )
+    wandb_tags: str | None = option(
+        None, "the W&B run's tags, comma-separated (`baseline,lr-sweep`)", may_change=True
     )
     prometheus_port: int | None = option(
         None,

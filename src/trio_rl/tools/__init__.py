@@ -13,6 +13,7 @@ from .console import ConsoleDisplay as ConsoleDisplay
 from .metrics import ALL_FIELDS as ALL_FIELDS
 from .metrics import FIELDS as FIELDS
 from .metrics import TRAINER_FIELDS as TRAINER_FIELDS
+from .metrics import WANDB_ID_FILE as WANDB_ID_FILE
 from .metrics import FanOut as FanOut
 from .metrics import JsonlSink as JsonlSink
 from .metrics import MetricsSink as MetricsSink

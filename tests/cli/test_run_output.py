@@ -1,0 +1,64 @@
+"""Where a learning run's output is, as its user finds it: the default run directory
+(``runs/<time>`` under the current directory), ``RUN_DIR/logs/run.log`` at the level given,
+one plain progress line per step, and closing lines that name the run directory,
+``metrics.jsonl``, the plot, the log and the command that continues the run."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trio_rl", "run", QUICK, *args],
+        capture_output=True, text=True, timeout=300, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_a_run_without_out_lands_in_runs_and_says_where(tmp_path: Path) -> None:
+    done = _run(tmp_path, "--steps", "2", "--set", "metrics.plot=true", "--plain")
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}(-\d+)?", run_dir.name), run_dir.name
+    rel = Path("runs") / run_dir.name
+    lines = done.stdout.splitlines()
+    # one plain line per step, with the progress: step N/M, per-step counts, ETA
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 1/2", "step 2/2"]
+    assert all(" | waste " in line and " | ETA " in line for line in steps), steps
+    tail = lines[-5:]
+    assert tail[0] == f"run directory: {rel}"
+    assert tail[1] == f"  metrics: {rel / 'metrics.jsonl'}"
+    assert tail[2].startswith(f"  plot:    {rel / 'plot.png'}")
+    assert tail[3] == f"  log:     {rel / 'logs' / 'run.log'}"
+    resume = tail[4].removeprefix("  resume:  ")
+    assert shlex.split(resume)[-2:] == ["--out", str(rel)]
+    assert (run_dir / "plot.png").is_file()
+    log = (run_dir / "logs" / "run.log").read_text()
+    # the log has what the terminal showed: the banner, each step's line, the closing lines
+    assert "INFO trio_rl.console: learning run: task " in log
+    for line in steps:
+        assert f"INFO trio_rl.console: {line.split(' | ETA')[0]}" in log
+    assert f"INFO trio_rl.console: run directory: {rel}" in log
+
+    # the printed resume command continues the same run, in the same directory
+    again = _run(tmp_path, *shlex.split(resume)[3:])
+    assert again.returncode == 0, again.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [run_dir.name]
+    assert "resumed at step 3" in again.stdout
+    assert log in (run_dir / "logs" / "run.log").read_text()  # appended, not replaced
+
+
+def test_the_log_level_is_the_one_given(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = _run(tmp_path, "--steps", "1", "--out", str(out), "--log-level", "warning")
+    assert done.returncode == 0, done.stderr
+    log = (out / "logs" / "run.log").read_text()
+    assert " INFO " not in log  # the step lines and the banner are info records
+    assert "step 1/1" in done.stdout
