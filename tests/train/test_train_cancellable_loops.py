@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import trio
 
-import trio_rl.payloads._store as store_mod
 from trio_rl.payloads import PayloadStore
 from trio_rl.samples import OpenGroup, Prompt
 from trio_rl.train import (
@@ -111,7 +110,7 @@ def test_a_stopped_sweep_finishes_its_directory_and_deletes_no_other(
         real(path, ignore_errors=ignore_errors)
         stop.set()  # told to stop while deleting the first directory
 
-    monkeypatch.setattr(store_mod.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
     assert store.sweep_orphans([], 19, stop=stop) == [0]
     assert store.versions_on_disk() == list(range(1, 20))
     monkeypatch.undo()
