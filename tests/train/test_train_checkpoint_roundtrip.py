@@ -37,7 +37,7 @@ from trio_rl.wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, Samp
 #: 2,000 examples under ``thorough`` (the issue's bar), fewer in the quicker profiles.
 _EXAMPLES = {"dev": 100, "ci": 400, "thorough": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
 
-_names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=6)
+_names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)
 _ints32 = st.integers(-(2**31), 2**31 - 1)
 _finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 # What MessagePack maps back to the same Python value: no tuples, no NaN (never equal to itself).
@@ -72,6 +72,10 @@ def _segments(draw: st.DrawFn, length: int) -> list[PayloadSegment] | None:
             )
         )
     return out
+
+
+def _or_none(segments: list[PayloadSegment] | None) -> list[PayloadSegment]:
+    return [] if segments is None else segments
 
 
 def _floats(draw: st.DrawFn, n: int) -> list[float]:
@@ -156,7 +160,7 @@ def _member(draw: st.DrawFn, index: int) -> Sample:
         label=draw(_plain),
         env_name=draw(_names),
         metadata=draw(st.dictionaries(_names, _plain, max_size=2)),
-        payload=draw(_segments(n)) or (),
+        payload=_or_none(draw(_segments(n))),
     )
 
 

@@ -371,8 +371,8 @@ def test_well_checksummed_mutation_is_named_or_resumes(data: st.DataObject) -> N
     if data.draw(st.booleans(), label="recount"):
         # keep the record counts consistent with the records, so that the records are judged
         meta = records[0]
-        n_open = meta.get("n_open") if isinstance(meta, dict) else None
-        if type(n_open) is int and n_open < 2**62:
+        declared = meta.get("n_open") if isinstance(meta, dict) else None
+        if type(declared) is int and declared < 2**62:
             meta = {**meta, "n_queued": len(records) - 1 - meta["n_open"]}
             records = [meta, *records[1:]]
     ck, error = _decode(_file(records))

@@ -12,10 +12,12 @@ which run them in a worker thread under a shared :class:`trio.CapacityLimiter`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -384,17 +386,26 @@ class PayloadStore:
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def sweep_orphans(self, live_versions: Iterable[int], current_version: int) -> list[int]:
+    def sweep_orphans(
+        self,
+        live_versions: Iterable[int],
+        current_version: int,
+        *,
+        stop: threading.Event | None = None,
+    ) -> list[int]:
         """Delete every ``v<k>`` directory with ``k`` below the oldest live version.
 
         ``live_versions`` must name the version of every holder that may still read a file (the
         sink's live payload versions, plus in-flight work the sink does not know of);
         ``current_version`` is always live, since new requests write there. Returns the deleted
-        versions.
+        versions. ``stop`` set, it stops before the next directory (one is never left
+        half-deleted); the next sweep deletes what it left.
         """
         floor = min([current_version, *live_versions])
         deleted = []
         for k in self.versions_on_disk():
+            if stop is not None and stop.is_set():
+                break
             if k < floor:
                 shutil.rmtree(self.version_dir(k), ignore_errors=True)
                 deleted.append(k)
@@ -424,12 +435,18 @@ class PayloadStore:
     async def asweep_orphans(self, live_versions: Iterable[int], current_version: int) -> list[int]:
         """:meth:`sweep_orphans` in a worker thread; ``live_versions`` is read on the loop first.
 
-        Cancellation: cancelled before the thread starts (waiting for ``limiter``), it raises
-        ``Cancelled`` and deletes nothing; once the thread runs, the sweep completes (a
-        directory is never left half-deleted by a cancellation) and the call returns the
-        deleted versions, ``Cancelled`` arriving at the caller's next checkpoint.
+        Cancellation arrives at once, however many directories there are: the thread is told
+        to stop and abandoned; it finishes the directory it is deleting (never left
+        half-deleted) and deletes no other. The next sweep deletes what it left.
         """
         live = list(live_versions)
-        return await trio.to_thread.run_sync(
-            self.sweep_orphans, live, current_version, limiter=self.limiter
-        )
+        stop = threading.Event()
+        try:
+            return await trio.to_thread.run_sync(
+                functools.partial(self.sweep_orphans, live, current_version, stop=stop),
+                limiter=self.limiter,
+                abandon_on_cancel=True,
+            )
+        except trio.Cancelled:
+            stop.set()
+            raise

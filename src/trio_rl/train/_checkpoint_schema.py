@@ -40,6 +40,10 @@ __all__ = [
 
 _COUNTERS = tuple(f.name for f in attrs.fields(SinkCounters))
 _WINDOW = tuple(f.name for f in attrs.fields(SinkWindow))
+#: The bound of every number a run counts up (steps, arrivals, counters, a chain's position):
+#: far beyond any real run, and far enough below the int64 a file holds that a resumed run
+#: counting on from it never writes a value the reader refuses.
+GROWS = 2**62
 #: The window's value lists and type counts (a checkpoint written before them has none).
 _WINDOW_VALUES = ("rewards", "completion_lengths", "failure_types")
 
@@ -72,7 +76,7 @@ def _fields(obj: object, what: str, names: tuple[str, ...]) -> dict[Any, Any]:
 
 def _counters(obj: object) -> SinkCounters:
     m = _fields(obj, "sink.counters", _COUNTERS)
-    return SinkCounters(**{k: want_int(m[k], f"sink.counters.{k}") for k in _COUNTERS})
+    return SinkCounters(**{k: want_int(m[k], f"sink.counters.{k}", 0, GROWS) for k in _COUNTERS})
 
 
 def _window(obj: object) -> SinkWindow:
@@ -82,7 +86,7 @@ def _window(obj: object) -> SinkWindow:
         m.setdefault(name, getattr(empty, name))
     m = _fields(m, "sink.window", _WINDOW)
     scalars = [k for k in _WINDOW if k not in ("reward_sum", *_WINDOW_VALUES)]
-    values: dict[str, Any] = {k: want_int(m[k], f"sink.window.{k}") for k in scalars}
+    values: dict[str, Any] = {k: want_int(m[k], f"sink.window.{k}", 0, GROWS) for k in scalars}
     values["reward_sum"] = want_number(m["reward_sum"], "sink.window.reward_sum")
     what = "sink.window.rewards"
     values["rewards"] = [
@@ -94,7 +98,7 @@ def _window(obj: object) -> SinkWindow:
     ]
     what = "sink.window.failure_types"
     values["failure_types"] = {
-        want_str(k, what): want_int(n, f"{what}[{i}]")
+        want_str(k, what): want_int(n, f"{what}[{i}]", 0, GROWS)
         for i, (k, n) in enumerate(want_map(m["failure_types"], what).items())
     }
     return SinkWindow(**values)
@@ -113,11 +117,11 @@ def decode_meta(obj: object, left: int) -> Meta:
             raise CodecError(f"sink.{name}", "missing")
     n_queued = want_int(m["n_queued"], "n_queued", 0, left)
     return Meta(
-        step=want_int(m["step"], "step"),
+        step=want_int(m["step"], "step", 0, GROWS),
         progress={} if progress is None else want_map(progress, "progress"),
         cursor=m.get("cursor"),
-        sink_step=want_int(sink["step"], "sink.step", 1),
-        next_arrival=want_int(sink["next_arrival"], "sink.next_arrival"),
+        sink_step=want_int(sink["step"], "sink.step", 1, GROWS),
+        next_arrival=want_int(sink["next_arrival"], "sink.next_arrival", 0, GROWS),
         counters=_counters(sink["counters"]),
         window=_window(sink["window"]),
         n_queued=n_queued,
@@ -172,7 +176,9 @@ def decode_link(obj: object, *, delta: bool, step: int) -> Link:
         if "chain" not in m:
             return Link(chain=None, seq=0, parent=None)
         return Link(
-            chain=want_int(m["chain"], "chain"), seq=want_int(m.get("seq"), "seq"), parent=None
+            chain=want_int(m["chain"], "chain"),
+            seq=want_int(m.get("seq"), "seq", 0, GROWS),
+            parent=None,
         )
     for name in ("kind", "chain", "seq", "parent", "removed", "closed"):
         if name not in m:
@@ -183,9 +189,9 @@ def decode_link(obj: object, *, delta: bool, step: int) -> Link:
     closed = want_list(m["closed"], "closed")
     return Link(
         chain=want_int(m["chain"], "chain"),
-        seq=want_int(m["seq"], "seq", 1),
+        seq=want_int(m["seq"], "seq", 1, GROWS),
         parent=want_int(m["parent"], "parent", 0, step - 1),
-        removed=tuple(want_int(a, f"removed[{i}]") for i, a in enumerate(removed)),
+        removed=tuple(want_int(a, f"removed[{i}]", 0, GROWS) for i, a in enumerate(removed)),
         closed=tuple(want_str(g, f"closed[{i}]") for i, g in enumerate(closed)),
     )
 

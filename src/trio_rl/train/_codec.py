@@ -400,7 +400,8 @@ def decode_training_sample(obj: Any, what: str) -> TrainingSample:
         policy_version=want_int(f[17], f"{what}.policy_version"),
         group_id=want_str(f[18], f"{what}.group_id"),
         sample_index=want_int(f[19], f"{what}.sample_index", -1),
-        arrival=want_int(f[20], f"{what}.arrival"),
+        # counted up by the sink: bounded as the checkpoint schema's GROWS (2**62)
+        arrival=want_int(f[20], f"{what}.arrival", 0, 2**62),
     )
     if ts.advantages is None:
         rl = ts.rl_weights
