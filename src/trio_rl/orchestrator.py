@@ -34,6 +34,7 @@ from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
     Monitor,
+    ProgressTotals,
     Publisher,
     ShipRecord,
     SinkCheckpointer,
@@ -186,6 +187,12 @@ class Orchestrator:
     def step(self) -> int:
         """The step being collected (1-based)."""
         return self.sink.step
+
+    @property
+    def progress(self) -> ProgressTotals:
+        """Tokens, samples and problems over every shipped batch, this run and the ones it
+        resumed (saved in each checkpoint's ``progress`` map)."""
+        return self.publisher.progress
 
     @property
     def driver(self) -> AsyncRolloutDriver:
@@ -350,6 +357,15 @@ class Orchestrator:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)
 
 
+def _restore_progress(ckpt: Checkpoint) -> ProgressTotals:
+    """The progress totals a checkpoint saved (`ProgressTotals.from_progress`); a malformed
+    one is a `CheckpointError` naming the file and the field."""
+    try:
+        return ProgressTotals.from_progress(ckpt.progress)
+    except ValueError as exc:
+        raise CheckpointError(str(ckpt.path), str(exc)) from exc
+
+
 def _restore_run_state(ckpt: Checkpoint, source: DataSource, factory: GroupFactory) -> int:
     """Load the source cursor and the factory state a checkpoint saved; return its policy
     version. Anything malformed is a `CheckpointError` naming the file and the field."""
@@ -439,6 +455,7 @@ async def open_orchestrator(
     policy_version: PolicyVersion = 0
     restore: RestoreReport | None = None
     pending: tuple[int, list[bytes]] | None = None
+    progress = ProgressTotals()
     if manager is not None and not resume:
         # A fresh start never deletes an earlier run's checkpoints: they are moved aside.
         aside = await trio.to_thread.run_sync(manager.set_aside, limiter=limiter)
@@ -448,6 +465,7 @@ async def open_orchestrator(
         ckpt = await manager.load_latest(require_usable=True)
         if ckpt is not None:
             policy_version = _restore_run_state(ckpt, source, factory)
+            progress = _restore_progress(ckpt)
             # an incremental manager goes on from the checkpoint's file (its next is a delta)
             restore = manager.restore(sink, ckpt)
             outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
@@ -521,9 +539,13 @@ async def open_orchestrator(
                         manager,
                         sink,
                         cursor=lambda: {"source": source.state(), "factory": factory.state()},
-                        progress=lambda: {"policy_version": orch.policy_version},
+                        progress=lambda: {
+                            "policy_version": orch.policy_version,
+                            **progress.as_progress(),
+                        },
                     ),
                     monitor=monitor,
+                    progress=progress,
                 ) as publisher,
             ):
                 orch._driver, orch._publisher = driver, publisher

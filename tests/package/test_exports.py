@@ -129,6 +129,8 @@ PINNED: dict[str, set[str]] = {
         # the types of ShipRecord's fields, and the lazy packer the publisher streams from
         *("Annotation", "PackedRank", "SelectionStats", "ShipWarning", "ThreadStats"),
         *("WarningKind", "pack_lazily", "step_record"),
+        # the run's totals a checkpoint keeps (open_publisher's progress=)
+        "ProgressTotals",
     },
 }
 

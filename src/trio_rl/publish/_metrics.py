@@ -13,7 +13,7 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -29,6 +29,7 @@ __all__ = [
     "AttemptStats",
     "CohortStats",
     "Distribution",
+    "ProgressTotals",
     "SelectionStats",
     "ShipWarning",
     "WarningKind",
@@ -314,6 +315,47 @@ class ThreadStats:
 
     limit: int = 0
     busy_max: int = 0
+
+
+@attrs.define(slots=True)
+class ProgressTotals:
+    """The run's progress totals over every shipped batch (prime-rl's ``total_tokens``,
+    ``total_samples``, ``total_problems``): sequence tokens (prompt and completion), samples,
+    and problems (the distinct groups of each batch, summed over batches, as prime-rl counts
+    the problems of each step). Saved in every checkpoint's ``progress`` map and restored on
+    resume (`from_progress`), so a resumed run goes on counting where the last one stopped."""
+
+    tokens: int = 0
+    samples: int = 0
+    problems: int = 0
+
+    #: The keys of the checkpoint's ``progress`` map, per field.
+    KEYS: ClassVar[Mapping[str, str]] = types.MappingProxyType(
+        {"tokens": "total_tokens", "samples": "total_samples", "problems": "total_problems"}
+    )
+
+    def add_batch(self, samples: Sequence[TrainingSample]) -> None:
+        """Count one shipped batch (on the loop, when it is booked: before its snapshot)."""
+        self.tokens += sum(len(s.token_ids) for s in samples)
+        self.samples += len(samples)
+        self.problems += len({s.group_id for s in samples})
+
+    def as_progress(self) -> dict[str, int]:
+        """The checkpoint's ``progress`` entries (``total_tokens``, ...)."""
+        return {key: getattr(self, name) for name, key in self.KEYS.items()}
+
+    @classmethod
+    def from_progress(cls, progress: Mapping[str, Any]) -> ProgressTotals:
+        """The totals a checkpoint's ``progress`` map saved (0 for a key it lacks: a checkpoint
+        written before they were kept). Raises ``ValueError`` naming the key if one is not a
+        non-negative integer."""
+        values: dict[str, int] = {}
+        for name, key in cls.KEYS.items():
+            value = progress.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"progress.{key}: a non-negative integer expected, got {value!r}")
+            values[name] = value
+        return cls(**values)
 
 
 @attrs.frozen

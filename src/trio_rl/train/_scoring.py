@@ -11,7 +11,7 @@ from typing import Literal
 import attrs
 
 from ..payloads import clip_segments
-from ..samples import Group, PolicyVersion, Sample
+from ..samples import RESUMED_AT, Group, PolicyVersion, Sample
 from ._errors import TrainSinkError
 from ._types import TrainingSample
 
@@ -86,10 +86,14 @@ def sample_version(
     """The version a sample is judged by under ``rule`` (see :data:`StalenessRule`).
 
     ``"oldest_token"``: the oldest version behind any of its tokens; a sample with no recorded
-    version falls back to its group's start version. ``"group_start"``: ``start``.
+    version falls back to its group's start version. ``"group_start"``: ``start``, or for a
+    member generated for a resumed group the version its attempt started with
+    (``metadata[RESUMED_AT]``, see :meth:`~trio_rl.rollout.GroupFactory.resume`): each member
+    is judged by the version it was generated under, as prime-rl judges each episode.
     """
     if rule == "group_start":
-        return start
+        resumed_at = sample.metadata.get(RESUMED_AT)
+        return start if resumed_at is None else max(start, resumed_at)
     return min(sample.policy_versions) if sample.policy_versions else start
 
 
