@@ -60,12 +60,15 @@ from .rollout import (
 )
 from .samples import PolicyVersion
 from .train import (
+    DEFAULT_STALENESS,
+    STALENESS_RULES,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
     RestoreReport,
     SinkConfig,
     SinkCounters,
+    StalenessRule,
     TrainSink,
 )
 from .transport import Sender
@@ -107,8 +110,8 @@ class OrchestratorConfig:
     submission: Literal["sample", "group"] = "sample"
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
     max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
-    staleness: Literal["group_start", "oldest_token"] = attrs.field(
-        default="group_start", validator=attrs.validators.in_(("group_start", "oldest_token"))
+    staleness: StalenessRule = attrs.field(
+        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
     )
     seq_len: int = attrs.field(default=8192, validator=_at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))

@@ -119,6 +119,8 @@ PINNED: dict[str, set[str]] = {
         *("TrainingSample", "build_sequences", "copy_sample", "decode_checkpoint"),
         *("encode_checkpoint", "grpo_advantages", "prune_detached", "prune_zero_advantages"),
         *("read_checkpoint", "to_training_sample", "write_checkpoint"),
+        # the staleness rule's allowed values and default, defined once for every config
+        *("DEFAULT_STALENESS", "STALENESS_RULES", "StalenessRule"),
     },
     "trio_rl.publish": {
         *("AttemptStats", "BatchSource", "Checkpointer", "CohortStats", "DeferredRelease"),

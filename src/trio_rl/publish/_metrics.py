@@ -258,7 +258,9 @@ class SelectionStats:
 
 
 class WarningKind(enum.Enum):
-    """What a `ShipWarning` is about (the reference's publication warnings)."""
+    """What a `ShipWarning` is about: three of the reference's publication warnings (#3806's
+    low-trainable, high-discard and zero-length ones; not #3811's policy-wait imbalance
+    warning nor #3806's zero-output budget warning)."""
 
     #: At most `TRAINABLE_WARN_AT` of the selected samples can train.
     LOW_TRAINABLE = "low_trainable"
@@ -501,7 +503,7 @@ def annotate(samples: Sequence[TrainingSample], step: int, shipped_at: float) ->
 def ship_warnings(
     step: int, selection: SelectionStats | None, attempts: AttemptStats
 ) -> tuple[ShipWarning, ...]:
-    """The reference's publication warnings for batch ``step`` (scalars: constant time)."""
+    """The `WarningKind` warnings for batch ``step`` (scalars: constant time)."""
     warnings: list[ShipWarning] = []
     if selection is not None and selection.selected:
         fraction = selection.trainable / selection.selected
