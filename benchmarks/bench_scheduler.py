@@ -18,7 +18,14 @@ Part C (real time): 256 slots, lognormal latencies, both sides in turn; 3 runs p
 with scales 1.25x apart, each side's highest sample rate at median occupancy >= 0.95, and the
 occupancy, CPU per sample and loop lag p95 of both sides at the reference's highest such rate.
 
-Lines starting ``goal 1:`` and ``goal 2:`` give issue 12's verdicts from the run's medians.
+Part B then prints the machinery-only ratio: the asyncio side builds its groups from
+trio-rl's ``GroupFactory`` too, so only tasks, nurseries and credits are compared.
+
+Part C2 (real time, issue 19): both sides side by side at several offered loads (``--rt-loads``,
+median latencies in ms; one saturates a core on a quiet 2-core machine): samples/s, CPU per
+sample, occupancy and the share of a core each loop used.
+
+Lines starting ``goal 1:`` and ``goal 2:`` give the verdicts from the run's medians.
 
 Run: ``python benchmarks/bench_scheduler.py`` (``--help`` for bigger or partial runs).
 """
@@ -463,6 +470,7 @@ def part_b(
     repeat: int,
     memory: bool,
     gc_off: bool = True,
+    machinery: bool = True,
 ) -> list[dict[str, Any]]:
     trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
     print(
@@ -539,7 +547,51 @@ def part_b(
                 )
             rows.append(row)
     _goal_1(rows)
+    if machinery:
+        _machinery_only(rows, factor, minimum, loop, repeat)
     return rows
+
+
+def _machinery_only(
+    rows: list[dict[str, Any]], factor: float, minimum: int, loop: str, repeat: int
+) -> None:
+    """The machinery-only ratio: both sides build their groups from trio-rl's
+    ``GroupFactory`` (the asyncio side's ``--asyncio-samples trio-rl``), so only tasks,
+    nurseries and credits differ; GC on, ``repeat`` interleaved runs per size, medians."""
+    global _asyncio_samples
+    trio_fn = {"driver": _trio_driver, "bare": _trio_bare, "plain": _plain_trio}[loop]
+    print(
+        "-- machinery only: the asyncio side builds trio-rl's samples too (GroupFactory), so "
+        f"the ratio compares tasks, nurseries and credits; GC on, {repeat} interleaved runs, "
+        "medians [min-max]"
+    )
+    saved, _asyncio_samples = _asyncio_samples, "trio-rl"
+    try:
+        for row in rows:
+            n, granularity = row["n"], row["policy"]
+            policy: SubmissionPolicy = (
+                SampleBackfill() if granularity == "sample" else GroupGranularity()
+            )
+            target = max(int(factor * n), minimum)
+            trio_call = functools.partial(trio.run, trio_fn, policy, n, target)
+            asyncio_call = functools.partial(_run_asyncio, granularity, n, target)
+            found: dict[str, list[float]] = {k: [] for k in ("t", "a", "ts", "as")}
+            for _ in range(repeat):
+                whole, steady = _measure(trio_call, True, target, n)
+                found["t"].append(whole)
+                found["ts"].append(steady)
+                whole, steady = _measure(asyncio_call, True, target, n)
+                found["a"].append(whole)
+                found["as"].append(steady)
+            med = {k: statistics.median(v) for k, v in found.items()}
+            print(
+                f"machinery only ({granularity}): N = {n:>9,}  whole trio-rl {_spread(found['t'])} "
+                f"vs asyncio {_spread(found['a'])} us ({med['t'] / med['a']:.2f}x), steady "
+                f"{_spread(found['ts'])} vs {_spread(found['as'])} us "
+                f"({med['ts'] / med['as']:.2f}x)"
+            )
+    finally:
+        _asyncio_samples = saved
 
 
 def _collector_line(collected: dict[str, list[_Collector]]) -> str:
@@ -649,6 +701,8 @@ class _RealTime:
             "cpu_us": cpu / max(1, self.finished) * 1e6,
             "lag_p95_ms": lags[int(0.95 * (len(lags) - 1))] * 1e3,
             "reply_ms": late[len(late) // 2] * 1e3,
+            # CPU seconds per wall second of the window: 1.0 is one core saturated
+            "core": cpu / self.seconds,
         }
 
 
@@ -667,21 +721,27 @@ class _IoReplies(trio.abc.Instrument):
     """Replies delivered the way trio delivers a socket's readiness: right after each I/O wait
     of the run loop (``after_io_wait``, where trio's I/O manager reschedules the tasks whose
     sockets are ready), every sample whose reply is due is rescheduled, and runs in the batch
-    that follows. A timer task only keeps the loop's I/O wait no longer than the next due
-    time. (asyncio's side: ``asyncio.sleep``, a timer callback resolving the sample's future,
-    the way a socket reader's callback would.)"""
+    that follows. (asyncio's side: ``asyncio.sleep``, a timer callback resolving the sample's
+    future, the way a socket reader's callback would.)
+
+    The loop's I/O wait must end no later than the next due reply: one idle task holds a cancel
+    scope whose deadline is the earliest due time. A new earlier reply moves that deadline in
+    place, and ``after_io_wait`` (which runs before trio expires deadlines) moves it on to the
+    next due time once it delivered the due ones, so the scope never expires: no task wakes and
+    no ``Cancelled`` is thrown per timer (trio's deadline expiry costs ~50 us of loop time per
+    wake, the lead issue 19 names). Only the deadline heap is touched."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, list[trio.lowlevel.Task | None]]] = []
         self._n = itertools.count()
-        self._changed = trio.Event()
+        self._scope = trio.CancelScope()
 
     async def wait(self, latency: float) -> None:
         due = trio.current_time() + latency
         entry: list[trio.lowlevel.Task | None] = [trio.lowlevel.current_task()]
-        if not self._heap or due < self._heap[0][0]:
-            self._changed.set()
         heapq.heappush(self._heap, (due, next(self._n), entry))
+        if due < self._scope.deadline:
+            self._scope.deadline = due
 
         def abort(_: object) -> trio.lowlevel.Abort:
             entry[0] = None  # cancelled: the reply is dropped when it comes due
@@ -696,14 +756,19 @@ class _IoReplies(trio.abc.Instrument):
                 task = heapq.heappop(heap)[2][0]
                 if task is not None:
                     trio.lowlevel.reschedule(task)
+            self._scope.deadline = heap[0][0] if heap else math.inf
 
     async def run(self) -> None:
         trio.lowlevel.add_instrument(self)
         try:
             while True:
-                self._changed = trio.Event()
-                with trio.move_on_at(self._heap[0][0] if self._heap else math.inf):
-                    await self._changed.wait()
+                # Expires only when a reply came due between this hook and trio's own clock
+                # read right after it: the next I/O wait (timeout 0) delivers it.
+                with self._scope:
+                    await trio.sleep_forever()
+                self._scope = trio.CancelScope(
+                    deadline=self._heap[0][0] if self._heap else math.inf
+                )
         finally:
             trio.lowlevel.remove_instrument(self)
 
@@ -1029,6 +1094,62 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
     )
 
 
+def part_c_loads(
+    medians_ms: list[float], seconds: float, slots: int, seed: int, repeat: int
+) -> None:
+    """Real time at several offered loads, both sides side by side: ``slots`` slots, lognormal
+    latencies of each median (sigma 1, so the mean is median x e^0.5 and the offered load is
+    slots / mean samples/s), sample backfill, interleaved runs (the side that goes first
+    alternates). Printed per load: samples/s, CPU per sample, occupancy and the share of a core
+    the loop used (1.0: a core saturated), median [min-max]."""
+    print(
+        f"\n== C2. real time at several offered loads: {slots} slots, lognormal latencies (sigma "
+        f"1), {seconds:g} s windows after 0.5 s warm-up, G = {G}, sample backfill, {repeat} "
+        f"interleaved runs per load and side; trio engine replies: {_rt_engine}; asyncio: "
+        f"{_reference_label}"
+    )
+    header = (
+        f"{'median ms':>9} {'offered/s':>10} | {'side':<8} {'samples/s':>18} "
+        f"{'CPU us/sample':>20} {'occupancy':>22} {'core':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    for median_ms in medians_ms:
+        median = median_ms / 1e3
+        offered = slots / (median * math.exp(0.5))
+        runs: dict[str, dict[str, list[float]]] = {"trio-rl": {}, "asyncio": {}}
+        for r in range(repeat):
+            for side in ("trio-rl", "asyncio") if r % 2 == 0 else ("asyncio", "trio-rl"):
+                for key, value in _real_time(side, median, seconds, slots, seed + r).items():
+                    runs[side].setdefault(key, []).append(value)
+        for side in ("trio-rl", "asyncio"):
+            f = runs[side]
+            occ = f["occupancy"]
+            print(
+                f"{median_ms:>9g} {offered:>10,.0f} | {side:<8} {_spread(f['rate']):>18} "
+                f"{_spread(f['cpu_us']):>20} "
+                f"{statistics.median(occ):.3f} [{min(occ):.3f}-{max(occ):.3f}] "
+                f"{statistics.median(f['core']):.2f} [{min(f['core']):.2f}-{max(f['core']):.2f}]"
+            )
+        t, a = runs["trio-rl"], runs["asyncio"]
+        mt = {k: statistics.median(v) for k, v in t.items()}
+        ma = {k: statistics.median(v) for k, v in a.items()}
+        checks = [
+            ("CPU per sample", mt["cpu_us"] <= ma["cpu_us"], f"{mt['cpu_us'] / ma['cpu_us']:.2f}x"),
+            ("samples/s", mt["rate"] >= ma["rate"], f"{mt['rate'] / ma['rate']:.3f}x"),
+            ("occupancy", mt["occupancy"] >= ma["occupancy"],
+             f"{mt['occupancy']:.3f} vs {ma['occupancy']:.3f}"),
+        ]  # fmt: skip
+        saturated = " (a core saturated)" if max(mt["core"], ma["core"]) >= 0.9 else ""
+        print(
+            f"goal 2: offered {offered:,.0f}/s (median {median_ms:g} ms){saturated}: "
+            + "; ".join(
+                f"{label} {ratio}: {'reached' if ok else 'not reached'}"
+                for label, ok, ratio in checks
+            )
+        )
+
+
 def _scales(text: str) -> list[float]:
     """``auto``: 2 / 1.25**k for k = 0..12 (rate steps of 1.25x); else a comma list."""
     if text == "auto":
@@ -1100,6 +1221,13 @@ def main() -> None:
     )
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
     parser.add_argument(
+        "--rt-loads",
+        default="20,10,5,2",
+        help="part C2: median latencies in ms, comma separated, each an offered load of "
+        "slots / (median x e^0.5) samples/s (default 20,10,5,2: from ~40%% of a core to a core "
+        "saturated on this machine); 'none' skips C2",
+    )
+    parser.add_argument(
         "--rt-scales",
         default="auto",
         help="latency scales the part C search tries, comma separated; 'auto' (default): "
@@ -1109,6 +1237,11 @@ def main() -> None:
         "--repeat", type=int, default=3, help="repetitions per row (part B) and per scale (C)"
     )
     parser.add_argument("--no-gc-off", action="store_true", help="skip the GC-off runs of part B")
+    parser.add_argument(
+        "--no-machinery",
+        action="store_true",
+        help="skip part B's machinery-only runs (the asyncio side building trio-rl's samples)",
+    )
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the traced-memory run per row (part B)"
     )
@@ -1158,6 +1291,7 @@ def main() -> None:
             args.repeat,
             not args.no_memory,
             not args.no_gc_off,
+            machinery=not args.no_machinery and args.asyncio_samples == "miles",
         )
     if args.part in ("c", "all"):
         part_c(
@@ -1167,6 +1301,14 @@ def main() -> None:
             args.repeat,
             _scales(args.rt_scales),
         )
+        if args.rt_loads != "none":
+            part_c_loads(
+                [float(x) for x in args.rt_loads.split(",")],
+                args.rt_seconds,
+                args.slots,
+                args.seed,
+                args.repeat,
+            )
 
 
 if __name__ == "__main__":

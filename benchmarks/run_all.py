@@ -51,7 +51,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
     "quick": {
         "scheduler": [
             "--scale", "0.02", "--sizes", "1000", "--minimum", "2000", "--repeat", "1",
-            "--rt-seconds", "0.3", "--rt-scales", "1",
+            "--rt-seconds", "0.3", "--rt-scales", "1", "--rt-loads", "5",
         ],
         "publish": ["--samples", "32", "--tokens", "512", "--repeat", "1"],
         "encode": ["--trials", "1", "--list-mib", "1"],

@@ -34,6 +34,7 @@ from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
     Monitor,
+    ProgressTotals,
     Publisher,
     ShipRecord,
     SinkCheckpointer,
@@ -60,6 +61,8 @@ from .rollout import (
 )
 from .samples import PolicyVersion
 from .train import (
+    DEFAULT_STALENESS,
+    STALENESS_RULES,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
@@ -67,6 +70,7 @@ from .train import (
     RunBounds,
     SinkConfig,
     SinkCounters,
+    StalenessRule,
     TrainSink,
     check_run_bounds,
 )
@@ -113,8 +117,8 @@ class OrchestratorConfig:
     submission: Literal["sample", "group"] = "sample"
     max_async_level: int = attrs.field(default=1, validator=_at_least(0))
     max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
-    staleness: Literal["group_start", "oldest_token"] = attrs.field(
-        default="group_start", validator=attrs.validators.in_(("group_start", "oldest_token"))
+    staleness: StalenessRule = attrs.field(
+        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
     )
     seq_len: int = attrs.field(default=8192, validator=_at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
@@ -261,6 +265,12 @@ class Orchestrator:
     def step(self) -> int:
         """The step being collected (1-based)."""
         return self.sink.step
+
+    @property
+    def progress(self) -> ProgressTotals:
+        """Tokens, samples and problems over every shipped batch, this run and the ones it
+        resumed (saved in each checkpoint's ``progress`` map)."""
+        return self.publisher.progress
 
     @property
     def driver(self) -> AsyncRolloutDriver:
@@ -436,6 +446,15 @@ class Orchestrator:
             await self.payloads.asweep_orphans(self.live_payload_versions(), self.version.value)
 
 
+def _restore_progress(ckpt: Checkpoint) -> ProgressTotals:
+    """The progress totals a checkpoint saved (`ProgressTotals.from_progress`); a malformed
+    one is a `CheckpointError` naming the file and the field."""
+    try:
+        return ProgressTotals.from_progress(ckpt.progress)
+    except ValueError as exc:
+        raise CheckpointError(str(ckpt.path), str(exc)) from exc
+
+
 def _restore_run_state(ckpt: Checkpoint, source: DataSource, factory: GroupFactory) -> int:
     """Load the source cursor and the factory state a checkpoint saved; return its policy
     version. Anything malformed is a `CheckpointError` naming the file and the field."""
@@ -525,6 +544,7 @@ async def open_orchestrator(
     policy_version: PolicyVersion = 0
     restore: RestoreReport | None = None
     pending: tuple[int, list[bytes]] | None = None
+    progress = ProgressTotals()
     if manager is not None and not resume:
         # A fresh start never deletes an earlier run's checkpoints: they are moved aside.
         aside = await trio.to_thread.run_sync(manager.set_aside, limiter=limiter)
@@ -547,6 +567,7 @@ async def open_orchestrator(
             await trio.to_thread.run_sync(
                 check_run_bounds, ckpt, bounds, limiter=limiter, abandon_on_cancel=True
             )
+            progress = _restore_progress(ckpt)
             # an incremental manager goes on from the checkpoint's file (its next is a delta);
             # a checkpoint every few hundred records: a deadline around a resume always fires
             restore = await manager.arestore(sink, ckpt)
@@ -622,9 +643,13 @@ async def open_orchestrator(
                         manager,
                         sink,
                         cursor=lambda: {"source": source.state(), "factory": factory.state()},
-                        progress=lambda: {"policy_version": orch.policy_version},
+                        progress=lambda: {
+                            "policy_version": orch.policy_version,
+                            **progress.as_progress(),
+                        },
                     ),
                     monitor=monitor,
+                    progress=progress,
                 ) as publisher,
             ):
                 orch._driver, orch._publisher = driver, publisher

@@ -24,6 +24,7 @@ __all__ = [
     "Group",
     "GroupBook",
     "OpenGroup",
+    "RESUMED_AT",
     "PolicyVersion",
     "Prompt",
     "Sample",
@@ -33,6 +34,12 @@ __all__ = [
 
 #: A policy (weights) version. Versions start at 0 and only grow.
 PolicyVersion = int
+
+#: ``Sample.metadata`` key of a member generated for a resumed group: the policy version its
+#: attempt started with (the group's own start is older). The ``"group_start"`` staleness rule
+#: judges such a member by it, as prime-rl judges each episode by its own dispatch version;
+#: it is kept through checkpoints with the rest of the metadata.
+RESUMED_AT = "resumed_at_version"
 
 
 class SampleStatus(enum.Enum):

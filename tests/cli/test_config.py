@@ -3,8 +3,10 @@ configuration as TOML, the stored configuration a resume is checked against, the
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import attrs
@@ -22,7 +24,11 @@ from trio_rl.config import (
     store,
     to_toml,
 )
+from trio_rl.config._schema import Staleness
+from trio_rl.learn import LearnConfig
 from trio_rl.orchestrator import OrchestratorConfig
+from trio_rl.train import DEFAULT_STALENESS, STALENESS_RULES, SinkConfig
+from trio_rl.train._scoring import sample_version, score_group
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 _CLI = [sys.executable, "-m", "trio_rl"]
@@ -229,3 +235,17 @@ def test_python_dash_m_and_version() -> None:
         assert "--steps STEPS steps this invocation ships, not a total" in helped
         assert "--set SECTION.KEY=VALUE" in helped
     assert "--allow-change" in _cli("simulate", "--help").stdout
+
+
+def test_the_staleness_rule_has_one_default_and_one_spelling() -> None:
+    """The allowed values and the default are defined once (`trio_rl.train`); the schema,
+    which imports no component, spells the same ones."""
+    assert typing.get_args(Staleness) == STALENESS_RULES == ("group_start", "oldest_token")
+    assert SinkConfig(batch_size=1).staleness == DEFAULT_STALENESS
+    assert OrchestratorConfig().staleness == DEFAULT_STALENESS
+    assert attrs.fields(LearnConfig).staleness.default == DEFAULT_STALENESS
+    assert SimulateConfig().sink.staleness == LearnRunConfig().sink.staleness == DEFAULT_STALENESS
+    assert attrs.fields(SinkConfig).staleness.default == DEFAULT_STALENESS
+    assert inspect.signature(score_group).parameters["rule"].default == DEFAULT_STALENESS
+    # no second default hidden in a helper: the rule is always passed
+    assert inspect.signature(sample_version).parameters["rule"].default is inspect.Parameter.empty

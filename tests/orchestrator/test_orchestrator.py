@@ -403,3 +403,32 @@ async def test_every_retried_attempt_settles_once_in_the_books(tmp_path: Path) -
     assert c.failed == G * stats.retried, (c, stats.retried)
     assert c.shipped == 2 * T * G
     assert c.dispatched == c.settled + sink.held
+
+
+async def test_progress_totals_are_checkpointed_and_restored_on_resume(tmp_path: Path) -> None:
+    """Tokens, samples and problems over every shipped batch: saved with each checkpoint,
+    restored by the resumed run, which goes on counting from them."""
+    rec = _Recorder()
+
+    def totals(shipments: list[Shipment]) -> tuple[int, int, int]:
+        samples = [s for sh in shipments for s in sh.samples]
+        problems = sum(len({s.group_id for s in sh.samples}) for sh in shipments)
+        return sum(len(s.token_ids) for s in samples), len(samples), problems
+
+    async with MemorySender(1) as sender:
+        start = functools.partial(
+            open_orchestrator,
+            config=_config(),
+            checkpoint_dir=tmp_path / "ckpt",
+            group_reward=rec.group_reward,
+            monitor=rec.shipments.append,
+        )
+        async with start(_engine(), InMemorySource(_prompts(30)), sender) as orch:
+            await orch.run(2)
+            first = attrs.astuple(orch.progress)
+        assert first == totals(rec.shipments)
+        assert first[1] == 2 * T * G
+        async with start(_engine(), InMemorySource(_prompts(30)), sender) as orch:
+            assert attrs.astuple(orch.progress) == first  # restored, not zero
+            await orch.run(1)
+            assert attrs.astuple(orch.progress) == totals(rec.shipments)

@@ -120,6 +120,8 @@ PINNED: dict[str, set[str]] = {
         *("TrainingSample", "build_sequences", "copy_sample", "decode_checkpoint"),
         *("encode_checkpoint", "grpo_advantages", "prune_detached", "prune_zero_advantages"),
         *("read_checkpoint", "to_training_sample", "write_checkpoint"),
+        # the staleness rule's allowed values and default, defined once for every config
+        *("DEFAULT_STALENESS", "STALENESS_RULES", "StalenessRule"),
     },
     "trio_rl.publish": {
         *("AttemptStats", "BatchSource", "Checkpointer", "CohortStats", "DeferredRelease"),
@@ -130,6 +132,8 @@ PINNED: dict[str, set[str]] = {
         # the types of ShipRecord's fields, and the lazy packer the publisher streams from
         *("Annotation", "PackedRank", "SelectionStats", "ShipWarning", "ThreadStats"),
         *("WarningKind", "pack_lazily", "step_record"),
+        # the run's totals a checkpoint keeps (open_publisher's progress=)
+        "ProgressTotals",
     },
 }
 

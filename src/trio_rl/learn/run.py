@@ -31,7 +31,7 @@ from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
 from ..samples import PolicyVersion, Prompt
-from ..train import CheckpointError
+from ..train import DEFAULT_STALENESS, STALENESS_RULES, CheckpointError, StalenessRule
 from ..transport import (
     EndOfStream,
     FileReceiver,
@@ -86,8 +86,8 @@ class LearnConfig:
     temperature: float = 1.0
     max_off_policy_steps: int | None = attrs.field(default=1, validator=_at_least(0))
     #: The version a sample is judged stale by (see :attr:`OrchestratorConfig.staleness`).
-    staleness: Literal["group_start", "oldest_token"] = attrs.field(
-        default="group_start", validator=attrs.validators.in_(("group_start", "oldest_token"))
+    staleness: StalenessRule = attrs.field(
+        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
     )
     #: Rollout concurrency in groups (default ``batch_groups``).
     max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))

@@ -12,6 +12,7 @@ from ._metrics import Annotation as Annotation
 from ._metrics import AttemptStats as AttemptStats
 from ._metrics import CohortStats as CohortStats
 from ._metrics import Distribution as Distribution
+from ._metrics import ProgressTotals as ProgressTotals
 from ._metrics import SelectionStats as SelectionStats
 from ._metrics import ShipRecord as ShipRecord
 from ._metrics import ShipTimings as ShipTimings

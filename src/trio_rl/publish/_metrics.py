@@ -13,7 +13,7 @@ import types
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
     "AttemptStats",
     "CohortStats",
     "Distribution",
+    "ProgressTotals",
     "SelectionStats",
     "ShipWarning",
     "WarningKind",
@@ -269,7 +270,9 @@ class SelectionStats:
 
 
 class WarningKind(enum.Enum):
-    """What a `ShipWarning` is about (the reference's publication warnings)."""
+    """What a `ShipWarning` is about: three of the reference's publication warnings (#3806's
+    low-trainable, high-discard and zero-length ones; not #3811's policy-wait imbalance
+    warning nor #3806's zero-output budget warning)."""
 
     #: At most `TRAINABLE_WARN_AT` of the selected samples can train.
     LOW_TRAINABLE = "low_trainable"
@@ -326,6 +329,47 @@ class ThreadStats:
 
     limit: int = 0
     busy_max: int = 0
+
+
+@attrs.define(slots=True)
+class ProgressTotals:
+    """The run's progress totals over every shipped batch (prime-rl's ``total_tokens``,
+    ``total_samples``, ``total_problems``): sequence tokens (prompt and completion), samples,
+    and problems (the distinct groups of each batch, summed over batches, as prime-rl counts
+    the problems of each step). Saved in every checkpoint's ``progress`` map and restored on
+    resume (`from_progress`), so a resumed run goes on counting where the last one stopped."""
+
+    tokens: int = 0
+    samples: int = 0
+    problems: int = 0
+
+    #: The keys of the checkpoint's ``progress`` map, per field.
+    KEYS: ClassVar[Mapping[str, str]] = types.MappingProxyType(
+        {"tokens": "total_tokens", "samples": "total_samples", "problems": "total_problems"}
+    )
+
+    def add_batch(self, samples: Sequence[TrainingSample]) -> None:
+        """Count one shipped batch (on the loop, when it is booked: before its snapshot)."""
+        self.tokens += sum(len(s.token_ids) for s in samples)
+        self.samples += len(samples)
+        self.problems += len({s.group_id for s in samples})
+
+    def as_progress(self) -> dict[str, int]:
+        """The checkpoint's ``progress`` entries (``total_tokens``, ...)."""
+        return {key: getattr(self, name) for name, key in self.KEYS.items()}
+
+    @classmethod
+    def from_progress(cls, progress: Mapping[str, Any]) -> ProgressTotals:
+        """The totals a checkpoint's ``progress`` map saved (0 for a key it lacks: a checkpoint
+        written before they were kept). Raises ``ValueError`` naming the key if one is not a
+        non-negative integer."""
+        values: dict[str, int] = {}
+        for name, key in cls.KEYS.items():
+            value = progress.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"progress.{key}: a non-negative integer expected, got {value!r}")
+            values[name] = value
+        return cls(**values)
 
 
 @attrs.frozen
@@ -471,7 +515,7 @@ def annotate(samples: Sequence[TrainingSample], step: int, shipped_at: float) ->
 def ship_warnings(
     step: int, selection: SelectionStats | None, attempts: AttemptStats
 ) -> tuple[ShipWarning, ...]:
-    """The reference's publication warnings for batch ``step`` (scalars: constant time)."""
+    """The `WarningKind` warnings for batch ``step`` (scalars: constant time)."""
     warnings: list[ShipWarning] = []
     if selection is not None and selection.selected:
         fraction = selection.trainable / selection.selected

@@ -45,6 +45,7 @@ from ._metrics import (
     Annotation,
     AttemptStats,
     CohortStats,
+    ProgressTotals,
     SelectionStats,
     ShipRecord,
     ShipTimings,
@@ -253,12 +254,9 @@ async def _report(
 
 @attrs.define(eq=False, kw_only=True)
 class Publisher:
-    """Ships the train sink's batches. Create it with `open_publisher` (its fields are
-    keyword-only: they are `open_publisher`'s arguments, resolved).
-
-    Publications are serialized (one batch at a time, in step order); `publish` may be called
-    from any task of the publisher's lifetime.
-    """
+    """Ships the train sink's batches; create it with `open_publisher` (its keyword-only
+    fields are that function's arguments, resolved). Publications are serialized (one batch
+    at a time, in step order); `publish` may be called from any task of its lifetime."""
 
     _nursery: trio.Nursery
     sink: BatchSource
@@ -269,6 +267,8 @@ class Publisher:
     _monitor: Monitor | None
     _release: DeferredRelease
     monitor_timeout: float
+    #: Tokens, samples and problems over every batch booked (restored on resume).
+    progress: ProgressTotals = attrs.field(factory=ProgressTotals)
     _policy_wait: float = attrs.field(default=0.0, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -384,6 +384,7 @@ class Publisher:
                     await self._delivery.send(encoded)
                 timings["send"] = time.perf_counter() - mark
                 batch = cut.settle()
+                self.progress.add_batch(samples)  # booked: before its snapshot
                 booked = True
         except BaseException:
             if not booked:
@@ -518,6 +519,7 @@ async def open_publisher(
     release_timeout: float = 60.0,
     send_timeout: float = 300.0,
     monitor_timeout: float = 60.0,
+    progress: ProgressTotals | None = None,
 ) -> AsyncIterator[Publisher]:
     """Open a publisher for ``sink``'s batches; it owns a nursery for its deferred releases.
 
@@ -542,6 +544,8 @@ async def open_publisher(
         release: empties shipped containers and trims the heap (runs in a worker).
         release_timeout: how long the next ship or the teardown waits for a pending release.
         send_timeout, monitor_timeout: deadlines of the send and of a channel monitor.
+        progress: the run's totals so far (a resumed run's, from its checkpoint); every batch
+            booked adds to them (`Publisher.progress`).
 
     On exit (or cancellation) the pending release is awaited, shielded, before the nursery
     closes; a release never outlives the block.
@@ -566,6 +570,7 @@ async def open_publisher(
             monitor=monitor,
             release=DeferredRelease(limiter, release, release_timeout),
             monitor_timeout=monitor_timeout,
+            progress=progress if progress is not None else ProgressTotals(),
         )
         try:
             yield publisher

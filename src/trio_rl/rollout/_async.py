@@ -179,7 +179,8 @@ class AsyncRolloutDriver:
 
     def resume(self, groups: Iterable[OpenGroup]) -> None:
         """Queue resumed groups; the worker starts them before any new prompt."""
-        self._queued.extend(self.factory.resume(g) for g in groups)
+        version = self.version.value
+        self._queued.extend(self.factory.resume(g, version) for g in groups)
         if not self._closed:
             self.scheduler.nudge("resumed groups")
 
@@ -322,15 +323,16 @@ class AsyncRolloutDriver:
 
     async def _work(self, groups: trio.Nursery) -> None:
         scheduler = self.scheduler
-        outcomes: deque[GroupOutcome] = deque()
+        # Reports made before the worker started (a resume's nudge) are applied first.
+        outcomes: deque[GroupOutcome] = deque(_in_index_order(scheduler.poll()))
         while True:
-            # Reap until nothing is queued: reaping may wait on backpressure, and events that
-            # arrive meanwhile must be applied before the next decision.
-            while True:
-                outcomes.extend(_in_index_order(scheduler.poll()))
-                if not outcomes:
-                    break
+            # Reap until nothing is left: reaping may wait on backpressure, and reports that
+            # arrive meanwhile must be applied before the next decision (a wait applied every
+            # report made before it returned, so with nothing to reap there is nothing to poll).
+            while outcomes:
                 await self._reap(outcomes.popleft())
+                if not outcomes:
+                    outcomes.extend(_in_index_order(scheduler.poll()))
             if self._recheck:
                 self._recheck = False
                 self._cancel_expired()

@@ -327,22 +327,19 @@ class CreditScheduler:
         self.group_size = group_size
         self.ledger = ledger if ledger is not None else CreditLedger()
         self._counts_samples = bool(policy.counts_samples)
-        # A sample's report is its group id (a str: no object built per sample), a group's its
-        # GroupOutcome, a nudge a Nudge.
+        # Reports: a sample's group id (no object built per sample), a GroupOutcome, a Nudge.
         send, receive = trio.open_memory_channel[_Report](math.inf)
         self._send = send
         self._receive = receive
         # Bound once: the reporting path is one call per finished sample.
         self._send_nowait = send.send_nowait
         self._receive_nowait = receive.receive_nowait
-        #: Sample progress (policy counting samples) applied to the ledger but not yet seen by
-        #: the driver: a backlog settled outside a wait (:meth:`settle`).
+        #: Sample progress (policy counting samples) applied but not yet seen by the driver.
         self._progress = False
         #: A nudge applied but not yet seen by the driver (finished groups wait in ``_done``).
         self._nudged = False
         self._closed = False
-        #: True while the driver is blocked in ``receive()``: the first report sent meanwhile
-        #: is handed to it directly, not queued, so nothing else may drain (see `settle`).
+        #: The driver is blocked in ``receive()`` (see `settle`).
         self._receiving = False
         #: Set by a driver that is closing: a group task that has not started yet ends at once,
         #: CANCELLED, instead of starting its samples (see `run_reporting`).
@@ -370,9 +367,8 @@ class CreditScheduler:
         self._send_nowait(group_id)
 
     def sample_reporter(self) -> Callable[[str], None]:
-        """What a group's sample tasks call to report (as :meth:`sample_done`), bound once
-        per group: the channel's ``send_nowait`` itself, one call per finished sample, unless
-        a subclass overrides :meth:`sample_done`."""
+        """:meth:`sample_done`, bound once per group: the channel's ``send_nowait`` itself
+        (one call per finished sample) unless a subclass overrides :meth:`sample_done`."""
         if type(self).sample_done is CreditScheduler.sample_done:
             return self._send_nowait
         return self.sample_done
@@ -416,20 +412,19 @@ class CreditScheduler:
                 self._progress = True
 
     def _apply_other(self, report: GroupOutcome | Nudge) -> None:
-        if isinstance(report, GroupOutcome):
-            self._group_events += 1
-            try:
-                self.ledger.close(report.group_id)
-            except CreditError as exc:
-                self._refuse(exc)
-            else:
-                self._done.append(report)
-        else:
+        if not isinstance(report, GroupOutcome):
             self._nudged = True
+            return
+        self._group_events += 1
+        try:
+            self.ledger.close(report.group_id)
+        except CreditError as exc:
+            self._refuse(exc)
+        else:
+            self._done.append(report)
 
     def _refuse(self, error: CreditError) -> None:
-        if self._error is None:
-            self._error = error
+        self._error = self._error or error
 
     def _raise_refused(self) -> None:
         if self._error is not None:
@@ -469,15 +464,11 @@ class CreditScheduler:
         return done
 
     def settle(self) -> None:
-        """Apply every queued report to the ledger now, without waiting; the finished groups
-        and the progress stay for the driver's next :meth:`poll` or :meth:`wait_for_progress`
-        (a closing driver's wind-down watches the ledger with it).
-
-        Does nothing while the driver is blocked in :meth:`wait_for_progress`: a report sent
-        then is handed to the waiting driver, not queued, and applying the queued ones behind
-        it first would break the channel's order (a group's end before its samples'); the
-        driver applies them all when it runs.
-        """
+        """Apply every queued report to the ledger now; finished groups and progress stay for
+        the driver's next :meth:`poll` or wait (a closing driver's wind-down watches the
+        ledger with it). Does nothing while the driver is blocked in :meth:`wait_for_progress`:
+        a report sent then is handed to it directly, and applying the ones queued behind it
+        first would break the channel's order (a group's end before its samples')."""
         if not self._receiving:
             self._apply(None)
 
@@ -500,12 +491,12 @@ class CreditScheduler:
         sample finishing; every report made before the return is in the ledger. Reports made
         before the call count (unless a refused :meth:`admits` already saw them), so a
         completion can never be missed. The list may be empty (a sample finished, or a nudge).
-        Cancel-safe: a report is taken off the channel only when it is applied, so whatever
-        a cancelled wait did not apply the next call does. Raises the :class:`CreditError` of
-        a report the ledger refused (a bug in a runner), and ``trio.ClosedResourceError`` if
-        the scheduler is closed with nothing left to return.
+        Cancel-safe: a report leaves the channel only to be applied at once, so what a
+        cancelled wait left queued the next call applies. Raises the :class:`CreditError` of a
+        refused report (a runner bug); ``trio.ClosedResourceError`` once closed and drained.
         """
-        self._apply(None)
+        # No drain first: receive() returns a queued report at once, and a driver that just
+        # polled blocks without paying a WouldBlock for an empty look.
         if not (self._progress or self._nudged or self._done or self._error):
             receive = self._receive.receive
             while True:

@@ -8,7 +8,16 @@ from typing import Any, Literal
 
 import attrs
 
-from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus, new_group_id
+from ..samples import (
+    RESUMED_AT,
+    Group,
+    OpenGroup,
+    PolicyVersion,
+    Prompt,
+    Sample,
+    SampleStatus,
+    new_group_id,
+)
 from ._errors import DataSourceError
 from ._validate import non_negative_int, optional_int, positive_int
 
@@ -104,11 +113,14 @@ class GroupFactory:
             policy_version_at_start=policy_version,
         )
 
-    def resume(self, resumed: OpenGroup) -> Group:
+    def resume(self, resumed: OpenGroup, policy_version: PolicyVersion | None = None) -> Group:
         """A group that continues ``resumed``: same id, prompt and start version.
 
         The arrived members are kept as they are (first, in their order); only the missing ones
-        are new ``PENDING`` samples (fresh indices, the group's index, seeds by position). A
+        are new ``PENDING`` samples (fresh indices, the group's index, seeds by position). With
+        ``policy_version`` (the version the resumed attempt starts at), each new member records
+        it in ``metadata[RESUMED_AT]``: the ``"group_start"`` staleness rule judges it by that
+        version, not by the group's older start. A
         resumed group with nothing missing has no pending sample, so running it generates
         nothing. Arrived members must have finished (not ``PENDING``): a ``ValueError`` says
         which one otherwise, since the runner would regenerate it.
@@ -131,6 +143,9 @@ class GroupFactory:
             for i in range(resumed.missing)
         ]
         self.next_sample_index = first + resumed.missing
+        if policy_version is not None:
+            for sample in missing:
+                sample.metadata[RESUMED_AT] = policy_version
         return Group(
             group_id=resumed.group_id,
             prompt=resumed.prompt,

@@ -194,7 +194,7 @@ class SyncRolloutDriver:
             continued.append(group)
             return group
         if self._resumed:
-            return self.factory.resume(self._resumed.popleft())
+            return self.factory.resume(self._resumed.popleft(), policy_version)
         try:
             prompt = self.source.take()
         except SourceExhausted:

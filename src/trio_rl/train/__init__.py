@@ -25,9 +25,12 @@ from ._queue import SinkConfig as SinkConfig
 from ._queue import SinkCounters as SinkCounters
 from ._queue import SinkWindow as SinkWindow
 from ._queue import TrainBatch as TrainBatch
+from ._scoring import DEFAULT_STALENESS as DEFAULT_STALENESS
+from ._scoring import STALENESS_RULES as STALENESS_RULES
 from ._scoring import PruneResult as PruneResult
 from ._scoring import ScoringConfig as ScoringConfig
 from ._scoring import SequenceLists as SequenceLists
+from ._scoring import StalenessRule as StalenessRule
 from ._scoring import build_sequences as build_sequences
 from ._scoring import grpo_advantages as grpo_advantages
 from ._scoring import prune_detached as prune_detached

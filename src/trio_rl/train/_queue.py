@@ -18,7 +18,14 @@ import trio
 from ..samples import PolicyVersion
 from ._changes import ChangeLog
 from ._errors import TrainSinkError
-from ._scoring import STALENESS_RULES, PruneResult, ScoringConfig, StalenessRule, prune_detached
+from ._scoring import (
+    DEFAULT_STALENESS,
+    STALENESS_RULES,
+    PruneResult,
+    ScoringConfig,
+    StalenessRule,
+    prune_detached,
+)
 from ._types import TrainingSample
 
 __all__ = [
@@ -71,7 +78,7 @@ class SinkConfig:
     max_off_policy_steps: int | None = 8
     prune: PruneMode = PruneMode.BEFORE_QUEUE
     scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
-    staleness: StalenessRule = attrs.field(default="group_start")
+    staleness: StalenessRule = attrs.field(default=DEFAULT_STALENESS)
 
     @staleness.validator
     def _check_staleness(self, _: attrs.Attribute[str], value: str) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import attrs
 
 from ..payloads import clip_segments
-from ..samples import Group, PolicyVersion, Sample
+from ..samples import RESUMED_AT, Group, PolicyVersion, Sample
 from ._errors import TrainSinkError
 from ._types import TrainingSample
 
@@ -75,21 +76,28 @@ def grpo_advantages(
 #: ``"group_start"`` (the default, prime-rl's rule): its group's ``policy_version_at_start``,
 #: the version the group started with. ``"oldest_token"``: the oldest version behind any of its
 #: tokens (never older than the start, so it keeps samples the reference rule drops).
+#: The one definition of the allowed values and of the default: `SinkConfig`,
+#: ``OrchestratorConfig``, ``LearnConfig`` use these (the configuration schema, which imports
+#: no component, spells the same values and a test pins them to these).
 StalenessRule = Literal["group_start", "oldest_token"]
 
-STALENESS_RULES: tuple[StalenessRule, ...] = ("group_start", "oldest_token")
+STALENESS_RULES: tuple[StalenessRule, ...] = typing.get_args(StalenessRule)
+
+DEFAULT_STALENESS: StalenessRule = "group_start"
 
 
-def sample_version(
-    sample: Sample, start: PolicyVersion, rule: StalenessRule = "oldest_token"
-) -> PolicyVersion:
+def sample_version(sample: Sample, start: PolicyVersion, rule: StalenessRule) -> PolicyVersion:
     """The version a sample is judged by under ``rule`` (see :data:`StalenessRule`).
 
     ``"oldest_token"``: the oldest version behind any of its tokens; a sample with no recorded
-    version falls back to its group's start version. ``"group_start"``: ``start``.
+    version falls back to its group's start version. ``"group_start"``: ``start``, or for a
+    member generated for a resumed group the version its attempt started with
+    (``metadata[RESUMED_AT]``, see :meth:`~trio_rl.rollout.GroupFactory.resume`): each member
+    is judged by the version it was generated under, as prime-rl judges each episode.
     """
     if rule == "group_start":
-        return start
+        resumed_at = sample.metadata.get(RESUMED_AT)
+        return start if resumed_at is None else max(start, resumed_at)
     return min(sample.policy_versions) if sample.policy_versions else start
 
 
@@ -225,7 +233,7 @@ def score_group(
     aborted: bool,
     is_stale: Callable[[PolicyVersion], bool],
     config: ScoringConfig,
-    rule: StalenessRule = "group_start",
+    rule: StalenessRule = DEFAULT_STALENESS,
     prune_before_queue: bool,
     arrival: int,
     sequences: Mapping[int, SequenceLists] | None = None,

@@ -137,7 +137,7 @@ class TrainSink:
         for g in self.book.groups.values():
             start = g.policy_version_at_start
             live.add(start)
-            live.update(sample_version(m, start) for m in g.arrived)
+            live.update(sample_version(m, start, "oldest_token") for m in g.arrived)
             live.update(v for m in g.arrived for v in m.policy_versions)
         return live
 

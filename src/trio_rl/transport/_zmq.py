@@ -19,9 +19,10 @@ No thread is used per message and the event loop never blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 import trio
+import trio_util
 import zmq
 
 __all__ = ["ZmqSocket"]
@@ -29,12 +30,23 @@ __all__ = ["ZmqSocket"]
 Frame = bytes | bytearray | memoryview | zmq.Frame
 
 
+class _Wakeup(Protocol):
+    """The typed face of :class:`trio_util.RepeatedEvent` (trio-util ships no annotations):
+    ``set`` wakes every current waiter, nothing is latched."""
+
+    def set(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
 class _Waiter:
     __slots__ = ("event", "flag", "scope")
 
     def __init__(self, flag: int) -> None:
         self.flag = flag
-        self.event = trio.Event()
+        # Woken (not latched) when the socket may be ready: the waiter re-checks ZMQ_EVENTS
+        # after each wake-up, with no await between its check and its next wait.
+        self.event: _Wakeup = trio_util.RepeatedEvent()  # type: ignore[no-untyped-call]
         self.scope: trio.CancelScope | None = None
 
     def wake(self) -> None:
@@ -96,7 +108,6 @@ class ZmqSocket:
                 self._check_open()
                 if self.events() & flag:
                     return
-                waiter.event = trio.Event()
                 if self._fd_owner is None:
                     self._fd_owner = waiter
                     try:
