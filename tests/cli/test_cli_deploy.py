@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ def _write_run(tmp: Path, *, model: bool = True, extra: str = "", data: str | No
     return config
 
 
-def _lines(path: Path) -> list[dict[str, object]]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -208,7 +209,7 @@ def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_pat
     assert not _left_behind(str(tmp_path))
 
 
-def _trained(out: Path) -> list[dict[str, object]]:
+def _trained(out: Path) -> list[dict[str, Any]]:
     try:
         text = (out / "trainer" / "trained.jsonl").read_text()
     except FileNotFoundError:

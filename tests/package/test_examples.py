@@ -27,6 +27,8 @@ def _private_imports(source: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         modules: list[tuple[str, list[str]]] = []
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
         if isinstance(node, ast.Import):
             modules = [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

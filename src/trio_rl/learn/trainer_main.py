@@ -171,7 +171,7 @@ class _Job:
         if (not logged or logged[-1] < state["step"]) and "log" in state:
             _fsync_append(log, state["log"])
 
-    def _step(self, step: int, data: bytes) -> StepStats:
+    def _step(self, step: int, data: bytes | bytearray | memoryview) -> StepStats:
         micro_batches = decode(data)
         stats = self.trainer.train_step(step, micro_batches)
         sequences = torch.tensor([sum(len(mb.seq_lens) for mb in micro_batches)], dtype=torch.int64)
