@@ -370,3 +370,19 @@ def test_an_orchestrator_killed_and_resumed_beside_a_running_trainer_job(tmp_pat
     assert [entry["step"] for entry in log] == list(range(1, last + 1))
     assert last >= 9  # the first ran at least 3 steps, the resumed one 6 more
     assert not _left_behind(str(tmp_path))
+
+
+def test_a_trainer_job_without_an_orchestrator_fails_at_its_deadline(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[run]\nout = "{tmp_path / "run"}"\n\n[trainer]\nmode = "external"\n'
+        "connect_timeout = 3.0\n"
+    )
+    done = _trio_rl(tmp_path, "trainer", str(config), timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"trio-rl: error: trainer job: no orchestrator heartbeat in "
+        f"{tmp_path / 'run' / 'orchestrator' / 'heartbeat'} for 3 s (trainer.connect_timeout); "
+        "start it with `trio-rl run CONFIG.toml` on a machine that sees the run directory"
+    )
+    assert not _left_behind(str(tmp_path))
