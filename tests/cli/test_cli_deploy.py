@@ -125,7 +125,7 @@ def test_a_model_directory_a_jsonl_file_and_a_reward_module_make_a_run(tmp_path:
     records = _lines(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     # the record that makes the reward raise failed its samples: counted, shown, run went on
-    assert records[-1]["reward_failures"] > 0
+    assert records[-1]["counters/reward_failures"] > 0
     assert "myreward:score failed sample" in done.stderr
     assert "this record's reward always fails" in done.stderr
     assert "further failures are only counted" in done.stderr
@@ -147,7 +147,7 @@ def test_an_async_reward_is_awaited(tmp_path: Path) -> None:
     done = _trio_rl(tmp_path, "run", str(config), "--set", "reward.function=myreward:ascore")
     assert done.returncode == 0, done.stderr
     records = _lines(tmp_path / "run" / "metrics.jsonl")
-    assert records[-1]["reward_failures"] == 0
+    assert records[-1]["counters/reward_failures"] == 0
     assert all(r["reward_mean"] is not None for r in records)
 
 

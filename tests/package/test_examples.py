@@ -90,4 +90,4 @@ def test_the_own_data_example_runs_with_its_jsonl_and_reward_module(tmp_path: Pa
     assert "reward examples.rewards:partial_match" in done.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["reward_failures"] == 0 for r in records)
+    assert all(r["counters/reward_failures"] == 0 for r in records)

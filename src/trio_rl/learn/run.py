@@ -552,7 +552,7 @@ async def run_learning(
                 del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
-                rec["reward_failures"] = record_reward.failed
+                rec["counters/reward_failures"] = record_reward.failed
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
                 # the engine's rows busy over the interval (batches finished in it)
