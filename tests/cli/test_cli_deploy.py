@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ def _write_run(tmp: Path, *, model: bool = True, extra: str = "", data: str | No
     return config
 
 
-def _lines(path: Path) -> list[dict[str, object]]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -124,7 +125,7 @@ def test_a_model_directory_a_jsonl_file_and_a_reward_module_make_a_run(tmp_path:
     records = _lines(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     # the record that makes the reward raise failed its samples: counted, shown, run went on
-    assert records[-1]["reward_failures"] > 0
+    assert records[-1]["counters/reward_failures"] > 0
     assert "myreward:score failed sample" in done.stderr
     assert "this record's reward always fails" in done.stderr
     assert "further failures are only counted" in done.stderr
@@ -146,7 +147,7 @@ def test_an_async_reward_is_awaited(tmp_path: Path) -> None:
     done = _trio_rl(tmp_path, "run", str(config), "--set", "reward.function=myreward:ascore")
     assert done.returncode == 0, done.stderr
     records = _lines(tmp_path / "run" / "metrics.jsonl")
-    assert records[-1]["reward_failures"] == 0
+    assert records[-1]["counters/reward_failures"] == 0
     assert all(r["reward_mean"] is not None for r in records)
 
 
@@ -208,7 +209,7 @@ def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_pat
     assert not _left_behind(str(tmp_path))
 
 
-def _trained(out: Path) -> list[dict[str, object]]:
+def _trained(out: Path) -> list[dict[str, Any]]:
     try:
         text = (out / "trainer" / "trained.jsonl").read_text()
     except FileNotFoundError:
@@ -368,4 +369,20 @@ def test_an_orchestrator_killed_and_resumed_beside_a_running_trainer_job(tmp_pat
     # one trainer job saw both orchestrators: every shipped step trained once, none skipped
     assert [entry["step"] for entry in log] == list(range(1, last + 1))
     assert last >= 9  # the first ran at least 3 steps, the resumed one 6 more
+    assert not _left_behind(str(tmp_path))
+
+
+def test_a_trainer_job_without_an_orchestrator_fails_at_its_deadline(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'[run]\nout = "{tmp_path / "run"}"\n\n[trainer]\nmode = "external"\n'
+        "connect_timeout = 3.0\n"
+    )
+    done = _trio_rl(tmp_path, "trainer", str(config), timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"trio-rl: error: trainer job: no orchestrator heartbeat in "
+        f"{tmp_path / 'run' / 'orchestrator' / 'heartbeat'} for 3 s (trainer.connect_timeout); "
+        "start it with `trio-rl run CONFIG.toml` on a machine that sees the run directory"
+    )
     assert not _left_behind(str(tmp_path))

@@ -27,6 +27,8 @@ def _private_imports(source: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         modules: list[tuple[str, list[str]]] = []
+        if not isinstance(node, ast.Import | ast.ImportFrom):
+            continue
         if isinstance(node, ast.Import):
             modules = [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -88,4 +90,4 @@ def test_the_own_data_example_runs_with_its_jsonl_and_reward_module(tmp_path: Pa
     assert "reward examples.rewards:partial_match" in done.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["reward_failures"] == 0 for r in records)
+    assert all(r["counters/reward_failures"] == 0 for r in records)

@@ -9,6 +9,7 @@ longest sequence, and the record <-> text <-> tokens functions of its tokenizer.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,24 +118,24 @@ def _char_policy(task_name: str, seed: int, d_model: int, n_layers: int) -> Poli
 def _hf_policy(path: str, where: str) -> Policy:
     root = check_model_dir(path, where)
     try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
+        # typed as Any: transformers' own annotations vary between its releases
+        transformers: Any = importlib.import_module("transformers")
     except ImportError:
         raise ConfigError(
             where,
             "model.path",
             "a model directory needs transformers (pip install 'trio-rl[transformers]')",
         ) from None
-    hf_logging.disable_progress_bar()  # one line per step is the run's own output
+    transformers.utils.logging.disable_progress_bar()  # one line per step is the run's own output
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     except Exception as exc:
         detail = " ".join(str(exc).split())[:200]
         raise ConfigError(
             where, "model.path", f"{root}: the tokenizer does not load: {detail}"
         ) from None
     try:
-        hf = AutoModelForCausalLM.from_pretrained(
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(root), local_files_only=True, dtype=torch.float32
         )
     except Exception as exc:
@@ -152,7 +153,7 @@ def _hf_policy(path: str, where: str) -> Policy:
 
     def encode(record: Mapping[str, Any]) -> tuple[int, ...]:
         if record.get("messages") is not None:
-            text = tokenizer.apply_chat_template(
+            text: str = tokenizer.apply_chat_template(
                 list(record["messages"]), tokenize=False, add_generation_prompt=True
             )
             return tuple(tokenizer.encode(text, add_special_tokens=False))

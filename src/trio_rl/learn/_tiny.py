@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = ["write_tiny_llama"]
 
@@ -33,10 +35,10 @@ def write_tiny_llama(
     (``trio-rl[transformers]``); nothing is downloaded."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from transformers.utils import logging
 
-    logging.disable_progress_bar()
+    # typed as Any: transformers' own annotations vary between its releases
+    transformers: Any = importlib.import_module("transformers")
+    transformers.utils.logging.disable_progress_bar()
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2} | {c: 3 + i for i, c in enumerate(chars)}
@@ -44,7 +46,7 @@ def write_tiny_llama(
         hf = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
         hf.pre_tokenizer = pre_tokenizers.Split("", "isolated")
         hf.decoder = decoders.Fuse()  # characters back to text without separators
-        fast = PreTrainedTokenizerFast(
+        fast = transformers.PreTrainedTokenizerFast(
             tokenizer_object=hf, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>"
         )
         fast.chat_template = _CHAT_TEMPLATE
@@ -52,7 +54,7 @@ def write_tiny_llama(
     if hidden % 32:
         raise ValueError(f"hidden must be a multiple of the head size 32, got {hidden}")
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -66,5 +68,5 @@ def write_tiny_llama(
         eos_token_id=1,
         pad_token_id=0,
     )
-    LlamaForCausalLM(config).float().save_pretrained(root)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(root)
     return root

@@ -61,6 +61,8 @@ TRAINER_STATE = "trainer/state.pt"
 #: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
 TRAINED_LOG = "trainer/trained.jsonl"
 HEARTBEAT_FILE = "trainer/heartbeat"
+#: The orchestrator's heartbeat, which a trainer job watches the same way.
+ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -413,6 +415,24 @@ async def _watch_trainer(config: LearnConfig, log_every: float = 10.0) -> None:
             next_log = now + log_every
 
 
+async def beat(path: Path, interval: float = 1.0) -> None:
+    """Rewrite ``path`` with a new counter every ``interval`` seconds until cancelled: the
+    other side of the run directory watches it change."""
+    count = 0
+    while True:
+        count += 1
+        text = json.dumps({"beat": count, "pid": os.getpid()})
+        await trio.to_thread.run_sync(_write_atomic, path, text)
+        await trio.sleep(interval)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _percent(value: float | None) -> str:
     return "  -" if value is None else f"{value * 100:3.0f}%"
 
@@ -535,7 +555,7 @@ async def run_learning(
                 del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
-                rec["reward_failures"] = record_reward.failed
+                rec["counters/reward_failures"] = record_reward.failed
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
                 rec["cancelled_stale"] = orch.driver.statistics().cancelled_stale_samples
@@ -628,6 +648,7 @@ async def run_learning(
         orch.final_step = orch.step + config.steps - 1
         if config.trainer_mode != "inprocess":
             nursery.start_soon(_watch_trainer, config)
+            nursery.start_soon(beat, out / ORCHESTRATOR_HEARTBEAT)
         if trained > orch.policy_version:
             orch.set_policy_version(trained)  # the engine serves the trainer's saved state
         if resuming:

@@ -43,18 +43,20 @@ import torch
 import torch.distributed as dist
 import trio
 
-from ..transport import FileReceiver
+from ..transport import FileReceiver, TransportTimeoutError
 from ..wire import decode
 from ._trainer import GRPOTrainer, StepStats
 from ._weights import publish_weights
 from .run import (
     HEARTBEAT_FILE,
+    ORCHESTRATOR_HEARTBEAT,
     RUN_FILE,
     STOP_FILE,
     TRAINED_LOG,
     TRAINER_STATE,
     LearnConfig,
     _load_trainer_state,
+    beat,
     build_policy,
 )
 
@@ -171,7 +173,7 @@ class _Job:
         if (not logged or logged[-1] < state["step"]) and "log" in state:
             _fsync_append(log, state["log"])
 
-    def _step(self, step: int, data: bytes) -> StepStats:
+    def _step(self, step: int, data: bytes | bytearray | memoryview) -> StepStats:
         micro_batches = decode(data)
         stats = self.trainer.train_step(step, micro_batches)
         sequences = torch.tensor([sum(len(mb.seq_lens) for mb in micro_batches)], dtype=torch.int64)
@@ -209,7 +211,8 @@ class _Job:
         )
         async with trio.open_nursery() as nursery:
             if self.rank == 0:
-                nursery.start_soon(self._beat)
+                nursery.start_soon(beat, self.out / HEARTBEAT_FILE)
+            nursery.start_soon(_watch_orchestrator, self.config)
 
             async def train() -> None:
                 async with transport:
@@ -239,21 +242,47 @@ class _Job:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
 
-    async def _beat(self) -> None:
-        path = self.out / HEARTBEAT_FILE
-        beat = 0
-        while True:
-            beat += 1
-            text = json.dumps({"beat": beat, "pid": os.getpid(), "trained": self.trained})
-            await trio.to_thread.run_sync(_write_atomic, path, text)
-            await trio.sleep(1.0)
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+async def _watch_orchestrator(config: LearnConfig, log_every: float = 10.0) -> None:
+    """Fail the job when the orchestrator has not beaten its heartbeat for
+    ``config.connect_timeout`` seconds (never started, or stopped and not resumed), logging
+    what it waits for meanwhile; once the orchestrator named its last step (``STOP``), its
+    silence is expected."""
+    path = config.out / ORCHESTRATOR_HEARTBEAT
+    last = await trio.to_thread.run_sync(_read, path)
+    changed = trio.current_time()
+    next_log = changed + log_every
+    while True:
+        await trio.sleep(0.25)
+        if await trio.to_thread.run_sync((config.out / STOP_FILE).exists):
+            return
+        now = trio.current_time()
+        current = await trio.to_thread.run_sync(_read, path)
+        if current is not None and current != last:
+            last, changed, next_log = current, now, now + log_every
+            continue
+        if now - changed >= config.connect_timeout:
+            raise TransportTimeoutError(
+                f"trainer job: no orchestrator heartbeat in {path} for "
+                f"{config.connect_timeout:g} s (trainer.connect_timeout); start it with "
+                "`trio-rl run CONFIG.toml` on a machine that sees the run directory"
+            )
+        if now >= next_log:
+            logger.warning(
+                "trainer job: waiting for the orchestrator: no heartbeat in %s for %.0f s; "
+                "failing in %.0f s (trainer.connect_timeout)",
+                path,
+                now - changed,
+                config.connect_timeout - (now - changed),
+            )
+            next_log = now + log_every
 
 
 async def _wait_for_stop(path: Path, log_every: float = 300.0) -> int:

@@ -109,7 +109,7 @@ def import_reward(spec: str) -> RecordRewardFn:
             ) from None
     if not callable(fn):
         raise RolloutConfigError(f"reward {spec!r}: {name!r} is not callable")
-    return fn  # type: ignore[return-value]
+    return fn
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
