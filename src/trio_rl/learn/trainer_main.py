@@ -1,18 +1,34 @@
-"""The DDP trainer job: ``torchrun --nproc_per_node=N -m trio_rl.learn.trainer_main --out DIR``.
+"""The trainer job: the run's GRPO trainer as its own process (or DDP job).
 
-Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file transport),
-trains with :class:`GRPOTrainer` under DistributedDataParallel (gloo), and rank 0 publishes the
-weights of every step under ``DIR/weights``. The job ends after the step the orchestrator
-writes into ``DIR/STOP`` at the end of its run (or after ``--steps``). The run's shape (model,
-seed, trainer settings) is read from ``DIR/run.json``, written by the orchestrator process
-(:func:`run_learning`).
+Started two ways, the same job either way:
+
+* ``trio-rl trainer CONFIG.toml`` by hand, alone or under ``torchrun --nnodes ...
+  --nproc-per-node ... --rdzv-endpoint ... $(which trio-rl) trainer CONFIG.toml`` on any
+  machine that sees the run directory (``run.out``, a shared path): ``[trainer] mode =
+  "external"`` in the orchestrator's configuration;
+* by the orchestrator itself with ``[trainer] mode = "torchrun"``: ``torchrun
+  --nproc_per_node=N -m trio_rl.learn.trainer_main --out DIR`` (the run's shape read from
+  ``DIR/run.json``).
+
+Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file
+transport), trains with :class:`GRPOTrainer` (DistributedDataParallel over gloo with several
+ranks), and rank 0 publishes the weights of every step under ``DIR/weights``.
+
+Exactly-once across a restart: a step is trained, then rank 0 saves the trainer's state
+(model, optimizer, step: ``DIR/trainer/state.pt``) and appends the step to its log
+(``DIR/trainer/trained.jsonl``, fsynced), then every rank passes a barrier, and only then is
+the step's batch file acknowledged (deleted). A job killed at any point and started again with
+the same command resumes after the saved step: a step whose state was saved is never trained
+again, one whose state was not is trained (again) from the saved state, so the log lists every
+shipped step exactly once. Rank 0 beats ``DIR/trainer/heartbeat`` every second while the job
+runs: the orchestrator waits for it (``trainer.connect_timeout``). The job ends after the step
+the orchestrator writes into ``DIR/STOP`` at the end of its run (or after ``--steps``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import json
 import logging
@@ -21,18 +37,28 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import trio
 
-from ..trainer import BatchReceiver
 from ..transport import FileReceiver
-from ._trainer import GRPOTrainer, TrainerConfig
+from ..wire import decode
+from ._trainer import GRPOTrainer, StepStats
 from ._weights import publish_weights
-from .run import RUN_FILE, STOP_FILE, LearnConfig, build_model
+from .run import (
+    HEARTBEAT_FILE,
+    RUN_FILE,
+    STOP_FILE,
+    TRAINED_LOG,
+    TRAINER_STATE,
+    LearnConfig,
+    _load_trainer_state,
+    build_policy,
+)
 
-__all__ = ["main", "load_run_config"]
+__all__ = ["HEARTBEAT_FILE", "TRAINED_LOG", "load_run_config", "main", "run_job"]
 
 logger = logging.getLogger("trio_rl.learn")
 
@@ -45,55 +71,189 @@ def load_run_config(out: Path, timeout: float = 60.0) -> LearnConfig:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout} s")
         time.sleep(0.05)
-    raw = json.loads(path.read_text())
-    raw["trainer"] = TrainerConfig(**{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])})
-    return LearnConfig(**raw)
+    return LearnConfig.from_json(json.loads(path.read_text()))
 
 
-async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: int | None) -> None:
-    receiver = BatchReceiver(
-        FileReceiver(
-            config.out, rank, start_step=1, delete=True, poll_interval=0.002, max_poll_interval=0.02
-        ),
-        stop_step=None if steps is None else steps + 1,
+def _fsync_append(path: Path, line: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line the job was killed while writing (no newline yet), so that the next
+    line starts on a line of its own."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    if data and not data.endswith(b"\n"):
+        with path.open("rb+") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+            os.fsync(f.fileno())
+
+
+def _logged_steps(path: Path) -> list[int]:
+    steps = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            break  # a torn last line (killed mid-write): what follows it was never written
+    return steps
+
+
+def _log_line(stats: StepStats, sequences: int, world_size: int, **extra: Any) -> str:
+    return (
+        json.dumps(
+            {
+                "step": stats.step,
+                "sequences": sequences,
+                "loss_tokens": stats.loss_tokens,
+                "loss": stats.loss,
+                "ratio_mean": stats.ratio_mean,
+                "clipped_fraction": stats.clipped_fraction,
+                "world_size": world_size,
+                "pid": os.getpid(),
+                **extra,
+            }
+        )
+        + "\n"
     )
-    limiter = trio.CapacityLimiter(1)
-    trained = [0]
 
-    async def train() -> None:
-        async with receiver:
-            async for step, micro_batches in receiver:
-                stats = await trio.to_thread.run_sync(
-                    trainer.train_step, step, micro_batches, limiter=limiter
-                )
-                trained[0] = step
-                if rank == 0:
-                    publish = functools.partial(
-                        publish_weights,
-                        config.out / "weights",
-                        step,
-                        trainer.model.state_dict(),
-                        keep=config.weights_keep,
-                        meta={"step": step, "world_size": trainer.world_size},
-                    )
-                    await trio.to_thread.run_sync(publish, limiter=limiter)
-                    print(
-                        f"trainer step {step}: {stats.loss_tokens} loss tokens, loss "
-                        f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
-                        flush=True,
-                    )
-        nursery.cancel_scope.cancel()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(train)
-        # Every rank stops after the same step (a rank leaving early would hang the others in
-        # an all-reduce): the one the orchestrator names in the stop file, once trained.
-        last = await _wait_for_stop(config.out / STOP_FILE)
-        if trained[0] < last:
-            logger.info("trainer job: stop file names step %d; training up to it", last)
-        while trained[0] < last:  # noqa: ASYNC110 - the training thread has no event
-            await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+def _save_state(out: Path, stats: StepStats, sequences: int, trainer: GRPOTrainer) -> None:
+    path = out / TRAINER_STATE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    state = {
+        "step": stats.step,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "log": _log_line(stats, sequences, trainer.world_size),
+    }
+    torch.save(state, tmp)
+    with tmp.open("rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class _Job:
+    """One rank's trainer loop (see the module docstring for the order of its effects)."""
+
+    def __init__(self, config: LearnConfig, rank: int, steps: int | None) -> None:
+        self.config, self.rank, self.steps = config, rank, steps
+        self.out = config.out
+        policy = build_policy(config)
+        state = _load_trainer_state(self.out)
+        if state is not None:
+            policy.model.load_state_dict(state["model"])
+        self.trainer = GRPOTrainer(policy.model, config.trainer)
+        self.start = 1
+        if state is not None:
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
+            self.start = int(state["step"]) + 1
+            if rank == 0:
+                self._reconcile(state)
+        self.trained = self.start - 1
+
+    def _reconcile(self, state: dict[str, Any]) -> None:
+        log = self.out / TRAINED_LOG
+        _drop_torn_line(log)
+        # killed between saving the state and logging its step: the log gets the saved line
+        logged = _logged_steps(log)
+        if (not logged or logged[-1] < state["step"]) and "log" in state:
+            _fsync_append(log, state["log"])
+
+    def _step(self, step: int, data: bytes | bytearray | memoryview) -> StepStats:
+        micro_batches = decode(data)
+        stats = self.trainer.train_step(step, micro_batches)
+        sequences = torch.tensor([sum(len(mb.seq_lens) for mb in micro_batches)], dtype=torch.int64)
+        if self.trainer.distributed:
+            dist.all_reduce(sequences)
+        if self.rank == 0:
+            _save_state(self.out, stats, int(sequences.item()), self.trainer)
+            _fsync_append(
+                self.out / TRAINED_LOG,
+                _log_line(stats, int(sequences.item()), self.trainer.world_size),
+            )
+        if self.trainer.distributed:
+            # no rank deletes its batch file before the state that covers it is saved
+            dist.barrier()
+        if self.rank == 0:
+            publish_weights(
+                self.out / "weights",
+                step,
+                self.trainer.model.state_dict(),
+                keep=self.config.weights_keep,
+                meta={"step": step, "world_size": self.trainer.world_size},
+            )
+        return stats
+
+    async def serve(self) -> None:
+        limiter = trio.CapacityLimiter(1)
+        transport = FileReceiver(
+            self.out,
+            self.rank,
+            start_step=self.start,
+            delete=True,
+            poll_interval=0.002,
+            max_poll_interval=0.05,
+            limiter=limiter,
+        )
+        async with trio.open_nursery() as nursery:
+            if self.rank == 0:
+                nursery.start_soon(self._beat)
+
+            async def train() -> None:
+                async with transport:
+                    while self.steps is None or self.trained < self.steps:
+                        got = await transport.receive()
+                        with trio.CancelScope(shield=True):
+                            stats = await trio.to_thread.run_sync(
+                                self._step, got.step, got.data, limiter=limiter
+                            )
+                            await transport.ack(got.step)
+                        self.trained = got.step
+                        if self.rank == 0:
+                            print(
+                                f"trainer step {got.step}: {stats.loss_tokens} loss tokens, loss "
+                                f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
+                                flush=True,
+                            )
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(train)
+            if self.rank == 0 and self.start > 1:
+                print(f"trainer job: resumed after step {self.start - 1}", flush=True)
+            # Every rank stops after the same step (a rank leaving early would hang the others
+            # in an all-reduce): the one the orchestrator names in the stop file, once trained.
+            last = await _wait_for_stop(self.out / STOP_FILE)
+            while self.trained < last:  # noqa: ASYNC110 - the training thread has no event
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    async def _beat(self) -> None:
+        path = self.out / HEARTBEAT_FILE
+        beat = 0
+        while True:
+            beat += 1
+            text = json.dumps({"beat": beat, "pid": os.getpid(), "trained": self.trained})
+            await trio.to_thread.run_sync(_write_atomic, path, text)
+            await trio.sleep(1.0)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 async def _wait_for_stop(path: Path, log_every: float = 300.0) -> int:
@@ -118,40 +278,54 @@ def _read_stop(path: Path) -> str | None:
     return text or None
 
 
+def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> int:
+    """Run the trainer job of ``config`` in this process: one rank of a torchrun job (the
+    ``WORLD_SIZE`` / ``RANK`` of its environment), or the only rank when started without one.
+    Blocks until the orchestrator's stop file (or ``steps``); returns the exit status."""
+    torch.set_num_threads(1)
+    distributed = "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != config.ranks:
+        raise ValueError(
+            f"{where or config.out / RUN_FILE}: trainer.ranks = {config.ranks} but the job has "
+            f"{world} rank(s) (torchrun --nproc-per-node x --nnodes)"
+        )
+    if distributed:
+        dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank() if distributed else 0
+        job = _Job(config, rank, steps)
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        trio.run(job.serve)
+        del job  # the DDP wrapper goes before the process group it holds
+        gc.collect()
+        if distributed:
+            # Both ranks finish before either tears gloo down: destroying the group while the
+            # peer still uses it aborts the process ("terminate called without an active
+            # exception"). Bounded: a peer that died is reported instead of waited for.
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trio_rl.learn.trainer_main", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--steps", type=int, default=None, help="stop after this step")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        rank = dist.get_rank()
-        config = load_run_config(args.out)
-        if dist.get_world_size() != config.ranks:
-            raise SystemExit(
-                f"torchrun started {dist.get_world_size()} ranks but {args.out / RUN_FILE} "
-                f"says ranks={config.ranks}"
-            )
-        model, _ = build_model(config)
-        trainer = GRPOTrainer(model, config.trainer)
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        trio.run(_serve, config, trainer, rank, args.steps)
-        del trainer, model  # the DDP wrapper goes before the process group it holds
-        gc.collect()
-        # Both ranks finish before either tears gloo down: destroying the group while the peer
-        # still uses it aborts the process ("terminate called without an active exception").
-        # Bounded: a peer that died is reported instead of waited for.
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_job(load_run_config(args.out), args.steps)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    code = main()
-    # Skip the interpreter's teardown of torch's C++ statics once the group is destroyed: it
-    # aborted a rank after a clean finish ("terminate called without an active exception").
+def exit_hard(code: int) -> None:
+    """Leave without the interpreter's teardown of torch's C++ statics once the process group
+    is destroyed: it aborted a rank after a clean finish ("terminate called without an active
+    exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    exit_hard(main())

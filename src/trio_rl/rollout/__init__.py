@@ -40,6 +40,10 @@ from ._group import engine_generate as engine_generate
 from ._group import pending_samples as pending_samples
 from ._group import run_group as run_group
 from ._group import run_reporting as run_reporting
+from ._records import RecordReward as RecordReward
+from ._records import RecordRewardFn as RecordRewardFn
+from ._records import import_reward as import_reward
+from ._records import read_records as read_records
 from ._sources import DataSource as DataSource
 from ._sources import InMemorySource as InMemorySource
 from ._sources import JsonlSource as JsonlSource

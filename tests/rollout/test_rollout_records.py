@@ -1,0 +1,176 @@
+"""Records and record rewards: the JSONL reader names the bad line, a reward is imported from
+the working directory, and `RecordReward` runs a plain reward in a worker thread under the
+run's limiter, awaits an async one, and fails only the sample of a reward that raises."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_rl.rollout import (
+    DataSourceError,
+    RecordReward,
+    RolloutConfigError,
+    import_reward,
+    read_records,
+)
+from trio_rl.samples import Sample, SampleStatus
+
+
+def _sample(label: Any, tokens: list[int], index: int = 0) -> Sample:
+    s = Sample(index=index, group_index=0, prompt_tokens=(1,), label=label)
+    s.completion_tokens.extend(tokens)
+    s.logprobs.extend([0.0] * len(tokens))
+    s.loss_mask.extend([True] * len(tokens))
+    s.status = SampleStatus.COMPLETED
+    return s
+
+
+def _decode(tokens: Any) -> str:
+    return "".join(chr(ord("a") + t) for t in tokens)
+
+
+def test_records_are_read_with_every_field(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "x", "answer": 1})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}], "id": "q2"})
+        + "\n"
+    )
+    assert read_records(path) == [
+        {"prompt": "x", "answer": 1},
+        {"messages": [{"role": "user", "content": "hi"}], "id": "q2"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "x",', ":2: not valid JSON: Expecting property name"),
+        ("[1, 2]", ":2: expected a JSON object, got list"),
+        ('{"answer": 3}', ':2: a record needs "prompt" (text) or "messages" (a chat)'),
+        ('{"prompt": 3}', ':2: "prompt" must be a string'),
+        ('{"messages": [{"role": "user"}]}', ':2: "messages" must be a non-empty list'),
+    ],
+)
+def test_a_bad_line_is_named(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(DataSourceError) as caught:
+        read_records(path)
+    assert str(caught.value).startswith(f"{path}{message}"), str(caught.value)
+
+
+def test_an_empty_or_missing_file_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataSourceError, match="no records"):
+        read_records(tmp_path / "empty.jsonl")
+    with pytest.raises(DataSourceError, match="cannot read"):
+        read_records(tmp_path / "missing.jsonl")
+
+
+def test_a_reward_is_imported_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_reward_mod.py").write_text("def score(record, completion):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    fn = import_reward("my_reward_mod:score")
+    assert fn({}, "") == 0.5
+    assert str(tmp_path) not in __import__("sys").path  # the path is not left behind
+    with pytest.raises(RolloutConfigError, match="cannot import module 'no_such_mod'"):
+        import_reward("no_such_mod:score")
+    with pytest.raises(RolloutConfigError, match="has no 'nope'"):
+        import_reward("my_reward_mod:nope")
+    with pytest.raises(RolloutConfigError, match=r'expected "package.module:name"'):
+        import_reward("my_reward_mod")
+
+
+async def test_a_plain_reward_runs_in_a_worker_thread_under_the_limiter() -> None:
+    limiter = trio.CapacityLimiter(2)
+    seen: list[tuple[Mapping[str, Any], str, bool, int]] = []
+
+    def score(record: Mapping[str, Any], completion: str) -> float:
+        on_loop = threading.current_thread() is threading.main_thread()
+        seen.append((record, completion, on_loop, limiter.borrowed_tokens))
+        return 0.25
+
+    reward = RecordReward(score, _decode, limiter=limiter)
+    sample = _sample({"prompt": "p", "answer": "ab"}, [0, 1])
+    assert await reward(sample) == 0.25
+    assert seen == [({"prompt": "p", "answer": "ab"}, "ab", False, 1)]
+    assert sample.status is SampleStatus.COMPLETED
+    assert reward.failed == 0
+
+
+async def test_an_async_reward_is_awaited_on_the_loop() -> None:
+    async def score(record: Mapping[str, Any], completion: str) -> float:
+        await trio.lowlevel.checkpoint()
+        assert threading.current_thread() is threading.main_thread()
+        return float(len(completion))
+
+    reward = RecordReward(score, _decode)
+    assert await reward(_sample({"prompt": "p"}, [0, 1, 2])) == 3.0
+
+
+async def test_a_reward_that_raises_fails_its_sample_only_and_is_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def score(record: Mapping[str, Any], completion: str) -> float:
+        if record.get("bad"):
+            raise KeyError("answer")
+        if record.get("nan"):
+            return float("nan")
+        return 1.0
+
+    reward = RecordReward(score, _decode, name="reward t:score", log_first=2)
+    good = _sample({"prompt": "p"}, [0])
+    bad = [_sample({"prompt": "p", "bad": True}, [0], index=i) for i in (1, 2, 3)]
+    nan = _sample({"prompt": "p", "nan": True}, [0], index=4)
+    assert await reward(good) == 1.0
+    for s in [*bad, nan]:
+        assert await reward(s) == 0.0
+        assert s.status is SampleStatus.FAILED
+    assert good.status is SampleStatus.COMPLETED
+    assert reward.failed == 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2  # the first two, then only counted
+    assert messages[0].startswith("reward t:score failed sample 1 (KeyError: 'answer')")
+    assert messages[1].endswith("further failures are only counted")
+
+
+async def test_a_slow_reward_times_out_and_fails_its_sample() -> None:
+    release = threading.Event()
+
+    def slow(record: Mapping[str, Any], completion: str) -> float:
+        release.wait(30)
+        return 1.0
+
+    reward = RecordReward(slow, _decode, timeout=0.2)
+    sample = _sample({"prompt": "p"}, [0])
+    try:
+        assert await reward(sample) == 0.0
+    finally:
+        release.set()
+    assert sample.status is SampleStatus.FAILED
+    assert reward.failed == 1
+
+
+async def test_cancellation_propagates_through_an_async_reward() -> None:
+    async def forever(record: Mapping[str, Any], completion: str) -> float:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    reward = RecordReward(forever, _decode, timeout=None)
+    sample = _sample({"prompt": "p"}, [0])
+    with trio.move_on_after(0.05) as scope:
+        await reward(sample)
+    assert scope.cancelled_caught
+    assert sample.status is SampleStatus.COMPLETED
+    assert reward.failed == 0
