@@ -224,7 +224,12 @@ class Inference:
         validator=at_least(0),
         may_change=True,
     )
-    vllm: str = option("vllm", "the vllm executable launched servers run", may_change=True)
+    vllm: str = option(
+        "",
+        "the command that starts a launched server, before `--model PATH --host --port` "
+        "(empty: `python -m vllm.entrypoints.openai.api_server` with this Python)",
+        may_change=True,
+    )
     vllm_args: tuple[str, ...] = option(
         (),
         'extra arguments of launched servers, e.g. ["--dtype", "float32", "--enforce-eager"]',
