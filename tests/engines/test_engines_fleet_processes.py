@@ -17,13 +17,17 @@ import httpx
 import pytest
 import trio
 
+from trio_rl.config import LearnRunConfig, load
 from trio_rl.engines import (
+    EngineConfigError,
     EngineFleet,
     EngineTimeoutError,
     EngineTransportError,
+    GenerateRequest,
     SamplingParams,
     launch_vllm_servers,
     open_engine_fleet,
+    open_inference,
     run_vllm_server,
 )
 from trio_rl.engines._launch import free_port
@@ -304,3 +308,49 @@ async def test_a_server_that_exits_at_start_is_an_error_naming_it(tmp_path: Path
                     log=tmp_path / "bad.log",
                 )
             )
+
+
+async def test_open_inference_launches_the_servers_the_configuration_asks_for(
+    tmp_path: Path,
+) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        "[inference]\n"
+        "launch = 2\n"
+        f"vllm = {json.dumps(f'{sys.executable} {STAND_IN}')}\n"
+        'vllm_args = ["--child"]\n'
+        'served_name = "tiny"\n'
+        "start_timeout = 30\n"
+        "probe_interval = 0.1\n"
+    )
+    config, _ = load(LearnRunConfig, [toml])
+    assert config.inference.routing_keys == "group"
+    with trio.fail_after(60):
+        async with open_inference(
+            **config.inference.inference_kwargs(), model_path="/models/tiny", log_dir=tmp_path
+        ) as fleet:
+            assert len(fleet.live()) == 2
+            assert fleet.model == "tiny"  # the servers were started with that name
+            done = await fleet.generate(GenerateRequest((5, 6), SamplingParams(max_tokens=4)))
+            assert done.finish_reason == "stop"
+            children = [_child_pid(tmp_path / f"vllm-{i}.log") for i in range(2)]
+    for pid in children:
+        await _until_gone(pid)
+
+
+async def test_open_inference_over_running_servers_and_its_bad_input(tmp_path: Path) -> None:
+    port = free_port()
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await _start_stand_in(nursery, port)
+            url = f"http://127.0.0.1:{port}"
+            async with open_inference(urls=[url], probe_interval=0.1) as fleet:
+                assert fleet.live() == [url]
+                assert fleet.model == "stand-in"  # what the server lists
+            with pytest.raises(EngineConfigError, match="exactly one of them"):
+                async with open_inference(urls=[url], launch=1):
+                    pass
+            with pytest.raises(EngineConfigError, match="needs model_path"):
+                async with open_inference(launch=1):
+                    pass
+            nursery.cancel_scope.cancel()

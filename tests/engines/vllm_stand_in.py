@@ -251,11 +251,11 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="a vLLM stand-in server process on loopback")
-    # ``vllm serve MODEL --host H --port P`` is accepted too, so it can stand in for ``vllm``
-    parser.add_argument("words", nargs="*", help="ignored: 'serve MODEL' as vllm takes them")
+    # vLLM's API server arguments are accepted, so it can stand in for the vLLM command
+    parser.add_argument("--model", dest="model_path", help="ignored")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--model", "--served-model-name", dest="model", default="stand-in")
+    parser.add_argument("--served-model-name", dest="model", default="stand-in")
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--length", type=int, default=4, help="tokens per completion")
     parser.add_argument(

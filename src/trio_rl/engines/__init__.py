@@ -22,6 +22,8 @@ from ._fleet import FleetEvent as FleetEvent
 from ._fleet import FleetServer as FleetServer
 from ._fleet import ServerState as ServerState
 from ._fleet import open_engine_fleet as open_engine_fleet
+from ._fleet import open_inference as open_inference
+from ._launch import DEFAULT_VLLM as DEFAULT_VLLM
 from ._launch import VLLMServers as VLLMServers
 from ._launch import launch_vllm_servers as launch_vllm_servers
 from ._launch import run_vllm_server as run_vllm_server

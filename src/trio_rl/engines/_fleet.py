@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -36,7 +37,14 @@ from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
 from ._validate import a_bool, http_urls, positive
 
-__all__ = ["EngineFleet", "FleetEvent", "FleetServer", "ServerState", "open_engine_fleet"]
+__all__ = [
+    "EngineFleet",
+    "FleetEvent",
+    "FleetServer",
+    "ServerState",
+    "open_engine_fleet",
+    "open_inference",
+]
 
 logger = logging.getLogger("trio_rl.engines")
 
@@ -48,6 +56,9 @@ ServerState = Literal["live", "out", "loading"]
 def _urls(value: str | Sequence[str]) -> tuple[str, ...]:
     urls = (value,) if isinstance(value, str) else tuple(value)
     return tuple(u.rstrip("/") for u in urls)
+
+
+_COUNTS = ("requests", "retried", "failed", "taken_out", "taken_in", "weight_loads")
 
 
 @attrs.frozen
@@ -178,7 +189,7 @@ class EngineFleet:
     #: Routing keys remembered (least recently used forgotten first).
     max_keys: int = attrs.field(default=65536, validator=positive)
     #: Check at opening that every server serves the same models (``GET /v1/models``), and
-    #: ``model`` among them unless it is ``"default"``.
+    #: ``model`` among them; ``"default"`` becomes the first model they list.
     check_models: bool = attrs.field(default=True, validator=a_bool)
     #: The policy-version cell this fleet advances; pass the pipeline's to share it.
     version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
@@ -193,17 +204,7 @@ class EngineFleet:
     _weights: tuple[str, PolicyVersion] | None = attrs.field(init=False, default=None)
     _open: bool = attrs.field(init=False, default=False)
     _events: deque[FleetEvent] = attrs.field(init=False, factory=lambda: deque(maxlen=10_000))
-    _counts: dict[str, int] = attrs.field(
-        init=False,
-        factory=lambda: {
-            "requests": 0,
-            "retried": 0,
-            "failed": 0,
-            "taken_out": 0,
-            "taken_in": 0,
-            "weight_loads": 0,
-        },
-    )
+    _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_COUNTS, 0))
 
     # ------------------------------------------------------------------ reading
 
@@ -264,7 +265,7 @@ class EngineFleet:
         try:
             with trio.fail_after(self.timeout):
                 for attempt in range(self.max_attempts):
-                    server = await self._pick(request, failures)
+                    server = await _pick(self, request, failures)
                     if server is None:  # aborted while waiting for a live server
                         return Completion([], [], "abort", self.version.value)
                     if attempt:
@@ -282,36 +283,6 @@ class EngineFleet:
             f"request {request.request_id!r} failed on {self.max_attempts} servers: "
             + "; ".join(failures)
         )
-
-    async def _pick(self, request: GenerateRequest, failures: list[str]) -> _Server | None:
-        """The server for ``request`` (its key's, else the least loaded); waits for one to be
-        live up to ``wait_for_server``; None if the request's abort was set meanwhile."""
-        key = request.routing_key
-        if key is not None:
-            pinned = self._keys.get(key)
-            if pinned is not None and pinned.state == "live":
-                self._keys.move_to_end(key)
-                return pinned
-        if not self._live.value:
-            with stop_scope(request.abort) as stopped:
-                with trio.move_on_after(self.wait_for_server):
-                    await self._live.wait_value(bool)
-            if stopped.cancelled_caught:
-                return None
-            if not self._live.value:
-                raise EngineTransportError(
-                    f"request {request.request_id!r}: no server of {list(self.urls)} was live "
-                    f"for {self.wait_for_server}s"
-                    + (f" ({'; '.join(failures)})" if failures else "")
-                )
-        live = [s for s in self._servers if s.state == "live"]
-        server = min(live, key=lambda s: (s.in_flight, s.requests))
-        if key is not None:
-            self._keys[key] = server
-            self._keys.move_to_end(key)
-            if len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
-        return server
 
     async def _on(self, server: _Server, request: GenerateRequest) -> Completion | str:
         """One attempt on ``server``: the completion (stamped with the version current when it
@@ -368,7 +339,7 @@ class EngineFleet:
 
             async def load(server: _Server) -> None:
                 try:
-                    await self._reload(server, where, version)
+                    await _reload(self, server, where, version)
                 except (EngineTransportError, EngineTimeoutError) as exc:
                     self._take_out(server, f"weight reload failed: {exc}")
                 except EngineError as exc:
@@ -390,27 +361,7 @@ class EngineFleet:
             self.version.advance(version)
             self._counts["weight_loads"] += 1
 
-    async def _reload(self, server: _Server, path: str, version: PolicyVersion) -> None:
-        await server.admin.reload_weights(path)
-        await server.admin.reset_prefix_cache()
-        server.loaded = version
-        self._events.append(FleetEvent(trio.current_time(), server.url, "loaded", version, path))
-
     # ------------------------------------------------------------------ probes
-
-    async def _probe(self, server: _Server) -> Literal["ok", "failed", "refused"]:
-        """``GET /health`` within ``probe_timeout``: ``refused`` when nothing listens on the
-        server's port (the process is gone: no need to wait for a second probe)."""
-        with trio.move_on_after(self.probe_timeout):
-            try:
-                await server.admin._call("GET", "/health")
-            except EngineTransportError as exc:
-                refused = isinstance(exc.__cause__, httpx.ConnectError)
-                return "refused" if refused else "failed"
-            except EngineError:
-                return "failed"
-            return "ok"
-        return "failed"
 
     def take_out(self, url: str, reason: str) -> None:
         """Take the server at ``url`` out now (e.g. its process exited: a launcher knows before
@@ -421,80 +372,140 @@ class EngineFleet:
                 return
         raise EngineConfigError(f"{url} is not a server of this fleet ({list(self.urls)})")
 
-    async def _watch(self, server: _Server) -> None:
-        """Probe ``server`` forever: take it out after ``probe_failures`` failed probes in a
-        row; bring it back in once it answers and has loaded the current weights."""
-        while True:
-            await trio.sleep(self.probe_interval)
-            probe = await self._probe(server)
-            if server.state == "live":
-                if probe == "refused":
-                    self._take_out(server, "its port refuses connections")
-                    continue
-                server.probe_failures = 0 if probe == "ok" else server.probe_failures + 1
-                if server.probe_failures >= self.probe_failures:
-                    self._take_out(server, f"{server.probe_failures} health probes in a row failed")
-            elif server.state == "out" and probe == "ok":
-                await self._bring_back(server)
 
-    async def _bring_back(self, server: _Server) -> None:
-        async with self._weights_lock:
-            server.state = "loading"
-            try:
-                if self._weights is not None:
-                    path, version = self._weights
-                    await self._reload(server, path, version)
-            except EngineError as exc:
-                server.state = "out"
-                logger.warning(
-                    "inference server %s answers again but could not load the current weights: %s",
-                    server.url,
-                    exc,
-                )
-                return
-            except BaseException:
-                server.state = "out"
-                raise
-            server.state = "live"
-            server.taken_in += 1
-            self._counts["taken_in"] += 1
-            self._live.value = self._live.value | {server.url}
-            self._events.append(
-                FleetEvent(trio.current_time(), server.url, "in", server.loaded, "")
+async def _pick(
+    fleet: EngineFleet, request: GenerateRequest, failures: list[str]
+) -> _Server | None:
+    """The server for ``request`` (its key's, else the least loaded); waits for one to be
+    live up to ``wait_for_server``; None if the request's abort was set meanwhile."""
+    key = request.routing_key
+    if key is not None:
+        pinned = fleet._keys.get(key)
+        if pinned is not None and pinned.state == "live":
+            fleet._keys.move_to_end(key)
+            return pinned
+    if not fleet._live.value:
+        with stop_scope(request.abort) as stopped:
+            with trio.move_on_after(fleet.wait_for_server):
+                await fleet._live.wait_value(bool)
+        if stopped.cancelled_caught:
+            return None
+        if not fleet._live.value:
+            raise EngineTransportError(
+                f"request {request.request_id!r}: no server of {list(fleet.urls)} was live "
+                f"for {fleet.wait_for_server}s" + (f" ({'; '.join(failures)})" if failures else "")
             )
+    live = [s for s in fleet._servers if s.state == "live"]
+    server = min(live, key=lambda s: (s.in_flight, s.requests))
+    if key is not None:
+        fleet._keys[key] = server
+        fleet._keys.move_to_end(key)
+        if len(fleet._keys) > fleet.max_keys:
+            fleet._keys.popitem(last=False)
+    return server
+
+
+async def _reload(fleet: EngineFleet, server: _Server, path: str, version: PolicyVersion) -> None:
+    await server.admin.reload_weights(path)
+    await server.admin.reset_prefix_cache()
+    server.loaded = version
+    fleet._events.append(FleetEvent(trio.current_time(), server.url, "loaded", version, path))
+
+
+async def _probe(fleet: EngineFleet, server: _Server) -> Literal["ok", "failed", "refused"]:
+    """``GET /health`` within ``probe_timeout``: ``refused`` when nothing listens on the
+    server's port (the process is gone: no need to wait for a second probe)."""
+    with trio.move_on_after(fleet.probe_timeout):
+        try:
+            await server.admin._call("GET", "/health")
+        except EngineTransportError as exc:
+            refused = isinstance(exc.__cause__, httpx.ConnectError)
+            return "refused" if refused else "failed"
+        except EngineError:
+            return "failed"
+        return "ok"
+    return "failed"
+
+
+async def _watch(fleet: EngineFleet, server: _Server) -> None:
+    """Probe ``server`` forever: take it out after ``probe_failures`` failed probes in a
+    row; bring it back in once it answers and has loaded the current weights."""
+    while True:
+        await trio.sleep(fleet.probe_interval)
+        probe = await _probe(fleet, server)
+        if server.state == "live":
+            if probe == "refused":
+                fleet._take_out(server, "its port refuses connections")
+                continue
+            server.probe_failures = 0 if probe == "ok" else server.probe_failures + 1
+            if server.probe_failures >= fleet.probe_failures:
+                fleet._take_out(server, f"{server.probe_failures} health probes in a row failed")
+        elif server.state == "out" and probe == "ok":
+            await _bring_back(fleet, server)
+
+
+async def _bring_back(fleet: EngineFleet, server: _Server) -> None:
+    async with fleet._weights_lock:
+        server.state = "loading"
+        try:
+            if fleet._weights is not None:
+                path, version = fleet._weights
+                await _reload(fleet, server, path, version)
+        except EngineError as exc:
+            server.state = "out"
             logger.warning(
-                "inference server %s taken back in (weights of version %s)",
+                "inference server %s answers again but could not load the current weights: %s",
                 server.url,
-                "as started" if server.loaded is None else server.loaded,
+                exc,
             )
-
-    async def _check_servers(self) -> None:
-        """Every server answers ``/health`` within ``start_timeout`` and, with
-        ``check_models``, all serve the same models."""
-        models: dict[str, list[str]] = {}
-
-        async def check(server: _Server) -> None:
-            await server.admin.wait_healthy(self.start_timeout, poll_interval=0.25)
-            if self.check_models:
-                models[server.url] = sorted(await server.admin.models())
-
-        with collapse_single():
-            async with trio.open_nursery() as nursery:
-                for server in self._servers:
-                    nursery.start_soon(check, server)
-        if not self.check_models:
             return
-        first_url = self._servers[0].url
-        for url, served in models.items():
-            if served != models[first_url]:
-                raise EngineConfigError(
-                    f"inference servers disagree on the model: {first_url} serves "
-                    f"{models[first_url]}, {url} serves {served}"
-                )
-        if self.model != "default" and self.model not in models[first_url]:
+        except BaseException:
+            server.state = "out"
+            raise
+        server.state = "live"
+        server.taken_in += 1
+        fleet._counts["taken_in"] += 1
+        fleet._live.value = fleet._live.value | {server.url}
+        fleet._events.append(FleetEvent(trio.current_time(), server.url, "in", server.loaded, ""))
+        logger.warning(
+            "inference server %s taken back in (weights of version %s)",
+            server.url,
+            "as started" if server.loaded is None else server.loaded,
+        )
+
+
+async def _check_servers(fleet: EngineFleet) -> None:
+    """Every server answers ``/health`` within ``start_timeout`` and, with
+    ``check_models``, all serve the same models."""
+    models: dict[str, list[str]] = {}
+
+    async def check(server: _Server) -> None:
+        await server.admin.wait_healthy(fleet.start_timeout, poll_interval=0.25)
+        if fleet.check_models:
+            models[server.url] = sorted(await server.admin.models())
+
+    with collapse_single():
+        async with trio.open_nursery() as nursery:
+            for server in fleet._servers:
+                nursery.start_soon(check, server)
+    if not fleet.check_models:
+        return
+    first_url = fleet._servers[0].url
+    if fleet.model == "default" and models[first_url]:
+        # ask for what the servers serve (vLLM refuses a request naming another model)
+        fleet.model = models[first_url][0]
+        for server in fleet._servers:
+            server.engine.model = fleet.model
+    for url, served in models.items():
+        if served != models[first_url]:
             raise EngineConfigError(
-                f"inference servers serve {models[first_url]}, not the model {self.model!r}"
+                f"inference servers disagree on the model: {first_url} serves "
+                f"{models[first_url]}, {url} serves {served}"
             )
+    if fleet.model != "default" and fleet.model not in models[first_url]:
+        raise EngineConfigError(
+            f"inference servers serve {models[first_url]}, not the model {fleet.model!r}"
+        )
 
 
 @asynccontextmanager
@@ -535,14 +546,68 @@ async def _opened(fleet: EngineFleet) -> AsyncIterator[EngineFleet]:
             await stack.enter_async_context(engine)
             await stack.enter_async_context(admin)
             fleet._servers.append(_Server(url, engine, admin))
-        await fleet._check_servers()
+        await _check_servers(fleet)
         fleet._live.value = frozenset(fleet.urls)
         nursery = await stack.enter_async_context(trio.open_nursery())
         for server in fleet._servers:
-            nursery.start_soon(fleet._watch, server)
+            nursery.start_soon(_watch, fleet, server)
         fleet._open = True
         try:
             yield fleet
         finally:
             fleet._open = False
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def open_inference(
+    *,
+    urls: Sequence[str] = (),
+    launch: int = 0,
+    model_path: str | os.PathLike[str] | None = None,
+    vllm: str = "",
+    vllm_args: Sequence[str] = (),
+    served_name: str | None = None,
+    restarts: int = 3,
+    log_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[EngineFleet]:
+    """The inference fleet of a run, as ``[inference]`` describes it
+    (``config.inference.inference_kwargs()``): the servers at ``urls``, already running, or
+    ``launch`` vLLM servers serving ``model_path``, started by
+    :func:`~trio_rl.engines.launch_vllm_servers` (``vllm`` the command before ``--model``,
+    default :data:`~trio_rl.engines.DEFAULT_VLLM`, ``vllm_args`` extra
+    arguments, ``log_dir`` their logs, at most ``restarts`` restarts each; a restart takes the
+    server out of the fleet at once). Other keyword arguments go to :class:`EngineFleet`
+    (``start_timeout`` also bounds each launched server's start). Leaving the block closes the
+    fleet, then stops the launched servers (SIGTERM, then SIGKILL, to each process group)."""
+    from ._launch import launch_vllm_servers
+
+    if bool(urls) == bool(launch):
+        raise EngineConfigError(
+            "open_inference: give the servers already running (urls) or how many to launch, "
+            f"exactly one of them (urls={list(urls)}, launch={launch})"
+        )
+    if served_name is not None:
+        kwargs["model"] = served_name
+    if urls:
+        async with open_engine_fleet(urls, **kwargs) as fleet:
+            yield fleet
+        return
+    if model_path is None:
+        raise EngineConfigError("open_inference: launching servers needs model_path")
+    launch_kwargs: dict[str, Any] = {"args": tuple(vllm_args)}
+    if vllm:
+        launch_kwargs["executable"] = tuple(shlex.split(vllm))
+    if "start_timeout" in kwargs:
+        launch_kwargs["start_timeout"] = kwargs["start_timeout"]
+    if served_name is not None:
+        launch_kwargs["served_name"] = served_name
+    async with (
+        launch_vllm_servers(
+            launch, model_path, log_dir=log_dir, restarts=restarts, **launch_kwargs
+        ) as launched,
+        open_engine_fleet(launched.urls, **kwargs) as fleet,
+    ):
+        launched.on_exit = fleet.take_out
+        yield fleet

