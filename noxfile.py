@@ -151,8 +151,8 @@ def vllm(session: nox.Session) -> None:
     session.install(VLLM)
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[learn]")
-    out = session.create_tmp()
-    session.run(
-        "python", "examples/vllm_learning.py", "--out", f"{out}/vllm-run", *session.posargs
-    )
+    out = f"{session.create_tmp()}/vllm-run"
+    session.log(f"run directory: {out}")
+    session.run("python", "examples/vllm_learning.py", "--out", out, *session.posargs)
+    session.log(f"run directory: {out} (metrics.jsonl, plot: trio-rl plot {out})")
 
