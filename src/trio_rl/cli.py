@@ -43,6 +43,7 @@ from .config import (
     Override,
     SimulateConfig,
     check_resume,
+    env_overrides,
     flatten,
     load,
     store,
@@ -151,6 +152,12 @@ _SIMULATE_FLAGS = (
 _RUN_FLAGS = (
     _Flag("--out", "run.out", {"type": str, "metavar": "DIR"}),
     _Flag("--steps", "run.steps", {"type": int}, _STEPS),
+    _Flag(
+        "--max-steps",
+        "run.max_steps",
+        {"type": int},
+        "the run's last step, a total across resumes (--steps more, never past it); ",
+    ),
     _Flag("--seed", "run.seed", {"type": int}),
     _Flag("--time-limit", "run.time_limit", {"type": float}),
     _Flag("--stop-at-reward", "run.stop_at_reward", {"type": float}),
@@ -165,8 +172,18 @@ _RUN_FLAGS = (
     _Flag("--lr", "trainer.lr", {"type": float}),
     _Flag("--epochs", "trainer.epochs", {"type": int}),
     _Flag("--trainer-delay", "trainer.delay", {"type": float}),
-    _Flag("--no-plot", "metrics.plot", {"action": "store_const", "const": False}),
-    _Flag("--plain", "metrics.display", {"action": "store_const", "const": "plain"}),
+    _Flag(
+        "--no-plot",
+        "metrics.plot",
+        {"action": "store_const", "const": False},
+        "do not draw RUN_DIR/plot.png at the end; ",
+    ),
+    _Flag(
+        "--plain",
+        "metrics.display",
+        {"action": "store_const", "const": "plain"},
+        "one plain line per step, no live table or progress bar; ",
+    ),
     _Flag("--log-level", "run.log_level", {"choices": ["debug", "info", "warning", "error"]}),
 )
 
@@ -209,11 +226,17 @@ def _add_config_arguments(
     for f in flags:
         default = defaults[f.key]
         shown = "unset" if default is None else default
+        if "const" in f.kwargs:  # a switch: it sets one value, it has no default of its own
+            const = f.kwargs["const"]
+            value = str(const).lower() if isinstance(const, bool) else const
+            text = f"{f.note}shorthand for --set {f.key}={value}"
+        else:
+            text = f"{f.note}shorthand for --set {f.key}=... (default {shown})"
         p.add_argument(
             f.flag,
             dest=f.dest,
             default=None,
-            help=f"{f.note}shorthand for --set {f.key}=... (default {shown})",
+            help=text,
             # the flag's name, not the dest, in the usage (choices show themselves)
             **_metavar(f),
         )
@@ -279,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
         "config",
         help="print the effective configuration of `run` (or `simulate`) as TOML",
         description="Print the effective configuration as TOML: the defaults, then the files, "
-        "then --set, in that order.",
+        "then the TRIO_RL_<SECTION>__<KEY> environment variables, then the flags, then --set, "
+        "in that order. Accepts every flag of `run`.",
     )
     show.add_argument(
         "--for",
@@ -288,7 +312,10 @@ def _parser() -> argparse.ArgumentParser:
         default="run",
         help="the command whose configuration to print (default run)",
     )
-    _add_config_arguments(show, LearnRunConfig, (), resumable=False)
+    # every flag `run` accepts: its shortcuts set keys here too, so a command line can be
+    # checked by putting `config` in place of `run`
+    _add_config_arguments(show, LearnRunConfig, _RUN_FLAGS, resumable=True)
+    show.add_argument("--fresh", action="store_true", help="accepted as `run` does; no effect")
     for name, module, what in (
         ("inspect", "inspect_cmd", "summarize a batch file, a checkpoint or a run directory"),
         ("plot", "plot_cmd", "draw a run's standard figures to PNG"),
@@ -298,12 +325,20 @@ def _parser() -> argparse.ArgumentParser:
             tool = importlib.import_module(f"trio_rl.tools.{module}")
         except ImportError:  # the tools package is optional at this layer
             continue
-        p = sub.add_parser(name, help=what)
+        doc = (tool.__doc__ or what).split("\n\n")[0].replace("``", "")
+        p = sub.add_parser(name, help=what, description=doc)
         tool.add_arguments(p)
         if not any("-v" in a.option_strings for a in p._actions):
             p.add_argument("-v", "--verbose", action="store_true")
         p.set_defaults(tool=tool)
     return parser
+
+
+def _layers(schema: type[Any], args: argparse.Namespace, flags: Sequence[_Flag]) -> list[Override]:
+    """What overrides the files: the ``TRIO_RL_<SECTION>__<KEY>`` environment variables, then
+    the flags, then ``--set``."""
+    others = [s for s in (LearnRunConfig, SimulateConfig) if s is not schema]
+    return [*env_overrides(schema, os.environ, others), *_overrides(args, flags)]
 
 
 def _overrides(args: argparse.Namespace, flags: Sequence[_Flag]) -> list[Override]:
@@ -814,15 +849,35 @@ class _Quiet(logging.Formatter):
 
 
 def _check_out(out: Path) -> None:
-    """``--out`` must be a directory or creatable as one: refuse a path at or below a regular
-    file before anything starts."""
+    """``--out`` must be a directory or creatable as one, and writable: refuse it (a usage
+    error, exit 2, naming the option) before anything starts. A new directory is made here."""
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
                 raise _UsageError(
                     f"--out {out}: {path} is a regular file, not a directory; pass a directory"
                 )
-            return
+            break
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise _UsageError(
+            f"--out {out}: cannot write there ({exc.strerror or exc}); pass a directory you "
+            "can write"
+        ) from None
+
+
+def _last_shipped(out: Path) -> int:
+    """The last step the run in ``out`` shipped (its ``metrics.jsonl``), 0 for none."""
+    from .tools.metrics import read_metrics
+
+    try:
+        records = read_metrics(out / "metrics.jsonl")
+    except TrioRLError:  # no file (a new run) or a damaged one: the run itself says so
+        return 0
+    return max((r["step"] for r in records if "samples" in r or "wall_s" in r), default=0)
 
 
 def _report(args: argparse.Namespace, exc: BaseException) -> int:
@@ -930,13 +985,19 @@ def _main(args: argparse.Namespace) -> int:
     if args.command == "config":
         _STARTUP.release()  # no event loop: Ctrl-C is a KeyboardInterrupt
         schema: type[Any] = SimulateConfig if args.target == "simulate" else LearnRunConfig
-        cfg, _ = load(schema, args.configs, _overrides(args, ()))
+        flags = _RUN_FLAGS if schema is LearnRunConfig else ()
+        if schema is SimulateConfig and any(getattr(args, f.dest, None) for f in _RUN_FLAGS):
+            given = [f.flag for f in _RUN_FLAGS if getattr(args, f.dest, None) is not None]
+            raise _UsageError(f"{', '.join(given)}: flags of `run`; with --for simulate use --set")
+        cfg, _ = load(schema, args.configs, _layers(schema, args, flags))
         sys.stdout.write(to_toml(cfg))
         return 0
     if args.command == "trainer":
         return _trainer_job(args)
     if args.command == "run":
-        learn_cfg, origin = load(LearnRunConfig, args.configs, _overrides(args, _RUN_FLAGS))
+        learn_cfg, origin = load(
+            LearnRunConfig, args.configs, _layers(LearnRunConfig, args, _RUN_FLAGS)
+        )
         if learn_cfg.trainer.mode == "inprocess" and learn_cfg.trainer.ranks != 1:
             raise ConfigError(
                 origin.get("trainer.ranks", "defaults"),
@@ -967,12 +1028,23 @@ def _main(args: argparse.Namespace) -> int:
         torch.set_num_threads(learn_cfg.run.threads)
         _check_run_inputs(learn_cfg, origin)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
+        if learn_cfg.run.max_steps is not None:
+            shipped = _last_shipped(config.out) if _resuming(config) else 0
+            left = learn_cfg.run.max_steps - shipped
+            if left <= 0:
+                print(
+                    f"trio-rl: the run in {config.out} has shipped step {shipped}, its "
+                    f"run.max_steps ({learn_cfg.run.max_steps}): nothing to do (raise "
+                    "--max-steps to go on)"
+                )
+                return 0
+            config = attrs.evolve(config, steps=min(config.steps, left))
         resume = _resume_command(args.argv)
         if args.default_out:  # the command again must find this run's directory
             resume = shlex.join([*shlex.split(resume), "--out", str(config.out)])
         return _trio_run(_run_learning, config, learn_cfg, resume)
     if args.command == "simulate":
-        cfg, _ = load(SimulateConfig, args.configs, _overrides(args, _SIMULATE_FLAGS))
+        cfg, _ = load(SimulateConfig, args.configs, _layers(SimulateConfig, args, _SIMULATE_FLAGS))
         if importlib.util.find_spec("torch") is not None:
             # torch is an optional extra; importing it takes seconds, so not inside the loop
             importlib.import_module("torch")
@@ -1296,8 +1368,12 @@ def _open_metric_sinks(
                 )
             )
         if metrics.prometheus_port is not None:
-            prometheus = sinks.PrometheusSink(metrics.prometheus_port)
-            print(f"metrics: Prometheus endpoint on port {prometheus.port}", flush=True)
+            prometheus = sinks.PrometheusSink(metrics.prometheus_port, host=metrics.prometheus_host)
+            print(
+                f"metrics: Prometheus endpoint on port {prometheus.port} "
+                f"(http://{metrics.prometheus_host}:{prometheus.port}/metrics)",
+                flush=True,
+            )
             opened.append(prometheus)
     except BaseException:
         sinks.FanOut(opened).close()

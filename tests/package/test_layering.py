@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
     "tools": {"payloads", "samples", "wire", "train", "transport", "publish"},
     "learn": {
+        # the run's plot is the figure of `trio-rl plot` (tools reads records, never learns)
+        "tools",
         "config",
         "payloads",
         "policy",

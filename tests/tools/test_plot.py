@@ -33,15 +33,48 @@ def test_the_panels_of_a_learning_run(learn_run: Path) -> None:
     fig = build_figure(records)
     axes = fig.get_axes()
     assert [ax.get_title() for ax in axes] == list(PANELS)
-    reward, throughput, _, lag = axes
-    (line,) = reward.get_lines()
+    panel = dict(zip(PANELS, axes, strict=True))
+    (line,) = panel["reward"].get_lines()
     assert list(line.get_xdata()) == [1, 2, 3, 4]
     assert list(line.get_ydata()) == pytest.approx([r["reward_mean"] for r in records])
-    assert len(throughput.get_lines()) == 1
-    assert {ln.get_label() for ln in lag.get_lines()} == {
-        "loop lag p95 (ms)",
-        "off-policy lag max (versions)",
-    }
+    assert len(panel["throughput"].get_lines()) >= 1
+    # each quantity on its own axis, with its unit in the label
+    assert panel["off-policy lag"].get_ylabel().endswith("(versions)")
+    assert panel["loop lag"].get_ylabel().endswith("(ms)")
+    (lag,) = panel["off-policy lag"].get_lines()
+    assert list(lag.get_ydata()) == [r["off_policy_max"] for r in records]
+
+
+def test_the_trainer_panels_plot_the_trainer_s_records() -> None:
+    records: list[dict[str, float]] = [
+        {"step": 1, "reward_mean": 0.1, "samples": 8},
+        {"step": 2, "reward_mean": 0.2, "samples": 8},
+        {"step": 1, "trainer/loss": -0.5, "trainer/kl": 0.01, "trainer/entropy": 2.0},
+        {"step": 2, "trainer/loss": 0.25, "trainer/kl": 0.02, "trainer/entropy": 1.9},
+    ]
+    panel = dict(zip(PANELS, build_figure(records).get_axes(), strict=True))
+    for name, key in (("trainer loss", "trainer/loss"), ("trainer KL", "trainer/kl"),
+                      ("trainer entropy", "trainer/entropy")):  # fmt: skip
+        (line,) = panel[name].get_lines()
+        assert list(line.get_xdata()) == [1, 2]
+        assert list(line.get_ydata()) == [r[key] for r in records[2:]]
+    # a trainer's own record is not a step of the reward panel
+    (line,) = panel["reward"].get_lines()
+    assert list(line.get_xdata()) == [1, 2]
+
+
+def test_one_outlier_does_not_squash_its_panel() -> None:
+    lags = [950.0] + [2.0 + 0.1 * (i % 5) for i in range(39)]
+    records = [{"step": i + 1, "loop_lag_p95_ms": v} for i, v in enumerate(lags)]
+    ax = dict(zip(PANELS, build_figure(records).get_axes(), strict=True))["loop lag"]
+    low, high = ax.get_ylim()
+    assert low <= 0.0  # a lag's axis starts at zero
+    assert 2.4 <= high < 5.0  # the bulk fills the panel; 950 ms would make it 1000
+    assert [t.get_text() for t in ax.texts] == ["1 off scale (950)"]
+    # the outlier is still shown, as a marker on the top edge
+    _, marker = ax.get_lines()
+    assert list(marker.get_ydata()) == [high]
+    assert list(marker.get_xdata()) == [1]
 
 
 def test_a_panel_without_its_fields_says_so() -> None:
@@ -69,11 +102,19 @@ def test_the_command_writes_a_png(learn_run: Path, tmp_path: Path) -> None:
     done = trio_rl("plot", str(learn_run), "--out", str(out))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith(str(out))
-    assert _png_size(out) == (1000, 700)
-    # the default target sits next to the metrics
+    assert _png_size(out) == (1100, 1200)
+    # the default target is the run's own plot.png: the figure `trio-rl run` draws at its end
     default = write_figure(learn_run)
-    assert default == learn_run / "metrics.png"
-    assert _png_size(default) == (1000, 700)
+    assert default == learn_run / "plot.png"
+    assert _png_size(default) == (1100, 1200)
+
+
+def test_the_run_s_plot_is_the_plot_command_s_figure(tmp_path: Path) -> None:
+    from trio_rl.learn import write_plot
+
+    records = [{"step": s, "reward_mean": 0.1 * s, "loop_lag_p95_ms": 1.0} for s in (1, 2, 3)]
+    write_plot(records, tmp_path / "plot.png", "repeat")
+    assert _png_size(tmp_path / "plot.png") == (1100, 1200)
 
 
 def test_errors_are_one_line(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 One TOML file whose sections mirror the components (``[run]``, ``[engine]``, ``[rollout]``,
 ``[sink]``, ``[publish]``, ``[transport]``, ``[trainer]``, ``[checkpoint]``, ``[metrics]``);
-later files, then flags, then ``--set section.key=value`` override earlier values. Loading
+later files, then ``TRIO_RL_<SECTION>__<KEY>`` environment variables, then flags, then
+``--set section.key=value`` override earlier values. Loading
 validates every value and names the key and the file and line (or the flag) of a bad one. The
 effective configuration is stored in the run directory (``config.toml``); a resumed run whose
 configuration differs in a key not allowed to change is refused (`check_resume`).
@@ -20,10 +21,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ._errors import ConfigChangedError, ConfigError
-from ._load import Override, flatten, key_line, load, may_change, reference_markdown, to_toml
+from ._load import (
+    ENV_PREFIX,
+    Override,
+    env_overrides,
+    flatten,
+    key_line,
+    load,
+    may_change,
+    reference_markdown,
+    to_toml,
+)
 from ._schema import LearnRunConfig, SimulateConfig
 
 __all__ = [
+    "ENV_PREFIX",
     "STORED_FILE",
     "ConfigChangedError",
     "ConfigError",
@@ -31,6 +43,7 @@ __all__ = [
     "Override",
     "SimulateConfig",
     "check_resume",
+    "env_overrides",
     "flatten",
     "key_line",
     "load",

@@ -17,7 +17,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -26,7 +26,9 @@ import attrs
 from ._errors import ConfigError
 
 __all__ = [
+    "ENV_PREFIX",
     "Override",
+    "env_overrides",
     "flatten",
     "load",
     "option",
@@ -260,6 +262,40 @@ def _unknown(what: str, name: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown {what}{hint}; known: {', '.join(known)}"
+
+
+#: The prefix of the environment variables that set a key: ``TRIO_RL_<SECTION>__<KEY>``.
+ENV_PREFIX = "TRIO_RL_"
+
+
+def env_overrides(
+    schema: type[Any], environ: Mapping[str, str], others: Sequence[type[Any]] = ()
+) -> list[Override]:
+    """The ``TRIO_RL_<SECTION>__<KEY>=VALUE`` variables of ``environ`` as overrides of
+    ``schema`` (``TRIO_RL_ROLLOUT__BATCH_GROUPS=16`` is ``--set rollout.batch_groups=16``), in
+    name order; values are read as ``--set`` reads them. A variable naming a key of one of
+    ``others`` only (the other command's configuration) is left to it; one naming no key of
+    any is a `ConfigError` naming the variable. Variables without ``__`` are not keys."""
+    sections = _sections(schema)
+    out: list[Override] = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if section in sections and key in _options(sections[section]):
+            out.append(Override(f"{section}.{key}", environ[name], where=name, raw=True))
+            continue
+        if any(
+            section in _sections(other) and key in _options(_sections(other)[section])
+            for other in others
+        ):
+            continue
+        if section not in sections:
+            raise ConfigError(name, f"{section}.{key}", _unknown("section", section, sections))
+        raise ConfigError(
+            name, f"{section}.{key}", _unknown("key", key, _options(sections[section]))
+        )
+    return out
 
 
 def load(

@@ -22,6 +22,16 @@ _STALENESS_HELP = (
 )
 
 
+def _check_port(port: int | None, allowed: bool, name: str) -> None:
+    """A port below 1024 (0 aside: a free one) is a privileged port, most likely a typo (80
+    for 8000): refused unless the section allows it."""
+    if port is not None and 0 < port < 1024 and not allowed:
+        raise ValueError(
+            f"{name} {port} is below 1024 (a privileged port); set "
+            f"allow_privileged_port = true to use it"
+        )
+
+
 # ------------------------------------------------------------------ trio-rl run (learning)
 
 
@@ -37,6 +47,13 @@ class LearnRun:
     steps: int = option(
         200,
         "steps to ship in this invocation (not a total: a resumed run ships this many more)",
+        validator=at_least(1),
+        may_change=True,
+    )
+    max_steps: int | None = option(
+        None,
+        "the last step of the run, a total across resumes: an invocation ships `steps` more "
+        "but never past this one (unset: no limit)",
         validator=at_least(1),
         may_change=True,
     )
@@ -207,10 +224,22 @@ class Metrics:
     prometheus_port: int | None = option(
         None,
         "also serve the latest record's numeric fields as Prometheus gauges on this port "
-        "(0: a free one, logged; trio-rl[prometheus])",
+        "(0: a free one, logged; trio-rl[prometheus]); below 1024 only with "
+        "`allow_privileged_port`",
         validator=between(0, 65535),
         may_change=True,
     )
+    prometheus_host: str = option(
+        "127.0.0.1",
+        "the address the Prometheus endpoint listens on (0.0.0.0: every interface)",
+        may_change=True,
+    )
+    allow_privileged_port: bool = option(
+        False, "allow a `prometheus_port` below 1024 (a privileged port)", may_change=True
+    )
+
+    def __attrs_post_init__(self) -> None:
+        _check_port(self.prometheus_port, self.allow_privileged_port, "prometheus_port")
 
 
 def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -427,10 +456,17 @@ class SimTransport:
     kind: Literal["files", "zmq"] = option("files", "files (in the run directory) or zmq")
     port: int = option(
         0,
-        "ZeroMQ data port; READY uses port+1 (0: pick a free pair)",
+        "ZeroMQ data port; READY uses port+1 (0: pick a free pair); below 1024 only with "
+        "`allow_privileged_port`",
         validator=between(0, 65534),
         may_change=True,
     )
+    allow_privileged_port: bool = option(
+        False, "allow a `port` below 1024 (a privileged port)", may_change=True
+    )
+
+    def __attrs_post_init__(self) -> None:
+        _check_port(self.port, self.allow_privileged_port, "port")
 
 
 @attrs.frozen

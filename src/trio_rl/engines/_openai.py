@@ -17,6 +17,7 @@ import trio
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
+from ._backoff import retry_delay
 from ._errors import (
     EngineRequestError,
     EngineResponseError,
@@ -221,7 +222,9 @@ class OpenAICompatibleEngine:
     **Deadline and retries.** The whole call, retries included, runs under
     ``trio.fail_after(timeout)``; expiry raises :class:`EngineTimeoutError`. Transport errors
     and 5xx answers are retried up to ``max_attempts`` in all, sleeping ``backoff``, then twice
-    that, ... (at most ``max_backoff``) in between; then :class:`EngineTransportError`. A 4xx
+    that, ... (at most ``max_backoff``) in between, each pause jittered (between half and all
+    of it: many clients do not retry a restarted server at the same instant); then
+    :class:`EngineTransportError`. A 4xx
     answer raises :class:`EngineRequestError` at once, a malformed body
     :class:`EngineResponseError`.
 
@@ -391,7 +394,7 @@ class OpenAICompatibleEngine:
         exchange = _Exchange(self, headers)
         for attempt in range(self.max_attempts):
             if attempt:
-                await trio.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+                await trio.sleep(retry_delay(attempt, self.backoff, self.max_backoff))
                 if request.routing_key is None:
                     base = self.server_for(None)
             received.reset()

@@ -24,6 +24,7 @@ import trio
 
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
+from ._backoff import retry_delay
 from ._batching import PendingRow as _Row
 from ._batching import RequestBatcher
 from ._errors import (
@@ -235,7 +236,8 @@ class VLLMEngine:
     ``gather_window`` seconds become one HTTP request per run of consecutive seeds (``seed`` of
     the first, ``n`` the run's length; vLLM seeds choice ``i`` with ``seed + i``). Each request
     runs under ``trio.fail_after(timeout)`` (:class:`EngineTimeoutError`); transport errors and
-    5xx answers are retried ``max_attempts`` times in all, then :class:`EngineTransportError`;
+    5xx answers are retried ``max_attempts`` times in all (after ``backoff``, then twice that,
+    ..., each pause jittered between half and all of it), then :class:`EngineTransportError`;
     a 4xx raises :class:`EngineRequestError`, a bad body :class:`EngineResponseError`.
 
     **Policy version.** A completion reports the version current when its HTTP request was
@@ -430,7 +432,7 @@ class _NRequest:
             with trio.fail_after(e.timeout):
                 for attempt in range(e.max_attempts):
                     if attempt:
-                        await trio.sleep(e.backoff * 2 ** (attempt - 1))
+                        await trio.sleep(retry_delay(attempt, e.backoff))
                     e.count("http_requests")
                     self._reset()
                     try:

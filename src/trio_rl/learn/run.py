@@ -835,33 +835,8 @@ def _append(path: Path, line: str) -> None:
 
 
 def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """Reward (left axis) and samples per second (right axis) against step, as a PNG."""
-    import matplotlib
+    """The run's standard figure as a PNG: the panels ``trio-rl plot`` draws
+    (:func:`trio_rl.tools.plot_cmd.build_figure`), one figure family for both."""
+    from ..tools.plot_cmd import build_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [m["step"] for m in metrics]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(steps, [m["reward_mean"] or 0.0 for m in metrics], color="tab:blue", label="reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward", color="tab:blue")
-    ax.set_ylim(0, 1)
-    ax2 = ax.twinx()
-    # throughput over a sliding window of 10 steps (one step's figure is spiky: a step can
-    # ship from a backlog in milliseconds)
-    rate = []
-    for i in range(len(metrics)):
-        first = max(0, i - 9)
-        before = metrics[first - 1]["wall_s"] if first else 0.0
-        elapsed = max(metrics[i]["wall_s"] - before, 1e-9)
-        # samples scored (shipped or pruned); records without the count use what was shipped
-        scored = sum(m.get("reward_count", m["samples"]) for m in metrics[first : i + 1])
-        rate.append(scored / elapsed)
-    ax2.plot(steps, rate, color="tab:orange", alpha=0.8)
-    ax2.set_ylabel("samples scored / s (10-step window)", color="tab:orange")
-    wall = metrics[-1]["wall_s"]
-    ax.set_title(f"trio-rl learning run {title} ({wall:.0f} s wall)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    build_figure(metrics, title=f"learning run {title}".strip()).savefig(path)

@@ -1,10 +1,15 @@
 """``trio-rl plot RUN_DIR``: the standard figures of a run, from its ``metrics.jsonl``, as PNG.
 
-Four panels against step: reward (mean reward), throughput (samples scored per second, over a
-sliding window of steps: one step's rate is spiky, a step can ship from a backlog in
-milliseconds), slot occupancy, and lag (event-loop lag p95 and off-policy lag). A panel whose
-fields no record has says so instead of drawing an empty line. Needs matplotlib
-(``trio-rl[learn]``); without it the command fails with one line naming the extra.
+One figure family: ``trio-rl run`` draws its ``plot.png`` with the same :func:`build_figure`.
+Eight panels against step, each quantity on an axis of its own: reward (mean reward),
+throughput (samples scored per second, over a sliding window of steps: one step's rate is
+spiky, a step can ship from a backlog in milliseconds), slot occupancy, off-policy lag (policy
+versions), loop lag (the event loop's p95, ms), and the trainer's loss, KL and entropy
+(``trainer/...``, from the trainer's reports). Each y range is robust: it spans the bulk of the
+values (quartiles +- 3 interquartile ranges), so one outlier (a 950 ms first step) does not
+squash a panel; points beyond it are drawn on the edge as triangles and counted in the panel.
+A panel whose fields no record has says so instead of drawing an empty line. Needs
+matplotlib (``trio-rl[learn]``); without it the command fails with one line naming the extra.
 """
 
 from __future__ import annotations
@@ -23,8 +28,27 @@ from .metrics import read_metrics
 __all__ = ["PANELS", "add_arguments", "build_figure", "main", "run", "write_figure"]
 
 #: Panel titles, in order (the figure's axes carry exactly these titles).
-PANELS = ("reward", "throughput", "slot occupancy", "lag")
+PANELS = (
+    "reward",
+    "throughput",
+    "slot occupancy",
+    "off-policy lag",
+    "loop lag",
+    "trainer loss",
+    "trainer KL",
+    "trainer entropy",
+)
 _WINDOW = 10
+
+#: (panel, record field, y label, colour) of the panels that plot one field as it is.
+_SIMPLE = (
+    ("slot occupancy", "slot_occupancy", "busy fraction of decode slots", "tab:green"),
+    ("off-policy lag", "off_policy_max", "largest lag shipped (versions)", "tab:purple"),
+    ("loop lag", "loop_lag_p95_ms", "event-loop lag p95 (ms)", "tab:red"),
+    ("trainer loss", "trainer/loss", "policy loss", "tab:brown"),
+    ("trainer KL", "trainer/kl", "KL to the behaviour policy (k3)", "tab:pink"),
+    ("trainer entropy", "trainer/entropy", "entropy (nats)", "tab:olive"),
+)
 
 
 def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -46,9 +70,15 @@ def _scored(record: Mapping[str, Any]) -> int:
     return 0
 
 
+def _steps_only(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The orchestrator's records of shipped steps (a trainer's own report is not a step)."""
+    return [r for r in records if "samples" in r or "reward_mean" in r or "wall_s" in r]
+
+
 def _throughput(records: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[float]]:
     """Samples scored per second over the last ``_WINDOW`` steps (needs ``wall_s``); records
     without ``wall_s`` fall back to their own ``samples_per_s``."""
+    records = _steps_only(records)
     if not all(isinstance(r.get("wall_s"), int | float) for r in records):
         return _series(records, "samples_per_s")
     steps, rates = [], []
@@ -74,6 +104,57 @@ def _missing(ax: Any, what: str) -> None:
     )
 
 
+def robust_limits(values: Sequence[float], floor: float | None = None) -> tuple[float, float]:
+    """A y range for ``values`` that one outlier does not decide: the quartiles widened by
+    three interquartile ranges, cut to the values' own range, padded by 5 %. ``floor`` (0 for
+    counts, rates and lags) is always included: only outliers above the bulk are cut."""
+    ordered = sorted(values)
+    n = len(ordered)
+
+    def quantile(q: float) -> float:
+        pos = q * (n - 1)
+        i = int(pos)
+        j = min(i + 1, n - 1)
+        return ordered[i] + (ordered[j] - ordered[i]) * (pos - i)
+
+    q1, q3 = quantile(0.25), quantile(0.75)
+    spread = q3 - q1
+    low = max(ordered[0], q1 - 3 * spread)
+    high = min(ordered[-1], q3 + 3 * spread)
+    if floor is not None:
+        low = min(floor, ordered[0])
+    if high - low < 1e-9:  # a flat line: a range around it
+        pad = abs(high) * 0.1 or 1.0
+        return low - pad, high + pad
+    pad = (high - low) * 0.05
+    return low - pad, high + pad
+
+
+def _draw(ax: Any, steps: list[int], values: list[float], color: str, floor: float | None) -> None:
+    """The line, on a robust y range; values beyond it as triangles on the edge, counted."""
+    ax.plot(steps, values, color=color)
+    low, high = robust_limits(values, floor)
+    ax.set_ylim(low, high)
+    above = [(s, v) for s, v in zip(steps, values, strict=True) if v > high]
+    below = [(s, v) for s, v in zip(steps, values, strict=True) if v < low]
+    for points, edge, marker in ((above, high, "^"), (below, low, "v")):
+        if points:
+            ax.plot([s for s, _ in points], [edge] * len(points), marker, color=color, ms=6)
+    if above or below:
+        shown = ", ".join(f"{v:.4g}" for _, v in (above + below)[:3])
+        more = "" if len(above) + len(below) <= 3 else ", ..."
+        ax.text(
+            0.99,
+            0.97,
+            f"{len(above) + len(below)} off scale ({shown}{more})",
+            ha="right",
+            va="top",
+            transform=ax.transAxes,
+            fontsize="small",
+            color="gray",
+        )
+
+
 def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
     """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`)."""
     try:
@@ -84,55 +165,52 @@ def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 7), dpi=100)
-    axes = fig.subplots(2, 2, sharex=True).flatten()
-    reward, thru, occ, lag = axes
-    for ax, name in zip(axes, PANELS, strict=True):
+    fig = Figure(figsize=(11, 12), dpi=100)
+    axes = fig.subplots(4, 2, sharex=True).flatten()
+    panel = dict(zip(PANELS, axes, strict=True))
+    for name, ax in panel.items():
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    for ax in axes[2:]:
-        ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    for ax in axes[-2:]:
+        ax.set_xlabel("step")
 
-    steps, values = _series(records, "reward_mean")
+    reward = panel["reward"]
+    steps, values = _series(_steps_only(records), "reward_mean")
     if steps:
         reward.plot(steps, values, color="tab:blue")
+        low, high = robust_limits(values, floor=0.0)
+        reward.set_ylim(min(low, 0.0), max(high, 1.0) if high <= 1.05 else high)
     else:
         _missing(reward, "reward_mean")
     reward.set_ylabel("mean reward")
 
+    thru = panel["throughput"]
     steps, values = _throughput(records)
     if steps:
-        thru.plot(steps, values, color="tab:orange")
+        _draw(thru, steps, values, "tab:orange", floor=0.0)
     else:
         _missing(thru, "samples_per_s")
     thru.set_ylabel(f"samples scored / s ({_WINDOW}-step window)")
 
-    steps, values = _series(records, "slot_occupancy")
-    if steps:
-        occ.plot(steps, values, color="tab:green")
-        occ.set_ylim(0, 1.05)
-    else:
-        _missing(occ, "slot_occupancy")
-    occ.set_ylabel("busy fraction of decode slots")
-
-    drew = False
-    steps, values = _series(records, "loop_lag_p95_ms")
-    if steps:
-        lag.plot(steps, values, color="tab:red", label="loop lag p95 (ms)")
-        drew = True
-    steps, values = _series(records, "off_policy_max")
-    if steps:
-        lag.plot(steps, values, color="tab:purple", label="off-policy lag max (versions)")
-        drew = True
-    if drew:
-        lag.legend(loc="upper left", fontsize="small")
-    else:
-        _missing(lag, "loop_lag_p95_ms or off_policy_max")
+    for name, key, label, color in _SIMPLE:
+        ax = panel[name]
+        steps, values = _series(records, key)
+        if not steps:
+            _missing(ax, key)
+        elif key == "slot_occupancy":
+            ax.plot(steps, values, color=color)
+            ax.set_ylim(0, 1.05)
+        else:
+            floor = None if key == "trainer/loss" else 0.0
+            _draw(ax, steps, values, color, floor=floor)
+            if key == "off_policy_max":
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # whole versions
+        ax.set_ylabel(label)
 
     if records:
-        wall = records[-1].get("wall_s")
-        suffix = f" ({wall:.0f} s wall)" if isinstance(wall, int | float) else ""
+        walls = [r["wall_s"] for r in records if isinstance(r.get("wall_s"), int | float)]
+        suffix = f" ({walls[-1]:.0f} s wall)" if walls else ""
         fig.suptitle(f"trio-rl {title}{suffix}".replace("  ", " "))
     fig.tight_layout()
     return fig
@@ -140,7 +218,8 @@ def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
 
 def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Read ``<run_dir>/metrics.jsonl`` (or a metrics file given directly), write the PNG
-    (default ``<run_dir>/metrics.png``) and return its path."""
+    (default ``<run_dir>/plot.png``, the figure ``trio-rl run`` draws at its end) and return
+    its path."""
     src = Path(run_dir)
     metrics = src / "metrics.jsonl" if src.is_dir() else src
     if not metrics.is_file():
@@ -148,7 +227,7 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(metrics)
     if not records:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
-    target = Path(out) if out is not None else metrics.parent / "metrics.png"
+    target = Path(out) if out is not None else metrics.parent / "plot.png"
     fig = build_figure(records, title=metrics.parent.name)
     try:
         fig.savefig(target)
@@ -161,7 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plot`` subcommand's arguments."""
     parser.add_argument("run_dir", type=Path, help="a run directory (or its metrics.jsonl)")
     parser.add_argument(
-        "-o", "--out", type=Path, default=None, help="PNG to write (default RUN_DIR/metrics.png)"
+        "-o", "--out", type=Path, default=None, help="PNG to write (default RUN_DIR/plot.png)"
     )
 
 

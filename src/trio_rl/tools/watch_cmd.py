@@ -1,4 +1,5 @@
-"""``trio-rl watch RUN_DIR``: a run's ``metrics.jsonl`` through the live console display.
+"""``trio-rl watch RUN_DIR``: show a run's metrics records (its ``metrics.jsonl``) through the
+console display, one plain line per step off a terminal, a live table on one.
 
 ``--follow`` keeps showing records as the run appends them (until interrupted); ``--plain``
 prints plain lines even on a terminal. Also ``python -m trio_rl.tools.watch_cmd``.
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import TrioRLError
+from ._errors import InspectError
 from .console import ConsoleDisplay
 from .metrics import read_metrics
 
@@ -27,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--follow", action="store_true", help="keep showing records as the run appends them"
     )
     parser.add_argument(
-        "--interval", type=float, default=0.5, help="seconds between polls with --follow"
+        "--interval",
+        type=float,
+        default=0.5,
+        help="seconds between polls with --follow (default 0.5)",
     )
 
 
@@ -35,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     """Show the records; with ``--follow`` poll for more until interrupted (then 130). A
     damaged line raises :class:`~trio_rl.tools.MetricsFileError` after the lines before it."""
     path = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
+    if not path.is_file():
+        what = "no metrics.jsonl in this run directory" if args.path.is_dir() else "no such file"
+        raise InspectError(str(path), f"{what} (pass a run directory or its metrics.jsonl)")
     display = ConsoleDisplay(plain=True if args.plain else None)
     shown = 0
     try:
