@@ -72,12 +72,18 @@ def _count(value: Any) -> float | None:
     return float(value)
 
 
+#: The outcomes counted as waste: generated, never trained, for a scheduling or engine reason
+#: (pruned samples are not: the reward gave them no signal).
+_WASTED = ("stale", "cancelled", "failed", "filtered")
+
+
 class StepRates:
     """Per-step figures from the record's cumulative counters (``stale``, ``pruned`` and the
     sink's ``counters/<outcome>``): samples dropped as stale and pruned since the previous
     record, and the waste, the share of the samples settled since then that will never train
-    (everything but ``shipped``). The first record's are against zero (a fresh run) or, for a
-    resumed run, what it resumed with."""
+    (stale, cancelled, failed, filtered). A record's own ``waste`` field (the publisher's
+    figure for the step) is shown as it is. The first record's are against zero (a fresh
+    run) or, for a resumed run, what it resumed with."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
@@ -89,7 +95,7 @@ class StepRates:
             if (key in ("stale", "pruned") or key.startswith("counters/"))
             and (value := _count(record[key])) is not None
         }
-        if not now:
+        if not now and "waste" not in record:
             return {}
         delta = {key: value - self._last.get(key, 0.0) for key, value in now.items()}
         self._last.update(now)
@@ -97,15 +103,15 @@ class StepRates:
             "stale": delta.get("stale", delta.get("counters/stale")),
             "pruned": delta.get("pruned", delta.get("counters/pruned")),
         }
+        if "waste" in record:
+            out["waste"] = _count(record["waste"])
+            return out
         settled = sum(
-            v
-            for k, v in delta.items()
-            if k.startswith("counters/") and k not in ("counters/dispatched",)
+            v for k, v in delta.items() if k.startswith("counters/") and k != "counters/dispatched"
         )
-        shipped = delta.get("counters/shipped")
-        out["waste"] = (
-            None if shipped is None or settled <= 0 else max(0.0, 1.0 - shipped / settled)
-        )
+        wasted = sum(delta.get(f"counters/{k}", 0.0) for k in _WASTED)
+        has_counters = any(k.startswith("counters/") for k in delta)
+        out["waste"] = max(0.0, wasted / settled) if has_counters and settled > 0 else None
         return out
 
 
