@@ -189,12 +189,16 @@ def test_a_progress_bar_under_the_table_on_a_terminal(monkeypatch: pytest.Monkey
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every column title in full
     out = _Tty()
     logged: list[str] = []
+    before = sys.stdout
     display = ConsoleDisplay(out, total=4, log=logged.append)
     display.write(_counted(1, 32, 0, 8))
+    print("a line the program prints meanwhile")  # shown above the table, and logged
     display.write({"step": 1, "trainer/loss": 0.25})
     display.write(_counted(2, 64, 40, 16))
     display.close()
+    assert sys.stdout is before
     text = out.getvalue()
+    assert "a line the program prints meanwhile" in text
     assert "step 2/4" in text
     assert "ETA " in text
     assert "━" in text  # the bar
@@ -202,4 +206,5 @@ def test_a_progress_bar_under_the_table_on_a_terminal(monkeypatch: pytest.Monkey
         assert title in text
     assert "50%" in text
     assert logged[0].startswith("step 1/4 | ")  # the log still gets plain lines
-    assert len(logged) == 3
+    assert logged[1] == "a line the program prints meanwhile"
+    assert len(logged) == 4

@@ -204,6 +204,7 @@ class ConsoleDisplay:
         self._done = 0
         self._first: int | None = None
         self._live: Any = None
+        self._tee: _LineTee | None = None
         if not plain:
             # imported by name: type-checking does not need the optional extra installed
             rich_console = importlib.import_module("rich.console")
@@ -211,6 +212,11 @@ class ConsoleDisplay:
             console = rich_console.Console(file=self.stream, force_terminal=True)
             self._live = rich_live.Live(self._view(), console=console, auto_refresh=False)
             self._live.start()
+            if log is not None:
+                # the live display prints what the program prints above itself (its stdout
+                # proxy); the log gets those lines too
+                self._tee = _LineTee(sys.stdout, log)
+                sys.stdout = self._tee
 
     @property
     def last_step(self) -> int | None:
@@ -293,5 +299,32 @@ class ConsoleDisplay:
 
     def close(self) -> None:
         if self._live is not None:
+            tee = self._tee
+            if tee is not None and sys.stdout is tee:
+                wrapped = tee.wrapped
+                tee.flush()
+                sys.stdout = wrapped
             self._live.stop()
             self._live = None
+
+
+class _LineTee:
+    """A stdout that writes through to ``wrapped`` and hands each whole line to ``log``."""
+
+    def __init__(self, wrapped: Any, log: Callable[[str], None]) -> None:
+        self.wrapped, self._log, self._part = wrapped, log, ""
+
+    def write(self, text: str) -> int:
+        self.wrapped.write(text)
+        lines = (self._part + text).split("\n")
+        self._part = lines.pop()
+        for line in lines:
+            if line.strip():
+                self._log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.wrapped.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
