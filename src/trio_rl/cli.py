@@ -1059,7 +1059,13 @@ def _main(args: argparse.Namespace) -> int:
             check_resume(SimulateConfig, cfg, args.out, args.allow_change)
         args.out.mkdir(parents=True, exist_ok=True)
         store(cfg, args.out)
-        return _trio_run(_run, args, cfg)
+        # a kept run directory gets its log too (info: the step lines and the summary)
+        run_log = _RunLog(args.out, "debug" if args.verbose else "info")
+        run_log.open()
+        try:
+            return _trio_run(_run, args, cfg)
+        finally:
+            run_log.close()
     if hasattr(args, "tool"):
         _STARTUP.release()  # the tools handle their own KeyboardInterrupt (watch --follow: 130)
         return int(args.tool.run(args))

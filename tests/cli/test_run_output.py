@@ -62,3 +62,17 @@ def test_the_log_level_is_the_one_given(tmp_path: Path) -> None:
     log = (out / "logs" / "run.log").read_text()
     assert " INFO " not in log  # the step lines and the banner are info records
     assert "step 1/1" in done.stdout
+
+
+def test_a_kept_simulate_run_has_its_log_too(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    done = subprocess.run(
+        [sys.executable, "-m", "trio_rl", "simulate", "--out", str(out), "--steps", "2"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    log = (out / "logs" / "run.log").read_text()
+    for line in done.stdout.splitlines():
+        if line.startswith("step "):
+            assert f"INFO trio_rl.console: {line}" in log
+    assert "INFO trio_rl.console: accounting: dispatched" in log

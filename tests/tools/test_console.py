@@ -152,15 +152,17 @@ def test_stale_pruned_and_waste_are_per_step_not_cumulative() -> None:
     from trio_rl.tools.console import StepRates
 
     rates = StepRates()
-    assert rates.update(_counted(1, 32, 0, 8)) == pytest.approx(
-        {"stale": 0, "pruned": 8, "waste": 0.2}
-    )
+    # pruned samples are not waste: the reward gave them no signal
+    assert rates.update(_counted(1, 32, 0, 8)) == {"stale": 0, "pruned": 8, "waste": 0.0}
     # cumulative 40 stale: 40 more this step, against 32 shipped and 8 pruned
     assert rates.update(_counted(2, 64, 40, 16)) == pytest.approx(
-        {"stale": 40, "pruned": 8, "waste": 0.6}
+        {"stale": 40, "pruned": 8, "waste": 0.5}
     )
     assert rates.update(_counted(3, 96, 40, 16)) == {"stale": 0, "pruned": 0, "waste": 0.0}
     assert rates.update({"step": 4}) == {}
+    # the publisher's own figure for the step, when the record has it, is shown as it is
+    got = rates.update({**_counted(5, 128, 48, 16), "waste": 0.125})
+    assert got == {"stale": 8, "pruned": 0, "waste": 0.125}
 
 
 def test_the_plain_line_shows_progress_rates_trainer_fields_and_eta() -> None:
@@ -175,11 +177,11 @@ def test_the_plain_line_shows_progress_rates_trainer_fields_and_eta() -> None:
     assert lines == logged  # the log gets exactly the lines the terminal shows
     first, trainer, second = lines
     assert first.startswith(
-        LINE.replace("step 3", "step 7/9") + " | stale 0 | pruned 8 | waste 20%"
+        LINE.replace("step 3", "step 7/9") + " | stale 0 | pruned 8 | waste 0%"
     )
     assert re.search(r" \| ETA \d+s$", first), first
     assert trainer == "trainer step 7 | loss 0.2500 | kl 0.0010 | entropy 1.500"
-    assert " | stale 40 | pruned 8 | waste 60% | " in second
+    assert " | stale 40 | pruned 8 | waste 50% | " in second
 
 
 def test_a_progress_bar_under_the_table_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,17 +189,22 @@ def test_a_progress_bar_under_the_table_on_a_terminal(monkeypatch: pytest.Monkey
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every column title in full
     out = _Tty()
     logged: list[str] = []
+    before = sys.stdout
     display = ConsoleDisplay(out, total=4, log=logged.append)
     display.write(_counted(1, 32, 0, 8))
+    print("a line the program prints meanwhile")  # shown above the table, and logged
     display.write({"step": 1, "trainer/loss": 0.25})
     display.write(_counted(2, 64, 40, 16))
     display.close()
+    assert sys.stdout is before
     text = out.getvalue()
+    assert "a line the program prints meanwhile" in text
     assert "step 2/4" in text
     assert "ETA " in text
     assert "━" in text  # the bar
     for title in ("stale", "pruned", "waste", "loss"):
         assert title in text
-    assert "60%" in text
+    assert "50%" in text
     assert logged[0].startswith("step 1/4 | ")  # the log still gets plain lines
-    assert len(logged) == 3
+    assert logged[1] == "a line the program prints meanwhile"
+    assert len(logged) == 4

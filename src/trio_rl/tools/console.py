@@ -72,12 +72,18 @@ def _count(value: Any) -> float | None:
     return float(value)
 
 
+#: The outcomes counted as waste: generated, never trained, for a scheduling or engine reason
+#: (pruned samples are not: the reward gave them no signal).
+_WASTED = ("stale", "cancelled", "failed", "filtered")
+
+
 class StepRates:
     """Per-step figures from the record's cumulative counters (``stale``, ``pruned`` and the
     sink's ``counters/<outcome>``): samples dropped as stale and pruned since the previous
     record, and the waste, the share of the samples settled since then that will never train
-    (everything but ``shipped``). The first record's are against zero (a fresh run) or, for a
-    resumed run, what it resumed with."""
+    (stale, cancelled, failed, filtered). A record's own ``waste`` field (the publisher's
+    figure for the step) is shown as it is. The first record's are against zero (a fresh
+    run) or, for a resumed run, what it resumed with."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
@@ -89,7 +95,7 @@ class StepRates:
             if (key in ("stale", "pruned") or key.startswith("counters/"))
             and (value := _count(record[key])) is not None
         }
-        if not now:
+        if not now and "waste" not in record:
             return {}
         delta = {key: value - self._last.get(key, 0.0) for key, value in now.items()}
         self._last.update(now)
@@ -97,15 +103,15 @@ class StepRates:
             "stale": delta.get("stale", delta.get("counters/stale")),
             "pruned": delta.get("pruned", delta.get("counters/pruned")),
         }
+        if "waste" in record:
+            out["waste"] = _count(record["waste"])
+            return out
         settled = sum(
-            v
-            for k, v in delta.items()
-            if k.startswith("counters/") and k not in ("counters/dispatched",)
+            v for k, v in delta.items() if k.startswith("counters/") and k != "counters/dispatched"
         )
-        shipped = delta.get("counters/shipped")
-        out["waste"] = (
-            None if shipped is None or settled <= 0 else max(0.0, 1.0 - shipped / settled)
-        )
+        wasted = sum(delta.get(f"counters/{k}", 0.0) for k in _WASTED)
+        has_counters = any(k.startswith("counters/") for k in delta)
+        out["waste"] = max(0.0, wasted / settled) if has_counters and settled > 0 else None
         return out
 
 
@@ -198,6 +204,7 @@ class ConsoleDisplay:
         self._done = 0
         self._first: int | None = None
         self._live: Any = None
+        self._tee: _LineTee | None = None
         if not plain:
             # imported by name: type-checking does not need the optional extra installed
             rich_console = importlib.import_module("rich.console")
@@ -205,6 +212,11 @@ class ConsoleDisplay:
             console = rich_console.Console(file=self.stream, force_terminal=True)
             self._live = rich_live.Live(self._view(), console=console, auto_refresh=False)
             self._live.start()
+            if log is not None:
+                # the live display prints what the program prints above itself (its stdout
+                # proxy); the log gets those lines too
+                self._tee = _LineTee(sys.stdout, log)
+                sys.stdout = self._tee
 
     @property
     def last_step(self) -> int | None:
@@ -287,5 +299,32 @@ class ConsoleDisplay:
 
     def close(self) -> None:
         if self._live is not None:
+            tee = self._tee
+            if tee is not None and sys.stdout is tee:
+                wrapped = tee.wrapped
+                tee.flush()
+                sys.stdout = wrapped
             self._live.stop()
             self._live = None
+
+
+class _LineTee:
+    """A stdout that writes through to ``wrapped`` and hands each whole line to ``log``."""
+
+    def __init__(self, wrapped: Any, log: Callable[[str], None]) -> None:
+        self.wrapped, self._log, self._part = wrapped, log, ""
+
+    def write(self, text: str) -> int:
+        self.wrapped.write(text)
+        lines = (self._part + text).split("\n")
+        self._part = lines.pop()
+        for line in lines:
+            if line.strip():
+                self._log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.wrapped.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
