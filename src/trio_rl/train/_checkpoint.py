@@ -289,7 +289,7 @@ def _write_body(
             raise CheckpointError(
                 name, f"{what} (group {ts.group_id}, sample {ts.sample_index}): {exc}"
             ) from exc
-        body.add(_judge(name, rec, what, decode_training_sample))
+        body.add(_judge(name, rec, what, _check_training_sample))
     for i, og in enumerate(open_groups):
         what = f"sink.open_groups[{i}]"
         try:
@@ -330,6 +330,10 @@ def _refused(name: str, exc: CodecError) -> CheckpointError:
     return CheckpointError(
         name, f"{exc.field}: {exc.reason} (refused by the writer: the reader would refuse it)"
     )
+
+
+def _check_training_sample(obj: object, what: str) -> object:
+    return decode_training_sample(obj, what, check=True)
 
 
 def _judge_meta(obj: object, version: int) -> None:

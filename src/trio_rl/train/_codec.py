@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import typing
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -235,19 +236,26 @@ def _sized(what: str, data: bytes, size: int, n: int | None) -> int:
     return len(data) // size
 
 
-def dec_ints(obj: object, what: str, n: int | None = None) -> list[int]:
-    """An int array; ``n`` is the required length, if known."""
+def dec_ints(obj: object, what: str, n: int | None = None, *, check: bool = False) -> list[int]:
+    """An int array; ``n`` is the required length, if known. ``check``: the writer's check of
+    a record it packed: the same rules, a read-only view instead of a new list."""
     e = _ext(obj, what, (_I32, _I64), "an int")
     code = "i" if e.code == _I32 else "q"
     _sized(what, e.data, 4 if e.code == _I32 else 8, n)
+    if check and _LITTLE:
+        view = memoryview(e.data)
+        return typing.cast("list[int]", view.cast("i") if e.code == _I32 else view.cast("q"))
     return _from_raw(code, e.data).tolist()
 
 
-def dec_floats(obj: object, what: str, n: int) -> list[float]:
-    """A float array of exactly ``n`` elements (a constant list is checked before it is built)."""
+def dec_floats(obj: object, what: str, n: int, *, check: bool = False) -> list[float]:
+    """A float array of exactly ``n`` elements (a constant list is checked before it is built);
+    ``check`` as for `dec_ints`."""
     e = _ext(obj, what, (_F64, _CONST), "a float")
     if e.code == _F64:
         _sized(what, e.data, 8, n)
+        if check and _LITTLE:
+            return typing.cast("list[float]", memoryview(e.data).cast("d"))
         return _from_raw("d", e.data).tolist()
     if len(e.data) != _CONST_FMT.size:
         raise CodecError(what, f"a constant list takes {_CONST_FMT.size} bytes, got {len(e.data)}")
@@ -256,14 +264,17 @@ def dec_floats(obj: object, what: str, n: int) -> list[float]:
     return [value] * count
 
 
-def dec_bools(obj: object, what: str, n: int) -> list[bool]:
+def dec_bools(obj: object, what: str, n: int, *, check: bool = False) -> list[bool]:
+    """``check`` as for `dec_ints` (the bytes: each is true exactly when its bool is)."""
     e = _ext(obj, what, (_BOOL,), "a bool")
     _count(what, len(e.data), n)
+    if check:
+        return typing.cast("list[bool]", e.data)
     return [b != 0 for b in e.data]
 
 
-def _opt_floats(obj: object, what: str, n: int) -> list[float] | None:
-    return None if obj is None else dec_floats(obj, what, n)
+def _opt_floats(obj: object, what: str, n: int, check: bool = False) -> list[float] | None:
+    return None if obj is None else dec_floats(obj, what, n, check=check)
 
 
 def numeric_dtype(obj: object, what: str, kinds: str = _NUMERIC) -> np.dtype[Any]:
@@ -372,27 +383,32 @@ def _sampling_mask(obj: object, what: str, n: int) -> SamplingMask | None:
     return SamplingMask(ids, counts)
 
 
-def decode_training_sample(obj: Any, what: str) -> TrainingSample:
-    """A queued training sample; every per-token list has the length of ``token_ids``."""
+def decode_training_sample(obj: Any, what: str, *, check: bool = False) -> TrainingSample:
+    """A queued training sample; every per-token list has the length of ``token_ids``.
+
+    ``check``: the writer's check of a record it packed (the same rules; per-token arrays are
+    read-only views, not lists: the result is for judging, never kept)."""
     f = want_list(obj, what, 21)
-    token_ids = dec_ints(f[0], f"{what}.token_ids")
+    token_ids = dec_ints(f[0], f"{what}.token_ids", check=check)
     n = len(token_ids)
     if not n:
         raise CodecError(f"{what}.token_ids", "a training sample has at least one token")
     ts = TrainingSample(
         token_ids=token_ids,
-        mask=dec_bools(f[1], f"{what}.mask", n),
-        logprobs=dec_floats(f[2], f"{what}.logprobs", n),
-        temperatures=dec_floats(f[3], f"{what}.temperatures", n),
+        mask=dec_bools(f[1], f"{what}.mask", n, check=check),
+        logprobs=dec_floats(f[2], f"{what}.logprobs", n, check=check),
+        temperatures=dec_floats(f[3], f"{what}.temperatures", n, check=check),
         env_name=want_str(f[4], f"{what}.env_name"),
-        advantages=_opt_floats(f[5], f"{what}.advantages", n),
-        ref_logprobs=_opt_floats(f[6], f"{what}.ref_logprobs", n),
+        advantages=_opt_floats(f[5], f"{what}.advantages", n, check),
+        ref_logprobs=_opt_floats(f[6], f"{what}.ref_logprobs", n, check),
         mm_refs=_mm_refs(f[7], f"{what}.mm_refs"),
         routed_experts=_routed(f[8], f"{what}.routed_experts", n),
-        mm_token_type_ids=None if f[9] is None else dec_ints(f[9], f"{what}.mm_token_type_ids", n),
-        rl_weights=_opt_floats(f[10], f"{what}.rl_weights", n),
-        ce_weights=_opt_floats(f[11], f"{what}.ce_weights", n),
-        ref_kl_weights=_opt_floats(f[12], f"{what}.ref_kl_weights", n),
+        mm_token_type_ids=None
+        if f[9] is None
+        else dec_ints(f[9], f"{what}.mm_token_type_ids", n, check=check),
+        rl_weights=_opt_floats(f[10], f"{what}.rl_weights", n, check),
+        ce_weights=_opt_floats(f[11], f"{what}.ce_weights", n, check),
+        ref_kl_weights=_opt_floats(f[12], f"{what}.ref_kl_weights", n, check),
         sampling_mask=_sampling_mask(f[13], f"{what}.sampling_mask", n),
         trace_id=want_opt_str(f[14], f"{what}.trace_id"),
         branch_index=want_opt_int(f[15], f"{what}.branch_index"),
