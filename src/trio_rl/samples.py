@@ -35,10 +35,10 @@ __all__ = [
 #: A policy (weights) version. Versions start at 0 and only grow.
 PolicyVersion = int
 
-#: ``Sample.metadata`` key of a member generated for a resumed group: the policy version its
-#: attempt started with (the group's own start is older). The ``"group_start"`` staleness rule
-#: judges such a member by it, as prime-rl judges each episode by its own dispatch version;
-#: it is kept through checkpoints with the rest of the metadata.
+# ``Sample.metadata`` key of a member generated for a resumed group: the policy version its
+# attempt started with (the group's own start is older). The ``"group_start"`` staleness rule
+# judges such a member by it, as prime-rl judges each episode by its own dispatch version; it
+# is kept through checkpoints with the rest of the metadata. (Documented in docs/api.md.)
 RESUMED_AT = "resumed_at_version"
 
 

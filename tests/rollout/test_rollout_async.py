@@ -24,7 +24,7 @@ from trio_rl.rollout import (
     run_reporting,
 )
 from trio_rl.rollout._buffer import run_booked
-from trio_rl.samples import Group, OpenGroup, Sample, SampleStatus
+from trio_rl.samples import RESUMED_AT, Group, OpenGroup, Sample, SampleStatus
 
 G = 2
 
@@ -588,3 +588,32 @@ async def test_held_groups_hold_every_taken_prompt_even_while_waiting_for_buffer
         assert sorted([*(g.prompt.key for g in driver.held_groups()), group.prompt.key]) == sorted(
             taken
         )
+
+
+async def test_a_resumed_groups_new_members_record_the_version_they_start_at(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The worker resumes at version 7 a group that started at 1: the arrived member keeps
+    its place, the regenerated ones carry 7 (what the "group_start" rule judges them by)."""
+    puppet = Puppet(auto_delay=1)
+    arrived = [Sample(index=10, group_index=5, prompt_tokens=(1,), status=SampleStatus.COMPLETED)]
+    partial = OpenGroup(
+        group_id="half",
+        prompt=prompts(1, "h")[0],
+        group_size=G,
+        arrived=arrived,
+        policy_version_at_start=1,
+    )
+    async with open_async_rollout(
+        source(10),
+        GroupFactory(group_size=G),
+        GroupRunner(puppet),
+        batch_size=1,
+        max_groups_in_flight=1,
+        resumed=[partial],
+        policy_version=7,
+    ) as driver:
+        (group,) = await driver.next_batch()
+    assert group.group_id == "half"
+    assert group.policy_version_at_start == 1
+    assert [s.metadata.get(RESUMED_AT) for s in group.samples] == [None] + [7] * (G - 1)

@@ -391,21 +391,21 @@ class CreditScheduler:
         receive = self._receive_nowait
         sample_done = self.ledger.sample_done
         samples = 0
-        while True:
+        try:
             if report is None:
-                try:
-                    report = receive()
-                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                    break
-            if report.__class__ is str:
-                samples += 1
-                try:
-                    sample_done(report)
-                except CreditError as exc:
-                    self._refuse(exc)
-            else:
-                self._apply_other(report)  # type: ignore[arg-type]
-            report = None
+                report = receive()
+            while True:
+                if report.__class__ is str:
+                    samples += 1
+                    try:
+                        sample_done(report)
+                    except CreditError as exc:
+                        self._refuse(exc)
+                else:
+                    self._apply_other(report)  # type: ignore[arg-type]
+                report = receive()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            pass  # the channel is empty (or closed): the backlog is applied
         if samples:
             self._sample_events += samples
             if self._counts_samples:
