@@ -155,6 +155,12 @@ _RUN_FLAGS = (
     _Flag("--time-limit", "run.time_limit", {"type": float}),
     _Flag("--stop-at-reward", "run.stop_at_reward", {"type": float}),
     _Flag("--threads", "run.threads", {"type": int}),
+    _Flag(
+        "--deterministic",
+        "run.deterministic",
+        {"action": "store_const", "const": True},
+        "same seed, same rewards bit for bit (in-process trainer, one thread); ",
+    ),
     _Flag("--task", "rollout.task", {"choices": ["copy", "repeat", "reverse"]}),
     _Flag("--batch-groups", "rollout.batch_groups", {"type": int}),
     _Flag("--group-size", "rollout.group_size", {"type": int}),
@@ -944,7 +950,7 @@ def _main(args: argparse.Namespace) -> int:
 
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
-        torch.set_num_threads(learn_cfg.run.threads)
+        torch.set_num_threads(1 if learn_cfg.run.deterministic else learn_cfg.run.threads)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         return _trio_run(_run_learning, config, learn_cfg, _resume_command(args.argv))
     if args.command == "simulate":

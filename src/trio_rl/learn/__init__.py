@@ -59,6 +59,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
             clip=trainer.clip,
             epochs=trainer.epochs,
             max_grad_norm=trainer.max_grad_norm,
+            entropy_coef=trainer.entropy_coef,
         ),
         d_model=config.engine.d_model,
         n_layers=config.engine.n_layers,
@@ -75,4 +76,5 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         plot=config.metrics.plot,
         threads=config.publish.threads,
         fsync=config.transport.fsync,
+        deterministic=run.deterministic,
     )

@@ -2,7 +2,8 @@
 
 Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file transport),
 trains with :class:`GRPOTrainer` under DistributedDataParallel (gloo), and rank 0 publishes the
-weights of every step under ``DIR/weights``. The job ends after the step the orchestrator
+weights of every step under ``DIR/weights`` and then appends the step's ``trainer/...`` metrics
+to ``DIR/trainer/stats.jsonl``. The job ends after the step the orchestrator
 writes into ``DIR/STOP`` at the end of its run (or after ``--steps``). The run's shape (model,
 seed, trainer settings) is read from ``DIR/run.json``, written by the orchestrator process
 (:func:`run_learning`).
@@ -30,7 +31,7 @@ from ..trainer import BatchReceiver
 from ..transport import FileReceiver
 from ._trainer import GRPOTrainer, TrainerConfig
 from ._weights import publish_weights
-from .run import RUN_FILE, STOP_FILE, LearnConfig, build_model
+from .run import RUN_FILE, STOP_FILE, LearnConfig, append_trainer_record, build_model
 
 __all__ = ["main", "load_run_config"]
 
@@ -77,6 +78,11 @@ async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: in
                         meta={"step": step, "world_size": trainer.world_size},
                     )
                     await trio.to_thread.run_sync(publish, limiter=limiter)
+                    # the trainer's own record, after the weights: the orchestrator merges its
+                    # trainer/... metrics into the step's metrics record
+                    await trio.to_thread.run_sync(
+                        append_trainer_record, config.out, stats, limiter=limiter
+                    )
                     print(
                         f"trainer step {step}: {stats.loss_tokens} loss tokens, loss "
                         f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
