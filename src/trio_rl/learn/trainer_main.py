@@ -67,7 +67,6 @@ async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: in
                 stats = await trio.to_thread.run_sync(
                     trainer.train_step, step, micro_batches, limiter=limiter
                 )
-                trained[0] = step
                 if rank == 0:
                     publish = functools.partial(
                         publish_weights,
@@ -88,6 +87,8 @@ async def _serve(config: LearnConfig, trainer: GRPOTrainer, rank: int, steps: in
                         f"{stats.loss:+.4f}, ratio {stats.ratio_mean:.3f}",
                         flush=True,
                     )
+                # only now: the stop below must not cancel the step's publication or record
+                trained[0] = step
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
