@@ -162,6 +162,12 @@ _RUN_FLAGS = (
     _Flag("--time-limit", "run.time_limit", {"type": float}),
     _Flag("--stop-at-reward", "run.stop_at_reward", {"type": float}),
     _Flag("--threads", "run.threads", {"type": int}),
+    _Flag(
+        "--deterministic",
+        "run.deterministic",
+        {"action": "store_const", "const": True},
+        "same seed, same rewards bit for bit (in-process trainer, one thread); ",
+    ),
     _Flag("--task", "rollout.task", {"choices": ["copy", "repeat", "reverse"]}),
     _Flag("--batch-groups", "rollout.batch_groups", {"type": int}),
     _Flag("--group-size", "rollout.group_size", {"type": int}),
@@ -1025,7 +1031,7 @@ def _main(args: argparse.Namespace) -> int:
 
         # the per-step line already shows the stale counter; the sink's warning would repeat it
         logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
-        torch.set_num_threads(learn_cfg.run.threads)
+        torch.set_num_threads(1 if learn_cfg.run.deterministic else learn_cfg.run.threads)
         _check_run_inputs(learn_cfg, origin)
         config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
         if learn_cfg.run.max_steps is not None:

@@ -141,6 +141,11 @@ class OrchestratorConfig:
     #: and a running group whose work can no longer be trained is cancelled early. False: the
     #: credit policy alone admits, and the sink drops what went stale.
     stale_admission: bool = True
+    #: Reproducible rollouts (with ``stale_admission``): one group at a time, admitted only when
+    #: the policy version is the one the async level prescribes for the batch it lands in
+    #: (``S - 1 - max_async_level``), so a seeded run generates the same rollouts every time.
+    #: The caller keeps the trainer from running ahead (see ``trio-rl run --deterministic``).
+    lockstep: bool = False
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
@@ -167,11 +172,17 @@ class StalenessAdmission:
 
     A running group expires once the sink would judge its start version stale for the batch
     being collected (certain: steps only advance); the driver then cancels it.
+
+    In ``lockstep`` mode a group starts only when no other is open and the version is
+    ``lands - 1 - async_level`` for the batch ``lands`` its first sample goes to (or later):
+    rollouts then depend on the seed only, not on timing.
     """
 
     sink: TrainSink
     #: The last step the run will ship (None: unbounded).
     horizon: int | None = None
+    lockstep: bool = False
+    async_level: int = 1
 
     def ahead(self) -> int:
         """Samples that go before new work: queued, in a cut, or still to come from open groups."""
@@ -181,9 +192,14 @@ class StalenessAdmission:
         config = self.sink.config
         size = config.batch_size
         m = config.max_off_policy_steps
+        step = self.sink.step
+        if self.lockstep and size is not None:
+            if self.sink.book.groups or (self.horizon is not None and step > self.horizon):
+                return False
+            first = step + self.sink.queue.held // size
+            return version >= max(0, first - 1 - self.async_level)
         if size is None or (m is None and self.horizon is None):
             return True
-        step = self.sink.step
         ahead = self.ahead()
         lands = step + (ahead + samples - 1) // size
         fresh = m is None or lands <= version + 1 + m
@@ -250,7 +266,9 @@ class Orchestrator:
         self.gate_warn_after = 5.0
         #: The staleness-aware admission the driver asks (None when switched off).
         self.admission: StalenessAdmission | None = (
-            StalenessAdmission(sink) if config.stale_admission else None
+            StalenessAdmission(sink, lockstep=config.lockstep, async_level=config.max_async_level)
+            if config.stale_admission
+            else None
         )
         #: The last step the run will ship, when known (None: open-ended, e.g. a run resumed
         #: later for more steps): admission generates nothing for later steps, so no work is
@@ -298,7 +316,7 @@ class Orchestrator:
 
     def _reconsider(self, reason: str) -> None:
         if self._driver is not None and self.admission is not None:
-            self._driver.reconsider(reason)
+            self._driver.expiry.reconsider(reason)
 
     async def _ship_gate(self, step: int) -> None:
         """Wait until batch ``step`` may ship; the wait is reported as policy-wait time.
@@ -374,7 +392,8 @@ class Orchestrator:
             missing = (
                 self.sink.config.batch_size - self.sink.queued if self.sink.config.batch_size else 1
             )
-            wanted = max(1, -(-missing // self.config.group_size))
+            # (lockstep: one group at a time, each scored before the next starts)
+            wanted = 1 if self.config.lockstep else max(1, -(-missing // self.config.group_size))
             try:
                 groups = await self.driver.next_batch(wanted, allow_partial=True)
             except SourceExhausted:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import trio
 
@@ -97,13 +98,33 @@ async def test_without_stale_admission_the_sink_drops_what_went_stale(tmp_path: 
     assert all(m["off_policy_max"] == 0 for m in result.metrics)
 
 
-async def test_a_deterministic_policy_ends_the_run_instead_of_hanging(tmp_path: Path) -> None:
+async def test_a_deterministic_wrong_policy_ends_the_run_as_a_collapse(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # Greedy decoding: the 16 samples of a group are identical, so every group has equal
-    # rewards, zero advantage, and is pruned; no batch can ever fill.
+    # rewards, zero advantage, and is pruned; no batch can ever fill. The untrained policy is
+    # wrong, so that is a collapse, not convergence, and the run says so with the reward.
     config = LearnConfig(out=tmp_path, steps=5, temperature=0.0, verbose=False, plot=False)
     with trio.fail_after(120):
         result = await run_learning(config)
-    assert result.stopped == "converged"
+    assert result.stopped == "collapsed"
+    assert result.final_reward is not None
+    assert result.final_reward < 0.5
+    assert any(
+        f"collapsed at reward {result.final_reward:.3f}" in r.getMessage() for r in caplog.records
+    )
     assert result.metrics == []
     assert result.counters["shipped"] == 0
     assert result.counters["pruned"] >= 8 * 128
+
+
+async def test_a_deterministic_policy_at_the_target_reward_has_converged(tmp_path: Path) -> None:
+    # the same greedy policy, judged against a target it meets (stop_at_reward 0): converged
+    config = LearnConfig(
+        out=tmp_path, steps=5, temperature=0.0, stop_at_reward=0.0, verbose=False, plot=False
+    )
+    with trio.fail_after(120):
+        result = await run_learning(config)
+    assert result.stopped == "converged"
+    assert result.final_reward is not None
+    assert result.final_reward >= 0.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import trio
 
-from trio_rl.learn import LearnConfig, latest_weights, run_learning
+from trio_rl.learn import TRAINER_KEYS, LearnConfig, latest_weights, run_learning
 
 torch.set_num_threads(1)
 
@@ -32,3 +32,12 @@ async def test_a_run_with_two_torchrun_ranks_trains_publishes_and_ends_cleanly(
     assert json.loads((latest.path / "meta.json").read_text())["world_size"] == 2
     # every rank consumed (and deleted) its payloads
     assert not any((tmp_path / "batches").rglob("rank_*.bin"))
+    # rank 0's own record of every step, and its trainer/... metrics in every step's record
+    trained = [
+        json.loads(line) for line in (tmp_path / "trainer" / "stats.jsonl").read_text().splitlines()
+    ]
+    assert [t["step"] for t in trained] == [1, 2, 3, 4, 5, 6]
+    assert result.trained_through == 6
+    for m in result.metrics:
+        assert all(m[k] is not None for k in TRAINER_KEYS), m
+        assert m["trainer/lr"] == config.trainer.lr

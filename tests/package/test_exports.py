@@ -110,6 +110,8 @@ PINNED: dict[str, set[str]] = {
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
         "RoutingKeys",
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
+        # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
+        *("Admission", "Expiry"),
     },
     "trio_rl.train": {
         *("Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointSnapshot"),

@@ -71,7 +71,8 @@ class LearnRun:
     converged_after: int = option(
         8,
         "end the run once this many batches' worth of groups in a row were pruned (equal "
-        "rewards: GRPO has no signal left)",
+        "rewards: GRPO has no signal left): converged at the maximum reward (or "
+        "`stop_at_reward`), else collapsed",
         validator=at_least(1),
     )
     threads: int = option(
@@ -82,6 +83,11 @@ class LearnRun:
         "level of RUN_DIR/logs/run.log (the library's log records, the printed lines and one "
         "plain line per step); the terminal shows warnings (-v: info)",
         may_change=True,
+    )
+    deterministic: bool = option(
+        False,
+        "reproducible by seed: rollouts in lockstep with the in-process trainer, one torch "
+        "thread (slower)",
     )
 
 
@@ -171,6 +177,11 @@ class LearnTrainer:
     weight_decay: float = option(0.0, "AdamW weight decay", validator=at_least(0))
     max_grad_norm: float | None = option(
         1.0, "gradient-norm clip (unset: none)", validator=positive
+    )
+    entropy_coef: float = option(
+        0.01,
+        "entropy bonus: minus this times the mean token entropy joins the loss",
+        validator=at_least(0),
     )
     delay: float = option(
         0.0,

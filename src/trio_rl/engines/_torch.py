@@ -285,6 +285,11 @@ class TorchEngine:
             ) from exc
 
     async def _run_rows(self, rows: list[PendingRow]) -> None:
+        # Seeded rows decode in seed order, not arrival order (trio varies the order in which
+        # a group's sample tasks run): row i then draws the same tokens on every run.
+        rows = sorted(
+            rows, key=lambda r: (r.request.params.seed is None, r.request.params.seed or 0)
+        )
         model, version = self._model, self.version.value
         self._running += 1
         self._counts["batches"] += 1

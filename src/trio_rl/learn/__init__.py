@@ -66,6 +66,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
             clip=trainer.clip,
             epochs=trainer.epochs,
             max_grad_norm=trainer.max_grad_norm,
+            entropy_coef=trainer.entropy_coef,
         ),
         d_model=config.engine.d_model,
         n_layers=config.engine.n_layers,
@@ -87,4 +88,5 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         data=config.data,
         reward=config.reward,
         connect_timeout=trainer.connect_timeout,
+        deterministic=run.deterministic,
     )

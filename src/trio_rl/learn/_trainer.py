@@ -56,7 +56,7 @@ class TrainerConfig:
     clip: float = attrs.field(default=0.2, validator=_positive)
     epochs: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_grad_norm: float | None = 1.0
-    entropy_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    entropy_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen

@@ -45,7 +45,7 @@ from ..wire import decode
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer
-from ._trainer import GRPOTrainer, StepStats, TrainerConfig
+from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats, TrainerConfig
 from ._watcher import watch_weights
 from ._weights import latest_weights, publish_weights
 from .tasks import task_records
@@ -65,6 +65,71 @@ TRAINED_LOG = "trainer/trained.jsonl"
 HEARTBEAT_FILE = "trainer/heartbeat"
 #: The orchestrator's heartbeat, which a trainer job watches the same way.
 ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
+
+#: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics),
+#: written after the step's weights were published (in-process trainer, or torchrun rank 0).
+TRAINER_LOG = "trainer/stats.jsonl"
+
+
+class TrainerLog:
+    """The steps the trainer reported trained (its ``trainer/stats.jsonl`` lines), on the loop."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.closed = False
+        self._changed = trio.Event()
+
+    @property
+    def last(self) -> int:
+        return max(self.steps, default=0)
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.steps[int(record["step"])] = record
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def close(self) -> None:
+        """No more reports: waiters get what there is."""
+        self.closed = True
+        self._changed.set()
+
+    async def wait_for(self, step: int) -> dict[str, Any] | None:
+        """The trainer's record of ``step`` once reported (None once closed, or when a later
+        step was reported without it)."""
+        while step not in self.steps and not self.closed and self.last < step:
+            await self._changed.wait()
+        return self.steps.get(step)
+
+
+def trainer_record(stats: StepStats) -> dict[str, Any]:
+    """The line the trainer writes to ``trainer/stats.jsonl`` for a trained step."""
+    return {"step": stats.step, **stats.metrics(), "loss_tokens": stats.loss_tokens}
+
+
+def append_trainer_record(out: Path, stats: StepStats) -> dict[str, Any]:
+    record = trainer_record(stats)
+    path = out / TRAINER_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def read_trainer_log(out: Path) -> list[dict[str, Any]]:
+    """The trainer's records (a torn last line is dropped)."""
+    try:
+        lines = (out / TRAINER_LOG).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
 
 
 def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
@@ -134,6 +199,12 @@ class LearnConfig:
     inference: Inference = attrs.field(factory=Inference)
     #: Seconds to wait for a torchrun or external trainer job's ready file before failing.
     connect_timeout: float = 300.0
+    #: Reproducible by seed: the in-process trainer in lockstep with the rollouts (one group at
+    #: a time, each step generated with exactly policy ``S - 1 - max_async_level``), torch on one
+    #: thread; the same seed gives the same rewards bit for bit (docs/learning.md).
+    deterministic: bool = False
+    #: Seconds a normal end waits for the trainer to report the last shipped step.
+    trainer_timeout: float = attrs.field(default=120.0, validator=_at_least(0))
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -176,9 +247,11 @@ class LearnResult:
     trainer_steps: list[StepStats]
     wall_s: float
     out: Path
-    #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``) or
-    #: ``converged`` (every group pruned for ``converged_after`` batches: no signal left) or
-    #: ``signal`` (the ``stop`` event of :func:`run_learning` was set).
+    #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``),
+    #: ``converged`` (every group had equal rewards for ``converged_after`` batches' worth, at
+    #: the task's maximum reward or ``stop_at_reward``), ``collapsed`` (the same, below it: a
+    #: deterministic policy that is partly wrong, GRPO has no signal left) or ``signal`` (the
+    #: ``stop`` event of :func:`run_learning` was set).
     stopped: str = "steps"
     #: The checkpoint saved at a stop (``stopped == "signal"``, in-process trainer), else None.
     checkpoint: Path | None = None
@@ -186,6 +259,9 @@ class LearnResult:
     trained_through: int = 0
     #: The step this run resumed at (None: a new run).
     resumed_at: int | None = None
+    #: The mean reward of the groups scored since the last shipped step, when the run
+    #: ``converged`` or ``collapsed``.
+    final_reward: float | None = None
 
 
 def build_model(config: LearnConfig) -> tuple[CharTransformer, Tokenizer]:
@@ -248,15 +324,29 @@ async def _probe_loop_lag(lags: list[float], interval: float = 0.005) -> None:
         lags.append(trio.current_time() - start - interval)
 
 
+def _one_thread() -> None:
+    # torch.set_num_threads holds for the thread that calls it: a worker thread that runs
+    # torch in a deterministic run sets it for itself (and keeps it: threads are reused)
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def _train_and_publish(
-    trainer: GRPOTrainer, step: int, micro_batches: Any, weights: Path, keep: int
-) -> StepStats:
+    trainer: GRPOTrainer,
+    step: int,
+    micro_batches: Any,
+    weights: Path,
+    keep: int,
+    deterministic: bool = False,
+) -> tuple[StepStats, dict[str, Any]]:
+    if deterministic:
+        _one_thread()
     stats = trainer.train_step(step, micro_batches)
     # The trainer's state first: a published version is never ahead of the saved state, so a
     # resumed engine's weights (the state's) are never older than a version already reported.
     _save_trainer_state(weights.parent, step, trainer)
     publish_weights(weights, step, trainer.model.state_dict(), keep=keep, meta={"step": step})
-    return stats
+    return stats, append_trainer_record(weights.parent, stats)
 
 
 def _save_trainer_state(out: Path, step: int, trainer: GRPOTrainer) -> None:
@@ -303,8 +393,13 @@ async def _train_inprocess(
     state: dict[str, Any] | None = None,
     *,
     limiter: trio.CapacityLimiter,
+    log: TrainerLog | None = None,
+    may_train: Callable[[int], bool] | None = None,
 ) -> None:
     """Train every step the run's files deliver, until the end of the stream.
+
+    Each trained step is reported to ``log``. ``may_train(step)``, when given, holds a step
+    until it returns True (polled; the deterministic run keeps the trainer in lockstep).
 
     ``limiter`` is the run's one capacity limiter (``config.threads`` tokens, the
     orchestrator's too): the file reads, the decoding and the training step all borrow it.
@@ -333,23 +428,27 @@ async def _train_inprocess(
                 return  # the source ran dry: every step was shipped
             if config.trainer_delay:
                 await trio.sleep(config.trainer_delay)
+            while may_train is not None and not may_train(got.step):  # noqa: ASYNC110
+                await trio.sleep(0.002)
             # Decoded, trained, saved and only then acknowledged (deleting the file), shielded:
             # a step taken from the transport is trained exactly once, across stops and
             # crashes (a crash before the ack leaves the file for the resumed trainer).
             with trio.CancelScope(shield=True):
                 micro_batches = await trio.to_thread.run_sync(decode, got.data, limiter=limiter)
-                stats.append(
-                    await trio.to_thread.run_sync(
-                        _train_and_publish,
-                        trainer,
-                        got.step,
-                        micro_batches,
-                        config.out / "weights",
-                        config.weights_keep,
-                        limiter=limiter,
-                    )
+                step_stats, record = await trio.to_thread.run_sync(
+                    _train_and_publish,
+                    trainer,
+                    got.step,
+                    micro_batches,
+                    config.out / "weights",
+                    config.weights_keep,
+                    config.deterministic,
+                    limiter=limiter,
                 )
+                stats.append(step_stats)
                 await transport.ack(got.step)
+                if log is not None:
+                    log.add(record)
 
 
 async def _run_torchrun(config: LearnConfig, done: trio.Event) -> None:
@@ -371,10 +470,22 @@ async def _run_torchrun(config: LearnConfig, done: trio.Event) -> None:
         done.set()
 
 
+async def _poll_trainer_log(out: Path, log: TrainerLog, interval: float = 0.05) -> None:
+    """Feed ``log`` from the trainer job's ``trainer/stats.jsonl`` (torchrun, external)."""
+    seen = 0
+    while True:
+        records = await trio.to_thread.run_sync(read_trainer_log, out)
+        for record in records[seen:]:
+            log.add(record)
+        seen = max(seen, len(records))
+        await trio.sleep(interval)
+
+
 async def _watch_convergence(
     orch: Orchestrator, config: LearnConfig, scope: trio.CancelScope
 ) -> None:
-    """Cancel ``scope`` when ``converged_after`` batches' worth of samples were pruned."""
+    """Cancel ``scope`` when ``converged_after`` batches' worth of samples were pruned (every
+    group had equal rewards: the policy is deterministic on every prompt)."""
     start = orch.sink.counters.pruned
     limit = config.converged_after * config.batch_groups * config.group_size
     while orch.sink.counters.pruned - start < limit:  # noqa: ASYNC110 - the sink has no event
@@ -497,6 +608,8 @@ async def _open_engine(
             limiter=trio.CapacityLimiter(1),
             seed=config.seed,
             policy_version=trained,
+            # deterministic: a group's rows must always decode as one batch (one generator)
+            gather_window=0.02 if config.deterministic else 0.002,
         ) as engine:
             yield engine
         return
@@ -539,6 +652,11 @@ async def run_learning(
     ``metrics.jsonl`` holds the steps shipped so far.
     """
     out = config.out
+    if config.deterministic:
+        if config.trainer_mode != "inprocess":
+            raise ValueError("a deterministic run needs the in-process trainer")
+        # one thread: a reduction's order (and so its last bits) must not depend on threads
+        torch.set_num_threads(1)
     # The learning run does not resume: a previous run's weights would be taken for new
     # versions, its batch files for this run's steps.
     resuming = await trio.to_thread.run_sync(_resumable, out, config)
@@ -571,6 +689,7 @@ async def run_learning(
         seed=config.seed,
         seq_len=1024,
         routing_keys=config.inference.routing_keys if fleet_wanted(config) else "none",
+        lockstep=config.deterministic,
     )
     metrics: list[dict[str, Any]] = []
     earlier = await trio.to_thread.run_sync(_earlier_metrics, out) if resuming else []
@@ -590,6 +709,9 @@ async def run_learning(
         orch.set_policy_version(v)
 
     drained = trio.Event()
+    written = trio.Event()
+    trainer_log = TrainerLog()
+    records_send, records_receive = trio.open_memory_channel[dict[str, Any]](math.inf)
 
     async def consume(receive: trio.MemoryReceiveChannel[Shipment]) -> None:
         last_wall = 0.0
@@ -620,11 +742,7 @@ async def run_learning(
                     busy_last = (stats.elapsed, stats.busy_row_seconds)
                 lags.clear()
                 last_wall = rec["wall_s"]
-                metrics.append(rec)
-                line = json.dumps(rec) + "\n"
-                await trio.to_thread.run_sync(_append, metrics_path, line)
-                if sinks is not None:  # TensorBoard, W&B, Prometheus: blocking writers
-                    await trio.to_thread.run_sync(sinks.write, rec)
+                records_send.send_nowait(rec)  # written once the trainer reports the step
                 if display is not None and config.verbose:
                     display.write(rec)
                 elif config.verbose:
@@ -639,7 +757,23 @@ async def run_learning(
                         f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s",
                         flush=True,
                     )
+        records_send.close()
         drained.set()
+
+    async def write_records() -> None:
+        # A step's record is written (metrics.jsonl, then the sinks) once the trainer reported
+        # the step, with its trainer/... metrics; a step never trained is written without.
+        async with records_receive:
+            async for rec in records_receive:
+                reported = await trainer_log.wait_for(rec["step"])
+                if reported is not None:
+                    rec.update({k: reported.get(k) for k in TRAINER_KEYS})
+                metrics.append(rec)
+                line = json.dumps(rec) + "\n"
+                await trio.to_thread.run_sync(_append, metrics_path, line)
+                if sinks is not None:  # TensorBoard, W&B, Prometheus: blocking writers
+                    await trio.to_thread.run_sync(sinks.write, rec)
+        written.set()
 
     # The run's one capacity limiter, sized by configuration: the orchestrator (publisher,
     # sender, checkpoints) and the in-process trainer (reads, decoding, training) borrow it.
@@ -671,6 +805,7 @@ async def run_learning(
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(consume, receive)
+        nursery.start_soon(write_records)
         nursery.start_soon(_probe_loop_lag, lags)
         nursery.start_soon(
             lambda: watch_weights(
@@ -680,10 +815,29 @@ async def run_learning(
         if config.trainer_mode == "inprocess":
             if config.ranks != 1:
                 raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
+            may_train = None
+            if config.deterministic:
+                # lockstep: batch k trains once batch k + async level shipped (or the run's
+                # last did), so batch S is generated by exactly policy S - 1 - async level
+                def may_train(k: int) -> bool:
+                    final = orch.final_step if orch.final_step is not None else k
+                    return orch.sink.step > min(k + config.max_async_level, final)
+
             nursery.start_soon(
-                partial(_train_inprocess, config, model, trainer_steps, state, limiter=limiter)
+                partial(
+                    _train_inprocess,
+                    config,
+                    model,
+                    trainer_steps,
+                    state,
+                    limiter=limiter,
+                    log=trainer_log,
+                    may_train=may_train,
+                )
             )
-        elif config.trainer_mode == "torchrun":
+        else:
+            nursery.start_soon(_poll_trainer_log, out, trainer_log)
+        if config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
         # admission generates nothing for steps after the run's last
         orch.final_step = orch.step + config.steps - 1
@@ -715,6 +869,7 @@ async def run_learning(
         deadline = None if config.time_limit is None else begun + config.time_limit
         rewards: list[float] = []
         stopped = "steps"
+        final_reward: float | None = None
         for _ in range(config.steps):
             if stop is not None and stop.is_set():
                 stopped = "signal"
@@ -735,14 +890,30 @@ async def run_learning(
                 stopped = "signal"
                 break
             if summary is None:
-                stopped = "converged"
-                if config.verbose:
-                    print(
-                        f"stopping: the last {config.converged_after} batches' worth of groups "
-                        "all had equal rewards (zero advantage, pruned): the policy is "
-                        "deterministic on every prompt and GRPO has no signal left",
-                        flush=True,
+                # Every group had equal rewards: the policy is deterministic on every prompt.
+                # That is convergence only at the task's maximum (or stop_at_reward).
+                final_reward = orch.sink.window.reward_mean
+                target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
+                reached = final_reward is not None and final_reward >= target - 1e-9
+                stopped = "converged" if reached else "collapsed"
+                shown = "none" if final_reward is None else f"{final_reward:.3f}"
+                if reached:
+                    message = (
+                        f"stopping: converged at reward {shown}: the policy is deterministic "
+                        f"and right (the last {config.converged_after} batches' worth of "
+                        "groups all had equal rewards)"
                     )
+                else:
+                    message = (
+                        f"stopping: collapsed at reward {shown}: the policy is deterministic "
+                        f"on every prompt (the last {config.converged_after} batches' worth of "
+                        "groups all had equal rewards, so GRPO has no signal left) but not "
+                        f"right (target {target:g}); raise trainer.entropy_coef or "
+                        "rollout.temperature"
+                    )
+                    logger.warning("%s", message)
+                if config.verbose:
+                    print(message, flush=True)
                 break
             rewards.extend(r.all.reward_mean or 0.0 for r in summary.records)
             if deadline is not None and time.perf_counter() >= deadline:
@@ -760,17 +931,29 @@ async def run_learning(
             # the groups finished since the last shipped step are saved, not regenerated
             checkpoint = await orch.save_checkpoint()
         counters = attrs.asdict(orch.sink.counters)
+        last_shipped = orch.sink.step - 1
+        # the run ends here, whatever ``steps`` said: no rollouts for later steps, and a
+        # lockstep trainer may train up to the last shipped step
+        orch.final_step = last_shipped
         # an external trainer job trains up to the last shipped step, then exits by itself
-        await trio.to_thread.run_sync((out / STOP_FILE).write_text, str(orch.sink.step - 1))
+        await trio.to_thread.run_sync((out / STOP_FILE).write_text, str(last_shipped))
+        if stopped != "signal" and config.trainer_mode != "external":
+            await _wait_for_last_step(trainer_log, last_shipped, trained, config)
         if config.trainer_mode == "torchrun":
             with trio.move_on_after(60) as waited:
                 await trainer_done.wait()
             if waited.cancelled_caught:
                 logger.warning("the torchrun trainer did not exit within 60 s; stopping it")
+            for record in (await trio.to_thread.run_sync(read_trainer_log, out))[
+                len(trainer_log.steps) :
+            ]:
+                trainer_log.add(record)
+        trainer_log.close()
         send.close()
         # let the consumer drain what was shipped, then stop the helpers
         with trio.move_on_after(5) as waited:
             await drained.wait()
+            await written.wait()
         if waited.cancelled_caught:
             logger.warning(
                 "the metrics consumer did not drain within 5 s; %s may lack steps", metrics_path
@@ -791,9 +974,34 @@ async def run_learning(
         out,
         stopped,
         checkpoint=checkpoint,
-        trained_through=trainer_steps[-1].step if trainer_steps else trained,
+        trained_through=max(trainer_log.last, trained),
         resumed_at=resumed_at,
+        final_reward=final_reward,
     )
+
+
+async def _wait_for_last_step(
+    log: TrainerLog, last: int, trained: int, config: LearnConfig
+) -> None:
+    """A normal end: wait (``config.trainer_timeout``) for the trainer to report ``last``, the
+    last shipped step, so the final weights are that step's; say loudly when it does not."""
+    if last <= trained or log.last >= last:
+        return
+    logger.info(
+        "waiting up to %.0f s for the trainer to train step %d", config.trainer_timeout, last
+    )
+    if config.verbose:
+        print(f"waiting for the trainer to train the last shipped step {last}", flush=True)
+    with trio.move_on_after(config.trainer_timeout):
+        await log.wait_for(last)
+    if log.last < last:
+        message = (
+            f"the trainer did not report step {last}, the last shipped step, within "
+            f"{config.trainer_timeout:.0f} s: the final weights are those of step "
+            f"{max(log.last, trained)}, not {last}"
+        )
+        logger.error("%s", message)
+        print(f"WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> None:
@@ -809,6 +1017,7 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
     for name in (TRAINER_STATE, TRAINED_LOG):  # set aside like the checkpoints, never deleted
         if (out / name).exists():
             (out / name).replace(out / f"{name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    (out / TRAINER_LOG).unlink(missing_ok=True)
     (out / METRICS_FILE).write_text("")
 
 

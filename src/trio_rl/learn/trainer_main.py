@@ -23,6 +23,10 @@ again, one whose state was not is trained (again) from the saved state, so the l
 shipped step exactly once. Rank 0 beats ``DIR/trainer/heartbeat`` every second while the job
 runs: the orchestrator waits for it (``trainer.connect_timeout``). The job ends after the step
 the orchestrator writes into ``DIR/STOP`` at the end of its run (or after ``--steps``).
+
+Beside its log, rank 0 appends each trained step's ``trainer/...`` metrics to
+``DIR/trainer/stats.jsonl`` once the step's weights are published: the orchestrator merges them
+into the step's metrics record and waits for the last shipped step's line before it reports done.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from .run import (
     TRAINER_STATE,
     LearnConfig,
     _load_trainer_state,
+    append_trainer_record,
     beat,
     build_policy,
 )
@@ -196,6 +201,9 @@ class _Job:
                 keep=self.config.weights_keep,
                 meta={"step": step, "world_size": self.trainer.world_size},
             )
+            # the trainer's metrics, after the weights: the orchestrator merges them into the
+            # step's record and counts the step trained once it has them
+            append_trainer_record(self.out, stats)
         return stats
 
     async def serve(self) -> None:

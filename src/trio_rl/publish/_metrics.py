@@ -550,7 +550,7 @@ def _waste_message(step: int, attempts: AttemptStats) -> str:
     counts = {k: attempts.outcomes.get(k, 0) for k in ("stale", "failed", "filtered")}
     worst = max(counts, key=lambda k: counts[k])
     advice = {
-        "stale": "rollouts outran the trainer: keep stale_admission on, raise "
+        "stale": "rollouts outran the trainer: turn stale_admission on (the default), raise "
         "max_off_policy_steps, or lower max_groups_in_flight",
         "failed": "the engine or the reward failed: see train/all/failures and the log",
         "filtered": "the dynamic filter dropped them: check its reasons and the rewards",

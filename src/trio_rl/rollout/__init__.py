@@ -5,6 +5,7 @@ from ._async import AsyncDriverStatistics as AsyncDriverStatistics
 from ._async import AsyncRolloutDriver as AsyncRolloutDriver
 from ._async import DiscardHook as DiscardHook
 from ._async import DiscardReason as DiscardReason
+from ._async import Expiry as Expiry
 from ._async import FailurePolicy as FailurePolicy
 from ._async import UnusedPolicy as UnusedPolicy
 from ._async import open_async_rollout as open_async_rollout

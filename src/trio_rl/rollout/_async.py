@@ -69,7 +69,7 @@ class Admission(Protocol):
     """Staleness-aware admission: whether new work can still be trained in time.
 
     The driver asks :meth:`admits` before it takes a new prompt (after the credit policy said
-    yes), and, after :meth:`AsyncRolloutDriver.reconsider`, asks :meth:`expired` of every group
+    yes), and, after :meth:`Expiry.reconsider`, asks :meth:`expired` of every group
     still running: a group whose work can no longer be trained is cancelled early, its credits
     come back, its prompt is recycled, and it is discarded as ``"stale"`` (counted in
     ``AsyncDriverStatistics.cancelled_stale``) instead of being generated to the end and
@@ -83,6 +83,74 @@ class Admission(Protocol):
     def expired(self, version: PolicyVersion) -> bool:
         """Is work that started at ``version`` certain to be too stale to train now?"""
         ...
+
+
+class Expiry:
+    """A driver's staleness-aware admission and early cancellation (see :class:`Admission`;
+    ``driver.expiry``): the running groups' cancel scopes, and the groups cancelled because
+    their work could no longer train."""
+
+    def __init__(self, admission: Admission | None, driver: AsyncRolloutDriver) -> None:
+        self.admission = admission
+        self._driver = driver
+        self._scopes: dict[str, trio.CancelScope] = {}
+        self._expired: set[str] = set()
+
+    def reconsider(self, reason: str = "") -> None:
+        """Something the :class:`Admission` reads changed (a batch shipped, the policy version
+        advanced, work was scored): cancel every running group whose work expired, and wake
+        the driver to decide again."""
+        self._cancel_expired()
+        if not self._driver._closed:
+            self._driver.scheduler.nudge(reason or "reconsider")
+
+    def blocks(self) -> bool:
+        """Whether admission holds back a new group now (counted as ``held_back``)."""
+        d = self._driver
+        if self.admission is None or self.admission.admits(d.version.value, d.factory.group_size):
+            return False
+        d._tally.held_back += 1
+        return True
+
+    async def run(self, group: Group) -> None:
+        """The group's task: :func:`run_booked` under a cancel scope of its own."""
+        d = self._driver
+        scope = self._scopes[group.group_id] = trio.CancelScope()
+        try:
+            with scope:
+                await run_booked(d.runner, group, d.scheduler, d.book)
+        finally:
+            self._scopes.pop(group.group_id, None)
+
+    def _cancel_expired(self) -> None:
+        if self.admission is None:
+            return
+        running = self._driver._running
+        for gid, scope in self._scopes.items():
+            group = running.get(gid)
+            if (
+                group is not None
+                and gid not in self._expired
+                and self.admission.expired(group.policy_version_at_start)
+            ):
+                self._expired.add(gid)
+                scope.cancel()
+
+    def take(self, outcome: GroupOutcome) -> bool:
+        """Settle ``outcome`` if it is of a group cancelled as expired (and not failed): its
+        prompt goes back to the source and every member settles as stale (it was too stale
+        to train either way)."""
+        group, d = outcome.group, self._driver
+        if group.group_id not in self._expired:
+            return False
+        self._expired.discard(group.group_id)
+        if outcome.status is GroupStatus.FAILED:
+            return False
+        d._tally.cancelled_stale += 1
+        d._tally.cancelled_stale_samples += group.size
+        d._recycle(group)
+        d.triage.discard(group, "stale")
+        return True
 
 
 class AsyncRolloutDriver:
@@ -127,13 +195,7 @@ class AsyncRolloutDriver:
         self._closed = False
         self._failure: BaseException | None = None
         self._running: dict[str, Group] = {}
-        #: Staleness-aware admission (None: only the credit policy decides).
-        self.admission = admission
-        #: The cancel scope of every group task still running (for early stale cancellation).
-        self._scopes: dict[str, trio.CancelScope] = {}
-        #: Groups cancelled because their work expired; discarded as stale when they report.
-        self._expired: set[str] = set()
-        self._recheck = False
+        self.expiry = Expiry(admission, self)
 
     # -- consumer side ------------------------------------------------------------------
 
@@ -233,13 +295,6 @@ class AsyncRolloutDriver:
         batch.sort(key=lambda g: g.first_index)
         return batch
 
-    def reconsider(self, reason: str = "") -> None:
-        """Something the :class:`Admission` reads changed (a batch shipped, the policy version
-        advanced, work was scored): decide again, and check running groups for expiry."""
-        self._recheck = True
-        if not self._closed:
-            self.scheduler.nudge(reason or "reconsider")
-
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise DriverFailed(f"rollout worker failed: {self._failure!r}") from self._failure
@@ -333,19 +388,10 @@ class AsyncRolloutDriver:
                 await self._reap(outcomes.popleft())
                 if not outcomes:
                     outcomes.extend(_in_index_order(scheduler.poll()))
-            if self._recheck:
-                self._recheck = False
-                self._cancel_expired()
             budget = self.max_groups_in_flight
-            admission = self.admission
             started = 0
             while not self.is_paused and scheduler.admits(budget):
-                if (
-                    admission is not None
-                    and not self._queued
-                    and not admission.admits(self.version.value, self.factory.group_size)
-                ):
-                    self._tally.held_back += 1
+                if not self._queued and self.expiry.blocks():
                     break
                 group = self._next_group()
                 if group is None:
@@ -355,8 +401,7 @@ class AsyncRolloutDriver:
                 self._tally.submitted += 1
                 if self.book is not None:
                     self.book.group_opened(group)
-                scope = self._scopes[group.group_id] = trio.CancelScope()
-                groups.start_soon(self._run_group, group, scope)
+                groups.start_soon(self.expiry.run, group)
                 started += 1
                 if started % START_BATCH == 0:
                     # a huge budget lets a cancellation in between batches of group starts
@@ -373,41 +418,9 @@ class AsyncRolloutDriver:
                 self._buffer.changed.set()
             outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
 
-    async def _run_group(self, group: Group, scope: trio.CancelScope) -> None:
-        try:
-            with scope:
-                await run_booked(self.runner, group, self.scheduler, self.book)
-        finally:
-            self._scopes.pop(group.group_id, None)
-
-    def _cancel_expired(self) -> None:
-        admission = self.admission
-        if admission is None:
-            return
-        for gid, scope in self._scopes.items():
-            group = self._running.get(gid)
-            if (
-                group is not None
-                and gid not in self._expired
-                and admission.expired(group.policy_version_at_start)
-            ):
-                self._expired.add(gid)
-                scope.cancel()
-
     async def _reap(self, outcome: GroupOutcome) -> None:
         group = outcome.group
-        if group.group_id in self._expired:
-            self._expired.discard(group.group_id)
-            if outcome.status is not GroupStatus.FAILED:
-                # Cancelled early (or finished as it was cancelled): too stale to train either
-                # way. Its prompt goes back to the source; every member settles as stale.
-                self._tally.cancelled_stale += 1
-                self._tally.cancelled_stale_samples += group.size
-                self._running.pop(group.group_id, None)
-                self._recycle(group)
-                self.triage.discard(group, "stale")
-                return
-        if self.triage.keep(outcome):
+        if not self.expiry.take(outcome) and self.triage.keep(outcome):
             await self._buffer.put(group)  # backpressure: nothing is submitted meanwhile
         # Only now: a finished group waiting for buffer space still counts as running for
         # held_groups(), so a count taken meanwhile does not miss it.
@@ -505,7 +518,7 @@ async def open_async_rollout(
     one); pass your own (a subclass, say) to observe every credit the worker hands out.
     ``admission`` (see :class:`Admission`) holds back new groups whose work could no longer
     be trained in time and cancels running ones whose work expired (call
-    :meth:`AsyncRolloutDriver.reconsider` when what it reads changes).
+    ``driver.expiry.reconsider()`` when what it reads changes).
 
     Leaving the block stops submission, lets work that is ready finish (a sample whose reply
     has arrived completes, as does its group; a group whose task has not started does not

@@ -179,6 +179,9 @@ class OpenBook:
         g = self.groups.pop(group_id)
         self.changes.close(group_id)
         self._attempts(len(g.arrived) + g.failed + g.cancelled, groups=1)
+        # scored in sample order, not the order members finished in (which trio varies): the
+        # group's training samples and metrics then never depend on timing
+        g.arrived.sort(key=lambda s: s.index)
         return g
 
     def _attempts(self, n: int, *, groups: int = 0) -> None:
