@@ -30,8 +30,6 @@ from .errors import DriverFailedError as DriverFailedError
 from .errors import EndOfStream as EndOfStream
 from .errors import EndOfStreamError as EndOfStreamError
 from .errors import EngineError as EngineError
-from .errors import GroupFailed as GroupFailed
-from .errors import GroupFailedError as GroupFailedError
 from .errors import PackingError as PackingError
 from .errors import PayloadError as PayloadError
 from .errors import PublishError as PublishError
@@ -60,6 +58,8 @@ from .rollout import AsyncRolloutDriver as AsyncRolloutDriver
 from .rollout import DataSource as DataSource
 from .rollout import FailurePolicy as FailurePolicy
 from .rollout import GroupFactory as GroupFactory
+from .rollout import GroupFailed as GroupFailed
+from .rollout import GroupFailedError as GroupFailedError
 from .rollout import GroupGranularity as GroupGranularity
 from .rollout import GroupRunner as GroupRunner
 from .rollout import InMemorySource as InMemorySource

@@ -58,7 +58,11 @@ Using a closed resource (an engine, publisher, sender or receiver outside its ``
 raises ``trio.ClosedResourceError``, as trio's own channels and streams do; trio-rl has no
 "closed" exception of its own. Cancellation is trio's ``Cancelled``, never wrapped.
 
-This module imports nothing else of trio-rl at run time, so every layer can raise its classes.
+This module imports nothing else of trio-rl, not even for annotations, so every layer can raise
+its classes. The two classes that carry a value of a higher floor are defined on that floor,
+under the same root: :class:`~trio_rl.rollout.GroupFailedError` (it holds the failed
+:class:`~trio_rl.samples.Group`) and :class:`~trio_rl.testing.InvariantViolationError` (it
+names an :class:`~trio_rl.testing.Invariant`).
 Private control-flow exceptions (such as the wire decoder's fast-path rejection) derive from
 :class:`TrioRLError` too but never escape the library.
 """
@@ -66,14 +70,9 @@ Private control-flow exceptions (such as the wire decoder's fast-path rejection)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import trio
-
-if TYPE_CHECKING:  # annotations only: this module imports nothing of ours at run time
-    from .samples import Group
-    from .testing import Invariant
 
 __all__ = [
     "CheckpointError",
@@ -94,11 +93,7 @@ __all__ = [
     "EngineTransportError",
     "FailureBudgetExceeded",
     "FailureBudgetExceededError",
-    "GroupFailed",
-    "GroupFailedError",
     "InspectError",
-    "InvariantViolation",
-    "InvariantViolationError",
     "MetricsFileError",
     "MissingExtraError",
     "MonitorTimeoutError",
@@ -269,32 +264,6 @@ class DataSourceError(RolloutError):
 
 class SourceExhaustedError(RolloutError):
     """The data source has no prompt left (and nothing recycled is waiting)."""
-
-
-class GroupFailedError(RolloutError):
-    """A group failed: one of its samples (or its group reward) raised.
-
-    ``__cause__`` is the first real failure; :attr:`failures` holds every real failure as
-    ``(sample_index, exception)`` pairs in the order they happened (``sample_index`` is None
-    for a failing group reward). Siblings cancelled because of the failure are not failures.
-    By the time this is raised, every sample task of the group has settled and returned its
-    credit.
-    """
-
-    def __init__(
-        self,
-        group: Group,
-        failures: Sequence[tuple[int | None, Exception]],
-    ) -> None:
-        self.group = group
-        self.group_id = group.group_id
-        self.failures: tuple[tuple[int | None, Exception], ...] = tuple(failures)
-        if not self.failures:
-            raise ValueError("GroupFailedError needs at least one failure")
-        first_index, first = self.failures[0]
-        where = "group reward" if first_index is None else f"sample {first_index}"
-        more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
-        super().__init__(f"group {group.group_id} failed at {where}: {first!r}{more}")
 
 
 class FailureBudgetExceededError(RolloutError):
@@ -494,38 +463,7 @@ class MissingExtraError(ToolsError, ImportError):
         self.extra = extra
 
 
-# Testing harness -----------------------------------------------------------------------------
-
-
-class InvariantViolationError(TrioRLError, AssertionError):
-    """A credit invariant checked by :mod:`trio_rl.testing` did not hold.
-
-    ``invariant`` is its :class:`~trio_rl.testing.Invariant` member, ``description`` what it
-    states, ``steps`` the schedule (one line per harness step) that led here; after Hypothesis
-    shrinks a failure, ``steps`` is the shrunk schedule.
-    """
-
-    def __init__(
-        self,
-        invariant: Invariant,
-        detail: str,
-        steps: Sequence[str] = (),
-        *,
-        description: str = "?",
-    ) -> None:
-        self.invariant = invariant
-        self.detail = detail
-        self.description = description
-        self.steps = list(steps)
-        schedule = "\n".join(f"  {i:3d}. {s}" for i, s in enumerate(self.steps, 1))
-        super().__init__(
-            f"invariant {invariant} ({description}) violated: {detail}\n"
-            f"schedule ({len(self.steps)} steps):\n{schedule}"
-        )
-
-
 # Names from before the naming rule, kept because users catch them.
-GroupFailed = GroupFailedError
 SourceExhausted = SourceExhaustedError
 FailureBudgetExceeded = FailureBudgetExceededError
 DriverFailed = DriverFailedError
@@ -533,7 +471,6 @@ PayloadFileMissing = PayloadFileMissingError
 SimulatedEngineFailure = SimulatedEngineError
 ScriptedFailure = ScriptedEngineError
 EndOfStream = EndOfStreamError
-InvariantViolation = InvariantViolationError
 
 
 @contextlib.contextmanager

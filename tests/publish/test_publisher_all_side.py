@@ -12,12 +12,12 @@ import trio
 from publisher_support import one_per_sample_packer
 
 from builders import make_group
-from trio_rl.errors import GroupFailed
 from trio_rl.publish import ShipRecord, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats
 from trio_rl.rollout import (
     FailurePolicy,
     GroupFactory,
+    GroupFailed,
     GroupRunner,
     InMemorySource,
     open_async_rollout,
