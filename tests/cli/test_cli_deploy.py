@@ -129,6 +129,7 @@ def test_a_model_directory_a_jsonl_file_and_a_reward_module_make_a_run(tmp_path:
     assert "myreward:score failed sample" in done.stderr
     assert "this record's reward always fails" in done.stderr
     assert "further failures are only counted" in done.stderr
+    assert f"reward failed {records[-1]['counters/reward_failures']} samples" in done.stdout
     # the trainer published the Hugging Face model's own weight names (what vLLM reloads)
     from safetensors import safe_open
 
@@ -201,6 +202,10 @@ def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_pat
     config.write_text(text)
     done = _trio_rl(tmp_path, "run", str(config), timeout=240)
     assert done.returncode == 1, done.stdout + done.stderr
+    # what it waited for was logged before the deadline
+    assert "WARNING trio_rl.learn: waiting for the trainer job (mode external): no heartbeat" in (
+        done.stderr
+    )
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(
         f"trio-rl: error: the trainer job did not start: no heartbeat in "
@@ -380,6 +385,7 @@ def test_a_trainer_job_without_an_orchestrator_fails_at_its_deadline(tmp_path: P
     )
     done = _trio_rl(tmp_path, "trainer", str(config), timeout=240)
     assert done.returncode == 1, done.stdout + done.stderr
+    assert "trainer job: waiting for the orchestrator: no heartbeat in" in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"trio-rl: error: trainer job: no orchestrator heartbeat in "
         f"{tmp_path / 'run' / 'orchestrator' / 'heartbeat'} for 3 s (trainer.connect_timeout); "
