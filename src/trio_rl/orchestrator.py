@@ -50,6 +50,7 @@ from .rollout import (
     GroupGranularity,
     GroupRewardFn,
     GroupRunner,
+    RoutingKeys,
     SampleBackfill,
     SampleRewardFn,
     SourceExhausted,
@@ -97,7 +98,10 @@ class OrchestratorConfig:
     ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
     least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit and
     ``staleness`` the version a sample is judged by: ``"group_start"`` (default, prime-rl's
-    rule) or ``"oldest_token"`` (see :class:`~trio_rl.train.SinkConfig`).
+    rule) or ``"oldest_token"`` (see :class:`~trio_rl.train.SinkConfig`). ``routing_keys``
+    turns routing keys on (see :class:`~trio_rl.rollout.GroupFactory`): ``"group"`` is
+    group-sticky routing, every sample of a group with one key, which the HTTP engines send as
+    the ``X-SMG-Routing-Key`` header and :class:`~trio_rl.engines.EngineFleet` routes by.
     """
 
     batch_groups: int = attrs.field(default=8, validator=_at_least(1))
@@ -113,6 +117,9 @@ class OrchestratorConfig:
     pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     seed: int | None = None
+    routing_keys: RoutingKeys = attrs.field(
+        default="none", validator=attrs.validators.in_(("none", "sample", "group"))
+    )
     failure: FailurePolicy = attrs.field(factory=FailurePolicy)
     checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
     #: Incremental checkpoints: a full one first, then per step a delta of what changed since
@@ -417,7 +424,7 @@ async def open_orchestrator(
     """
     config = OrchestratorConfig() if config is None else config
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
-    factory = GroupFactory(config.group_size, seed=config.seed)
+    factory = GroupFactory(config.group_size, seed=config.seed, routing_keys=config.routing_keys)
     sink = TrainSink(
         SinkConfig(
             batch_size=config.batch_groups * config.group_size,

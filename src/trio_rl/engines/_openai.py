@@ -214,7 +214,9 @@ class OpenAICompatibleEngine:
 
     **Servers.** A request with a ``routing_key`` always goes to the same server of
     ``base_urls`` (rendezvous hashing, so retries and siblings share a prefix cache); other
-    requests go round robin, and a retry moves on to the next server.
+    requests go round robin, and a retry moves on to the next server. The key also travels as
+    the header ``routing_header`` (``X-SMG-Routing-Key``, what SGLang's router reads, as miles
+    sends it), so a router in front of several servers keeps the key's requests together.
 
     **Deadline and retries.** The whole call, retries included, runs under
     ``trio.fail_after(timeout)``; expiry raises :class:`EngineTimeoutError`. Transport errors
@@ -268,6 +270,8 @@ class OpenAICompatibleEngine:
     headers: Mapping[str, str] = attrs.field(factory=dict)
     #: httpx connection-pool size; None means unbounded.
     max_connections: int | None = None
+    #: The header that carries :attr:`GenerateRequest.routing_key` (None: not sent).
+    routing_header: str | None = "X-SMG-Routing-Key"
 
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _round_robin: int = attrs.field(init=False, default=0)
@@ -381,6 +385,10 @@ class OpenAICompatibleEngine:
     ) -> Completion:
         failures: list[str] = []
         base = self.server_for(request.routing_key)
+        headers = {"X-Request-Id": rid}
+        if request.routing_key is not None and self.routing_header is not None:
+            headers[self.routing_header] = request.routing_key
+        exchange = _Exchange(self, headers)
         for attempt in range(self.max_attempts):
             if attempt:
                 await trio.sleep(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
@@ -389,9 +397,9 @@ class OpenAICompatibleEngine:
             received.reset()
             try:
                 if self.stream:
-                    outcome = await _Exchange(self).streamed(client, base, rid, body, received)
+                    outcome = await exchange.streamed(client, base, rid, body, received)
                 else:
-                    outcome = await _Exchange(self).posted(client, base, rid, body)
+                    outcome = await exchange.posted(client, base, rid, body)
             except trio.Cancelled:
                 await self._abort(client, base, rid)
                 raise
@@ -428,6 +436,8 @@ class _Exchange:
     and aborts are the engine's."""
 
     engine: OpenAICompatibleEngine
+    #: The request id and, with a routing key, the routing header.
+    headers: Mapping[str, str]
 
     async def posted(
         self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
@@ -435,7 +445,7 @@ class _Exchange:
         """One non-streamed attempt: the completion, or why it may be retried."""
         try:
             response = await client.post(
-                base + self.engine.completions_path, json=body, headers={"X-Request-Id": rid}
+                base + self.engine.completions_path, json=body, headers=dict(self.headers)
             )
         except httpx.TransportError as exc:
             return f"{base}: {type(exc).__name__}: {exc}"
@@ -463,7 +473,7 @@ class _Exchange:
                 "POST",
                 base + self.engine.completions_path,
                 json=body,
-                headers={"X-Request-Id": rid},
+                headers=dict(self.headers),
             ) as response:
                 if response.status_code >= 500:
                     return f"{base}: HTTP {response.status_code}"

@@ -151,6 +151,24 @@ class VLLMAdmin:
                 f"{self.base_url}/health did not answer 200 within {within}s"
             ) from None
 
+    async def models(self) -> list[str]:
+        """The ids of the models the server serves (``GET /v1/models``).
+
+        Cancellation: the request is abandoned."""
+        response = await self._call("GET", "/v1/models")
+        where = f"{self.base_url}/v1/models"
+        try:
+            data = json.loads(response.content)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EngineResponseError(f"{where}: body is not JSON ({exc})") from None
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise EngineResponseError(f"{where}: field 'data' is missing or not a list")
+        ids = [e.get("id") for e in entries if isinstance(e, dict)]
+        if len(ids) != len(entries) or not all(isinstance(i, str) for i in ids):
+            raise EngineResponseError(f"{where}: an entry of 'data' has no string 'id'")
+        return [str(i) for i in ids]
+
     async def collective_rpc(self, method: str, kwargs: Mapping[str, Any]) -> object:
         """``POST /collective_rpc {"method": method, "kwargs": kwargs}``; the ``results`` list of
         the answer (one entry per worker), or None for an empty 200.
@@ -264,6 +282,11 @@ class VLLMEngine:
     stream: bool = attrs.field(default=True, validator=a_bool)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
+    #: The header that carries the requests' routing key (see
+    #: :attr:`~trio_rl.engines.GenerateRequest.routing_key`), as SGLang's router reads it
+    #: (None: not sent). An ``n`` request sends its first sample's key: under group-sticky
+    #: routing every sample of a group has the same one.
+    routing_header: str | None = "X-SMG-Routing-Key"
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
     _batcher: RequestBatcher = attrs.field(init=False)
@@ -357,7 +380,10 @@ class VLLMEngine:
         try:
             if client is None:
                 raise trio.ClosedResourceError("VLLMEngine used outside open_vllm_engine()")
-            request = _NRequest(self, client, rows, body, rid, url, self.version.value)
+            headers = {"X-Request-Id": rid}
+            if first.routing_key is not None and self.routing_header is not None:
+                headers[self.routing_header] = first.routing_key
+            request = _NRequest(self, client, rows, body, rid, url, self.version.value, headers)
             await request.run()
         except (EngineError, trio.ClosedResourceError) as exc:
             for r in rows:
@@ -378,6 +404,8 @@ class _NRequest:
     rid: str
     url: str
     version: PolicyVersion
+    #: The request id and, with a routing key, the routing header.
+    headers: dict[str, str]
     #: whether each choice has streamed its finish reason in the current attempt
     _finished: list[bool] = attrs.field(init=False, factory=list)
     #: cancelled to stop reading once no sample wants more (see :meth:`_take`)
@@ -439,8 +467,7 @@ class _NRequest:
 
     async def _posted(self) -> str | None:
         """One non-streamed attempt: None once every row is filled, else why to retry."""
-        headers = {"X-Request-Id": self.rid}
-        response = await self.client.post(self.url, json=self.body, headers=headers)
+        response = await self.client.post(self.url, json=self.body, headers=self.headers)
         if response.status_code >= 500:
             return f"HTTP {response.status_code}"
         if response.status_code >= 400:
@@ -476,8 +503,9 @@ class _NRequest:
         chunk lands in its choice's row at once, so an abort finds it there; a choice that
         finishes releases its row at once; leaving the ``stream`` block closes the response
         (also when reading stops because no row wants more)."""
-        headers = {"X-Request-Id": self.rid}
-        async with self.client.stream("POST", self.url, json=self.body, headers=headers) as resp:
+        async with self.client.stream(
+            "POST", self.url, json=self.body, headers=self.headers
+        ) as resp:
             if resp.status_code >= 500:
                 return f"HTTP {resp.status_code}"
             if resp.status_code >= 400:

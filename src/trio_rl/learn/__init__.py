@@ -76,6 +76,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         stop_window=run.stop_window,
         converged_after=run.converged_after,
         prompts=rollout.prompts,
+        inference=config.inference,
         verbose=config.metrics.console,
         plot=config.metrics.plot,
         threads=config.publish.threads,

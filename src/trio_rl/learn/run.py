@@ -16,7 +16,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -26,7 +27,8 @@ import torch
 import trio
 
 from ..config._deploy import DataSection, ModelSection, RewardSection
-from ..engines import SamplingParams, TorchEngine
+from ..config._schema import Inference
+from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
@@ -45,7 +47,7 @@ from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer
 from ._trainer import GRPOTrainer, StepStats, TrainerConfig
 from ._watcher import watch_weights
-from ._weights import publish_weights
+from ._weights import latest_weights, publish_weights
 from .tasks import task_records
 
 __all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
@@ -125,6 +127,9 @@ class LearnConfig:
     model: ModelSection = attrs.field(factory=ModelSection)
     data: DataSection = attrs.field(factory=DataSection)
     reward: RewardSection = attrs.field(factory=RewardSection)
+    #: ``[inference]``: an inference fleet (servers at ``urls``, or ``launch`` vLLM servers of
+    #: ``model.path``) instead of the in-process engine.
+    inference: Inference = attrs.field(factory=Inference)
     #: Seconds to wait for a torchrun or external trainer job's ready file before failing.
     connect_timeout: float = 300.0
 
@@ -144,9 +149,16 @@ class LearnConfig:
             ("model", ModelSection),
             ("data", DataSection),
             ("reward", RewardSection),
+            ("inference", Inference),
         ):
             if name in raw:
                 raw[name] = section(**raw[name])
+        if "inference" in raw:
+            raw["inference"] = attrs.evolve(
+                raw["inference"],
+                urls=tuple(raw["inference"].urls),
+                vllm_args=tuple(raw["inference"].vllm_args),
+            )
         return cls(**raw)
 
     @property
@@ -465,6 +477,43 @@ class Display(Protocol):
     def close(self) -> None: ...
 
 
+def fleet_wanted(config: LearnConfig) -> bool:
+    """Whether ``[inference]`` asks for an inference fleet (else the in-process engine)."""
+    return bool(config.inference.urls or config.inference.launch)
+
+
+@asynccontextmanager
+async def _open_engine(
+    config: LearnConfig, engine_model: torch.nn.Module, policy: Policy, trained: int
+) -> AsyncIterator[TorchEngine | EngineFleet]:
+    """The run's engine: the inference fleet ``[inference]`` describes (it serves
+    ``[model] path``; a resumed run's servers first load the trainer's last published
+    weights), or the policy served in-process by :class:`TorchEngine`."""
+    if not fleet_wanted(config):
+        async with TorchEngine.open(
+            engine_model,
+            eos_token_id=policy.eos_token_id,
+            max_len=policy.max_len,
+            limiter=trio.CapacityLimiter(1),
+            seed=config.seed,
+            policy_version=trained,
+        ) as engine:
+            yield engine
+        return
+    if config.inference.launch and config.model.path is None:
+        raise ValueError("[inference] launch needs [model] path: the model the servers serve")
+    async with open_inference(
+        **config.inference.inference_kwargs(),
+        model_path=config.model.path,
+        log_dir=config.out / "inference",
+    ) as fleet:
+        if trained:
+            latest = await trio.to_thread.run_sync(latest_weights, config.out / "weights")
+            if latest is not None:
+                await fleet.load_weights(latest.path, latest.version)
+        yield fleet
+
+
 async def run_learning(
     config: LearnConfig,
     *,
@@ -520,6 +569,7 @@ async def run_learning(
         ),
         seed=config.seed,
         seq_len=1024,
+        routing_keys=config.inference.routing_keys if fleet_wanted(config) else "none",
     )
     metrics: list[dict[str, Any]] = []
     earlier = await trio.to_thread.run_sync(_earlier_metrics, out) if resuming else []
@@ -558,16 +608,14 @@ async def run_learning(
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = orch.held_groups
                 # the engine's rows busy over the interval (batches finished in it)
-                stats = engine.statistics()
-                span = stats.elapsed - busy_last[0]
-                rec["slot_occupancy"] = (
-                    round(
-                        min(1.0, (stats.busy_row_seconds - busy_last[1]) / (stats.slots * span)), 4
-                    )
-                    if span > 0 and stats.slots > 0
-                    else None
-                )
-                busy_last = (stats.elapsed, stats.busy_row_seconds)
+                rec["slot_occupancy"] = None  # a fleet's servers report their own
+                if isinstance(engine, TorchEngine):
+                    stats = engine.statistics()
+                    span = stats.elapsed - busy_last[0]
+                    busy = stats.busy_row_seconds - busy_last[1]
+                    if span > 0 and stats.slots > 0:
+                        rec["slot_occupancy"] = round(min(1.0, busy / (stats.slots * span)), 4)
+                    busy_last = (stats.elapsed, stats.busy_row_seconds)
                 lags.clear()
                 last_wall = rec["wall_s"]
                 metrics.append(rec)
@@ -611,14 +659,7 @@ async def run_learning(
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
         sender,
-        TorchEngine.open(
-            engine_model,
-            eos_token_id=policy.eos_token_id,
-            max_len=policy.max_len,
-            limiter=trio.CapacityLimiter(1),
-            seed=config.seed,
-            policy_version=trained,
-        ) as engine,
+        _open_engine(config, engine_model, policy, trained) as engine,
         open_orchestrator(
             engine,
             source,

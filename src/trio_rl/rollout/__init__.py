@@ -31,6 +31,7 @@ from ._errors import RolloutError as RolloutError
 from ._errors import SourceExhausted as SourceExhausted
 from ._errors import SourceExhaustedError as SourceExhaustedError
 from ._factory import GroupFactory as GroupFactory
+from ._factory import RoutingKeys as RoutingKeys
 from ._group import GenerateFn as GenerateFn
 from ._group import GroupRewardFn as GroupRewardFn
 from ._group import GroupRunner as GroupRunner

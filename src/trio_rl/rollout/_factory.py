@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -12,7 +12,27 @@ from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleSta
 from ._errors import DataSourceError
 from ._validate import non_negative_int, optional_int, positive_int
 
-__all__ = ["GroupFactory"]
+__all__ = ["GroupFactory", "RoutingKeys"]
+
+#: Which samples share a routing key: ``"none"`` (no keys), ``"sample"`` (each sample its own
+#: uuid, as miles gives them) or ``"group"`` (every sample of a group the same key, so a router
+#: sends the whole group to one server, where its shared prompt is in the prefix cache).
+RoutingKeys = Literal["none", "sample", "group"]
+_ROUTING_KEYS: tuple[RoutingKeys, ...] = ("none", "sample", "group")
+
+
+def _routing_keys(value: bool | str) -> RoutingKeys:
+    # ``True``/``False`` are the older spelling of "sample"/"none"
+    if value is True:
+        return "sample"
+    if value is False:
+        return "none"
+    for allowed in _ROUTING_KEYS:
+        if value == allowed:
+            return allowed
+    raise DataSourceError(
+        f"GroupFactory.routing_keys = {value!r} is not one of {', '.join(_ROUTING_KEYS)}"
+    )
 
 
 @attrs.define(slots=True)
@@ -22,16 +42,18 @@ class GroupFactory:
     Sample indices are consecutive and unique across the run; every group gets the next group
     index and a fresh id (a random prefix per factory, then the group index). With ``seed``
     set, sample ``i`` of a group gets seed ``seed + i`` (the same seed set for every group and
-    every retry, for reproducibility). With ``routing_keys`` on, every sample gets its own uuid
-    routing key, kept across retries for cache affinity. A recycled prompt carries its group's
-    keys in ``prompt.metadata["routing_keys"]`` (see :func:`~trio_rl.rollout.recycled_prompt`):
-    sample ``i`` of the group made from it gets key ``i`` back, whether ``routing_keys`` is on
-    or not. The counters are saved by :meth:`state`.
+    every retry, for reproducibility). ``routing_keys`` (see :data:`RoutingKeys`) gives every
+    sample its own uuid routing key (``"sample"``, or ``True``), or every sample of a group the
+    group's id as its key (``"group"``: group-sticky routing, which a resumed group keeps, since
+    it keeps its id); keys are kept across retries for cache affinity. A recycled prompt carries
+    its group's keys in ``prompt.metadata["routing_keys"]`` (see
+    :func:`~trio_rl.rollout.recycled_prompt`): sample ``i`` of the group made from it gets key
+    ``i`` back, whatever ``routing_keys`` says. The counters are saved by :meth:`state`.
     """
 
     group_size: int = attrs.field(validator=positive_int)
     seed: int | None = attrs.field(default=None, validator=optional_int)
-    routing_keys: bool = False
+    routing_keys: RoutingKeys = attrs.field(default="none", converter=_routing_keys)
     next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
     next_group_index: int = attrs.field(default=0, validator=non_negative_int)
     #: Group ids are this prefix and the group index: unique within the factory (the index
@@ -39,7 +61,7 @@ class GroupFactory:
     #: a uuid4 per group.
     _id_prefix: str = attrs.field(init=False, factory=new_group_id)
 
-    def _routing_key(self, prompt: Prompt, position: int) -> str | None:
+    def _routing_key(self, prompt: Prompt, group_id: str, position: int) -> str | None:
         kept = prompt.metadata.get("routing_keys")
         if isinstance(kept, list | tuple) and position < len(kept):
             key = kept[position]
@@ -49,15 +71,19 @@ class GroupFactory:
                 f"prompt {prompt.key!r}: metadata field 'routing_keys[{position}]' = {key!r} "
                 "is not a string or null"
             )
-        return uuid.uuid4().hex if self.routing_keys else None
+        if self.routing_keys == "group":
+            return group_id
+        return uuid.uuid4().hex if self.routing_keys == "sample" else None
 
-    def _sample(self, prompt: Prompt, group_index: int, position: int, index: int) -> Sample:
+    def _sample(
+        self, prompt: Prompt, group_id: str, group_index: int, position: int, index: int
+    ) -> Sample:
         return Sample(
             index=index,
             group_index=group_index,
             prompt_tokens=prompt.tokens,
             seed=None if self.seed is None else self.seed + position,
-            routing_key=self._routing_key(prompt, position),
+            routing_key=self._routing_key(prompt, group_id, position),
             label=prompt.label,
             env_name=prompt.env_name,
             metadata={"prompt_key": prompt.key},
@@ -68,10 +94,11 @@ class GroupFactory:
         # The counters are validated fields: one assignment each per group, not per sample.
         group_index, first = self.next_group_index, self.next_sample_index
         size = self.group_size
-        samples = [self._sample(prompt, group_index, i, first + i) for i in range(size)]
+        group_id = f"{self._id_prefix}-{group_index}"
+        samples = [self._sample(prompt, group_id, group_index, i, first + i) for i in range(size)]
         self.next_group_index, self.next_sample_index = group_index + 1, first + size
         return Group(
-            group_id=f"{self._id_prefix}-{group_index}",
+            group_id=group_id,
             prompt=prompt,
             samples=samples,
             policy_version_at_start=policy_version,
@@ -100,7 +127,7 @@ class GroupFactory:
         start = len(arrived)
         first = self.next_sample_index
         missing = [
-            self._sample(resumed.prompt, group_index, start + i, first + i)
+            self._sample(resumed.prompt, resumed.group_id, group_index, start + i, first + i)
             for i in range(resumed.missing)
         ]
         self.next_sample_index = first + resumed.missing
