@@ -66,6 +66,9 @@ def _write_run(tmp: Path, *, model: bool = True, extra: str = "", data: str | No
             [run]
             out = "{tmp / "run"}"
             steps = 3
+            # a random model earns one reward nearly everywhere: without this the run may end
+            # converged (every group pruned) before its steps
+            converged_after = 100000
 
             [rollout]
             batch_groups = 2
@@ -196,10 +199,6 @@ def test_a_jsonl_line_that_does_not_parse_is_named_exit_2(tmp_path: Path) -> Non
 def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_path: Path) -> None:
     extra = '\n[trainer]\nmode = "external"\nconnect_timeout = 3.0\n'
     config = _write_run(tmp_path, extra=extra)
-    # a random model earns one reward everywhere: the run would end converged before the
-    # deadline, not wait for the trainer
-    text = config.read_text().replace("steps = 3", "steps = 3\nconverged_after = 100000")
-    config.write_text(text)
     done = _trio_rl(tmp_path, "run", str(config), timeout=240)
     assert done.returncode == 1, done.stdout + done.stderr
     # what it waited for was logged before the deadline
