@@ -66,6 +66,9 @@ def _write_run(tmp: Path, *, model: bool = True, extra: str = "", data: str | No
             [run]
             out = "{tmp / "run"}"
             steps = 3
+            # a random model earns one reward nearly everywhere: without this the run may end
+            # converged (every group pruned) before its steps
+            converged_after = 100000
 
             [rollout]
             batch_groups = 2
@@ -129,6 +132,7 @@ def test_a_model_directory_a_jsonl_file_and_a_reward_module_make_a_run(tmp_path:
     assert "myreward:score failed sample" in done.stderr
     assert "this record's reward always fails" in done.stderr
     assert "further failures are only counted" in done.stderr
+    assert f"reward failed {records[-1]['counters/reward_failures']} samples" in done.stdout
     # the trainer published the Hugging Face model's own weight names (what vLLM reloads)
     from safetensors import safe_open
 
@@ -195,12 +199,12 @@ def test_a_jsonl_line_that_does_not_parse_is_named_exit_2(tmp_path: Path) -> Non
 def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_path: Path) -> None:
     extra = '\n[trainer]\nmode = "external"\nconnect_timeout = 3.0\n'
     config = _write_run(tmp_path, extra=extra)
-    # a random model earns one reward everywhere: the run would end converged before the
-    # deadline, not wait for the trainer
-    text = config.read_text().replace("steps = 3", "steps = 3\nconverged_after = 100000")
-    config.write_text(text)
     done = _trio_rl(tmp_path, "run", str(config), timeout=240)
     assert done.returncode == 1, done.stdout + done.stderr
+    # what it waited for was logged before the deadline
+    assert "WARNING trio_rl.learn: waiting for the trainer job (mode external): no heartbeat" in (
+        done.stderr
+    )
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(
         f"trio-rl: error: the trainer job did not start: no heartbeat in "
@@ -380,6 +384,7 @@ def test_a_trainer_job_without_an_orchestrator_fails_at_its_deadline(tmp_path: P
     )
     done = _trio_rl(tmp_path, "trainer", str(config), timeout=240)
     assert done.returncode == 1, done.stdout + done.stderr
+    assert "trainer job: waiting for the orchestrator: no heartbeat in" in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"trio-rl: error: trainer job: no orchestrator heartbeat in "
         f"{tmp_path / 'run' / 'orchestrator' / 'heartbeat'} for 3 s (trainer.connect_timeout); "

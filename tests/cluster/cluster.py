@@ -184,7 +184,7 @@ def main() -> int:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
-            "--host", "127.0.0.1", "--port", str(ports[i]),
+            "--gpu-memory-utilization", "0.05", "--host", "127.0.0.1", "--port", str(ports[i]),
         ]  # fmt: skip
         return Proc(f"vLLM server {i} ({urls[i]})", cmd, root / f"vllm-{i}.log", vllm_env)
 

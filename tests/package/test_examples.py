@@ -18,9 +18,7 @@ from trio_rl.config import LearnRunConfig, SimulateConfig, load
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(EXAMPLES.glob("*.py"))
-# vllm.toml's [inference] section (the servers) is the inference fleet's, loaded once that
-# schema is merged: every other example configuration loads here
-CONFIGS = sorted(p for p in EXAMPLES.glob("*.toml") if p.name != "vllm.toml")
+CONFIGS = sorted(EXAMPLES.glob("*.toml"))
 
 
 def _private_imports(source: str) -> list[str]:

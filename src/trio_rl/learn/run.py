@@ -509,6 +509,8 @@ async def _watch_trainer(config: LearnConfig, log_every: float = 10.0) -> None:
     last = await trio.to_thread.run_sync(_read_heartbeat, path)
     connected = False
     changed = trio.current_time()
+    # logged every `log_every` s, and at least once before a short deadline
+    log_every = min(log_every, config.connect_timeout / 2)
     next_log = changed + log_every
     while True:
         await trio.sleep(0.25)
@@ -754,7 +756,12 @@ async def run_learning(
                         f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
                         f"{rec['samples_per_s']:>6.1f} samples/s  "
                         f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
-                        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s",
+                        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s"
+                        + (
+                            f"  reward failed {record_reward.failed} samples"
+                            if record_reward.failed
+                            else ""
+                        ),
                         flush=True,
                     )
         records_send.close()

@@ -266,6 +266,8 @@ async def _watch_orchestrator(config: LearnConfig, log_every: float = 10.0) -> N
     path = config.out / ORCHESTRATOR_HEARTBEAT
     last = await trio.to_thread.run_sync(_read, path)
     changed = trio.current_time()
+    # logged every `log_every` s, and at least once before a short deadline
+    log_every = min(log_every, config.connect_timeout / 2)
     next_log = changed + log_every
     while True:
         await trio.sleep(0.25)
