@@ -856,7 +856,9 @@ class _Quiet(logging.Formatter):
 
 def _check_out(out: Path) -> None:
     """``--out`` must be a directory or creatable as one, and writable: refuse it (a usage
-    error, exit 2, naming the option) before anything starts. A new directory is made here."""
+    error, exit 2, naming the option) before anything starts. A directory made to check that is
+    removed again, so a run that then fails on its configuration leaves nothing behind."""
+    made: Path | None = None
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
@@ -864,6 +866,7 @@ def _check_out(out: Path) -> None:
                     f"--out {out}: {path} is a regular file, not a directory; pass a directory"
                 )
             break
+        made = path
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
@@ -873,6 +876,15 @@ def _check_out(out: Path) -> None:
             f"--out {out}: cannot write there ({exc.strerror or exc}); pass a directory you "
             "can write"
         ) from None
+    finally:
+        if made is not None:  # the directories this check made, innermost first
+            for path in (out, *out.parents):
+                try:
+                    path.rmdir()
+                except OSError:
+                    break
+                if path == made:
+                    break
 
 
 def _last_shipped(out: Path) -> int:

@@ -168,7 +168,8 @@ def test_a_model_directory_without_a_tokenizer_is_one_line_exit_2(tmp_path: Path
     done = _trio_rl(tmp_path, "run", str(config))
     assert done.returncode == 2
     line = _one_line(done)
-    assert f"{config}:10: model.path:" in line
+    path_line = config.read_text().splitlines().index(f'path = "{tmp_path / "model"}"') + 1
+    assert f"{config}:{path_line}: model.path:" in line
     assert "the model directory has no tokenizer" in line
     assert not (tmp_path / "run").exists()  # nothing started
 

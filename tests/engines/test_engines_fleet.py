@@ -105,7 +105,10 @@ async def test_a_dead_server_is_taken_out_and_its_requests_retried_elsewhere() -
             assert fleet.live() == [alive_url]
     assert stats["taken_out"] == 1
     assert stats["retried"] >= 1
-    assert stats["retried"] == status[dead_url].failures
+    # every failed attempt was retried (a request on a connection the live server had closed
+    # may fail too: that server answers its probe and stays in)
+    assert stats["retried"] == sum(s.failures for s in status.values())
+    assert status[dead_url].failures >= 1
     assert stats["failed"] == 0
     assert status[dead_url].state == "out"
     assert len(completions(alive)) == 6

@@ -91,8 +91,15 @@ def _open(tmp_path: Path, group_size: int, max_tokens: int = 16, **kw: object) -
             sampling=SamplingParams(max_tokens=max_tokens),
         ),
         checkpoint_dir=tmp_path / "ckpt",
+        # a resume that finishes before the deadline goes on running: its new members need a
+        # reward to be accepted by the sink
+        sample_reward=_reward,
         **kw,  # type: ignore[arg-type]
     )
+
+
+def _reward(sample: Sample) -> float:
+    return float(sample.index % 2)
 
 
 async def test_an_open_group_claiming_a_million_members_is_refused_before_anything_starts(

@@ -125,6 +125,8 @@ PINNED: dict[str, set[str]] = {
         *("read_checkpoint", "to_training_sample", "write_checkpoint"),
         # the staleness rule's allowed values and default, defined once for every config
         *("DEFAULT_STALENESS", "STALENESS_RULES", "StalenessRule"),
+        # a checkpoint checked against the run that restores it
+        *("RunBounds", "check_run_bounds"),
     },
     "trio_rl.publish": {
         *("AttemptStats", "BatchSource", "Checkpointer", "CohortStats", "DeferredRelease"),

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,12 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
+def _next_second() -> None:
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.02)
+
+
 @pytest.mark.usefixtures("offline")
 def test_a_resumed_sink_continues_the_run_whose_id_it_kept(tmp_path: Path) -> None:
     id_file = tmp_path / WANDB_ID_FILE
@@ -39,6 +46,9 @@ def test_a_resumed_sink_continues_the_run_whose_id_it_kept(tmp_path: Path) -> No
     run_id = first.run.id
     first.close()
     assert id_file.read_text().strip() == run_id
+    # W&B names an offline run's directory by the second it started and its id: the resumed
+    # run must start in another second to get a directory of its own
+    _next_second()
     again = WandbSink(project="trio-rl-test", dir=str(tmp_path), id_file=id_file, resume=True)
     again.write({"step": 2, "reward_mean": 0.5})
     assert again.run.id == run_id

@@ -24,7 +24,7 @@ from trio_rl.train import (
     TrainSink,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint import ReadStoppedError
+from trio_rl.train._checkpoint import _ReadStoppedError
 from trio_rl.train._sink_state import RESTORE_BATCH, restoring
 
 
@@ -40,9 +40,9 @@ def test_a_stopped_read_ends_at_its_next_records_and_moves_nothing(tmp_path: Pat
     broken.write_bytes(b"not a checkpoint at all, but a newer file")
     stop = threading.Event()
     stop.set()
-    with pytest.raises(ReadStoppedError):
+    with pytest.raises(_ReadStoppedError):
         read_checkpoint(good, stop=stop)
-    with pytest.raises(ReadStoppedError):
+    with pytest.raises(_ReadStoppedError):
         mgr.read_latest(stop=stop)
     assert broken.exists()  # a stopped read moves nothing aside
     assert len(read_checkpoint(good).sink.open_groups) == 500  # not stopped: it reads all

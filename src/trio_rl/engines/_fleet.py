@@ -299,6 +299,12 @@ class EngineFleet:
                 return attrs.evolve(completion, policy_version=version)
         except EngineTransportError as exc:
             reason = str(exc)
+            if server.state == "live" and await _probe(self, server) == "ok":
+                # A connection the pool reused and the server had already closed (a keep-alive
+                # timeout) fails one request of a healthy server: retry it elsewhere, but keep
+                # the server in rotation.
+                server.failures += 1
+                return f"{reason} (server still answers its probe: kept)"
         finally:
             server.in_flight -= 1
             server.scopes.discard(scope)

@@ -239,20 +239,16 @@ class AsyncRolloutDriver:
             if not self._closed and self._pauses == 0:
                 self.scheduler.nudge("resume")
 
-    def resume(self, groups: Iterable[OpenGroup]) -> None:
-        """Queue resumed groups; the worker starts them before any new prompt."""
-        version = self.version.value
-        self._queued.extend(self.factory.resume(g, version) for g in groups)
-        if not self._closed:
-            self.scheduler.nudge("resumed groups")
-
     async def aresume(self, groups: Iterable[OpenGroup]) -> None:
-        """`resume`, with a checkpoint every ``START_BATCH`` groups: a resume of any size lets
-        a cancellation in. Cancelled, the groups made so far stay queued."""
+        """Queue resumed groups (their new members stamped with the current version); the
+        worker starts them before any new prompt. A checkpoint every ``START_BATCH`` groups
+        lets a cancellation into a resume of any size; cancelled, the groups made so far stay
+        queued."""
         made = 0
+        version = self.version.value
         try:
             for g in groups:
-                self._queued.append(self.factory.resume(g))
+                self._queued.append(self.factory.resume(g, version))
                 made += 1
                 if made % START_BATCH == 0:
                     await trio.lowlevel.checkpoint()

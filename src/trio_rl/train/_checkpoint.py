@@ -182,7 +182,7 @@ class _CompactionStoppedError(TrainError):
     """A background compaction was told to stop (the manager is closing)."""
 
 
-class ReadStoppedError(TrainError):
+class _ReadStoppedError(TrainError):
     """A read in a worker thread was told to stop: its async caller was cancelled (the
     caller sees `trio.Cancelled`; this never reaches it)."""
 
@@ -193,7 +193,7 @@ _STOP_EVERY = 64
 
 def _stopped(stop: threading.Event | None) -> None:
     if stop is not None and stop.is_set():
-        raise ReadStoppedError
+        raise _ReadStoppedError
 
 
 async def _stoppable(fn: Callable[..., _R], limiter: trio.CapacityLimiter | None) -> _R:
@@ -388,7 +388,7 @@ def read_checkpoint(
     Raises :class:`CheckpointError` naming the file when it is missing, truncated, corrupt, of an
     unknown schema version, or malformed (a delta's: naming the file of the chain that is).
     ``stop`` set (by an async caller that was cancelled), the read stops at its next record
-    with `ReadStoppedError`.
+    with `_ReadStoppedError`.
     """
     p = Path(path)
     name = str(p)
@@ -1234,7 +1234,7 @@ class CheckpointManager(_Outboxes):
         self, path: str | os.PathLike[str], *, stop: threading.Event | None = None
     ) -> Checkpoint:
         """Blocking load of one checkpoint, with its missing payload files. ``stop`` set, it
-        stops at its next record or payload file (`ReadStoppedError`)."""
+        stops at its next record or payload file (`_ReadStoppedError`)."""
         ckpt = read_checkpoint(path, stop=stop)
         if self.payload_root is None:
             return ckpt
