@@ -186,10 +186,11 @@ class BatchReceiver:
         the received buffer: freeing tens of MiB takes milliseconds the loop should not spend.
         Raises `trio_rl.transport.EndOfStream` once the sender ended the stream.
 
-        Cancellation: safe. A payload already taken from the transport but not yet decoded is
-        kept and returned by the next call; it is acknowledged to the transport only after
-        decoding (shielded, with no checkpoint before the return), so it is either returned
-        or still held by the transport (on disk) for a new receiver.
+        Cancellation: safe, also during the decode of a large payload (its worker thread is
+        abandoned, so a deadline fires at once). A payload already taken from the transport but
+        not yet decoded is kept and returned by the next call; it is acknowledged to the
+        transport only after decoding (shielded, with no checkpoint before the return), so it
+        is either returned or still held by the transport (on disk) for a new receiver.
         """
         step, micro_batches = await self._decode_next()
         await self._settle(step)
@@ -239,12 +240,20 @@ class BatchReceiver:
         if self._pending is None:
             self._pending = [await self._receive_payload()]
         box = self._pending
-        step = box[0].step
+        received = box[0]
+        step = received.step
         try:
-            if len(box[0].data) >= self._thread_threshold:
-                micro_batches = await trio.to_thread.run_sync(
-                    _decode_and_release, box, limiter=self._limiter
-                )
+            if len(received.data) >= self._thread_threshold:
+                try:
+                    # abandoned on cancellation: a deadline fires whatever the batch's size
+                    micro_batches = await trio.to_thread.run_sync(
+                        _decode_and_release, box, limiter=self._limiter, abandon_on_cancel=True
+                    )
+                except trio.Cancelled:
+                    # the abandoned decode empties its own box; the payload stays pending in a
+                    # new one, decoded again by the next call
+                    self._pending = [received]
+                    raise
             else:
                 micro_batches = _decode_and_release(box)
         except Exception:
