@@ -299,32 +299,15 @@ class EngineFleet:
                 return attrs.evolve(completion, policy_version=version)
         except EngineTransportError as exc:
             reason = str(exc)
-            if server.state == "live" and await _probe(self, server) == "ok":
-                # A connection the pool reused and the server had already closed (a keep-alive
-                # timeout) fails one request of a healthy server: retry it elsewhere, but keep
-                # the server in rotation.
+            if await _still_live(self, server):
                 server.failures += 1
                 return f"{reason} (server still answers its probe: kept)"
         finally:
             server.in_flight -= 1
             server.scopes.discard(scope)
         server.failures += 1
-        self._take_out(server, reason)
+        _take_out(self, server, reason)
         return reason
-
-    def _take_out(self, server: _Server, reason: str) -> None:
-        if server.state != "live":
-            return
-        server.state = "out"
-        server.loaded = None  # it may come back as a new process, with the model it started on
-        server.taken_out += 1
-        server.probe_failures = 0
-        self._counts["taken_out"] += 1
-        self._live.value = self._live.value - {server.url}
-        self._events.append(FleetEvent(trio.current_time(), server.url, "out", None, reason))
-        logger.warning("inference server %s taken out: %s", server.url, reason)
-        for scope in list(server.scopes):
-            scope.cancel()
 
     # ------------------------------------------------------------------ weights
 
@@ -347,7 +330,7 @@ class EngineFleet:
                 try:
                     await _reload(self, server, where, version)
                 except (EngineTransportError, EngineTimeoutError) as exc:
-                    self._take_out(server, f"weight reload failed: {exc}")
+                    _take_out(self, server, f"weight reload failed: {exc}")
                 except EngineError as exc:
                     refused.append(exc)
                 else:
@@ -374,7 +357,7 @@ class EngineFleet:
         any probe does); it is probed back in like any server taken out."""
         for server in self._servers:
             if server.url == url.rstrip("/"):
-                self._take_out(server, reason)
+                _take_out(self, server, reason)
                 return
         raise EngineConfigError(f"{url} is not a server of this fleet ({list(self.urls)})")
 
@@ -418,6 +401,30 @@ async def _reload(fleet: EngineFleet, server: _Server, path: str, version: Polic
     fleet._events.append(FleetEvent(trio.current_time(), server.url, "loaded", version, path))
 
 
+def _take_out(fleet: EngineFleet, server: _Server, reason: str) -> None:
+    """Take ``server`` out of rotation: its requests in flight are cancelled (and retried
+    elsewhere by their callers); the probes bring it back."""
+    if server.state != "live":
+        return
+    server.state = "out"
+    server.loaded = None  # it may come back as a new process, with the model it started on
+    server.taken_out += 1
+    server.probe_failures = 0
+    fleet._counts["taken_out"] += 1
+    fleet._live.value = fleet._live.value - {server.url}
+    fleet._events.append(FleetEvent(trio.current_time(), server.url, "out", None, reason))
+    logger.warning("inference server %s taken out: %s", server.url, reason)
+    for scope in list(server.scopes):
+        scope.cancel()
+
+
+async def _still_live(fleet: EngineFleet, server: _Server) -> bool:
+    """Whether a live server whose request just failed still answers its probe: a connection
+    the pool reused after the server had closed it (a keep-alive timeout) fails one request of
+    a healthy server, which is then retried elsewhere but kept in rotation."""
+    return server.state == "live" and await _probe(fleet, server) == "ok"
+
+
 async def _probe(fleet: EngineFleet, server: _Server) -> Literal["ok", "failed", "refused"]:
     """``GET /health`` within ``probe_timeout``: ``refused`` when nothing listens on the
     server's port (the process is gone: no need to wait for a second probe)."""
@@ -441,11 +448,11 @@ async def _watch(fleet: EngineFleet, server: _Server) -> None:
         probe = await _probe(fleet, server)
         if server.state == "live":
             if probe == "refused":
-                fleet._take_out(server, "its port refuses connections")
+                _take_out(fleet, server, "its port refuses connections")
                 continue
             server.probe_failures = 0 if probe == "ok" else server.probe_failures + 1
             if server.probe_failures >= fleet.probe_failures:
-                fleet._take_out(server, f"{server.probe_failures} health probes in a row failed")
+                _take_out(fleet, server, f"{server.probe_failures} health probes in a row failed")
         elif server.state == "out" and probe == "ok":
             await _bring_back(fleet, server)
 

@@ -145,8 +145,9 @@ def progress_line(
 ) -> str:
     """The plain line of a record with the run's progress: :func:`format_line`, then ``step
     N/M`` (with ``last_step``), the per-step stale and pruned counts and the waste (from
-    :class:`StepRates`), the trainer's loss, KL and entropy when the record has them, and the
-    ETA. A trainer's record of its own (no ``samples``) is ``trainer step S | loss ...``."""
+    :class:`StepRates`), the trainer's loss, KL and entropy when the record has them, the samples
+    the reward failed on (a cumulative count, when there are any), and the ETA. A trainer's
+    record of its own (no ``samples``) is ``trainer step S | loss ...``."""
     trainer = [
         f"{title} {render(record[key])}" for key, title, render in TRAINER_COLUMNS if key in record
     ]
@@ -157,6 +158,9 @@ def progress_line(
         head, sep, rest = line.partition(" | ")
         line = f"{head}/{last_step}{sep}{rest}"
     parts = [line, *_rate_parts(rates or {}), *trainer]
+    # a reward that raised failed its sample: counted, and shown on the line of its run
+    if record.get("counters/reward_failures"):
+        parts.append(f"reward failed {record['counters/reward_failures']} samples")
     if eta_s is not None:
         parts.append(f"ETA {_duration(eta_s)}")
     return " | ".join(parts)

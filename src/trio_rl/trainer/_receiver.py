@@ -33,6 +33,22 @@ def _decode_and_release(box: list[ReceivedPayload]) -> list[MicroBatch]:
     return micro_batches
 
 
+async def _decode_in_thread(
+    receiver: BatchReceiver, box: list[ReceivedPayload]
+) -> list[MicroBatch]:
+    """Decode ``box``'s payload in a worker thread that a cancellation abandons, so a deadline
+    fires whatever the batch's size. The abandoned decode empties its own box; the payload
+    stays pending in a new one, decoded again by the receiver's next call."""
+    received = box[0]
+    try:
+        return await trio.to_thread.run_sync(
+            _decode_and_release, box, limiter=receiver._limiter, abandon_on_cancel=True
+        )
+    except trio.Cancelled:
+        receiver._pending = [received]
+        raise
+
+
 def _read_tensors(
     micro_batches: list[MicroBatch], lo: int, hi: int | None, root: str | os.PathLike[str] | None
 ) -> list[TrainerTensors]:
@@ -244,16 +260,7 @@ class BatchReceiver:
         step = received.step
         try:
             if len(received.data) >= self._thread_threshold:
-                try:
-                    # abandoned on cancellation: a deadline fires whatever the batch's size
-                    micro_batches = await trio.to_thread.run_sync(
-                        _decode_and_release, box, limiter=self._limiter, abandon_on_cancel=True
-                    )
-                except trio.Cancelled:
-                    # the abandoned decode empties its own box; the payload stays pending in a
-                    # new one, decoded again by the next call
-                    self._pending = [received]
-                    raise
+                micro_batches = await _decode_in_thread(self, box)
             else:
                 micro_batches = _decode_and_release(box)
         except Exception:
