@@ -71,37 +71,6 @@ async def test_a_cancel_while_the_decode_limiter_is_held_leaves_the_step_on_disk
     assert not (tmp_path / "batches" / "step_1").exists()
 
 
-async def test_a_deadline_fires_during_a_slow_decode_and_the_step_comes_next_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import threading
-
-    from trio_rl.trainer import _receiver
-
-    sent = await write_steps(tmp_path, 2, SIZES["big"])
-    release = threading.Event()
-    real_decode = _receiver.decode  # type: ignore[attr-defined]
-
-    def slow_decode(*args: object, **kw: object) -> object:
-        # a huge batch: the worker thread is busy until the test lets it go (or 30 s pass)
-        release.wait(30)
-        return real_decode(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_receiver, "decode", slow_decode)
-    with trio.fail_after(20):
-        async with BatchReceiver(FileReceiver(tmp_path, 0, delete=True)) as receiver:
-            started = trio.current_time()
-            with trio.move_on_after(0.2) as scope:
-                await receiver.receive()
-            assert scope.cancelled_caught
-            # the deadline fired while the decode still ran (it never finishes by itself)
-            assert trio.current_time() - started < 5
-            assert not release.is_set()
-            release.set()
-            assert await receiver.receive() == (0, sent[0])
-            assert await receiver.receive() == (1, sent[1])
-
-
 class CancelAtTaskStep(trio.abc.Instrument):
     """Cancels ``scope`` when ``task`` is scheduled for its ``k``-th step from now (at once
     for ``k == 0``): the cancellation lands at the first await point that step reaches."""

@@ -33,22 +33,6 @@ def _decode_and_release(box: list[ReceivedPayload]) -> list[MicroBatch]:
     return micro_batches
 
 
-async def _decode_in_thread(
-    receiver: BatchReceiver, box: list[ReceivedPayload]
-) -> list[MicroBatch]:
-    """Decode ``box``'s payload in a worker thread that a cancellation abandons, so a deadline
-    fires whatever the batch's size. The abandoned decode empties its own box; the payload
-    stays pending in a new one, decoded again by the receiver's next call."""
-    received = box[0]
-    try:
-        return await trio.to_thread.run_sync(
-            _decode_and_release, box, limiter=receiver._limiter, abandon_on_cancel=True
-        )
-    except trio.Cancelled:
-        receiver._pending = [received]
-        raise
-
-
 def _read_tensors(
     micro_batches: list[MicroBatch], lo: int, hi: int | None, root: str | os.PathLike[str] | None
 ) -> list[TrainerTensors]:
@@ -202,11 +186,10 @@ class BatchReceiver:
         the received buffer: freeing tens of MiB takes milliseconds the loop should not spend.
         Raises `trio_rl.transport.EndOfStream` once the sender ended the stream.
 
-        Cancellation: safe, also during the decode of a large payload (its worker thread is
-        abandoned, so a deadline fires at once). A payload already taken from the transport but
-        not yet decoded is kept and returned by the next call; it is acknowledged to the
-        transport only after decoding (shielded, with no checkpoint before the return), so it
-        is either returned or still held by the transport (on disk) for a new receiver.
+        Cancellation: safe. A payload already taken from the transport but not yet decoded is
+        kept and returned by the next call; it is acknowledged to the transport only after
+        decoding (shielded, with no checkpoint before the return), so it is either returned
+        or still held by the transport (on disk) for a new receiver.
         """
         step, micro_batches = await self._decode_next()
         await self._settle(step)
@@ -256,11 +239,12 @@ class BatchReceiver:
         if self._pending is None:
             self._pending = [await self._receive_payload()]
         box = self._pending
-        received = box[0]
-        step = received.step
+        step = box[0].step
         try:
-            if len(received.data) >= self._thread_threshold:
-                micro_batches = await _decode_in_thread(self, box)
+            if len(box[0].data) >= self._thread_threshold:
+                micro_batches = await trio.to_thread.run_sync(
+                    _decode_and_release, box, limiter=self._limiter
+                )
             else:
                 micro_batches = _decode_and_release(box)
         except Exception:
