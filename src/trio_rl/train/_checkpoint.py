@@ -191,6 +191,16 @@ class _ReadStoppedError(TrainError):
 _STOP_EVERY = 64
 
 
+def _advance(steps: Generator[None, None, RestoreReport]) -> RestoreReport | None:
+    """One batch of a restore: None while records are left, the report once it is done."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        report: RestoreReport = done.value
+        return report
+    return None
+
+
 def _stopped(stop: threading.Event | None) -> None:
     if stop is not None and stop.is_set():
         raise _ReadStoppedError
@@ -1137,12 +1147,9 @@ class CheckpointManager(_Outboxes):
         stay the run's that wrote them: never deleted by this manager."""
         _check_restorable(ckpt.sink)
         steps = self._chain.restoring(sink, ckpt)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                report: RestoreReport = done.value
-                return report
+        while (report := _advance(steps)) is None:
+            pass
+        return report
 
     async def arestore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
         """`restore` that lets a cancellation in, whatever ``ckpt`` holds: the invariants are
@@ -1155,13 +1162,9 @@ class CheckpointManager(_Outboxes):
         if problem is not None:
             raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
         steps = self._chain.restoring(sink, ckpt)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                report: RestoreReport = done.value
-                return report
+        while (report := _advance(steps)) is None:
             await trio.lowlevel.checkpoint()
+        return report
 
     def close(self, timeout: float = 60.0) -> None:
         """Blocking: stop a background compaction (its temporary file is removed; the deltas
