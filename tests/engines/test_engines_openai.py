@@ -62,6 +62,7 @@ class FakeVLLM:
     disconnects: list[str] = attrs.field(factory=list)
     requests: list[dict[str, Any]] = attrs.field(factory=list)
     headers: list[dict[str, str]] = attrs.field(factory=list)
+    arrivals: list[float] = attrs.field(factory=list)  # time.monotonic() of each request
     aborts: list[dict[str, Any]] = attrs.field(factory=list)
     release: threading.Event = attrs.field(factory=threading.Event)
     lock: threading.Lock = attrs.field(factory=threading.Lock)
@@ -103,6 +104,7 @@ class FakeVLLM:
                 with fake.lock:
                     fake.requests.append(payload)
                     fake.headers.append(dict(self.headers))
+                    fake.arrivals.append(time.monotonic())
                     drop = fake.drop_next > 0
                     fake.drop_next -= drop
                     fail = not drop and fake.fail_next > 0
@@ -368,6 +370,32 @@ async def test_gives_up_after_max_attempts(make_server: Callable[..., FakeVLLM])
         with pytest.raises(EngineTransportError, match=r"'req-0' failed after 3 attempts.*503"):
             await e.generate(req())
     assert len(server.requests) == 3
+
+
+async def test_clients_that_failed_together_retry_at_spread_out_instants(
+    make_server: Callable[..., FakeVLLM],
+) -> None:
+    """Seen from the server: sixteen clients whose first attempts fail at once come back after
+    at least half the backoff each, and not together. Without jitter every pause would be the
+    whole backoff (the restarted server hit by the fleet at one instant); with it the shortest
+    of sixteen uniform draws in [d/2, d] lies below 0.8 d except with probability 0.4**16."""
+    clients, backoff = 16, 0.4
+    server = make_server(fail_next=clients)
+    async with trio.open_nursery() as nursery:
+        for i in range(clients):
+            nursery.start_soon(_generate_with, engine(server.url, backoff=backoff), i)
+    arrivals: dict[str, list[float]] = {}
+    for payload, at in zip(server.requests, server.arrivals, strict=True):
+        arrivals.setdefault(payload["rid"], []).append(at)
+    pauses = sorted(times[1] - times[0] for times in arrivals.values())
+    assert len(pauses) == clients  # every client retried once and then succeeded
+    assert pauses[0] >= backoff / 2 - 0.005, pauses
+    assert pauses[0] < 0.8 * backoff, pauses
+
+
+async def _generate_with(e: OpenAICompatibleEngine, i: int) -> None:
+    async with e:
+        assert len((await e.generate(req(i))).tokens) == 5
 
 
 async def test_unreachable_server_is_a_transport_error() -> None:
