@@ -23,11 +23,12 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import trio
 
+from ._validation import at_least, check_at_least, one_of
 from .engines import Engine, SamplingParams
 from .errors import collapse_single
 from .payloads import PayloadStore
@@ -87,14 +88,6 @@ __all__ = [
 logger = logging.getLogger("trio_rl.orchestrator")
 
 
-def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < n:
-            raise ValueError(f"OrchestratorConfig.{attribute.name} must be >= {n}, got {value}")
-
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class OrchestratorConfig:
     """How a run is shaped (keyword arguments only).
@@ -111,24 +104,24 @@ class OrchestratorConfig:
     the ``X-SMG-Routing-Key`` header and :class:`~trio_rl.engines.EngineFleet` routes by.
     """
 
-    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
-    group_size: int = attrs.field(default=8, validator=_at_least(1))
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
+    batch_groups: int = attrs.field(default=8, validator=at_least(1))
+    group_size: int = attrs.field(default=8, validator=at_least(1))
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
     submission: Literal["sample", "group"] = "sample"
-    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
-    max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
+    max_async_level: int = attrs.field(default=1, validator=at_least(0))
+    max_off_policy_steps: int | None = attrs.field(default=8, validator=at_least(0))
     staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
+        default=DEFAULT_STALENESS, validator=one_of(STALENESS_RULES)
     )
-    seq_len: int = attrs.field(default=8192, validator=_at_least(1))
-    pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
+    seq_len: int = attrs.field(default=8192, validator=at_least(1))
+    pad_to_multiple_of: int = attrs.field(default=1, validator=at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     seed: int | None = None
     routing_keys: RoutingKeys = attrs.field(
-        default="none", validator=attrs.validators.in_(("none", "sample", "group"))
+        default="none", validator=one_of(("none", "sample", "group"))
     )
     failure: FailurePolicy = attrs.field(factory=FailurePolicy)
-    checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
+    checkpoint_keep: int = attrs.field(default=3, validator=at_least(1))
     #: Incremental checkpoints: a full one first, then per step a delta of what changed since
     #: the previous one, compacted into a full file in the background (see
     #: :class:`~trio_rl.train.CheckpointManager`). False: a full checkpoint every step.
@@ -364,8 +357,7 @@ class Orchestrator:
         send succeeds (here or in a resumed run); groups in flight are cancelled when the
         orchestrator closes, and are regenerated from the last checkpoint on resume.
         """
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        check_at_least("steps", steps, 0)
         # A step checkpointed but not confirmed delivered (before a crash or a failed send) goes
         # out again first, with its identical bytes.
         await self.publisher.resend_pending()

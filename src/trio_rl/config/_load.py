@@ -23,15 +23,19 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
+from .._validation import at_least, between, positive
 from ._errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
     "Override",
+    "at_least",
+    "between",
     "env_overrides",
     "flatten",
     "load",
     "option",
+    "positive",
     "reference_markdown",
     "to_toml",
 ]
@@ -53,32 +57,6 @@ def option(
     return attrs.field(
         default=default, validator=validator, metadata={_HELP: help, _MAY_CHANGE: may_change}
     )
-
-
-def at_least(n: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """Validator: None or a number ``>= n`` (nan is refused)."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and not value >= n:
-            raise ValueError(f"must be >= {n}, got {value}")
-
-    return check
-
-
-def between(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """Validator: None or an integer in ``[low, high]``."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}, got {value}")
-
-    return check
-
-
-def positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """Validator: None or a number ``> 0`` (nan and inf are refused)."""
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"must be a finite number > 0, got {value}")
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ..errors import InvalidArgumentError
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
 
@@ -26,7 +27,7 @@ def _check_port(port: int | None, allowed: bool, name: str) -> None:
     """A port below 1024 (0 aside: a free one) is a privileged port, most likely a typo (80
     for 8000): refused unless the section allows it."""
     if port is not None and 0 < port < 1024 and not allowed:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} {port} is below 1024 (a privileged port); set "
             f"allow_privileged_port = true to use it"
         )
@@ -256,9 +257,9 @@ class Metrics:
 def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for url in value:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+            raise InvalidArgumentError(f"{url!r} is not an http:// or https:// URL")
     if len(set(value)) != len(value):
-        raise ValueError(f"a server is listed twice in {list(value)}")
+        raise InvalidArgumentError(f"a server is listed twice in {list(value)}")
 
 
 @attrs.frozen
@@ -357,7 +358,7 @@ class Inference:
 
     def __attrs_post_init__(self) -> None:
         if self.urls and self.launch:
-            raise ValueError("set `urls` (servers already running) or `launch`, not both")
+            raise InvalidArgumentError("set `urls` (servers already running) or `launch`, not both")
 
 
 @attrs.frozen

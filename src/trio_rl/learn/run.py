@@ -26,6 +26,7 @@ import attrs
 import torch
 import trio
 
+from .._validation import at_least, one_of
 from ..config._deploy import DataSection, ModelSection, RewardSection
 from ..config._schema import Inference
 from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
@@ -132,14 +133,6 @@ def read_trainer_log(out: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < n:
-            raise ValueError(f"LearnConfig.{attribute.name} must be >= {n}, got {value}")
-
-    return check
-
-
 @attrs.frozen
 class LearnConfig:
     """A learning run. ``trainer_mode``: ``"inprocess"`` trains in this process (worker
@@ -147,20 +140,20 @@ class LearnConfig:
     trio_rl.learn.trainer_main``; ``"external"`` expects that job to be started separately."""
 
     out: Path = attrs.field(converter=Path)
-    task: str = attrs.field(default="repeat", validator=attrs.validators.in_(TASKS))
-    steps: int = attrs.field(default=200, validator=_at_least(1))
-    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
-    group_size: int = attrs.field(default=16, validator=_at_least(2))
+    task: str = attrs.field(default="repeat", validator=one_of(TASKS))
+    steps: int = attrs.field(default=200, validator=at_least(1))
+    batch_groups: int = attrs.field(default=8, validator=at_least(1))
+    group_size: int = attrs.field(default=16, validator=at_least(2))
     seed: int = 0
     temperature: float = 1.0
-    max_off_policy_steps: int | None = attrs.field(default=1, validator=_at_least(0))
+    max_off_policy_steps: int | None = attrs.field(default=1, validator=at_least(0))
     #: The version a sample is judged stale by (see :attr:`OrchestratorConfig.staleness`).
     staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
+        default=DEFAULT_STALENESS, validator=one_of(STALENESS_RULES)
     )
     #: Rollout concurrency in groups (default ``batch_groups``).
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
-    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
+    max_async_level: int = attrs.field(default=1, validator=at_least(0))
     #: Staleness-aware admission (see :attr:`OrchestratorConfig.stale_admission`).
     stale_admission: bool = True
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
@@ -169,8 +162,8 @@ class LearnConfig:
     #: Seconds the in-process trainer waits after each step before publishing (forces staleness).
     trainer_delay: float = 0.0
     trainer_mode: Literal["inprocess", "torchrun", "external"] = "inprocess"
-    ranks: int = attrs.field(default=1, validator=_at_least(1))
-    weights_keep: int = attrs.field(default=3, validator=_at_least(1))
+    ranks: int = attrs.field(default=1, validator=at_least(1))
+    weights_keep: int = attrs.field(default=3, validator=at_least(1))
     #: Stop after this many seconds even if ``steps`` were not all shipped.
     time_limit: float | None = None
     #: Stop once the mean reward of ``stop_window`` consecutive steps reaches this.
@@ -178,13 +171,13 @@ class LearnConfig:
     stop_window: int = 5
     #: End the run once this many batches' worth of samples in a row were pruned (equal rewards
     #: in every group) without a step shipping: GRPO has no signal left, nothing would ship.
-    converged_after: int = attrs.field(default=8, validator=_at_least(1))
+    converged_after: int = attrs.field(default=8, validator=at_least(1))
     prompts: int = 4096
     verbose: bool = True
     plot: bool = True
     #: Worker threads the run's one capacity limiter lends: the orchestrator's (finalizing,
     #: sending, checkpoints) and the in-process trainer's (reads, decoding, training).
-    threads: int = attrs.field(default=4, validator=_at_least(1))
+    threads: int = attrs.field(default=4, validator=at_least(1))
     #: fsync every batch file.
     fsync: bool = False
     #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
@@ -204,7 +197,7 @@ class LearnConfig:
     #: thread; the same seed gives the same rewards bit for bit (docs/learning.md).
     deterministic: bool = False
     #: Seconds a normal end waits for the trainer to report the last shipped step.
-    trainer_timeout: float = attrs.field(default=120.0, validator=_at_least(0))
+    trainer_timeout: float = attrs.field(default=120.0, validator=at_least(0))
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)

@@ -15,6 +15,8 @@ from typing import Literal
 import attrs
 import trio
 
+from .._validation import at_least
+from ..errors import InvalidArgumentError
 from ..samples import PolicyVersion
 from ._changes import ChangeLog
 from ._errors import TrainSinkError
@@ -55,11 +57,6 @@ class PruneMode(enum.Enum):
     AFTER_SELECTION = "after_selection"
 
 
-def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"SinkConfig.{attribute.name} must be >= 1, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class SinkConfig:
     """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set
@@ -73,9 +70,9 @@ class SinkConfig:
     max_off_policy_steps``.
     """
 
-    batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
-    token_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
-    max_off_policy_steps: int | None = 8
+    batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    token_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    max_off_policy_steps: int | None = attrs.field(default=8, validator=at_least(0))
     prune: PruneMode = PruneMode.BEFORE_QUEUE
     scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
     staleness: StalenessRule = attrs.field(default=DEFAULT_STALENESS)
@@ -89,10 +86,8 @@ class SinkConfig:
 
     def __attrs_post_init__(self) -> None:
         if (self.batch_size is None) == (self.token_batch_size is None):
-            raise ValueError("SinkConfig needs exactly one of batch_size or token_batch_size")
-        if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
-            raise ValueError(
-                f"SinkConfig.max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}"
+            raise InvalidArgumentError(
+                "SinkConfig needs exactly one of batch_size or token_batch_size"
             )
 
 
