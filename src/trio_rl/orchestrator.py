@@ -30,7 +30,7 @@ import trio
 
 from ._validation import at_least, check_at_least, one_of
 from .engines import Engine, SamplingParams
-from .errors import collapse_single
+from .errors import InvalidArgumentError, collapse_single
 from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
@@ -62,8 +62,6 @@ from .rollout import (
 )
 from .samples import PolicyVersion
 from .train import (
-    DEFAULT_STALENESS,
-    STALENESS_RULES,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
@@ -71,7 +69,6 @@ from .train import (
     RunBounds,
     SinkConfig,
     SinkCounters,
-    StalenessRule,
     TrainSink,
     check_run_bounds,
 )
@@ -96,9 +93,10 @@ class OrchestratorConfig:
     (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
     ``submission`` (``"sample"``: sample backfill; ``"group"``: group granularity).
     ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
-    least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit and
-    ``staleness`` the version a sample is judged by: ``"group_start"`` (default, prime-rl's
-    rule) or ``"oldest_token"`` (see :class:`~trio_rl.train.SinkConfig`). ``routing_keys``
+    least ``S - 1 - max_async_level``. ``sink`` is the train sink's own config
+    (:class:`~trio_rl.train.SinkConfig`: the staleness limit ``max_off_policy_steps``, the
+    ``staleness`` rule, pruning, scoring); by default the library's, cutting ``batch_groups x
+    group_size`` samples per batch, which a given one must cut too. ``routing_keys``
     turns routing keys on (see :class:`~trio_rl.rollout.GroupFactory`): ``"group"`` is
     group-sticky routing, every sample of a group with one key, which the HTTP engines send as
     the ``X-SMG-Routing-Key`` header and :class:`~trio_rl.engines.EngineFleet` routes by.
@@ -109,10 +107,6 @@ class OrchestratorConfig:
     max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
     submission: Literal["sample", "group"] = "sample"
     max_async_level: int = attrs.field(default=1, validator=at_least(0))
-    max_off_policy_steps: int | None = attrs.field(default=8, validator=at_least(0))
-    staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=one_of(STALENESS_RULES)
-    )
     seq_len: int = attrs.field(default=8192, validator=at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
@@ -139,6 +133,23 @@ class OrchestratorConfig:
     #: (``S - 1 - max_async_level``), so a seeded run generates the same rollouts every time.
     #: The caller keeps the trainer from running ahead (see ``trio-rl run --deterministic``).
     lockstep: bool = False
+    sink: SinkConfig = attrs.field(
+        # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
+        # after every default is made
+        default=attrs.Factory(
+            lambda self: SinkConfig(batch_size=max(1, self.batch_groups * self.group_size)),
+            takes_self=True,
+        )
+    )
+
+    @sink.validator
+    def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
+        step = self.batch_groups * self.group_size
+        if sink.batch_size != step:
+            raise InvalidArgumentError(
+                f"OrchestratorConfig.sink.batch_size must be batch_groups x group_size = {step} "
+                f"(the samples of one step), got {sink.batch_size}"
+            )
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
@@ -534,13 +545,7 @@ async def open_orchestrator(
     config = OrchestratorConfig() if config is None else config
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
     factory = GroupFactory(config.group_size, seed=config.seed, routing_keys=config.routing_keys)
-    sink = TrainSink(
-        SinkConfig(
-            batch_size=config.batch_groups * config.group_size,
-            max_off_policy_steps=config.max_off_policy_steps,
-            staleness=config.staleness,
-        )
-    )
+    sink = TrainSink(config.sink)
     manager = (
         None
         if checkpoint_dir is None

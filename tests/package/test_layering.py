@@ -20,8 +20,9 @@ ALLOWED: dict[str, set[str]] = {
     # by-handle payloads sit next to errors: everything above may import them
     "payloads": set(),
     "samples": {"payloads"},
-    # the configuration schema is plain attrs classes of values: it knows no component
-    "config": set(),
+    # the configuration schema is attrs classes of values; its [sink] section is generated from
+    # the sink's own config (one declaration per knob), so it sees the train layer
+    "config": {"train"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

@@ -75,8 +75,8 @@ def test_check_at_least_names_the_argument() -> None:
             "OrchestratorConfig.batch_groups must be >= 1",
         ),
         (
-            lambda: OrchestratorConfig(staleness="newest"),  # type: ignore[arg-type]
-            "OrchestratorConfig.staleness must be one of",
+            lambda: OrchestratorConfig(batch_groups=2, sink=SinkConfig(batch_size=3)),
+            "OrchestratorConfig.sink.batch_size must be batch_groups x group_size = 16",
         ),
         (lambda: SinkConfig(batch_size=0), "SinkConfig.batch_size must be >= 1, got 0"),
         (

@@ -11,16 +11,11 @@ import attrs
 from ..errors import InvalidArgumentError
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
+from ._sections import SinkSection, sink_section
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
 
 Task = Literal["copy", "repeat", "reverse"]
-Staleness = Literal["group_start", "oldest_token"]
-
-_STALENESS_HELP = (
-    "the version a sample is judged stale by: `group_start` (its group's start version, "
-    "prime-rl's rule) or `oldest_token` (the oldest version behind any of its tokens)"
-)
 
 
 def _check_port(port: int | None, allowed: bool, name: str) -> None:
@@ -119,16 +114,14 @@ class LearnRollout:
     temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
 
 
-@attrs.frozen
-class LearnSink:
-    """The train sink: scoring, pruning and the staleness filter."""
-
-    max_off_policy_steps: int | None = option(
-        1,
-        "drop samples more than this many versions behind (unset: keep all)",
-        validator=at_least(0),
-    )
-    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
+#: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.train.SinkConfig`. The learning
+#: run keeps at most one version of staleness by default: its tiny model moves fast, and samples
+#: older than that train it the wrong way.
+LearnSink = sink_section(
+    "LearnSink",
+    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    max_off_policy_steps=1,
+)
 
 
 @attrs.frozen
@@ -368,7 +361,7 @@ class LearnRunConfig:
     run: LearnRun = attrs.field(factory=LearnRun)
     engine: LearnEngine = attrs.field(factory=LearnEngine)
     rollout: LearnRollout = attrs.field(factory=LearnRollout)
-    sink: LearnSink = attrs.field(factory=LearnSink)
+    sink: SinkSection = attrs.field(factory=LearnSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: LearnTransport = attrs.field(factory=LearnTransport)
     trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
@@ -449,16 +442,10 @@ class SimRollout:
     )
 
 
-@attrs.frozen
-class SimSink:
-    """The train sink's staleness filter."""
-
-    max_off_policy_steps: int | None = option(
-        8,
-        "drop samples more than this many versions behind (unset: keep all)",
-        validator=at_least(0),
-    )
-    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
+SimSink = sink_section(
+    "SimSink",
+    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+)
 
 
 @attrs.frozen
@@ -502,7 +489,7 @@ class SimulateConfig:
     run: SimRun = attrs.field(factory=SimRun)
     engine: SimEngine = attrs.field(factory=SimEngine)
     rollout: SimRollout = attrs.field(factory=SimRollout)
-    sink: SimSink = attrs.field(factory=SimSink)
+    sink: SinkSection = attrs.field(factory=SimSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: SimTransport = attrs.field(factory=SimTransport)
     trainer: SimTrainer = attrs.field(factory=SimTrainer)

@@ -9,6 +9,7 @@ writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import logging
 import math
@@ -28,13 +29,14 @@ import trio
 
 from .._validation import at_least, one_of
 from ..config._deploy import DataSection, ModelSection, RewardSection
-from ..config._schema import Inference
+from ..config._schema import Inference, LearnSink
 from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
+from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
 from ..samples import PolicyVersion, Prompt
-from ..train import DEFAULT_STALENESS, STALENESS_RULES, CheckpointError, StalenessRule
+from ..train import CheckpointError, PruneMode, ScoringConfig, SinkConfig
 from ..transport import (
     EndOfStream,
     FileReceiver,
@@ -146,11 +148,6 @@ class LearnConfig:
     group_size: int = attrs.field(default=16, validator=at_least(2))
     seed: int = 0
     temperature: float = 1.0
-    max_off_policy_steps: int | None = attrs.field(default=1, validator=at_least(0))
-    #: The version a sample is judged stale by (see :attr:`OrchestratorConfig.staleness`).
-    staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=one_of(STALENESS_RULES)
-    )
     #: Rollout concurrency in groups (default ``batch_groups``).
     max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
     max_async_level: int = attrs.field(default=1, validator=at_least(0))
@@ -198,9 +195,33 @@ class LearnConfig:
     deterministic: bool = False
     #: Seconds a normal end waits for the trainer to report the last shipped step.
     trainer_timeout: float = attrs.field(default=120.0, validator=at_least(0))
+    #: The train sink's config (the staleness limit and rule, pruning, scoring); it cuts
+    #: ``batch_groups x group_size`` samples per batch. By default that of ``trio-rl run``'s
+    #: ``[sink]`` defaults (``trio_rl.config``'s ``LearnSink``).
+    sink: SinkConfig = attrs.field(
+        # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
+        # after every default is made
+        default=attrs.Factory(
+            lambda self: LearnSink().to_config(
+                batch_size=max(1, self.batch_groups * self.group_size)
+            ),
+            takes_self=True,
+        )
+    )
+
+    @sink.validator
+    def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
+        step = self.batch_groups * self.group_size
+        if sink.batch_size != step:
+            raise InvalidArgumentError(
+                f"LearnConfig.sink.batch_size must be batch_groups x group_size = {step} "
+                f"(the samples of one step), got {sink.batch_size}"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        d = attrs.asdict(self)
+        d = attrs.asdict(
+            self, value_serializer=lambda _, __, v: v.value if isinstance(v, enum.Enum) else v
+        )
         d["out"] = str(self.out)
         return d
 
@@ -211,6 +232,11 @@ class LearnConfig:
         raw["trainer"] = TrainerConfig(
             **{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])}
         )
+        if "sink" in raw:
+            sink = dict(raw["sink"])
+            sink["prune"] = PruneMode(sink["prune"])
+            sink["scoring"] = ScoringConfig(**sink["scoring"])
+            raw["sink"] = SinkConfig(**sink)
         for name, section in (
             ("model", ModelSection),
             ("data", DataSection),
@@ -673,8 +699,7 @@ async def run_learning(
     orch_config = OrchestratorConfig(
         batch_groups=config.batch_groups,
         group_size=config.group_size,
-        max_off_policy_steps=config.max_off_policy_steps,
-        staleness=config.staleness,
+        sink=config.sink,
         max_async_level=config.max_async_level,
         stale_admission=config.stale_admission,
         max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,

@@ -68,14 +68,41 @@ class SinkConfig:
     the samples of a group that started old but was generated, or continued, under newer
     weights). Either way batch ``S`` drops a sample judged at ``v < (S - 1) -
     max_off_policy_steps``.
+
+    Each knob's meaning is its field's ``metadata["help"]``: the ``[sink]`` section of the
+    configuration files (``trio_rl.config``) is generated from these fields, so a knob added
+    here is a key there, with ``--set sink.<key>=...``, and a line of the reference.
     """
 
-    batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    token_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    max_off_policy_steps: int | None = attrs.field(default=8, validator=at_least(0))
-    prune: PruneMode = PruneMode.BEFORE_QUEUE
+    batch_size: int | None = attrs.field(
+        default=None,
+        validator=at_least(1),
+        metadata={"help": "samples per batch (the commands: rollout.batch_groups x group_size)"},
+    )
+    token_batch_size: int | None = attrs.field(
+        default=None, validator=at_least(1), metadata={"help": "tokens per batch"}
+    )
+    max_off_policy_steps: int | None = attrs.field(
+        default=8,
+        validator=at_least(0),
+        metadata={"help": "drop samples more than this many versions behind (unset: keep all)"},
+    )
+    prune: PruneMode = attrs.field(
+        default=PruneMode.BEFORE_QUEUE,
+        metadata={
+            "help": "when zero-advantage samples are pruned: before_queue (per group, every "
+            "batch full) or after_selection (on the cut; a batch may shrink)"
+        },
+    )
     scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
-    staleness: StalenessRule = attrs.field(default=DEFAULT_STALENESS)
+    staleness: StalenessRule = attrs.field(
+        default=DEFAULT_STALENESS,
+        metadata={
+            "help": "the version a sample is judged stale by: `group_start` (its group's start "
+            "version, prime-rl's rule) or `oldest_token` (the oldest version behind any of its "
+            "tokens)"
+        },
+    )
 
     @staleness.validator
     def _check_staleness(self, _: attrs.Attribute[str], value: str) -> None:
