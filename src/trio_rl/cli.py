@@ -56,13 +56,14 @@ from .publish import Shipment
 from .rollout import InMemorySource
 from .samples import Prompt, Sample
 from .train import CheckpointError, CheckpointManager
-from .trainer import BatchReceiver, to_torch
+from .trainer import to_torch
 from .transport import (
-    FileReceiver,
-    FileSender,
-    Sender,
-    ZmqSender,
-    free_port_pair,
+    EndOfStream,
+    Receiver,
+    TransportKind,
+    TransportSetup,
+    transport_kind,
+    transport_kinds,
 )
 from .wire import MicroBatch, decode
 
@@ -145,7 +146,8 @@ _SIMULATE_FLAGS = (
     _Flag("--tokens-per-second", "engine.tokens_per_second", {"type": _POS_FLOAT}),
     _Flag("--max-tokens", "engine.max_tokens", {"type": _POS_INT}),
     _Flag("--ranks", "trainer.ranks", {"type": _POS_INT}),
-    _Flag("--transport", "transport.kind", {"choices": ["files", "zmq"]}),
+    # the choices are the registered transports, read when the parser is built
+    _Flag("--transport", "transport.kind", {"choices": transport_kinds}),
     _Flag("--port", "transport.port", {"type": int}),
 )
 
@@ -195,6 +197,8 @@ _RUN_FLAGS = (
 
 
 def _metavar(f: _Flag) -> dict[str, Any]:
+    if callable(f.kwargs.get("choices")):  # read now: e.g. the transports registered so far
+        return {**f.kwargs, "choices": list(f.kwargs["choices"]())}
     if "choices" in f.kwargs or "metavar" in f.kwargs:
         return f.kwargs
     return {"metavar": f.flag[2:].upper().replace("-", "_"), **f.kwargs}
@@ -356,11 +360,31 @@ def _overrides(args: argparse.Namespace, flags: Sequence[_Flag]) -> list[Overrid
     return out + [Override.parse(text) for text in args.sets]
 
 
-async def _trainer_rank(receiver: BatchReceiver, first: int, on_step: _Trained, rank: int) -> None:
-    """One ZeroMQ trainer rank: read each step's micro-batches, tensorize, 'train', report."""
-    async with receiver as batches:
-        async for step, micro_batches in batches:
-            on_step.add(step, rank, *_train(micro_batches))
+async def _trainer_rank(
+    receiver: Receiver, out: Path, start: int, stop: int, on_step: _Trained
+) -> None:
+    """One trainer rank, resumable, over any transport: read step after step, train, append
+    one fsynced line to ``trainer/rank_<R>.jsonl`` and only then acknowledge the step (a
+    transport that keeps payloads until then, the file one, deletes it). A restart continues
+    after the last recorded step, so a step is trained exactly once even when the process is
+    killed between reading and recording."""
+    rank = receiver.rank
+    log = _trainer_log(out, rank)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    async with receiver:
+        for step in range(start, stop):
+            try:
+                got = await receiver.receive()
+            except EndOfStream:
+                return  # the run ended early (its source ran dry)
+            data = bytes(got.data)
+            micro_batches = await trio.to_thread.run_sync(decode, data)
+            tokens, loss = _train(micro_batches)
+            line = json.dumps({"step": step, "rank": rank, **_record(micro_batches, data)})
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_append, log, line)
+                await receiver.ack(step)
+            on_step.add(step, rank, tokens, loss)
 
 
 def _train(micro_batches: Sequence[MicroBatch]) -> tuple[int, float]:
@@ -411,36 +435,11 @@ def _record(micro_batches: Sequence[MicroBatch], data: bytes) -> dict[str, objec
     return {"sha256": hashlib.sha256(data).hexdigest(), "seqs": seqs}
 
 
-async def _file_trainer_rank(
-    out: Path, rank: int, start: int, stop: int, on_step: _Trained
-) -> None:
-    """One file-transport trainer rank, resumable: read step after step, train, append one
-    fsynced line to ``trainer/rank_<R>.jsonl`` and only then delete the batch file. A restart
-    continues after the last recorded step, so a step is trained exactly once even when the
-    process is killed between reading and recording."""
-    log = _trainer_log(out, rank)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    transport = FileReceiver(out, rank, start_step=start, max_poll_interval=0.02)
-    async with transport:
-        for step in range(start, stop):
-            got = await transport.receive()
-            data = bytes(got.data)
-            micro_batches = await trio.to_thread.run_sync(decode, data)
-            tokens, loss = _train(micro_batches)
-            line = json.dumps({"step": step, "rank": rank, **_record(micro_batches, data)})
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_append_and_delete, log, line, Path(got.source))
-            on_step.add(step, rank, tokens, loss)
-
-
-def _append_and_delete(log: Path, line: str, batch: Path) -> None:
+def _append(log: Path, line: str) -> None:
     with open(log, "a") as f:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
-    batch.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        batch.parent.rmdir()  # other ranks' files may still be there
 
 
 @attrs.define
@@ -612,15 +611,13 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
             flush=True,
         )
 
-    sender: Sender
     ranks = cfg.trainer.ranks
-    if cfg.transport.kind == "zmq":
-        port = cfg.transport.port or free_port_pair()
-        sender = ZmqSender(ranks, port=port)
-        where = f"tcp://127.0.0.1:{port}"
-    else:
-        sender = FileSender(out, ranks)
-        where = str(out / "batches")
+    kind = transport_kind(cfg.transport.kind)
+    setup = kind.resolve(
+        TransportSetup(out, ranks, port=cfg.transport.port, options=attrs.asdict(cfg.transport))
+    )
+    sender = kind.sender(setup)
+    where = kind.describe(setup)
     if args.fresh:
         _set_aside(out)
     async with contextlib.AsyncExitStack() as stack:
@@ -661,19 +658,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         # Trainer ranks start at the first step they have not trained: a pending step (its
         # delivery not confirmed before a crash) is re-sent first, identical.
         resent_from = min(orch.pending_steps, default=first)
-        if cfg.transport.kind == "zmq":
-            starts = [resent_from] * ranks  # a ZeroMQ frame has no step: restart with it
-        else:
-            starts = []
-            for rank in range(ranks):
-                # A rank's own log is the truth; a rank that logged nothing yet (killed before
-                # its first step) starts at its oldest batch file still on disk.
-                through = _trained_through(out, rank)
-                if through is None:
-                    waiting = (out / "batches").glob(f"step_*/rank_{rank}.bin")
-                    through = min((int(p.parent.name[5:]) for p in waiting), default=resent_from)
-                    through -= 1
-                starts.append(through + 1)
+        starts = [_start_step(kind, setup, out, rank, resent_from) for rank in range(ranks)]
         with trio.CancelScope() as work:
             stop.scope = work  # from now on a signal stops the run, then checkpoints
             if stop.signals:
@@ -681,15 +666,10 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
             trained.start(orch, starts)
             async with trio.open_nursery() as nursery:
                 for rank in range(ranks):
-                    if cfg.transport.kind == "zmq":
-                        receiver = BatchReceiver.zmq(
-                            rank, port=port, start_step=starts[rank], stop_step=last + 1
-                        )
-                        nursery.start_soon(_trainer_rank, receiver, first, trained, rank)
-                    else:
-                        nursery.start_soon(
-                            _file_trainer_rank, out, rank, starts[rank], last + 1, trained
-                        )
+                    receiver = kind.receiver(setup, sender, rank, starts[rank])
+                    nursery.start_soon(
+                        _trainer_rank, receiver, out, starts[rank], last + 1, trained
+                    )
                 summary = await orch.run(cfg.run.steps)
                 open_groups = orch.held_groups
         if stop.signals:
@@ -727,6 +707,22 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
     else:
         print("checkpoints: in a temporary directory, now removed (--out DIR keeps them)")
     return 0
+
+
+def _start_step(
+    kind: TransportKind, setup: TransportSetup, out: Path, rank: int, resent_from: int
+) -> int:
+    """The step trainer rank ``rank`` starts at. Where payloads outlive the process, the rank's
+    own log is the truth, and a rank that logged nothing yet (killed before its first step)
+    starts at its oldest payload still held; elsewhere it starts with the first step the
+    orchestrator sends (a pending step is re-sent first, identical)."""
+    if not kind.durable:
+        return resent_from
+    through = _trained_through(out, rank)
+    if through is not None:
+        return through + 1
+    held = kind.held_from(setup, rank)
+    return held if held is not None else resent_from
 
 
 async def _stop_on_signals(

@@ -21,8 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "payloads": set(),
     "samples": {"payloads"},
     # the configuration schema is attrs classes of values; its [sink] section is generated from
-    # the sink's own config (one declaration per knob), so it sees the train layer
-    "config": {"train"},
+    # the sink's own config (one declaration per knob), and [transport] kind names a registered
+    # transport, so it sees those two layers
+    "config": {"train", "transport"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import attrs
 
 from ..errors import InvalidArgumentError
+from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
 from ._sections import SinkSection, sink_section
@@ -26,6 +27,10 @@ def _check_port(port: int | None, allowed: bool, name: str) -> None:
             f"{name} {port} is below 1024 (a privileged port); set "
             f"allow_privileged_port = true to use it"
         )
+
+
+def _registered_transport(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    transport_kind(value)  # an unknown name is an InvalidArgumentError listing the known ones
 
 
 # ------------------------------------------------------------------ trio-rl run (learning)
@@ -452,7 +457,12 @@ SimSink = sink_section(
 class SimTransport:
     """How batches reach the trainer ranks."""
 
-    kind: Literal["files", "zmq"] = option("files", "files (in the run directory) or zmq")
+    kind: str = option(
+        "files",
+        "the transport, by its registered name (trio_rl.transport.register_transport): files "
+        "(in the run directory), zmq or memory (this process)",
+        validator=_registered_transport,
+    )
     port: int = option(
         0,
         "ZeroMQ data port; READY uses port+1 (0: pick a free pair); below 1024 only with "
