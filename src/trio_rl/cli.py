@@ -54,6 +54,7 @@ from .errors import EngineTransportError, TrioRLError
 from .orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orchestrator
 from .publish import Shipment
 from .rollout import InMemorySource
+from .rundir import RunDirectory
 from .samples import Prompt, Sample
 from .train import CheckpointError, CheckpointManager
 from .trainer import to_torch
@@ -399,7 +400,7 @@ def _train(micro_batches: Sequence[MicroBatch]) -> tuple[int, float]:
 
 
 def _trainer_log(out: Path, rank: int) -> Path:
-    return out / "trainer" / f"rank_{rank}.jsonl"
+    return RunDirectory(out).trainer_log(rank)
 
 
 def _trained_through(out: Path, rank: int) -> int | None:
@@ -524,7 +525,7 @@ class _SimulateMetrics:
 
         if self.sink is None:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.sink = JsonlSink(self.out / "metrics.jsonl")
+            self.sink = JsonlSink(RunDirectory(self.out).metrics)
         now = time.perf_counter() - self.started
         occupancy = None
         if isinstance(self.engine, SimulatedEngine):
@@ -631,7 +632,7 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
                 source,
                 sender,
                 config=config,
-                checkpoint_dir=out / "checkpoints",
+                checkpoint_dir=RunDirectory(out).checkpoints,
                 resume=not args.fresh,
                 limiter=trio.CapacityLimiter(cfg.publish.threads),
                 sample_reward=_parity_reward,
@@ -703,7 +704,9 @@ async def _run_job(args: argparse.Namespace, cfg: SimulateConfig, stop: _Stop) -
         f"rollout layer held {open_groups} open groups (continued or regenerated on resume)"
     )
     if args.keep:
-        print(f"checkpoints: {out / 'checkpoints'} (run again with --out {out} to resume)")
+        print(
+            f"checkpoints: {RunDirectory(out).checkpoints} (run again with --out {out} to resume)"
+        )
     else:
         print("checkpoints: in a temporary directory, now removed (--out DIR keeps them)")
     return 0
@@ -750,16 +753,17 @@ async def _stop_on_signals(
 
 def _set_aside(out: Path) -> None:
     # --fresh: the earlier run's checkpoints, batches and trainer logs are moved, never deleted.
-    manager = CheckpointManager(out / "checkpoints")
+    run = RunDirectory(out)
+    manager = CheckpointManager(run.checkpoints)
     aside = manager.set_aside()
-    if aside is None and not any((out / d).exists() for d in ("batches", "trainer")):
+    moved = [d for d in (run.batches, run.trainer) if d.exists()]
+    if aside is None and not moved:
         return
     if aside is None:
-        aside = out / f"checkpoints.old-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside = out / f"{run.checkpoints.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"
         aside.mkdir(parents=True, exist_ok=True)
-    for name in ("batches", "trainer"):
-        if (out / name).exists():
-            os.replace(out / name, aside / name)
+    for directory in moved:
+        os.replace(directory, aside / directory.name)
     print(f"--fresh: earlier checkpoints and batches moved to {aside}")
 
 
@@ -887,7 +891,7 @@ def _last_shipped(out: Path) -> int:
     from .tools.metrics import read_metrics
 
     try:
-        records = read_metrics(out / "metrics.jsonl")
+        records = read_metrics(RunDirectory(out).metrics)
     except TrioRLError:  # no file (a new run) or a damaged one: the run itself says so
         return 0
     return max((r["step"] for r in records if "samples" in r or "wall_s" in r), default=0)
@@ -1025,7 +1029,7 @@ def _main(args: argparse.Namespace) -> int:
         if learn_cfg.run.out is not None:
             out = Path(learn_cfg.run.out)
             _check_out(out)
-            if not args.fresh and any((out / "checkpoints").glob("step_*.ckpt")):
+            if not args.fresh and RunDirectory(out).has_checkpoints():
                 check_resume(LearnRunConfig, learn_cfg, out, args.allow_change)
         if importlib.util.find_spec("torch") is None:
             raise RuntimeError(
@@ -1068,7 +1072,7 @@ def _main(args: argparse.Namespace) -> int:
                 return _trio_run(_run, args, cfg)
         args.out = Path(cfg.run.out)
         _check_out(args.out)
-        if not args.fresh and any((args.out / "checkpoints").glob("step_*.ckpt")):
+        if not args.fresh and RunDirectory(args.out).has_checkpoints():
             check_resume(SimulateConfig, cfg, args.out, args.allow_change)
         args.out.mkdir(parents=True, exist_ok=True)
         store(cfg, args.out)
@@ -1189,7 +1193,8 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
     if result.checkpoint is not None and config.trainer_mode != "inprocess":
         saved = (
             f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
-            f"trainer job keeps its own state in {out / 'trainer'}); resume with: {resume}"
+            f"trainer job keeps its own state in {RunDirectory(out).trainer}); resume with: "
+            f"{resume}"
         )
     elif result.checkpoint is not None:
         saved = (
@@ -1198,15 +1203,12 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
         )
     else:
         saved = (
-            f"saved {out / 'metrics.jsonl'} and the weights in {out / 'weights'}; the "
+            f"saved {RunDirectory(out).metrics} and the weights in {RunDirectory(out).weights}; "
+            "the "
             f"{config.trainer_mode} trainer does not resume: `trio-rl run --out {out}` starts over"
         )
     stop.report(f"after step {last}: {saved}")
     return stop.status
-
-
-#: The run's log, in its run directory.
-RUN_LOG = "logs/run.log"
 
 
 def _default_run_directory() -> Path:
@@ -1255,7 +1257,7 @@ class _RunLog:
     handler keeps its level (warnings; ``-v``: info)."""
 
     def __init__(self, out: Path, level: str) -> None:
-        self.path = out / RUN_LOG
+        self.path = RunDirectory(out).run_log
         self.level = getattr(logging, level.upper())
         self.console = logging.getLogger("trio_rl.console")
         self.terminal: Any = sys.stdout
@@ -1305,10 +1307,10 @@ def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> Non
     """The last lines of a run: where everything it wrote is, and how to go on."""
     out = Path(config.out)
     print(f"run directory: {out}", flush=True)
-    print(f"  metrics: {out / 'metrics.jsonl'}", flush=True)
+    print(f"  metrics: {RunDirectory(out).metrics}", flush=True)
     if file_config.metrics.plot:
-        print(f"  plot:    {out / 'plot.png'}  (again: trio-rl plot {out})", flush=True)
-    print(f"  log:     {out / RUN_LOG}", flush=True)
+        print(f"  plot:    {RunDirectory(out).plot}  (again: trio-rl plot {out})", flush=True)
+    print(f"  log:     {RunDirectory(out).run_log}", flush=True)
     if config.trainer_mode == "inprocess":
         print(f"  resume:  {resume}", flush=True)
     else:
@@ -1340,7 +1342,7 @@ def _resuming(config: Any) -> bool:
     return bool(
         config.resume
         and config.trainer_mode == "inprocess"
-        and any((Path(config.out) / "checkpoints").glob("step_*.ckpt"))
+        and RunDirectory(config.out).has_checkpoints()
     )
 
 
@@ -1377,7 +1379,7 @@ def _open_metric_sinks(
     opened: list[Any] = []
     try:
         if metrics.tensorboard:
-            opened.append(sinks.TensorBoardSink(out / "tensorboard"))
+            opened.append(sinks.TensorBoardSink(RunDirectory(out).tensorboard))
         if metrics.wandb_project is not None:
             opened.append(
                 sinks.WandbSink(

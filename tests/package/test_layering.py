@@ -23,13 +23,15 @@ ALLOWED: dict[str, set[str]] = {
     # the configuration schema is attrs classes of values; its [sink] section is generated from
     # the sink's own config (one declaration per knob), and [transport] kind names a registered
     # transport, so it sees those two layers
-    "config": {"train", "transport"},
+    "config": {"train", "transport", "rundir"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
     "rollout": {"payloads", "samples", "policy", "engines"},
     "train": {"payloads", "samples", "wire"},
     "transport": {"wire"},
+    # the run directory's layout: it asks the checkpoint manager and the file transport
+    "rundir": {"train", "transport"},
     "publish": {"payloads", "samples", "wire", "train", "transport"},
     "trainer": {"payloads", "wire", "transport"},
     "testing": {"payloads", "samples", "policy", "engines", "rollout"},
@@ -38,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
         "transport",
     },
     # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
-    "tools": {"payloads", "samples", "wire", "train", "transport", "publish"},
+    "tools": {"payloads", "samples", "wire", "train", "transport", "publish", "rundir"},
     "learn": {
         # the run's plot is the figure of `trio-rl plot` (tools reads records, never learns)
         "tools",
@@ -47,12 +49,13 @@ ALLOWED: dict[str, set[str]] = {
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
         "orchestrator",
+        "rundir",
     },
     "cli": {
         "payloads",
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
-        *("orchestrator", "learn", "config", "tools"),
+        *("orchestrator", "learn", "config", "tools", "rundir"),
     },
     "__main__": {"cli"},
 }

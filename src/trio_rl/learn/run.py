@@ -35,6 +35,17 @@ from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
+from ..rundir import (
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    ORCHESTRATOR_HEARTBEAT,
+    RUN_FILE,
+    STOP_FILE,
+    TRAINED_LOG,
+    TRAINER_LOG,
+    TRAINER_STATE,
+    RunDirectory,
+)
 from ..samples import PolicyVersion, Prompt
 from ..train import CheckpointError, PruneMode, ScoringConfig, SinkConfig
 from ..transport import (
@@ -56,22 +67,6 @@ from .tasks import task_records
 __all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
 
 logger = logging.getLogger("trio_rl.learn")
-
-RUN_FILE = "run.json"
-#: Written at the end of a run with the last shipped step: the torchrun trainer job stops there.
-STOP_FILE = "STOP"
-METRICS_FILE = "metrics.jsonl"
-#: The in-process trainer's model and optimizer after its last step (``torch.save``).
-TRAINER_STATE = "trainer/state.pt"
-#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
-TRAINED_LOG = "trainer/trained.jsonl"
-HEARTBEAT_FILE = "trainer/heartbeat"
-#: The orchestrator's heartbeat, which a trainer job watches the same way.
-ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
-
-#: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics),
-#: written after the step's weights were published (in-process trainer, or torchrun rank 0).
-TRAINER_LOG = "trainer/stats.jsonl"
 
 
 class TrainerLog:
@@ -402,7 +397,7 @@ def _load_trainer_state(out: Path) -> dict[str, Any] | None:
 def _resumable(out: Path, config: LearnConfig) -> bool:
     # a torchrun or external trainer job resumes by itself (its own state and log): the
     # orchestrator resumes from its checkpoint and the watcher catches up with the weights
-    return config.resume and any((out / "checkpoints").glob("step_*.ckpt"))
+    return config.resume and RunDirectory(out).has_checkpoints()
 
 
 async def _train_inprocess(
@@ -459,7 +454,7 @@ async def _train_inprocess(
                     trainer,
                     got.step,
                     micro_batches,
-                    config.out / "weights",
+                    RunDirectory(config.out).weights,
                     config.weights_keep,
                     config.deterministic,
                     limiter=limiter,
@@ -639,10 +634,10 @@ async def _open_engine(
     async with open_inference(
         **config.inference.inference_kwargs(),
         model_path=config.model.path,
-        log_dir=config.out / "inference",
+        log_dir=RunDirectory(config.out).inference_logs,
     ) as fleet:
         if trained:
-            latest = await trio.to_thread.run_sync(latest_weights, config.out / "weights")
+            latest = await trio.to_thread.run_sync(latest_weights, RunDirectory(config.out).weights)
             if latest is not None:
                 await fleet.load_weights(latest.path, latest.version)
         yield fleet
@@ -824,7 +819,7 @@ async def run_learning(
             sample_reward=record_reward,
             monitor=send,
             limiter=limiter,
-            checkpoint_dir=out / "checkpoints",
+            checkpoint_dir=RunDirectory(out).checkpoints,
             resume=resuming,
         ) as orch,
         trio.open_nursery() as nursery,
@@ -834,7 +829,11 @@ async def run_learning(
         nursery.start_soon(_probe_loop_lag, lags)
         nursery.start_soon(
             lambda: watch_weights(
-                out / "weights", [engine], set_version, current=trained, poll_interval=0.005
+                RunDirectory(out).weights,
+                [engine],
+                set_version,
+                current=trained,
+                poll_interval=0.005,
             )
         )
         if config.trainer_mode == "inprocess":
@@ -988,7 +987,9 @@ async def run_learning(
     if display is not None:
         display.close()
     if config.plot and metrics:
-        await trio.to_thread.run_sync(write_plot, earlier + metrics, out / "plot.png", config.task)
+        await trio.to_thread.run_sync(
+            write_plot, earlier + metrics, RunDirectory(out).plot, config.task
+        )
     if config.verbose:
         print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
     return LearnResult(
@@ -1037,8 +1038,9 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
         return
     # A new run: an earlier run's weights would be taken for new versions, its batch files for
     # this run's steps (its checkpoints are moved aside by the orchestrator, never deleted).
-    for name in ("weights", "batches"):
-        shutil.rmtree(out / name, ignore_errors=True)
+    run = RunDirectory(out)
+    for directory in (run.weights, run.batches):
+        shutil.rmtree(directory, ignore_errors=True)
     for name in (TRAINER_STATE, TRAINED_LOG):  # set aside like the checkpoints, never deleted
         if (out / name).exists():
             (out / name).replace(out / f"{name}.old-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -24,6 +24,7 @@ from ._errors import TransportTimeoutError as TransportTimeoutError
 from ._files import FileReceiver as FileReceiver
 from ._files import FileSender as FileSender
 from ._files import batch_path as batch_path
+from ._files import held_steps as held_steps
 from ._memory import MemoryReceiver as MemoryReceiver
 from ._memory import MemorySender as MemorySender
 from ._registry import TransportKind as TransportKind

@@ -26,7 +26,7 @@ import attrs
 
 from ..errors import InvalidArgumentError
 from ._base import Receiver, Sender
-from ._files import FileReceiver, FileSender, held_steps
+from ._files import FileReceiver, FileSender, end_marker_path, held_steps
 from ._memory import MemorySender
 from ._zmq_transport import ZmqReceiver, ZmqSender, free_port_pair
 
@@ -128,7 +128,7 @@ register_transport(
         receiver=lambda setup, _, rank, start: FileReceiver(
             setup.directory, rank, start_step=start, max_poll_interval=0.02, delete=True
         ),
-        describe=lambda setup: str(setup.directory / "batches"),
+        describe=lambda setup: str(end_marker_path(setup.directory).parent),
         durable=True,
         held_from=_oldest_file,
     )
