@@ -51,7 +51,19 @@ ALLOWED: dict[str, set[str]] = {
         "orchestrator",
         "rundir",
     },
+    # what the commands share: the signal watcher, the run log, the flags, failure reporting
+    "_jobs": {"rundir"},
+    "_failures": {"_jobs", "config", "train"},
+    "_flags": {"config", "engines", "transport"},
+    # the learning run's commands: torch-free glue that imports `learn` once torch is checked
+    "_learning": {"_flags", "_jobs", "config", "rundir", "learn", "rollout", "tools"},
+    # `trio-rl simulate`, beside `learn`: its job and its trainer ranks
+    "simulate": {
+        *("_flags", "_jobs", "config", "rundir", "engines", "orchestrator", "publish"),
+        *("rollout", "samples", "train", "trainer", "transport", "wire", "tools"),
+    },
     "cli": {
+        *("_failures", "_flags", "_jobs", "_learning", "simulate"),
         "payloads",
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),

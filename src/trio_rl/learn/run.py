@@ -4,6 +4,12 @@ Engine (:class:`~trio_rl.engines.TorchEngine`) -> orchestrator -> file transport
 trainer (in-process, in worker threads; or DDP ranks under torchrun) -> published weights ->
 weight watcher -> engine. :func:`run_learning` prints the mean reward of every shipped step and
 writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
+
+Why this module is over 600 lines: it is the whole learning run, whose parts share one
+`LearnConfig` and one run directory: the config, the in-process trainer's loop and its saved
+state, the torchrun and external trainer jobs' start, heartbeat and end, and `run_learning`,
+which opens them together. The model, the task, the GRPO trainer, the weights and the watcher
+are modules of their own.
 """
 
 from __future__ import annotations
@@ -666,6 +672,12 @@ async def run_learning(
 
     Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
     ``metrics.jsonl`` holds the steps shipped so far.
+
+    Why this function is long: the engine, the orchestrator, the trainer, the weight watcher
+    and the metrics consumer are opened in one ``async with`` and one nursery, so that they
+    close together and a failure of any cancels the others; its closures (the consumer, the
+    record writer) share the run's channels and counters. The parts that need none of that
+    (the step line, the convergence verdict, the trainer's loop, the waits) are functions.
     """
     out = config.out
     if config.deterministic:
@@ -761,22 +773,7 @@ async def run_learning(
                 if display is not None and config.verbose:
                     display.write(rec)
                 elif config.verbose:
-                    reward = rec["reward_mean"]
-                    print(
-                        f"step {rec['step']:>4}  reward "
-                        f"{'(none new)' if reward is None else f'{reward:.3f}'}"
-                        f"  policy v{rec['policy_version']:<4} off-policy max "
-                        f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
-                        f"{rec['samples_per_s']:>6.1f} samples/s  "
-                        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
-                        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s"
-                        + (
-                            f"  reward failed {record_reward.failed} samples"
-                            if record_reward.failed
-                            else ""
-                        ),
-                        flush=True,
-                    )
+                    print(_plain_line(rec, record_reward.failed), flush=True)
         records_send.close()
         drained.set()
 
@@ -917,24 +914,8 @@ async def run_learning(
                 # Every group had equal rewards: the policy is deterministic on every prompt.
                 # That is convergence only at the task's maximum (or stop_at_reward).
                 final_reward = orch.sink.window.reward_mean
-                target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
-                reached = final_reward is not None and final_reward >= target - 1e-9
-                stopped = "converged" if reached else "collapsed"
-                shown = "none" if final_reward is None else f"{final_reward:.3f}"
-                if reached:
-                    message = (
-                        f"stopping: converged at reward {shown}: the policy is deterministic "
-                        f"and right (the last {config.converged_after} batches' worth of "
-                        "groups all had equal rewards)"
-                    )
-                else:
-                    message = (
-                        f"stopping: collapsed at reward {shown}: the policy is deterministic "
-                        f"on every prompt (the last {config.converged_after} batches' worth of "
-                        "groups all had equal rewards, so GRPO has no signal left) but not "
-                        f"right (target {target:g}); raise trainer.entropy_coef or "
-                        "rollout.temperature"
-                    )
+                stopped, message = _converged(final_reward, config)
+                if stopped == "collapsed":
                     logger.warning("%s", message)
                 if config.verbose:
                     print(message, flush=True)
@@ -1003,6 +984,40 @@ async def run_learning(
         trained_through=max(trainer_log.last, trained),
         resumed_at=resumed_at,
         final_reward=final_reward,
+    )
+
+
+def _plain_line(rec: dict[str, Any], reward_failures: int) -> str:
+    """A step's plain console line (without a display)."""
+    reward = rec["reward_mean"]
+    return (
+        f"step {rec['step']:>4}  reward {'(none new)' if reward is None else f'{reward:.3f}'}"
+        f"  policy v{rec['policy_version']:<4} off-policy max "
+        f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
+        f"{rec['samples_per_s']:>6.1f} samples/s  "
+        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
+        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s"
+        + (f"  reward failed {reward_failures} samples" if reward_failures else "")
+    )
+
+
+def _converged(final_reward: float | None, config: LearnConfig) -> tuple[str, str]:
+    """Why a run whose groups all had equal rewards ends: ``converged`` at the task's maximum
+    (or ``stop_at_reward``), else ``collapsed``; and the line saying so."""
+    target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
+    shown = "none" if final_reward is None else f"{final_reward:.3f}"
+    if final_reward is not None and final_reward >= target - 1e-9:
+        return "converged", (
+            f"stopping: converged at reward {shown}: the policy is deterministic "
+            f"and right (the last {config.converged_after} batches' worth of "
+            "groups all had equal rewards)"
+        )
+    return "collapsed", (
+        f"stopping: collapsed at reward {shown}: the policy is deterministic "
+        f"on every prompt (the last {config.converged_after} batches' worth of "
+        "groups all had equal rewards, so GRPO has no signal left) but not "
+        f"right (target {target:g}); raise trainer.entropy_coef or "
+        "rollout.temperature"
     )
 
 
