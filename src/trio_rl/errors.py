@@ -6,6 +6,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
 ``AssertionError``) keep that base, so ``except ValueError`` around a decode still works::
 
     TrioRLError
+    ├── InvalidArgumentError (ValueError)
     ├── WireFormatError (ValueError)
     ├── WireEncodeError (ValueError)
     ├── PolicyVersionError (ValueError)
@@ -94,6 +95,7 @@ __all__ = [
     "FailureBudgetExceeded",
     "FailureBudgetExceededError",
     "InspectError",
+    "InvalidArgumentError",
     "MetricsFileError",
     "MissingExtraError",
     "MonitorTimeoutError",
@@ -127,6 +129,12 @@ __all__ = [
 
 class TrioRLError(Exception):
     """Base class of every exception trio-rl defines."""
+
+
+class InvalidArgumentError(TrioRLError, ValueError):
+    """An argument or a configuration field out of its allowed range or set: the message names
+    the field (``OrchestratorConfig.batch_groups must be >= 1, got 0``). Raised by the shared
+    checks every config class uses, so ``except ValueError`` keeps working."""
 
 
 # Wire format ---------------------------------------------------------------------------------

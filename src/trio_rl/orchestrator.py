@@ -1,6 +1,8 @@
 """The orchestrator: rollout -> train sink -> publisher -> transport, checkpointed every step.
 
-This is the only module that knows every layer. It owns, in one nursery hierarchy:
+It ties the pipeline's layers together (the commands above it, ``trio-rl run`` and
+``trio-rl simulate``, add the engine, the transport and the trainer) and owns, in one nursery
+hierarchy:
 
 * a fully-async rollout driver (its worker keeps the engine saturated with groups);
 * the train sink, fed with finished groups;
@@ -20,16 +22,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import trio
 
+from ._validation import at_least, check_at_least, one_of
 from .engines import Engine, SamplingParams
-from .errors import collapse_single
+from .errors import InvalidArgumentError, collapse_single
 from .payloads import PayloadStore
 from .policy import PolicyVersionCell
 from .publish import (
@@ -61,8 +64,6 @@ from .rollout import (
 )
 from .samples import PolicyVersion
 from .train import (
-    DEFAULT_STALENESS,
-    STALENESS_RULES,
     Checkpoint,
     CheckpointError,
     CheckpointManager,
@@ -70,7 +71,6 @@ from .train import (
     RunBounds,
     SinkConfig,
     SinkCounters,
-    StalenessRule,
     TrainSink,
     check_run_bounds,
 )
@@ -87,14 +87,6 @@ __all__ = [
 logger = logging.getLogger("trio_rl.orchestrator")
 
 
-def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < n:
-            raise ValueError(f"OrchestratorConfig.{attribute.name} must be >= {n}, got {value}")
-
-    return check
-
-
 @attrs.frozen(kw_only=True)
 class OrchestratorConfig:
     """How a run is shaped (keyword arguments only).
@@ -103,32 +95,29 @@ class OrchestratorConfig:
     (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
     ``submission`` (``"sample"``: sample backfill; ``"group"``: group granularity).
     ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
-    least ``S - 1 - max_async_level``. ``max_off_policy_steps`` is the sink's staleness limit and
-    ``staleness`` the version a sample is judged by: ``"group_start"`` (default, prime-rl's
-    rule) or ``"oldest_token"`` (see :class:`~trio_rl.train.SinkConfig`). ``routing_keys``
+    least ``S - 1 - max_async_level``. ``sink`` is the train sink's own config
+    (:class:`~trio_rl.train.SinkConfig`: the staleness limit ``max_off_policy_steps``, the
+    ``staleness`` rule, pruning, scoring); by default the library's, cutting ``batch_groups x
+    group_size`` samples per batch, which a given one must cut too. ``routing_keys``
     turns routing keys on (see :class:`~trio_rl.rollout.GroupFactory`): ``"group"`` is
     group-sticky routing, every sample of a group with one key, which the HTTP engines send as
     the ``X-SMG-Routing-Key`` header and :class:`~trio_rl.engines.EngineFleet` routes by.
     """
 
-    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
-    group_size: int = attrs.field(default=8, validator=_at_least(1))
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
+    batch_groups: int = attrs.field(default=8, validator=at_least(1))
+    group_size: int = attrs.field(default=8, validator=at_least(1))
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
     submission: Literal["sample", "group"] = "sample"
-    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
-    max_off_policy_steps: int | None = attrs.field(default=8, validator=_at_least(0))
-    staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
-    )
-    seq_len: int = attrs.field(default=8192, validator=_at_least(1))
-    pad_to_multiple_of: int = attrs.field(default=1, validator=_at_least(1))
+    max_async_level: int = attrs.field(default=1, validator=at_least(0))
+    seq_len: int = attrs.field(default=8192, validator=at_least(1))
+    pad_to_multiple_of: int = attrs.field(default=1, validator=at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     seed: int | None = None
     routing_keys: RoutingKeys = attrs.field(
-        default="none", validator=attrs.validators.in_(("none", "sample", "group"))
+        default="none", validator=one_of(("none", "sample", "group"))
     )
     failure: FailurePolicy = attrs.field(factory=FailurePolicy)
-    checkpoint_keep: int = attrs.field(default=3, validator=_at_least(1))
+    checkpoint_keep: int = attrs.field(default=3, validator=at_least(1))
     #: Incremental checkpoints: a full one first, then per step a delta of what changed since
     #: the previous one, compacted into a full file in the background (see
     #: :class:`~trio_rl.train.CheckpointManager`). False: a full checkpoint every step.
@@ -146,6 +135,23 @@ class OrchestratorConfig:
     #: (``S - 1 - max_async_level``), so a seeded run generates the same rollouts every time.
     #: The caller keeps the trainer from running ahead (see ``trio-rl run --deterministic``).
     lockstep: bool = False
+    sink: SinkConfig = attrs.field(
+        # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
+        # after every default is made
+        default=attrs.Factory(
+            lambda self: SinkConfig(batch_size=max(1, self.batch_groups * self.group_size)),
+            takes_self=True,
+        )
+    )
+
+    @sink.validator
+    def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
+        step = self.batch_groups * self.group_size
+        if sink.batch_size != step:
+            raise InvalidArgumentError(
+                f"OrchestratorConfig.sink.batch_size must be batch_groups x group_size = {step} "
+                f"(the samples of one step), got {sink.batch_size}"
+            )
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
@@ -229,7 +235,12 @@ class RunSummary:
 
 
 class Orchestrator:
-    """The handle :func:`open_orchestrator` yields (built there, from keyword arguments)."""
+    """The handle :func:`open_orchestrator` yields.
+
+    :func:`open_orchestrator` makes it from the run's parts and attaches the rollout driver and
+    the publisher it opened for the block (`driver` and `publisher` fail outside it); nothing
+    else sets its attributes.
+    """
 
     def __init__(
         self,
@@ -241,6 +252,8 @@ class Orchestrator:
         policy_version: PolicyVersion | PolicyVersionCell,
         payloads: PayloadStore | None = None,
         limiter: trio.CapacityLimiter | None = None,
+        restore: RestoreReport | None = None,
+        on_version: Callable[[PolicyVersion], None] | None = None,
     ) -> None:
         self.config = config
         self.payloads = payloads
@@ -259,8 +272,12 @@ class Orchestrator:
         self.version.on_advance(self._advanced)
         self._driver: AsyncRolloutDriver | None = None
         self._publisher: Publisher | None = None
-        self.restore: RestoreReport | None = None
+        #: What the run resumed from (None: a fresh start).
+        self.restore = restore
         self._on_version: list[Callable[[PolicyVersion], None]] = []
+        if on_version is not None:
+            self._on_version.append(on_version)
+            on_version(self.version.value)
         self._ended = False
         #: Seconds the ship gate holds before it logs what it waits for (and between repeats).
         self.gate_warn_after = 5.0
@@ -299,6 +316,15 @@ class Orchestrator:
     def publisher(self) -> Publisher:
         assert self._publisher is not None
         return self._publisher
+
+    @contextmanager
+    def _attached(self, driver: AsyncRolloutDriver, publisher: Publisher) -> Iterator[None]:
+        """The rollout driver and the publisher `open_orchestrator` opened, for the block."""
+        self._driver, self._publisher = driver, publisher
+        try:
+            yield
+        finally:
+            self._driver = self._publisher = None
 
     def set_policy_version(self, version: PolicyVersion) -> None:
         """Record a weight update (the trainer finished a step): advance the shared
@@ -364,8 +390,7 @@ class Orchestrator:
         send succeeds (here or in a resumed run); groups in flight are cancelled when the
         orchestrator closes, and are regenerated from the last checkpoint on resume.
         """
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        check_at_least("steps", steps, 0)
         # A step checkpointed but not confirmed delivered (before a crash or a failed send) goes
         # out again first, with its identical bytes.
         await self.publisher.resend_pending()
@@ -542,13 +567,7 @@ async def open_orchestrator(
     config = OrchestratorConfig() if config is None else config
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
     factory = GroupFactory(config.group_size, seed=config.seed, routing_keys=config.routing_keys)
-    sink = TrainSink(
-        SinkConfig(
-            batch_size=config.batch_groups * config.group_size,
-            max_off_policy_steps=config.max_off_policy_steps,
-            staleness=config.staleness,
-        )
-    )
+    sink = TrainSink(config.sink)
     manager = (
         None
         if checkpoint_dir is None
@@ -560,126 +579,171 @@ async def open_orchestrator(
             incremental=config.checkpoint_incremental,
         )
     )
-    policy_version: PolicyVersion = 0
-    restore: RestoreReport | None = None
-    pending: tuple[int, list[bytes]] | None = None
-    progress = ProgressTotals()
-    if manager is not None and not resume:
-        # A fresh start never deletes an earlier run's checkpoints: they are moved aside.
-        aside = await trio.to_thread.run_sync(manager.set_aside, limiter=limiter)
-        if aside is not None:
-            logger.warning("fresh start: earlier checkpoints moved to %s", aside)
-    if manager is not None and resume:
-        ckpt = await manager.load_latest(require_usable=True)
-        if ckpt is not None:
-            policy_version = _restore_run_state(ckpt, source, factory)
-            # Nothing is restored or started for a checkpoint holding more than this run could
-            # have produced (a million-member open group would start a million sample tasks).
+    try:
+        resumed = _Resumed()
+        if manager is not None:
             bounds = RunBounds(
                 group_size=config.group_size,
-                samples_made=factory.next_sample_index,
-                groups_made=factory.next_group_index,
+                samples_made=None,  # set from the factory once its state is loaded
+                groups_made=None,
                 # engine_generate never exceeds the configured cap; a custom generate may
                 max_completion_tokens=config.sampling.max_tokens if generate is None else None,
                 payload_files_per_call=payloads is not None,
             )
-            await trio.to_thread.run_sync(
-                check_run_bounds, ckpt, bounds, limiter=limiter, abandon_on_cancel=True
+            resumed = await _resume_or_set_aside(
+                manager, sink, source, factory, bounds, resume=resume, limiter=limiter
             )
-            progress = _restore_progress(ckpt)
-            # an incremental manager goes on from the checkpoint's file (its next is a delta);
-            # a checkpoint every few hundred records: a deadline around a resume always fires
-            restore = await manager.arestore(sink, ckpt)
-            outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
-            if outbox is not None:
-                pending = (ckpt.step, outbox)
-            logger.info(
-                "resumed from step %d: %d queued samples, %d open groups continue%s",
-                ckpt.step,
-                restore.queued,
-                len(restore.resumed),
-                "" if pending is None else f"; step {ckpt.step} is re-sent first",
-            )
-    if version is None:
-        version = PolicyVersionCell(policy_version)
-    elif version.value < policy_version:
-        version.advance(policy_version)
-    policy_version = version.value
-    orch = Orchestrator(
-        config=config,
-        sink=sink,
-        factory=factory,
-        source=source,
-        policy_version=version,
-        payloads=payloads,
-        limiter=limiter,
+        if version is None:
+            version = PolicyVersionCell(resumed.policy_version)
+        elif version.value < resumed.policy_version:
+            version.advance(resumed.policy_version)
+        orch = Orchestrator(
+            config=config,
+            sink=sink,
+            factory=factory,
+            source=source,
+            policy_version=version,
+            payloads=payloads,
+            limiter=limiter,
+            restore=resumed.restore,
+            on_version=on_policy_version,
+        )
+        runner = GroupRunner(
+            generate if generate is not None else engine_generate(engine, config.sampling),
+            sample_reward=sample_reward,
+            group_reward=group_reward,
+            sample_timeout=config.sample_timeout,
+        )
+        with collapse_single():
+            async with (
+                _open_rollout(orch, runner, resumed.restore) as driver,
+                _open_publishing(
+                    orch, sender, manager, resumed.progress, monitor=monitor
+                ) as publisher,
+            ):
+                with orch._attached(driver, publisher):
+                    if resumed.pending is not None:
+                        publisher.add_pending(*resumed.pending)
+                    yield orch
+    finally:
+        if manager is not None:
+            # a background compaction stops (the deltas it would replace stay valid)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(manager.close)
+
+
+@attrs.frozen
+class _Resumed:
+    """What a run continues from: its policy version, the sink's restore, the step whose
+    delivery was not confirmed (re-sent first) and the progress totals."""
+
+    policy_version: PolicyVersion = 0
+    restore: RestoreReport | None = None
+    pending: tuple[int, list[bytes]] | None = None
+    progress: ProgressTotals = attrs.field(factory=ProgressTotals)
+
+
+async def _resume_or_set_aside(
+    manager: CheckpointManager,
+    sink: TrainSink,
+    source: DataSource,
+    factory: GroupFactory,
+    bounds: RunBounds,
+    *,
+    resume: bool,
+    limiter: trio.CapacityLimiter,
+) -> _Resumed:
+    """Restore the newest usable checkpoint into the sink, the source and the factory; or, for
+    a fresh start, move the earlier run's checkpoints aside (never deleted)."""
+    if not resume:
+        aside = await trio.to_thread.run_sync(manager.set_aside, limiter=limiter)
+        if aside is not None:
+            logger.warning("fresh start: earlier checkpoints moved to %s", aside)
+        return _Resumed()
+    ckpt = await manager.load_latest(require_usable=True)
+    if ckpt is None:
+        return _Resumed()
+    policy_version = _restore_run_state(ckpt, source, factory)
+    # Nothing is restored or started for a checkpoint holding more than this run could have
+    # produced (a million-member open group would start a million sample tasks).
+    bounds = attrs.evolve(
+        bounds,
+        samples_made=factory.next_sample_index,
+        groups_made=factory.next_group_index,
     )
-    orch.restore = restore
-    if on_policy_version is not None:
-        orch._on_version.append(on_policy_version)
-        on_policy_version(policy_version)
-    runner = GroupRunner(
-        generate if generate is not None else engine_generate(engine, config.sampling),
-        sample_reward=sample_reward,
-        group_reward=group_reward,
-        sample_timeout=config.sample_timeout,
+    await trio.to_thread.run_sync(
+        check_run_bounds, ckpt, bounds, limiter=limiter, abandon_on_cancel=True
     )
-    budget = config.max_groups_in_flight or 2 * config.batch_groups
+    progress = _restore_progress(ckpt)
+    # an incremental manager goes on from the checkpoint's file (its next is a delta);
+    # a checkpoint every few hundred records: a deadline around a resume always fires
+    restore = await manager.arestore(sink, ckpt)
+    outbox = await trio.to_thread.run_sync(manager.read_outbox, ckpt.step, limiter=limiter)
+    pending = None if outbox is None else (ckpt.step, outbox)
+    logger.info(
+        "resumed from step %d: %d queued samples, %d open groups continue%s",
+        ckpt.step,
+        restore.queued,
+        len(restore.resumed),
+        "" if pending is None else f"; step {ckpt.step} is re-sent first",
+    )
+    return _Resumed(policy_version, restore, pending, progress)
+
+
+def _open_rollout(
+    orch: Orchestrator, runner: GroupRunner, restore: RestoreReport | None
+) -> AbstractAsyncContextManager[AsyncRolloutDriver]:
+    config = orch.config
+    return open_async_rollout(
+        orch.source,
+        orch.factory,
+        runner,
+        batch_size=config.batch_groups,
+        policy=config.make_policy(),
+        max_groups_in_flight=config.max_groups_in_flight or 2 * config.batch_groups,
+        # The sink's staleness filter is the hard guarantee; the driver passes all.
+        max_staleness=None,
+        aborted="recycle",
+        on_failure=config.failure,
+        # the sink's book is the one record of work in flight: the driver reports to it
+        book=orch.sink.book,
+        resumed=() if restore is None else restore.resumed,
+        policy_version=orch.version,
+        admission=orch.admission,
+    )
+
+
+def _open_publishing(
+    orch: Orchestrator,
+    sender: Sender,
+    manager: CheckpointManager | None,
+    progress: ProgressTotals,
+    *,
+    monitor: Monitor | None,
+) -> AbstractAsyncContextManager[Publisher]:
+    config, sink, source, factory = orch.config, orch.sink, orch.source, orch.factory
     pack = functools.partial(
         pack_samples,
         seq_len=config.seq_len,
         num_ranks=sender.world_size,
         pad_to_multiple_of=config.pad_to_multiple_of,
     )
-    try:
-        with collapse_single():
-            async with (
-                open_async_rollout(
-                    source,
-                    factory,
-                    runner,
-                    batch_size=config.batch_groups,
-                    policy=config.make_policy(),
-                    max_groups_in_flight=budget,
-                    # The sink's staleness filter is the hard guarantee; the driver passes all.
-                    max_staleness=None,
-                    aborted="recycle",
-                    on_failure=config.failure,
-                    # the sink's book is the one record of work in flight: the driver reports to it
-                    book=sink.book,
-                    resumed=() if restore is None else restore.resumed,
-                    policy_version=orch.version,
-                    admission=orch.admission,
-                ) as driver,
-                open_publisher(
-                    sink,
-                    sender,
-                    pack=pack,
-                    limiter=limiter,
-                    checkpointer=None
-                    if manager is None
-                    else SinkCheckpointer(
-                        manager,
-                        sink,
-                        cursor=lambda: {"source": source.state(), "factory": factory.state()},
-                        progress=lambda: {
-                            "policy_version": orch.policy_version,
-                            **progress.as_progress(),
-                        },
-                    ),
-                    monitor=monitor,
-                    progress=progress,
-                ) as publisher,
-            ):
-                orch._driver, orch._publisher = driver, publisher
-                if pending is not None:
-                    publisher.add_pending(*pending)
-                try:
-                    yield orch
-                finally:
-                    orch._driver = orch._publisher = None
-    finally:
-        if manager is not None:
-            # a background compaction stops (the deltas it would replace stay valid)
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(manager.close)
+    checkpointer = (
+        None
+        if manager is None
+        else SinkCheckpointer(
+            manager,
+            sink,
+            cursor=lambda: {"source": source.state(), "factory": factory.state()},
+            progress=lambda: {"policy_version": orch.policy_version, **progress.as_progress()},
+        )
+    )
+    return open_publisher(
+        sink,
+        sender,
+        pack=pack,
+        limiter=orch.limiter,
+        checkpointer=checkpointer,
+        monitor=monitor,
+        progress=progress,
+    )

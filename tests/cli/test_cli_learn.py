@@ -19,11 +19,11 @@ pytest.importorskip("torch")
 QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
 
 
-
 def _reap(proc: subprocess.Popen[str]) -> None:
     """Kill the process if it still runs, and close its pipes (no ResourceWarning later)."""
     proc.kill()
     proc.communicate(timeout=60)
+
 
 def _cmd(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "trio_rl", "run", QUICK, "--out", str(out), *args]

@@ -20,11 +20,11 @@ from test_cli_kill import _LAUNCH  # the demo without importing torch
 RANKS = 2
 
 
-
 def _reap(proc: subprocess.Popen[str]) -> None:
     """Kill the process if it still runs, and close its pipes (no ResourceWarning later)."""
     proc.kill()
     proc.communicate(timeout=60)
+
 
 def _cmd(out: Path, steps: int) -> list[str]:
     # swe episodes of ~2 s each (time scale 30/20000): the first step takes several seconds

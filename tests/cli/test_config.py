@@ -8,6 +8,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -24,7 +25,6 @@ from trio_rl.config import (
     store,
     to_toml,
 )
-from trio_rl.config._schema import Staleness
 from trio_rl.learn import LearnConfig
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.train import DEFAULT_STALENESS, STALENESS_RULES, SinkConfig
@@ -111,11 +111,11 @@ def test_the_effective_configuration_round_trips_through_toml(tmp_path: Path) ->
 
 def test_simulate_defaults_are_the_orchestrators() -> None:
     sim, orch = SimulateConfig(), OrchestratorConfig()
-    assert sim.sink.max_off_policy_steps == orch.max_off_policy_steps
+    assert sim.sink.to_config(batch_size=orch.batch_groups * orch.group_size) == orch.sink
     assert sim.checkpoint.keep == orch.checkpoint_keep
     assert sim.rollout.submission == orch.submission
     assert sim.rollout.max_groups_in_flight == orch.max_groups_in_flight
-    assert sim.sink.staleness == orch.staleness == LearnRunConfig().sink.staleness
+    assert sim.sink.staleness == orch.sink.staleness == LearnRunConfig().sink.staleness
 
 
 @pytest.mark.parametrize("rule", ["oldest_token", "group_start"])
@@ -127,9 +127,9 @@ def test_the_sink_staleness_key_reaches_both_commands_configs(tmp_path: Path, ru
         tmp_path / "c.toml", f'[run]\nout = "{tmp_path}"\n\n[sink]\nstaleness = "{rule}"\n'
     )
     sim, _ = load(SimulateConfig, [path])
-    assert orchestrator_config(sim).staleness == rule
+    assert orchestrator_config(sim).sink.staleness == rule
     learn, _ = load(LearnRunConfig, [path])
-    assert config_from_file(learn).staleness == rule
+    assert config_from_file(learn).sink.staleness == rule
     bad = _write(tmp_path / "bad.toml", '[sink]\nstaleness = "newest_token"\n')
     with pytest.raises(ConfigError) as info:
         load(SimulateConfig, [bad])
@@ -238,12 +238,14 @@ def test_python_dash_m_and_version() -> None:
 
 
 def test_the_staleness_rule_has_one_default_and_one_spelling() -> None:
-    """The allowed values and the default are defined once (`trio_rl.train`); the schema,
-    which imports no component, spells the same ones."""
-    assert typing.get_args(Staleness) == STALENESS_RULES == ("group_start", "oldest_token")
+    """The allowed values and the default are defined once (`trio_rl.train`); the schema's
+    ``[sink]`` section is generated from the sink's config and takes both from it."""
+    assert STALENESS_RULES == ("group_start", "oldest_token")
+    key_type = attrs.fields_dict(typing.cast("Any", type(SimulateConfig().sink)))["staleness"].type
+    assert typing.get_args(key_type) == STALENESS_RULES
     assert SinkConfig(batch_size=1).staleness == DEFAULT_STALENESS
-    assert OrchestratorConfig().staleness == DEFAULT_STALENESS
-    assert attrs.fields(LearnConfig).staleness.default == DEFAULT_STALENESS
+    assert OrchestratorConfig().sink.staleness == DEFAULT_STALENESS
+    assert LearnConfig(out=Path("x")).sink.staleness == DEFAULT_STALENESS
     assert SimulateConfig().sink.staleness == LearnRunConfig().sink.staleness == DEFAULT_STALENESS
     assert attrs.fields(SinkConfig).staleness.default == DEFAULT_STALENESS
     assert inspect.signature(score_group).parameters["rule"].default == DEFAULT_STALENESS

@@ -169,14 +169,14 @@ def test_privileged_ports_are_refused_unless_allowed(capsys: pytest.CaptureFixtu
 def test_prometheus_host_is_where_the_endpoint_listens(capsys: pytest.CaptureFixture[str]) -> None:
     import httpx
 
-    from trio_rl.cli import _open_metric_sinks
+    from trio_rl._learning import open_metric_sinks
 
     got = _config(capsys, "--set", "metrics.prometheus_host=127.0.0.2",
                   "--set", "metrics.prometheus_port=0")  # fmt: skip
     assert got["metrics"]["prometheus_host"] == "127.0.0.2"
     cfg, _ = load(LearnRunConfig, [], [])
     metrics = type(cfg.metrics)(prometheus_port=0, prometheus_host="127.0.0.2")
-    sinks = _open_metric_sinks(metrics, Path("."))
+    sinks = open_metric_sinks(metrics, Path("."))
     try:
         (prometheus,) = sinks.sinks
         assert prometheus.host == "127.0.0.2"

@@ -20,6 +20,7 @@ import torch
 import trio
 
 from trio_rl.learn import LearnConfig, run_learning
+from trio_rl.train import SinkConfig
 
 torch.set_num_threads(1)
 
@@ -51,7 +52,7 @@ async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> Non
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the trainer's weights reached the engine: versions advanced with the steps
     assert lines[-1]["policy_version"] >= len(lines) - 3
-    assert max(m["off_policy_max"] for m in lines) <= config.max_off_policy_steps
+    assert max(m["off_policy_max"] for m in lines) <= config.sink.max_off_policy_steps
     published = sorted((tmp_path / "weights").iterdir())
     assert len(published) == config.weights_keep
     assert all((p / "model.safetensors").exists() and (p / "meta.json").exists() for p in published)
@@ -62,7 +63,7 @@ async def test_forced_staleness_is_held_back_at_admission_and_still_learns(tmp_p
         out=tmp_path,
         steps=40,
         seed=1,
-        max_off_policy_steps=0,
+        sink=SinkConfig(batch_size=8 * 16, max_off_policy_steps=0),  # the default 8 x 16 step
         trainer_delay=0.3,  # a deliberately slow trainer: rollouts would outrun it
         stop_at_reward=0.4,
         verbose=False,
@@ -85,7 +86,7 @@ async def test_without_stale_admission_the_sink_drops_what_went_stale(tmp_path: 
         out=tmp_path,
         steps=6,
         seed=1,
-        max_off_policy_steps=0,
+        sink=SinkConfig(batch_size=8 * 16, max_off_policy_steps=0),  # the default 8 x 16 step
         trainer_delay=0.3,
         stale_admission=False,
         verbose=False,

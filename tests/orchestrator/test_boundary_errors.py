@@ -31,9 +31,12 @@ async def test_a_transport_failure_leaves_open_orchestrator_as_itself(tmp_path: 
     source = InMemorySource([Prompt(key=f"k{i}", tokens=(i, 1)) for i in range(4)])
     with trio.fail_after(60):
         with pytest.raises(TransportIOError) as info:
-            async with sender, open_orchestrator(
-                engine, source, sender, config=config, sample_reward=_reward
-            ) as orch:
+            async with (
+                sender,
+                open_orchestrator(
+                    engine, source, sender, config=config, sample_reward=_reward
+                ) as orch,
+            ):
                 await orch.run(3)
     assert not isinstance(info.value, BaseExceptionGroup)
     assert str(blocker) in str(info.value)

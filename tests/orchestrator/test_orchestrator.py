@@ -18,6 +18,7 @@ from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
 from trio_rl.rollout import FailurePolicy, InMemorySource, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
+from trio_rl.train import SinkConfig
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
 
@@ -43,9 +44,10 @@ def _config(**kw: object) -> OrchestratorConfig:
         "batch_groups": T,
         "group_size": G,
         "max_async_level": 1000,
-        "max_off_policy_steps": None,
         "sampling": SamplingParams(max_tokens=64),
         "seed": 11,
+        # no staleness filter: every sample these tests follow ships
+        "sink": SinkConfig(batch_size=T * G, max_off_policy_steps=None),
     }
     base.update(kw)
     return OrchestratorConfig(**base)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.policy import PolicyVersionCell
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt, Sample
+from trio_rl.train import SinkConfig
 from trio_rl.transport import MemorySender
 
 
@@ -36,7 +37,7 @@ def _config() -> OrchestratorConfig:
         batch_groups=2,
         group_size=2,
         max_async_level=0,
-        max_off_policy_steps=None,
+        sink=SinkConfig(batch_size=4, max_off_policy_steps=None),
         sampling=SamplingParams(max_tokens=16),
         seed=1,
     )

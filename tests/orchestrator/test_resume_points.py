@@ -53,8 +53,7 @@ async def _trainer(
     if min(starts) - 1 > orch.policy_version:
         orch.set_policy_version(min(starts) - 1)
     receivers = [
-        FileReceiver(out, r, start_step=starts[r], max_poll_interval=0.01)
-        for r in range(RANKS)
+        FileReceiver(out, r, start_step=starts[r], max_poll_interval=0.01) for r in range(RANKS)
     ]
     for step in range(min(starts), STEPS + 1):
         for rank, rx in enumerate(receivers):

@@ -18,6 +18,7 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.payloads import PayloadStore
 from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Prompt, Sample
+from trio_rl.train import SinkConfig
 from trio_rl.trainer import BatchReceiver, payload_files
 from trio_rl.transport import MemorySender, ReceivedPayload, Receiver
 from trio_rl.wire import MicroBatch, decode
@@ -148,7 +149,7 @@ async def _run(work: Path, elsewhere: Path) -> None:
         batch_groups=2,
         group_size=G,
         max_async_level=1000,
-        max_off_policy_steps=None,
+        sink=SinkConfig(batch_size=2 * G, max_off_policy_steps=None),
         sampling=SamplingParams(max_tokens=32),
         seed=11,
     )

@@ -176,9 +176,7 @@ def test_the_plain_line_shows_progress_rates_trainer_fields_and_eta() -> None:
     lines = out.getvalue().splitlines()
     assert lines == logged  # the log gets exactly the lines the terminal shows
     first, trainer, second = lines
-    assert first.startswith(
-        LINE.replace("step 3", "step 7/9") + " | stale 0 | pruned 8 | waste 0%"
-    )
+    assert first.startswith(LINE.replace("step 3", "step 7/9") + " | stale 0 | pruned 8 | waste 0%")
     assert re.search(r" \| ETA \d+s$", first), first
     assert trainer == "trainer step 7 | loss 0.2500 | kl 0.0010 | entropy 1.500"
     assert " | stale 40 | pruned 8 | waste 50% | " in second

@@ -196,6 +196,7 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
     from trio_rl.rollout import InMemorySource
     from trio_rl.samples import Prompt, Sample
     from trio_rl.tools import open_sinks, step_record
+    from trio_rl.train import SinkConfig
     from trio_rl.trainer import BatchReceiver
     from trio_rl.transport import MemorySender
 
@@ -207,7 +208,7 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
         batch_groups=2,
         group_size=4,
         max_async_level=1000,
-        max_off_policy_steps=None,
+        sink=SinkConfig(batch_size=8, max_off_policy_steps=None),
         sampling=SamplingParams(max_tokens=64),
     )
     send, receive = trio.open_memory_channel[Shipment](8)

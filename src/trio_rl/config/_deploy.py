@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import attrs
 
+from ..errors import InvalidArgumentError
 from ._load import at_least, option, positive
 
 __all__ = ["DataSection", "ModelSection", "RewardSection"]
@@ -16,7 +17,7 @@ def _spec(_: object, attribute: attrs.Attribute[object], value: object) -> None:
         return
     module, sep, name = str(value).partition(":")
     if not sep or not module.strip() or not name.strip():
-        raise ValueError(f'expected "package.module:name", got {value!r}')
+        raise InvalidArgumentError(f'expected "package.module:name", got {value!r}')
 
 
 @attrs.frozen

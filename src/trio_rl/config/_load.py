@@ -23,15 +23,19 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
+from .._validation import at_least, between, positive
 from ._errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
     "Override",
+    "at_least",
+    "between",
     "env_overrides",
     "flatten",
     "load",
     "option",
+    "positive",
     "reference_markdown",
     "to_toml",
 ]
@@ -55,32 +59,6 @@ def option(
     )
 
 
-def at_least(n: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """Validator: None or a number ``>= n`` (nan is refused)."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and not value >= n:
-            raise ValueError(f"must be >= {n}, got {value}")
-
-    return check
-
-
-def between(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    """Validator: None or an integer in ``[low, high]``."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and not low <= value <= high:
-            raise ValueError(f"must be between {low} and {high}, got {value}")
-
-    return check
-
-
-def positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    """Validator: None or a number ``> 0`` (nan and inf are refused)."""
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"must be a finite number > 0, got {value}")
-
-
 @attrs.frozen
 class Override:
     """One value from the command line: ``key`` is ``section.name``; ``value`` is typed (a flag
@@ -102,13 +80,20 @@ class Override:
 
 
 def _sections(schema: type[Any]) -> dict[str, type[Any]]:
+    """Section name -> the class of its options: the class its default is made from (a section
+    generated from a library config, e.g. ``[sink]``, is annotated with its base class)."""
     hints = typing.get_type_hints(schema)
-    return {f.name: hints[f.name] for f in attrs.fields(schema)}
+    out: dict[str, type[Any]] = {}
+    for f in attrs.fields(schema):
+        factory = f.default.factory if isinstance(f.default, attrs.Factory) else None  # type: ignore[arg-type]
+        out[f.name] = factory if isinstance(factory, type) else hints[f.name]
+    return out
 
 
 def _options(section: type[Any]) -> dict[str, tuple[attrs.Attribute[Any], Any]]:
+    # a generated section carries its types on its attributes, a written one in annotations
     hints = typing.get_type_hints(section)
-    return {f.name: (f, hints[f.name]) for f in attrs.fields(section)}
+    return {f.name: (f, hints.get(f.name, f.type)) for f in attrs.fields(section)}
 
 
 def _optional(tp: Any) -> tuple[Any, bool]:
@@ -120,6 +105,12 @@ def _optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _is_table(tp: Any) -> bool:
+    """``Mapping[str, float]``: the one table type an option may have (names to numbers)."""
+    origin = typing.get_origin(tp)
+    return origin in (Mapping, dict) and typing.get_args(tp) == (str, float)
+
+
 def _is_list(tp: Any) -> bool:
     """``tuple[str, ...]``: the one list type an option may have (a list of strings)."""
     return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, Ellipsis)
@@ -129,6 +120,8 @@ def _type_name(tp: Any) -> str:
     base, optional = _optional(tp)
     if _is_list(base):
         name = "list of str"
+    elif _is_table(base):
+        name = "table of str to float"
     elif typing.get_origin(base) is Literal:
         name = " | ".join(json.dumps(a) for a in typing.get_args(base))
     else:
@@ -152,6 +145,12 @@ def _coerce(value: Any, tp: Any) -> Any:
     if _is_list(base):
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
+    elif _is_table(base):
+        if isinstance(value, Mapping) and all(
+            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+            for k, v in value.items()
+        ):
+            return {k: float(v) for k, v in value.items()}
     elif base is bool:
         if isinstance(value, bool):
             return value
@@ -253,7 +252,7 @@ def _read_file(
             where = at(name, key)
             if key not in options:
                 raise ConfigError(where, f"{name}.{key}", _unknown("key", key, options))
-            if isinstance(value, dict):
+            if isinstance(value, dict) and not _is_table(_optional(options[key][1])[0]):
                 raise ConfigError(where, f"{name}.{key}", "expected a value, got a table")
             into.setdefault(name, {})[key] = _Value(value, where)
 
@@ -386,6 +385,12 @@ def _toml_value(value: Any) -> str:
         return str(value)
     if isinstance(value, tuple | list):
         return "[" + ", ".join(json.dumps(str(v)) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return (
+            "{"
+            + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items())
+            + "}"
+        )
     return json.dumps(str(value))
 
 

@@ -8,28 +8,29 @@ from typing import Any, Literal
 
 import attrs
 
+from ..errors import InvalidArgumentError
+from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
+from ._sections import SinkSection, sink_section
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
 
 Task = Literal["copy", "repeat", "reverse"]
-Staleness = Literal["group_start", "oldest_token"]
-
-_STALENESS_HELP = (
-    "the version a sample is judged stale by: `group_start` (its group's start version, "
-    "prime-rl's rule) or `oldest_token` (the oldest version behind any of its tokens)"
-)
 
 
 def _check_port(port: int | None, allowed: bool, name: str) -> None:
     """A port below 1024 (0 aside: a free one) is a privileged port, most likely a typo (80
     for 8000): refused unless the section allows it."""
     if port is not None and 0 < port < 1024 and not allowed:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} {port} is below 1024 (a privileged port); set "
             f"allow_privileged_port = true to use it"
         )
+
+
+def _registered_transport(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    transport_kind(value)  # an unknown name is an InvalidArgumentError listing the known ones
 
 
 # ------------------------------------------------------------------ trio-rl run (learning)
@@ -118,16 +119,14 @@ class LearnRollout:
     temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
 
 
-@attrs.frozen
-class LearnSink:
-    """The train sink: scoring, pruning and the staleness filter."""
-
-    max_off_policy_steps: int | None = option(
-        1,
-        "drop samples more than this many versions behind (unset: keep all)",
-        validator=at_least(0),
-    )
-    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
+#: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.train.SinkConfig`. The learning
+#: run keeps at most one version of staleness by default: its tiny model moves fast, and samples
+#: older than that train it the wrong way.
+LearnSink = sink_section(
+    "LearnSink",
+    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    max_off_policy_steps=1,
+)
 
 
 @attrs.frozen
@@ -256,9 +255,9 @@ class Metrics:
 def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for url in value:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{url!r} is not an http:// or https:// URL")
+            raise InvalidArgumentError(f"{url!r} is not an http:// or https:// URL")
     if len(set(value)) != len(value):
-        raise ValueError(f"a server is listed twice in {list(value)}")
+        raise InvalidArgumentError(f"a server is listed twice in {list(value)}")
 
 
 @attrs.frozen
@@ -357,7 +356,7 @@ class Inference:
 
     def __attrs_post_init__(self) -> None:
         if self.urls and self.launch:
-            raise ValueError("set `urls` (servers already running) or `launch`, not both")
+            raise InvalidArgumentError("set `urls` (servers already running) or `launch`, not both")
 
 
 @attrs.frozen
@@ -367,7 +366,7 @@ class LearnRunConfig:
     run: LearnRun = attrs.field(factory=LearnRun)
     engine: LearnEngine = attrs.field(factory=LearnEngine)
     rollout: LearnRollout = attrs.field(factory=LearnRollout)
-    sink: LearnSink = attrs.field(factory=LearnSink)
+    sink: SinkSection = attrs.field(factory=LearnSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: LearnTransport = attrs.field(factory=LearnTransport)
     trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
@@ -448,23 +447,22 @@ class SimRollout:
     )
 
 
-@attrs.frozen
-class SimSink:
-    """The train sink's staleness filter."""
-
-    max_off_policy_steps: int | None = option(
-        8,
-        "drop samples more than this many versions behind (unset: keep all)",
-        validator=at_least(0),
-    )
-    staleness: Staleness = option("group_start", _STALENESS_HELP)  # noqa: RUF009
+SimSink = sink_section(
+    "SimSink",
+    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+)
 
 
 @attrs.frozen
 class SimTransport:
     """How batches reach the trainer ranks."""
 
-    kind: Literal["files", "zmq"] = option("files", "files (in the run directory) or zmq")
+    kind: str = option(
+        "files",
+        "the transport, by its registered name (trio_rl.transport.register_transport): files "
+        "(in the run directory), zmq or memory (this process)",
+        validator=_registered_transport,
+    )
     port: int = option(
         0,
         "ZeroMQ data port; READY uses port+1 (0: pick a free pair); below 1024 only with "
@@ -501,7 +499,7 @@ class SimulateConfig:
     run: SimRun = attrs.field(factory=SimRun)
     engine: SimEngine = attrs.field(factory=SimEngine)
     rollout: SimRollout = attrs.field(factory=SimRollout)
-    sink: SimSink = attrs.field(factory=SimSink)
+    sink: SinkSection = attrs.field(factory=SimSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: SimTransport = attrs.field(factory=SimTransport)
     trainer: SimTrainer = attrs.field(factory=SimTrainer)

@@ -56,8 +56,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         group_size=rollout.group_size,
         seed=run.seed,
         temperature=rollout.temperature,
-        max_off_policy_steps=config.sink.max_off_policy_steps,
-        staleness=config.sink.staleness,
+        sink=config.sink.to_config(batch_size=rollout.batch_groups * rollout.group_size),
         max_groups_in_flight=rollout.max_groups_in_flight,
         max_async_level=rollout.max_async_level,
         trainer=TrainerConfig(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._validation import positive
 from ..trainer import TrainerTensors, to_torch
 from ..wire import MicroBatch
 from ._model import sequence_logprobs_entropy
@@ -34,11 +35,6 @@ __all__ = [
 ]
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"TrainerConfig.{attribute.name} must be > 0, got {value}")
-
-
 @attrs.frozen
 class TrainerConfig:
     """The optimisation of one step.
@@ -50,10 +46,10 @@ class TrainerConfig:
     collapsing onto one reply per prompt while it is still wrong (docs/learning.md).
     """
 
-    lr: float = attrs.field(default=2e-3, validator=_positive)
+    lr: float = attrs.field(default=2e-3, validator=positive)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
-    clip: float = attrs.field(default=0.2, validator=_positive)
+    clip: float = attrs.field(default=0.2, validator=positive)
     epochs: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_grad_norm: float | None = 1.0
     entropy_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))

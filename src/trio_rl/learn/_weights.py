@@ -25,6 +25,7 @@ import attrs
 import torch
 from safetensors.torch import save_file
 
+from .._validation import check_at_least
 from ..engines._torch import WEIGHTS_FILE
 
 __all__ = ["META_FILE", "WEIGHTS_FILE", "PublishedWeights", "latest_weights", "publish_weights"]
@@ -61,10 +62,8 @@ def publish_weights(
     Synchronous file I/O: call it from a worker thread. A version published again (a resumed
     trainer) replaces the old directory.
     """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    if version < 0:
-        raise ValueError(f"version must be >= 0, got {version}")
+    check_at_least("keep", keep, 1)
+    check_at_least("version", version, 0)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{version}"

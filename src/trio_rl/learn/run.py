@@ -4,11 +4,18 @@ Engine (:class:`~trio_rl.engines.TorchEngine`) -> orchestrator -> file transport
 trainer (in-process, in worker threads; or DDP ranks under torchrun) -> published weights ->
 weight watcher -> engine. :func:`run_learning` prints the mean reward of every shipped step and
 writes ``metrics.jsonl`` and ``plot.png`` into the run directory.
+
+Why this module is over 600 lines: it is the whole learning run, whose parts share one
+`LearnConfig` and one run directory: the config, the in-process trainer's loop and its saved
+state, the torchrun and external trainer jobs' start, heartbeat and end, and `run_learning`,
+which opens them together. The model, the task, the GRPO trainer, the weights and the watcher
+are modules of their own.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
 import json
 import logging
 import math
@@ -26,14 +33,27 @@ import attrs
 import torch
 import trio
 
+from .._validation import at_least, one_of
 from ..config._deploy import DataSection, ModelSection, RewardSection
-from ..config._schema import Inference
+from ..config._schema import Inference, LearnSink
 from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
+from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
+from ..rundir import (
+    HEARTBEAT_FILE,
+    METRICS_FILE,
+    ORCHESTRATOR_HEARTBEAT,
+    RUN_FILE,
+    STOP_FILE,
+    TRAINED_LOG,
+    TRAINER_LOG,
+    TRAINER_STATE,
+    RunDirectory,
+)
 from ..samples import PolicyVersion, Prompt
-from ..train import DEFAULT_STALENESS, STALENESS_RULES, CheckpointError, StalenessRule
+from ..train import CheckpointError, PruneMode, ScoringConfig, SinkConfig
 from ..transport import (
     EndOfStream,
     FileReceiver,
@@ -53,22 +73,6 @@ from .tasks import task_records
 __all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
 
 logger = logging.getLogger("trio_rl.learn")
-
-RUN_FILE = "run.json"
-#: Written at the end of a run with the last shipped step: the torchrun trainer job stops there.
-STOP_FILE = "STOP"
-METRICS_FILE = "metrics.jsonl"
-#: The in-process trainer's model and optimizer after its last step (``torch.save``).
-TRAINER_STATE = "trainer/state.pt"
-#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
-TRAINED_LOG = "trainer/trained.jsonl"
-HEARTBEAT_FILE = "trainer/heartbeat"
-#: The orchestrator's heartbeat, which a trainer job watches the same way.
-ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
-
-#: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics),
-#: written after the step's weights were published (in-process trainer, or torchrun rank 0).
-TRAINER_LOG = "trainer/stats.jsonl"
 
 
 class TrainerLog:
@@ -132,14 +136,6 @@ def read_trainer_log(out: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _at_least(n: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < n:
-            raise ValueError(f"LearnConfig.{attribute.name} must be >= {n}, got {value}")
-
-    return check
-
-
 @attrs.frozen
 class LearnConfig:
     """A learning run. ``trainer_mode``: ``"inprocess"`` trains in this process (worker
@@ -147,20 +143,15 @@ class LearnConfig:
     trio_rl.learn.trainer_main``; ``"external"`` expects that job to be started separately."""
 
     out: Path = attrs.field(converter=Path)
-    task: str = attrs.field(default="repeat", validator=attrs.validators.in_(TASKS))
-    steps: int = attrs.field(default=200, validator=_at_least(1))
-    batch_groups: int = attrs.field(default=8, validator=_at_least(1))
-    group_size: int = attrs.field(default=16, validator=_at_least(2))
+    task: str = attrs.field(default="repeat", validator=one_of(TASKS))
+    steps: int = attrs.field(default=200, validator=at_least(1))
+    batch_groups: int = attrs.field(default=8, validator=at_least(1))
+    group_size: int = attrs.field(default=16, validator=at_least(2))
     seed: int = 0
     temperature: float = 1.0
-    max_off_policy_steps: int | None = attrs.field(default=1, validator=_at_least(0))
-    #: The version a sample is judged stale by (see :attr:`OrchestratorConfig.staleness`).
-    staleness: StalenessRule = attrs.field(
-        default=DEFAULT_STALENESS, validator=attrs.validators.in_(STALENESS_RULES)
-    )
     #: Rollout concurrency in groups (default ``batch_groups``).
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=_at_least(1))
-    max_async_level: int = attrs.field(default=1, validator=_at_least(0))
+    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
+    max_async_level: int = attrs.field(default=1, validator=at_least(0))
     #: Staleness-aware admission (see :attr:`OrchestratorConfig.stale_admission`).
     stale_admission: bool = True
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
@@ -169,8 +160,8 @@ class LearnConfig:
     #: Seconds the in-process trainer waits after each step before publishing (forces staleness).
     trainer_delay: float = 0.0
     trainer_mode: Literal["inprocess", "torchrun", "external"] = "inprocess"
-    ranks: int = attrs.field(default=1, validator=_at_least(1))
-    weights_keep: int = attrs.field(default=3, validator=_at_least(1))
+    ranks: int = attrs.field(default=1, validator=at_least(1))
+    weights_keep: int = attrs.field(default=3, validator=at_least(1))
     #: Stop after this many seconds even if ``steps`` were not all shipped.
     time_limit: float | None = None
     #: Stop once the mean reward of ``stop_window`` consecutive steps reaches this.
@@ -178,13 +169,13 @@ class LearnConfig:
     stop_window: int = 5
     #: End the run once this many batches' worth of samples in a row were pruned (equal rewards
     #: in every group) without a step shipping: GRPO has no signal left, nothing would ship.
-    converged_after: int = attrs.field(default=8, validator=_at_least(1))
+    converged_after: int = attrs.field(default=8, validator=at_least(1))
     prompts: int = 4096
     verbose: bool = True
     plot: bool = True
     #: Worker threads the run's one capacity limiter lends: the orchestrator's (finalizing,
     #: sending, checkpoints) and the in-process trainer's (reads, decoding, training).
-    threads: int = attrs.field(default=4, validator=_at_least(1))
+    threads: int = attrs.field(default=4, validator=at_least(1))
     #: fsync every batch file.
     fsync: bool = False
     #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
@@ -204,10 +195,34 @@ class LearnConfig:
     #: thread; the same seed gives the same rewards bit for bit (docs/learning.md).
     deterministic: bool = False
     #: Seconds a normal end waits for the trainer to report the last shipped step.
-    trainer_timeout: float = attrs.field(default=120.0, validator=_at_least(0))
+    trainer_timeout: float = attrs.field(default=120.0, validator=at_least(0))
+    #: The train sink's config (the staleness limit and rule, pruning, scoring); it cuts
+    #: ``batch_groups x group_size`` samples per batch. By default that of ``trio-rl run``'s
+    #: ``[sink]`` defaults (``trio_rl.config``'s ``LearnSink``).
+    sink: SinkConfig = attrs.field(
+        # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
+        # after every default is made
+        default=attrs.Factory(
+            lambda self: LearnSink().to_config(
+                batch_size=max(1, self.batch_groups * self.group_size)
+            ),
+            takes_self=True,
+        )
+    )
+
+    @sink.validator
+    def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
+        step = self.batch_groups * self.group_size
+        if sink.batch_size != step:
+            raise InvalidArgumentError(
+                f"LearnConfig.sink.batch_size must be batch_groups x group_size = {step} "
+                f"(the samples of one step), got {sink.batch_size}"
+            )
 
     def to_json(self) -> dict[str, Any]:
-        d = attrs.asdict(self)
+        d = attrs.asdict(
+            self, value_serializer=lambda _, __, v: v.value if isinstance(v, enum.Enum) else v
+        )
         d["out"] = str(self.out)
         return d
 
@@ -218,6 +233,11 @@ class LearnConfig:
         raw["trainer"] = TrainerConfig(
             **{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])}
         )
+        if "sink" in raw:
+            sink = dict(raw["sink"])
+            sink["prune"] = PruneMode(sink["prune"])
+            sink["scoring"] = ScoringConfig(**sink["scoring"])
+            raw["sink"] = SinkConfig(**sink)
         for name, section in (
             ("model", ModelSection),
             ("data", DataSection),
@@ -383,7 +403,7 @@ def _load_trainer_state(out: Path) -> dict[str, Any] | None:
 def _resumable(out: Path, config: LearnConfig) -> bool:
     # a torchrun or external trainer job resumes by itself (its own state and log): the
     # orchestrator resumes from its checkpoint and the watcher catches up with the weights
-    return config.resume and any((out / "checkpoints").glob("step_*.ckpt"))
+    return config.resume and RunDirectory(out).has_checkpoints()
 
 
 async def _train_inprocess(
@@ -440,7 +460,7 @@ async def _train_inprocess(
                     trainer,
                     got.step,
                     micro_batches,
-                    config.out / "weights",
+                    RunDirectory(config.out).weights,
                     config.weights_keep,
                     config.deterministic,
                     limiter=limiter,
@@ -620,10 +640,10 @@ async def _open_engine(
     async with open_inference(
         **config.inference.inference_kwargs(),
         model_path=config.model.path,
-        log_dir=config.out / "inference",
+        log_dir=RunDirectory(config.out).inference_logs,
     ) as fleet:
         if trained:
-            latest = await trio.to_thread.run_sync(latest_weights, config.out / "weights")
+            latest = await trio.to_thread.run_sync(latest_weights, RunDirectory(config.out).weights)
             if latest is not None:
                 await fleet.load_weights(latest.path, latest.version)
         yield fleet
@@ -652,6 +672,12 @@ async def run_learning(
 
     Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
     ``metrics.jsonl`` holds the steps shipped so far.
+
+    Why this function is long: the engine, the orchestrator, the trainer, the weight watcher
+    and the metrics consumer are opened in one ``async with`` and one nursery, so that they
+    close together and a failure of any cancels the others; its closures (the consumer, the
+    record writer) share the run's channels and counters. The parts that need none of that
+    (the step line, the convergence verdict, the trainer's loop, the waits) are functions.
     """
     out = config.out
     if config.deterministic:
@@ -680,8 +706,7 @@ async def run_learning(
     orch_config = OrchestratorConfig(
         batch_groups=config.batch_groups,
         group_size=config.group_size,
-        max_off_policy_steps=config.max_off_policy_steps,
-        staleness=config.staleness,
+        sink=config.sink,
         max_async_level=config.max_async_level,
         stale_admission=config.stale_admission,
         max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
@@ -748,22 +773,7 @@ async def run_learning(
                 if display is not None and config.verbose:
                     display.write(rec)
                 elif config.verbose:
-                    reward = rec["reward_mean"]
-                    print(
-                        f"step {rec['step']:>4}  reward "
-                        f"{'(none new)' if reward is None else f'{reward:.3f}'}"
-                        f"  policy v{rec['policy_version']:<4} off-policy max "
-                        f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
-                        f"{rec['samples_per_s']:>6.1f} samples/s  "
-                        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
-                        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s"
-                        + (
-                            f"  reward failed {record_reward.failed} samples"
-                            if record_reward.failed
-                            else ""
-                        ),
-                        flush=True,
-                    )
+                    print(_plain_line(rec, record_reward.failed), flush=True)
         records_send.close()
         drained.set()
 
@@ -806,7 +816,7 @@ async def run_learning(
             sample_reward=record_reward,
             monitor=send,
             limiter=limiter,
-            checkpoint_dir=out / "checkpoints",
+            checkpoint_dir=RunDirectory(out).checkpoints,
             resume=resuming,
         ) as orch,
         trio.open_nursery() as nursery,
@@ -816,7 +826,11 @@ async def run_learning(
         nursery.start_soon(_probe_loop_lag, lags)
         nursery.start_soon(
             lambda: watch_weights(
-                out / "weights", [engine], set_version, current=trained, poll_interval=0.005
+                RunDirectory(out).weights,
+                [engine],
+                set_version,
+                current=trained,
+                poll_interval=0.005,
             )
         )
         if config.trainer_mode == "inprocess":
@@ -900,24 +914,8 @@ async def run_learning(
                 # Every group had equal rewards: the policy is deterministic on every prompt.
                 # That is convergence only at the task's maximum (or stop_at_reward).
                 final_reward = orch.sink.window.reward_mean
-                target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
-                reached = final_reward is not None and final_reward >= target - 1e-9
-                stopped = "converged" if reached else "collapsed"
-                shown = "none" if final_reward is None else f"{final_reward:.3f}"
-                if reached:
-                    message = (
-                        f"stopping: converged at reward {shown}: the policy is deterministic "
-                        f"and right (the last {config.converged_after} batches' worth of "
-                        "groups all had equal rewards)"
-                    )
-                else:
-                    message = (
-                        f"stopping: collapsed at reward {shown}: the policy is deterministic "
-                        f"on every prompt (the last {config.converged_after} batches' worth of "
-                        "groups all had equal rewards, so GRPO has no signal left) but not "
-                        f"right (target {target:g}); raise trainer.entropy_coef or "
-                        "rollout.temperature"
-                    )
+                stopped, message = _converged(final_reward, config)
+                if stopped == "collapsed":
                     logger.warning("%s", message)
                 if config.verbose:
                     print(message, flush=True)
@@ -970,7 +968,9 @@ async def run_learning(
     if display is not None:
         display.close()
     if config.plot and metrics:
-        await trio.to_thread.run_sync(write_plot, earlier + metrics, out / "plot.png", config.task)
+        await trio.to_thread.run_sync(
+            write_plot, earlier + metrics, RunDirectory(out).plot, config.task
+        )
     if config.verbose:
         print(f"done in {wall:.1f} s; metrics: {metrics_path}", flush=True)
     return LearnResult(
@@ -984,6 +984,40 @@ async def run_learning(
         trained_through=max(trainer_log.last, trained),
         resumed_at=resumed_at,
         final_reward=final_reward,
+    )
+
+
+def _plain_line(rec: dict[str, Any], reward_failures: int) -> str:
+    """A step's plain console line (without a display)."""
+    reward = rec["reward_mean"]
+    return (
+        f"step {rec['step']:>4}  reward {'(none new)' if reward is None else f'{reward:.3f}'}"
+        f"  policy v{rec['policy_version']:<4} off-policy max "
+        f"{rec['off_policy_max']:.0f}  stale {rec['stale']:>4}  "
+        f"{rec['samples_per_s']:>6.1f} samples/s  "
+        f"lag p95 {rec['loop_lag_p95_ms']:.1f} ms  "
+        f"{_percent(rec['slot_occupancy'])} rows busy  {rec['wall_s']:.1f} s"
+        + (f"  reward failed {reward_failures} samples" if reward_failures else "")
+    )
+
+
+def _converged(final_reward: float | None, config: LearnConfig) -> tuple[str, str]:
+    """Why a run whose groups all had equal rewards ends: ``converged`` at the task's maximum
+    (or ``stop_at_reward``), else ``collapsed``; and the line saying so."""
+    target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
+    shown = "none" if final_reward is None else f"{final_reward:.3f}"
+    if final_reward is not None and final_reward >= target - 1e-9:
+        return "converged", (
+            f"stopping: converged at reward {shown}: the policy is deterministic "
+            f"and right (the last {config.converged_after} batches' worth of "
+            "groups all had equal rewards)"
+        )
+    return "collapsed", (
+        f"stopping: collapsed at reward {shown}: the policy is deterministic "
+        f"on every prompt (the last {config.converged_after} batches' worth of "
+        "groups all had equal rewards, so GRPO has no signal left) but not "
+        f"right (target {target:g}); raise trainer.entropy_coef or "
+        "rollout.temperature"
     )
 
 
@@ -1019,8 +1053,9 @@ def _prepare_run_directory(out: Path, config: LearnConfig, resuming: bool) -> No
         return
     # A new run: an earlier run's weights would be taken for new versions, its batch files for
     # this run's steps (its checkpoints are moved aside by the orchestrator, never deleted).
-    for name in ("weights", "batches"):
-        shutil.rmtree(out / name, ignore_errors=True)
+    run = RunDirectory(out)
+    for directory in (run.weights, run.batches):
+        shutil.rmtree(directory, ignore_errors=True)
     for name in (TRAINER_STATE, TRAINED_LOG):  # set aside like the checkpoints, never deleted
         if (out / name).exists():
             (out / name).replace(out / f"{name}.old-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -47,17 +47,20 @@ import torch
 import torch.distributed as dist
 import trio
 
-from ..transport import FileReceiver, TransportTimeoutError
-from ..wire import decode
-from ._trainer import GRPOTrainer, StepStats
-from ._weights import publish_weights
-from .run import (
+from ..rundir import (
     HEARTBEAT_FILE,
     ORCHESTRATOR_HEARTBEAT,
     RUN_FILE,
     STOP_FILE,
     TRAINED_LOG,
     TRAINER_STATE,
+    RunDirectory,
+)
+from ..transport import FileReceiver, TransportTimeoutError
+from ..wire import decode
+from ._trainer import GRPOTrainer, StepStats
+from ._weights import publish_weights
+from .run import (
     LearnConfig,
     _load_trainer_state,
     append_trainer_record,
@@ -195,7 +198,7 @@ class _Job:
             dist.barrier()
         if self.rank == 0:
             publish_weights(
-                self.out / "weights",
+                RunDirectory(self.out).weights,
                 step,
                 self.trainer.model.state_dict(),
                 keep=self.config.weights_keep,

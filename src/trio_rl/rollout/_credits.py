@@ -33,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 import trio
 
+from .._validation import at_least
 from ..samples import Group
 from ._errors import CreditError, GroupFailed
 from ._validate import check_int
@@ -54,16 +55,6 @@ __all__ = [
 ]
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
-
-
-def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
-
-
 # --------------------------------------------------------------------------- policies
 
 
@@ -76,10 +67,10 @@ class CreditView:
     ``group_size`` the size G of the group that would start, ``budget`` the budget B in groups.
     """
 
-    in_flight: int = attrs.field(validator=_non_negative)
-    pending_groups: int = attrs.field(validator=_non_negative)
-    group_size: int = attrs.field(validator=_positive)
-    budget: int = attrs.field(validator=_non_negative)
+    in_flight: int = attrs.field(validator=at_least(0))
+    pending_groups: int = attrs.field(validator=at_least(0))
+    group_size: int = attrs.field(validator=at_least(1))
+    budget: int = attrs.field(validator=at_least(0))
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 
 from ..errors import TrioRLError
+from ..rundir import RunDirectory
 from ..samples import Sample
 from ..train import CheckpointManager, TrainingSample, read_checkpoint
 from ..train._checkpoint import file_schema_version
@@ -49,7 +50,18 @@ _RANK_FILE = re.compile(r"^rank_(\d+)\.bin$")
 _CKPT_NAME = re.compile(r"^step_(\d+)\.ckpt$")
 _OUTBOX_NAME = re.compile(r"^outbox_step_(\d+)\.bin$")
 _OPTIONAL = tuple(f.name for f in attrs.fields(MicroBatch) if f.default is not attrs.NOTHING)
-_RUN_PARTS = ("run.json", "metrics.jsonl", "checkpoints", "batches", "weights", "trainer")
+_LAYOUT = RunDirectory(Path())
+_RUN_PARTS = tuple(
+    p.name
+    for p in (
+        _LAYOUT.run_file,
+        _LAYOUT.metrics,
+        _LAYOUT.checkpoints,
+        _LAYOUT.batches,
+        _LAYOUT.weights,
+        _LAYOUT.trainer,
+    )
+)
 _RUN_KEYS = ("task", "steps", "batch_groups", "group_size", "ranks", "trainer_mode", "seed")
 
 
@@ -263,7 +275,8 @@ def inspect_run_directory(path: Path) -> Summary:
         )
     damage: list[TrioRLError] = []
     out: dict[str, Any] = {"kind": "run directory", "path": str(path)}
-    run_file = path / "run.json"
+    run = RunDirectory(path)
+    run_file = run.run_file
     if run_file.is_file():
         try:
             config = json.loads(_read(run_file))
@@ -274,29 +287,29 @@ def inspect_run_directory(path: Path) -> Summary:
             out["run"] = {
                 k: config[k] for k in _RUN_KEYS if isinstance(config, dict) and k in config
             }
-    metrics = path / "metrics.jsonl"
+    metrics = run.metrics
     if metrics.is_file():
         try:
             out["metrics"] = _metrics_summary(read_metrics(metrics))
         except TrioRLError as exc:
             damage.append(exc)
             out["metrics"] = f"DAMAGED: {exc}"
-    if (path / "checkpoints").is_dir():
-        sub = _checkpoint_dir(path / "checkpoints", {})
+    if run.checkpoints.is_dir():
+        sub = _checkpoint_dir(run.checkpoints, {})
         damage.extend(sub.damage)
         out["checkpoints"] = sub.data
-    aside = sorted(p.name for p in path.glob("checkpoints.old-*"))
+    aside = sorted(p.name for p in path.glob(f"{run.checkpoints.name}.old-*"))
     if aside:
         out["set_aside"] = aside
-    if (path / "batches").is_dir():
+    if run.batches.is_dir():
         out["batches"] = _batches(path, damage)
-    weights = _steps_in(path / "weights", _STEP_DIR)
-    if (path / "weights").is_dir():
+    weights = _steps_in(run.weights, _STEP_DIR)
+    if run.weights.is_dir():
         out["weights"] = {
             "versions": [s for s, _ in weights],
             "latest": weights[-1][0] if weights else None,
         }
-    logs = _steps_in(path / "trainer", re.compile(r"^rank_(\d+)\.jsonl$"))
+    logs = _steps_in(run.trainer, re.compile(r"^rank_(\d+)\.jsonl$"))
     if logs:
         out["trainer"] = {f"rank {r}": _guarded(damage, _trainer_log, p) for r, p in logs}
     return Summary(out, tuple(damage))
@@ -320,7 +333,7 @@ def _checkpoint_dir(directory: Path, out: dict[str, Any]) -> Summary:
 
 
 def _batches(run: Path, damage: list[TrioRLError]) -> dict[str, Any]:
-    root = run / "batches"
+    root = RunDirectory(run).batches
     out: dict[str, Any] = {}
     pending: dict[str, Any] = {}
     for step, step_dir in _steps_in(root, _STEP_DIR):

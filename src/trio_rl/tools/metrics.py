@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from ..publish import step_record
+from ..rundir import RunDirectory
 from ._errors import MetricsFileError, MissingExtraError
 
 __all__ = [
@@ -366,16 +367,18 @@ def open_sinks(
     """
     from .console import ConsoleDisplay
 
-    root = Path(run_dir)
+    root = RunDirectory(run_dir)
     sinks: list[MetricsSink] = []
     try:
-        sinks.append(JsonlSink(root / "metrics.jsonl"))
+        sinks.append(JsonlSink(root.metrics))
         if console:
             sinks.append(ConsoleDisplay(stream, plain=plain))
         if tensorboard:
-            sinks.append(TensorBoardSink(root / "tensorboard"))
+            sinks.append(TensorBoardSink(root.tensorboard))
         if wandb is not None:
-            sinks.append(WandbSink(**{"dir": str(root), "id_file": root / WANDB_ID_FILE, **wandb}))
+            sinks.append(
+                WandbSink(**{"dir": str(root.root), "id_file": root.root / WANDB_ID_FILE, **wandb})
+            )
         if prometheus_port is not None:
             sinks.append(PrometheusSink(prometheus_port))
     except BaseException:

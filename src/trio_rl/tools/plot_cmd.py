@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrioRLError
+from ..rundir import RunDirectory
 from ._errors import InspectError, MissingExtraError
 from .metrics import read_metrics
 
@@ -221,13 +222,13 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     (default ``<run_dir>/plot.png``, the figure ``trio-rl run`` draws at its end) and return
     its path."""
     src = Path(run_dir)
-    metrics = src / "metrics.jsonl" if src.is_dir() else src
+    metrics = RunDirectory(src).metrics if src.is_dir() else src
     if not metrics.is_file():
         raise InspectError(str(metrics), "no metrics file (a learning run writes metrics.jsonl)")
     records = read_metrics(metrics)
     if not records:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
-    target = Path(out) if out is not None else metrics.parent / "plot.png"
+    target = Path(out) if out is not None else RunDirectory(metrics.parent).plot
     fig = build_figure(records, title=metrics.parent.name)
     try:
         fig.savefig(target)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import TrioRLError
+from ..rundir import RunDirectory
 from ._errors import InspectError
 from .console import ConsoleDisplay
 from .metrics import read_metrics
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Show the records; with ``--follow`` poll for more until interrupted (then 130). A
     damaged line raises :class:`~trio_rl.tools.MetricsFileError` after the lines before it."""
-    path = args.path / "metrics.jsonl" if args.path.is_dir() else args.path
+    path = RunDirectory(args.path).metrics if args.path.is_dir() else args.path
     if not path.is_file():
         what = "no metrics.jsonl in this run directory" if args.path.is_dir() else "no such file"
         raise InspectError(str(path), f"{what} (pass a run directory or its metrics.jsonl)")

@@ -15,6 +15,8 @@ from typing import Literal
 import attrs
 import trio
 
+from .._validation import at_least
+from ..errors import InvalidArgumentError
 from ..samples import PolicyVersion
 from ._changes import ChangeLog
 from ._errors import TrainSinkError
@@ -55,11 +57,6 @@ class PruneMode(enum.Enum):
     AFTER_SELECTION = "after_selection"
 
 
-def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"SinkConfig.{attribute.name} must be >= 1, got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class SinkConfig:
     """Exactly one of ``batch_size`` (samples) or ``token_batch_size`` (tokens) must be set
@@ -71,14 +68,41 @@ class SinkConfig:
     the samples of a group that started old but was generated, or continued, under newer
     weights). Either way batch ``S`` drops a sample judged at ``v < (S - 1) -
     max_off_policy_steps``.
+
+    Each knob's meaning is its field's ``metadata["help"]``: the ``[sink]`` section of the
+    configuration files (``trio_rl.config``) is generated from these fields, so a knob added
+    here is a key there, with ``--set sink.<key>=...``, and a line of the reference.
     """
 
-    batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
-    token_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
-    max_off_policy_steps: int | None = 8
-    prune: PruneMode = PruneMode.BEFORE_QUEUE
+    batch_size: int | None = attrs.field(
+        default=None,
+        validator=at_least(1),
+        metadata={"help": "samples per batch (the commands: rollout.batch_groups x group_size)"},
+    )
+    token_batch_size: int | None = attrs.field(
+        default=None, validator=at_least(1), metadata={"help": "tokens per batch"}
+    )
+    max_off_policy_steps: int | None = attrs.field(
+        default=8,
+        validator=at_least(0),
+        metadata={"help": "drop samples more than this many versions behind (unset: keep all)"},
+    )
+    prune: PruneMode = attrs.field(
+        default=PruneMode.BEFORE_QUEUE,
+        metadata={
+            "help": "when zero-advantage samples are pruned: before_queue (per group, every "
+            "batch full) or after_selection (on the cut; a batch may shrink)"
+        },
+    )
     scoring: ScoringConfig = attrs.field(factory=ScoringConfig)
-    staleness: StalenessRule = attrs.field(default=DEFAULT_STALENESS)
+    staleness: StalenessRule = attrs.field(
+        default=DEFAULT_STALENESS,
+        metadata={
+            "help": "the version a sample is judged stale by: `group_start` (its group's start "
+            "version, prime-rl's rule) or `oldest_token` (the oldest version behind any of its "
+            "tokens)"
+        },
+    )
 
     @staleness.validator
     def _check_staleness(self, _: attrs.Attribute[str], value: str) -> None:
@@ -89,10 +113,8 @@ class SinkConfig:
 
     def __attrs_post_init__(self) -> None:
         if (self.batch_size is None) == (self.token_batch_size is None):
-            raise ValueError("SinkConfig needs exactly one of batch_size or token_batch_size")
-        if self.max_off_policy_steps is not None and self.max_off_policy_steps < 0:
-            raise ValueError(
-                f"SinkConfig.max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}"
+            raise InvalidArgumentError(
+                "SinkConfig needs exactly one of batch_size or token_batch_size"
             )
 
 

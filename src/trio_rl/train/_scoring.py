@@ -43,10 +43,20 @@ class ScoringConfig:
     ``temperature`` is stamped on every token unless ``env_temperatures`` names the sample's env.
     """
 
-    normalize_std: bool = False
-    eps: float = 1e-6
-    temperature: float = 1.0
-    env_temperatures: Mapping[str, float] = attrs.field(factory=dict)
+    normalize_std: bool = attrs.field(
+        default=False,
+        metadata={"help": "divide advantages by the group's reward standard deviation (+ eps)"},
+    )
+    eps: float = attrs.field(
+        default=1e-6, metadata={"help": "added to the standard deviation by normalize_std"}
+    )
+    temperature: float = attrs.field(
+        default=1.0, metadata={"help": "sampling temperature stamped on every trained token"}
+    )
+    env_temperatures: Mapping[str, float] = attrs.field(
+        factory=dict,
+        metadata={"help": "the stamped temperature per env name, e.g. {math = 0.7}"},
+    )
 
     def temperature_for(self, env_name: str) -> float:
         return self.env_temperatures.get(env_name, self.temperature)
@@ -76,9 +86,8 @@ def grpo_advantages(
 #: ``"group_start"`` (the default, prime-rl's rule): its group's ``policy_version_at_start``,
 #: the version the group started with. ``"oldest_token"``: the oldest version behind any of its
 #: tokens (never older than the start, so it keeps samples the reference rule drops).
-#: The one definition of the allowed values and of the default: `SinkConfig`,
-#: ``OrchestratorConfig``, ``LearnConfig`` use these (the configuration schema, which imports
-#: no component, spells the same values and a test pins them to these).
+#: The one definition of the allowed values and of the default: `SinkConfig` uses these, and
+#: every other config holds a `SinkConfig` (the files' ``[sink]`` section is generated from it).
 StalenessRule = Literal["group_start", "oldest_token"]
 
 STALENESS_RULES: tuple[StalenessRule, ...] = typing.get_args(StalenessRule)

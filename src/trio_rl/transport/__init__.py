@@ -6,6 +6,9 @@ A transport moves one opaque payload per (step, rank); decoding is the trainer's
 - `FileSender` / `FileReceiver`: ``<dir>/batches/step_<S>/rank_<R>.bin``, one file each.
 - `ZmqSender` / `ZmqReceiver`: ZeroMQ PUB/SUB with a READY barrier.
 - `MemorySender` / `MemoryReceiver`: trio memory channels, for tests and single-process runs.
+
+Each registers by name (`register_transport`, `transport_kind`): a command looks its
+``[transport] kind`` up there, and a new transport is one module plus one registration.
 """
 
 from ._base import Payload as Payload
@@ -21,8 +24,15 @@ from ._errors import TransportTimeoutError as TransportTimeoutError
 from ._files import FileReceiver as FileReceiver
 from ._files import FileSender as FileSender
 from ._files import batch_path as batch_path
+from ._files import held_steps as held_steps
 from ._memory import MemoryReceiver as MemoryReceiver
 from ._memory import MemorySender as MemorySender
+from ._registry import TransportKind as TransportKind
+from ._registry import TransportSetup as TransportSetup
+from ._registry import register_transport as register_transport
+from ._registry import transport_kind as transport_kind
+from ._registry import transport_kinds as transport_kinds
+from ._registry import unregister_transport as unregister_transport
 from ._zmq import ZmqSocket as ZmqSocket
 from ._zmq_transport import ZmqReceiver as ZmqReceiver
 from ._zmq_transport import ZmqSender as ZmqSender

@@ -39,6 +39,7 @@ __all__ = [
     "batch_path",
     "consumed_marker_path",
     "end_marker_path",
+    "held_steps",
 ]
 
 T = TypeVar("T")
@@ -47,6 +48,18 @@ T = TypeVar("T")
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     """The path of rank ``rank``'s payload for ``step`` under ``directory``."""
     return Path(directory) / "batches" / f"step_{step}" / f"rank_{rank}.bin"
+
+
+def held_steps(directory: str | os.PathLike[str], rank: int) -> list[int]:
+    """The steps whose payload file for rank ``rank`` is still under ``directory``, in order
+    (what a deleting receiver of that rank has not consumed yet)."""
+    batches = Path(directory) / "batches"
+    try:
+        names = os.listdir(batches)
+    except FileNotFoundError:
+        return []
+    steps = sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit())
+    return [step for step in steps if batch_path(directory, step, rank).exists()]
 
 
 def end_marker_path(directory: str | os.PathLike[str]) -> Path:

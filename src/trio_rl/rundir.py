@@ -1,0 +1,131 @@
+"""`RunDirectory`: the one owner of a run directory's layout.
+
+A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one directory, and
+``inspect``, ``plot`` and ``watch`` read it back. Every name in it is spelled here, once::
+
+    RUN_DIR/
+        config.toml          the effective configuration (`config`)
+        metrics.jsonl        one record per shipped step (`metrics`)
+        plot.png             the run's figure (`plot`)
+        logs/run.log         the run's log (`run_log`)
+        checkpoints/         the orchestrator's checkpoints (`checkpoints`, `has_checkpoints`)
+        batches/             the file transport's batches (`batches`)
+        weights/             the published policy versions (`weights`)
+        trainer/             the trainer's state and logs (`trainer`, `trainer_log`, ...)
+        run.json             the learning run's configuration, for its trainer job (`run_file`)
+
+What lies inside ``checkpoints/`` and ``batches/`` belongs to their owners (the checkpoint
+manager of `trio_rl.train`, the file transport of `trio_rl.transport`), which this asks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from .train import CheckpointManager
+from .transport import held_steps
+from .transport._files import batch_path
+
+__all__ = [
+    "HEARTBEAT_FILE",
+    "ORCHESTRATOR_HEARTBEAT",
+    "RUN_FILE",
+    "RUN_LOG",
+    "STOP_FILE",
+    "STORED_FILE",
+    "TRAINED_LOG",
+    "TRAINER_LOG",
+    "TRAINER_STATE",
+    "RunDirectory",
+]
+
+#: The effective configuration of a run.
+STORED_FILE = "config.toml"
+#: One metrics record per shipped step.
+METRICS_FILE = "metrics.jsonl"
+#: The run's log.
+RUN_LOG = "logs/run.log"
+#: The learning run's configuration, which its trainer job reads.
+RUN_FILE = "run.json"
+#: Written at the end of a learning run with the last shipped step: the trainer job stops there.
+STOP_FILE = "STOP"
+#: The in-process trainer's model and optimizer after its last step (``torch.save``).
+TRAINER_STATE = "trainer/state.pt"
+#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
+TRAINED_LOG = "trainer/trained.jsonl"
+HEARTBEAT_FILE = "trainer/heartbeat"
+#: The orchestrator's heartbeat, which a trainer job watches the same way.
+ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
+#: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics).
+TRAINER_LOG = "trainer/stats.jsonl"
+
+
+@attrs.frozen
+class RunDirectory:
+    """A run directory: every path of its layout (see the module's documentation)."""
+
+    root: Path = attrs.field(converter=Path)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
+        return path if isinstance(path, RunDirectory) else cls(Path(path))
+
+    @property
+    def config(self) -> Path:
+        return self.root / STORED_FILE
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "plot.png"
+
+    @property
+    def run_log(self) -> Path:
+        return self.root / RUN_LOG
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def batches(self) -> Path:
+        # the file transport's directory: the parent of every step's directory
+        return batch_path(self.root, 0, 0).parent.parent
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def trainer(self) -> Path:
+        return self.root / "trainer"
+
+    @property
+    def run_file(self) -> Path:
+        return self.root / RUN_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def inference_logs(self) -> Path:
+        return self.root / "inference"
+
+    def trainer_log(self, rank: int) -> Path:
+        """``trio-rl simulate``'s trainer rank ``rank``: one line per trained step."""
+        return self.trainer / f"rank_{rank}.jsonl"
+
+    def has_checkpoints(self) -> bool:
+        """Whether ``checkpoints/`` holds a checkpoint (a run to resume)."""
+        return bool(CheckpointManager(self.checkpoints).list_checkpoints())
+
+    def held_batches(self, rank: int) -> list[int]:
+        """The steps whose batch file for ``rank`` is still in ``batches/``."""
+        return held_steps(self.root, rank)
