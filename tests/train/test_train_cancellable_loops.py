@@ -25,7 +25,7 @@ from trio_rl.train import (
     read_checkpoint,
 )
 from trio_rl.train._checkpoint import _ReadStoppedError
-from trio_rl.train._sink_state import RESTORE_BATCH, restoring
+from trio_rl.train._sink import RESTORE_BATCH, restoring
 
 
 def _many_groups(n: int) -> SinkState:

@@ -58,17 +58,21 @@ from ._codec import (
     encode_sample,
     encode_training_sample,
 )
-from ._errors import CheckpointError, TrainError, TrainSinkError
+from ._errors import CheckpointError, TrainError
 from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
-from ._sink import TrainSink
+from ._sink import (
+    TrainSink,
+    finish_restore,
+    finish_restore_async,
+    restoring,
+    snapshot_changes,
+)
 from ._sink_state import (
     RestoreReport,
     SinkDelta,
     SinkState,
+    check_restorable,
     payload_files_of_state,
-    restoring,
-    snapshot_changes,
-    state_problem,
 )
 from ._types import TrainingSample
 
@@ -189,16 +193,6 @@ class _ReadStoppedError(TrainError):
 
 #: Records (or payload files) a read handles between two looks at its stop event.
 _STOP_EVERY = 64
-
-
-def _advance(steps: Generator[None, None, RestoreReport]) -> RestoreReport | None:
-    """One batch of a restore: None while records are left, the report once it is done."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        report: RestoreReport = done.value
-        return report
-    return None
 
 
 def _stopped(stop: threading.Event | None) -> None:
@@ -463,12 +457,6 @@ def read_checkpoint(
         sink=state,
         chain=_chain_of(parts),
     )
-
-
-def _check_restorable(state: SinkState) -> None:
-    problem = state_problem(state)
-    if problem is not None:
-        raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
 
 
 def check_run_bounds(ckpt: Checkpoint, bounds: RunBounds) -> None:
@@ -1145,26 +1133,18 @@ class CheckpointManager(_Outboxes):
         manager then goes on from ``ckpt``'s file: its next checkpoint is a delta after it
         (what the restore itself changed included) rather than a full one. The files it replays
         stay the run's that wrote them: never deleted by this manager."""
-        _check_restorable(ckpt.sink)
-        steps = self._chain.restoring(sink, ckpt)
-        while (report := _advance(steps)) is None:
-            pass
-        return report
+        check_restorable(ckpt.sink)
+        return finish_restore(self._chain.restoring(sink, ckpt))
 
     async def arestore(self, sink: TrainSink, ckpt: Checkpoint) -> RestoreReport:
         """`restore` that lets a cancellation in, whatever ``ckpt`` holds: the invariants are
         checked in a worker thread (abandoned on cancellation: it only reads), the records are
         restored on the loop with a checkpoint every ``RESTORE_BATCH``. Cancelled, the sink
         holds part of the checkpoint: discard it (a resume that is cancelled starts nothing)."""
-        problem = await trio.to_thread.run_sync(
-            state_problem, ckpt.sink, limiter=self.limiter, abandon_on_cancel=True
+        await trio.to_thread.run_sync(
+            check_restorable, ckpt.sink, limiter=self.limiter, abandon_on_cancel=True
         )
-        if problem is not None:
-            raise TrainSinkError(f"restore: {problem[0]}: {problem[1]}")
-        steps = self._chain.restoring(sink, ckpt)
-        while (report := _advance(steps)) is None:
-            await trio.lowlevel.checkpoint()
-        return report
+        return await finish_restore_async(self._chain.restoring(sink, ckpt))
 
     def close(self, timeout: float = 60.0) -> None:
         """Blocking: stop a background compaction (its temporary file is removed; the deltas
