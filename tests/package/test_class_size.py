@@ -14,9 +14,6 @@ EXCEPTIONS: dict[str, str] = {
     # share the buffer, the queue and the closing protocol; issue 21's module split is where
     # the worker loop moves out, with the cancellable resume and the staleness admission.
     "rollout/_async.py:AsyncRolloutDriver": "consumer and worker of one buffer (issue 21)",
-    # load, restore (blocking and cancellable), save, compaction and the outboxes: issue 21
-    # splits train/_checkpoint.py into format, chain and manager.
-    "train/_checkpoint.py:CheckpointManager": "format, chain and manager in one (issue 21)",
 }
 
 

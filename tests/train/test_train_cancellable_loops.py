@@ -24,7 +24,7 @@ from trio_rl.train import (
     TrainSink,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint import _ReadStoppedError
+from trio_rl.train._checkpoint_format import _ReadStoppedError
 from trio_rl.train._sink import RESTORE_BATCH, restoring
 
 

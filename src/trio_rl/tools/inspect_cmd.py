@@ -33,7 +33,7 @@ import attrs
 from ..errors import TrioRLError
 from ..samples import Sample
 from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint import file_schema_version
+from ..train._checkpoint_format import file_schema_version
 from ..train._sink_state import payload_files_of_state
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode
