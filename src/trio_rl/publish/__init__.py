@@ -5,13 +5,13 @@ file and checkpoint writes, memory release) runs in worker threads through one s
 `trio.CapacityLimiter`; the event loop only detaches, snapshots and books.
 """
 
+from ._distribution import Distribution as Distribution
 from ._errors import MonitorTimeoutError as MonitorTimeoutError
 from ._errors import PublishError as PublishError
 from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
 from ._metrics import Annotation as Annotation
 from ._metrics import AttemptStats as AttemptStats
 from ._metrics import CohortStats as CohortStats
-from ._metrics import Distribution as Distribution
 from ._metrics import ProgressTotals as ProgressTotals
 from ._metrics import SelectionStats as SelectionStats
 from ._metrics import ShipRecord as ShipRecord
