@@ -9,12 +9,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "trio_rl"
 LIMIT = 250
 
 # "module:Class" -> why it may stay over the limit; an entry needs a reason a reviewer would accept.
-EXCEPTIONS: dict[str, str] = {
-    # The consumer's side (next_batch, pause, resume) and the worker's (admission, reaping)
-    # share the buffer, the queue and the closing protocol; issue 21's module split is where
-    # the worker loop moves out, with the cancellable resume and the staleness admission.
-    "rollout/_async.py:AsyncRolloutDriver": "consumer and worker of one buffer (issue 21)",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def class_sizes() -> dict[str, int]:
