@@ -161,9 +161,7 @@ class SyncCalls:
         )
 
 
-def check_batch(
-    world: World, groups: Sequence[Group], t: int, g: int, *, partial_ok: bool
-) -> None:
+def check_batch(world: World, groups: Sequence[Group], t: int, g: int, *, partial_ok: bool) -> None:
     """``SYNC_BATCH_SHAPE`` of one batch: ``t`` groups (fewer only if ``partial_ok``) of ``g``
     samples, sorted by first index, each once, each completed with every sample finished."""
     world.check(
