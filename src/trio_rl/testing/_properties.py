@@ -99,6 +99,9 @@ def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None
 
 
 async def _credit_loop_body(world: World) -> None:
+    # Long, on purpose: one example is one story (draws, the loop under test, the schedule,
+    # the final books), and its closures share the example's state; the rule-based machine
+    # (_machine_credit) tells the same story in pieces.
     g, budget, n, arrived = world.draw(
         st.tuples(
             st.integers(1, 4),
@@ -328,6 +331,9 @@ def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = Non
 
 
 async def _async_body(world: World) -> None:
+    # Long, on purpose: one example is one story (draws, the driver, the schedule of engine
+    # and consumer moves, the close), and its closures share the example's state; the
+    # rule-based machine (_machine_async) tells the same story in pieces.
     t, g, budget, capacity, n, failure, aborted, staleness = world.draw(
         st.tuples(
             st.integers(1, 3),

@@ -40,6 +40,7 @@ import msgpack
 from ..samples import OpenGroup
 from ._checkpoint_schema import (
     Link,
+    Meta,
     check_state,
     decode_link,
     decode_meta,
@@ -475,15 +476,28 @@ def _decode_body(
             f"n_open: {meta.n_queued} queued and {meta.n_open} open-group records declared, but "
             f"more data follows at byte offset {_HEADER.size + unpacker.tell()}",
         )
+    return _part(p, body_len + _HEADER.size + _TRAILER.size, meta, link, queued, groups)
+
+
+def _part(
+    p: Path,
+    size: int,
+    meta: Meta,
+    link: Link,
+    queued: tuple[TrainingSample, ...],
+    groups: tuple[OpenGroup, ...],
+) -> Part:
+    """A decoded file's records as a delta (``link`` names a parent) or a full checkpoint,
+    whose state is checked against the sink's invariants."""
     common = {
-        "size": body_len + _HEADER.size + _TRAILER.size,
+        "size": size,
         "path": p,
         "step": meta.step,
         "progress": meta.progress,
         "cursor": meta.cursor,
         "link": link,
     }
-    if delta:
+    if link.parent is not None:
         return Part(
             **common,
             delta=SinkDelta(
@@ -508,7 +522,7 @@ def _decode_body(
     try:
         check_state(state)
     except CodecError as exc:
-        raise CheckpointError(name, f"{exc.field}: {exc.reason}") from exc
+        raise CheckpointError(str(p), f"{exc.field}: {exc.reason}") from exc
     return Part(**common, sink=state)
 
 
