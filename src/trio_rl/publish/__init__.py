@@ -2,7 +2,7 @@
 
 Every CPU-heavy step of shipping a batch (pruning after selection, packing, metrics, encoding,
 file and checkpoint writes, memory release) runs in worker threads through one shared
-`trio.CapacityLimiter`; the event loop only detaches, snapshots and books.
+`trio.CapacityLimiter`; the event loop only detaches, snapshots and settles.
 """
 
 from ._distribution import Distribution as Distribution

@@ -259,7 +259,7 @@ class ProgressTotals:
     )
 
     def add_batch(self, samples: Sequence[TrainingSample]) -> None:
-        """Count one shipped batch (on the loop, when it is booked: before its snapshot)."""
+        """Count one shipped batch (on the loop, when it is settled: before its snapshot)."""
         self.tokens += sum(len(s.token_ids) for s in samples)
         self.samples += len(samples)
         self.problems += len({s.group_id for s in samples})
@@ -286,7 +286,7 @@ class ProgressTotals:
 class ShipRecord:
     """The one record published per shipped batch.
 
-    ``counters`` is the sink's cumulative accounting right after the batch was booked (taken on
+    ``counters`` is the sink's cumulative accounting right after the batch was settled (taken on
     the event loop); ``policy_wait`` the policy-wait seconds read and reset right after the
     threaded metrics returned, so waits that completed meanwhile are reported here.
     """

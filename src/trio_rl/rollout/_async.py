@@ -395,7 +395,7 @@ async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
             started += 1
             if started % START_BATCH == 0:
                 # a huge budget lets a cancellation in between batches of group starts
-                # (after a start: a group taken is always submitted and booked)
+                # (after a start: a group taken is always submitted and reported to the book)
                 await trio.lowlevel.checkpoint()
         dry = (
             scheduler.ledger.pending_groups == 0
@@ -518,7 +518,7 @@ async def open_async_rollout(
     ``sink.book``) is the one owner of work in flight: it is told of every group the worker
     submits, every finished member as it arrives, every failed attempt and every discard
     (:class:`~trio_rl.samples.GroupBook`), so its state is a checkpoint's. ``ledger`` is
-    the empty :class:`CreditLedger` the worker's scheduler keeps its books in (default a new
+    the empty :class:`CreditLedger` the worker's scheduler keeps its accounts in (default a new
     one); pass your own (a subclass, say) to observe every credit the worker hands out.
     ``admission`` (see :class:`Admission`) holds back new groups whose work could no longer
     be trained in time and cancels running ones whose work expired (call

@@ -1,4 +1,4 @@
-"""The public testing harness: a scripted adversarial engine, a credit book, and Hypothesis
+"""The public testing harness: a scripted adversarial engine, a credit recorder, and Hypothesis
 properties that check the credit invariants listed in docs/testing.md against the library's own
 policies, group runner and drivers, or against yours.
 

@@ -213,7 +213,7 @@ async def async_driver(
     aborted: Literal["recycle", "drop"],
     failure: Literal["skip", "retry"],
 ) -> AsyncIterator[AsyncRolloutDriver]:
-    """The real fully-async driver over ``world``'s runner and policy, keeping its books in
+    """The real fully-async driver over ``world``'s runner and policy, keeping its accounts in
     ``ledger`` (checked: ``CREDITS_MATCH_PENDING_SAMPLES``)."""
     world.ledger = lambda: ledger
     async with open_async_rollout(

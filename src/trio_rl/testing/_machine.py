@@ -182,7 +182,7 @@ class Machine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self) -> None:
-        """Everything the book recorded, and the machine's own checks."""
+        """Everything the recorder saw, and the machine's own checks."""
 
         async def check() -> None:
             self.w.recorder.raise_first()

@@ -228,7 +228,7 @@ class AsyncDriverMachine(_AsyncDriverObserver):
             self.source = _prompts(prompts)
             self.baseline = live_tasks()
             # The driver outlives this call: it is held open by a system task of the run (which
-            # checks that the driver keeps its books in ``self.ledger``).
+            # checks that the driver keeps its accounts in ``self.ledger``).
             trio.lowlevel.spawn_system_task(self.guarded, run_harness)
             await trio.testing.wait_all_tasks_blocked()
             if self.task_error is not None:

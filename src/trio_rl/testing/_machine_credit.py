@@ -195,7 +195,7 @@ def credit_protocol_machine(subject: RolloutSubject | None = None) -> type[RuleB
     :class:`~trio_rl.testing.ScriptedEngine`), with groups arriving as rules rather than
     drawn up front. Invariants ``ONE_CREDIT_PER_SAMPLE`` to ``NO_LOST_WAKEUP`` are checked after
     every rule; at teardown every held call is let finish and ``NO_DEADLOCK`` and the final
-    books are checked. Run it with ``TestCredits = credit_protocol_machine(subject).TestCase``
+    accounts are checked. Run it with ``TestCredits = credit_protocol_machine(subject).TestCase``
     or :func:`credit_protocol_test`.
     """
     return bind(CreditProtocolMachine, "CreditProtocol", subject, __name__)

@@ -100,7 +100,7 @@ def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None
 
 async def _credit_loop_body(world: World) -> None:
     # Long, on purpose: one example is one story (draws, the loop under test, the schedule,
-    # the final books), and its closures share the example's state; the rule-based machine
+    # the final accounts), and its closures share the example's state; the rule-based machine
     # (_machine_credit) tells the same story in pieces.
     g, budget, n, arrived = world.draw(
         st.tuples(
@@ -352,7 +352,7 @@ async def _async_body(world: World) -> None:
     taken: list[str] = []
     state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
 
-    # The driver keeps its books in a ledger that also counts re-submissions (retries).
+    # The driver keeps its accounts in a ledger that also counts re-submissions (retries).
     ledger = TrackingLedger()
 
     baseline = live_tasks()

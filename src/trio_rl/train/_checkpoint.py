@@ -111,7 +111,7 @@ class CheckpointManager(_Outboxes):
     With ``incremental=True`` a checkpoint costs what changed since the previous one: the first
     (and any after a restore) is a full checkpoint, each later one a *delta* file (schema
     version 2) holding only the samples queued and settled, the open groups changed and the
-    small books since the file it names as its parent; the snapshot on the loop is O(changes)
+    small tally since the file it names as its parent; the snapshot on the loop is O(changes)
     too (the sink's `ChangeLog`). Once the deltas since the last full file exceed
     ``compact_ratio`` times its size (or ``max_chain`` files), the newest delta is *compacted*:
     rewritten, atomically and with the same content, as a full file, in a background thread

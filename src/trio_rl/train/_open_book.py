@@ -11,7 +11,7 @@ import attrs
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus
 from ._changes import ChangeLog
 from ._errors import TrainSinkError
-from ._queue import Outcome, SinkBooks
+from ._queue import Outcome, SinkTally
 from ._scoring import GroupScore, validate_sample
 
 __all__ = ["OpenBook"]
@@ -19,15 +19,15 @@ __all__ = ["OpenBook"]
 
 @attrs.define(slots=True, eq=False)
 class OpenBook:
-    """The sink's open groups and what their arrivals book: the one record of work in flight.
+    """The sink's open groups and what their arrivals count: the one record of work in flight.
 
     It is the :class:`~trio_rl.samples.GroupBook` the async driver reports to, and the sink's
-    own member-by-member API books through it. Every member that arrives is dispatched once;
+    own member-by-member API reports through it. Every member that arrives is dispatched once;
     failed and aborted ones settle at once; finished ones are held until the group closes:
     scored (``finalize``, the sink's), or settled by a failed attempt or a discard.
     """
 
-    books: SinkBooks
+    tally: SinkTally
     #: Scores a complete group (``TrainSink._finalize``): takes it out with :meth:`close`.
     finalize: Callable[[str], None]
     groups: dict[str, OpenGroup] = attrs.field(factory=dict)
@@ -78,7 +78,7 @@ class OpenBook:
         self.arrive(g, new)
 
     def arrive(self, g: OpenGroup, samples: list[Sample], *, rewarded: bool = True) -> None:
-        """Book new members of ``g`` (any status): dispatched; failed and aborted ones settle.
+        """Count new members of ``g`` (any status): dispatched; failed and aborted ones settle.
         ``rewarded=False``: reported as they finish, before any group reward."""
         where = f"group {g.group_id}"
         for s in samples:
@@ -87,19 +87,19 @@ class OpenBook:
             if s.status is SampleStatus.PENDING:
                 raise TrainSinkError(f"{where}, sample {s.index}: still pending")
             validate_sample(s, where, rewarded=rewarded)
-        self.books.dispatched(len(samples))
+        self.tally.dispatched(len(samples))
         if samples:
             self.changes.group(g.group_id)
         for s in samples:
             g.seen.add(s.index)
             if s.status is SampleStatus.FAILED:
                 g.failed += 1
-                self.books.book("failed", 1)
+                self.tally.settle("failed", 1)
                 self._failure_type("failed_status")
             elif s.status is SampleStatus.ABORTED:
                 g.cancelled += 1
                 g.aborted = True
-                self.books.book("cancelled", 1)
+                self.tally.settle("cancelled", 1)
             else:
                 g.arrived.append(s)
 
@@ -112,8 +112,8 @@ class OpenBook:
         g = self.groups.get(gid) if gid is not None else None
         if gid is not None and g is None:
             raise TrainSinkError(f"record_{outcome}: group {gid} is not open")
-        self.books.dispatched(n)
-        self.books.book(outcome, n)
+        self.tally.dispatched(n)
+        self.tally.settle(outcome, n)
         if g is not None:
             setattr(g, outcome, getattr(g, outcome) + n)
         return g
@@ -130,19 +130,19 @@ class OpenBook:
         return g
 
     def _attempts(self, n: int, *, groups: int = 0) -> None:
-        w = self.books.window
-        self.books.window = attrs.evolve(w, attempts=w.attempts + n, groups=w.groups + groups)
+        w = self.tally.window
+        self.tally.window = attrs.evolve(w, attempts=w.attempts + n, groups=w.groups + groups)
 
-    def book_score(self, score: GroupScore) -> None:
-        self.books.book("filtered", score.filtered)
-        self.books.book("stale", score.stale)
-        self.books.book("pruned", score.pruned)
-        w = self.books.window
+    def settle_score(self, score: GroupScore) -> None:
+        self.tally.settle("filtered", score.filtered)
+        self.tally.settle("stale", score.stale)
+        self.tally.settle("pruned", score.pruned)
+        w = self.tally.window
         # The value lists are the live window's own (see `SinkWindow`): appended in place.
         w.rewards.extend(score.rewards)
         w.completion_lengths.extend(score.lengths)
         if score.rewards or score.zero_length:
-            self.books.window = attrs.evolve(
+            self.tally.window = attrs.evolve(
                 w,
                 reward_sum=w.reward_sum + sum(score.rewards),
                 reward_count=w.reward_count + len(score.rewards),
@@ -150,7 +150,7 @@ class OpenBook:
             )
 
     def _failure_type(self, name: str, n: int = 1) -> None:
-        types = self.books.window.failure_types
+        types = self.tally.window.failure_types
         types[name] = types.get(name, 0) + n
 
     def _failures(self, error: BaseException | None) -> None:
@@ -218,6 +218,6 @@ class OpenBook:
 
     def _settle(self, g: OpenGroup, group: Group, outcome: Outcome) -> None:
         unseen = [s for s in group.samples if s.index not in g.seen]
-        self.books.dispatched(len(unseen))
-        self.books.book(outcome, len(g.arrived) + len(unseen))
+        self.tally.dispatched(len(unseen))
+        self.tally.settle(outcome, len(g.arrived) + len(unseen))
         self._attempts(len(g.arrived) + len(unseen) + g.failed + g.cancelled)

@@ -22,12 +22,11 @@ from ._open_book import OpenBook
 from ._queue import (
     Cut,
     DetachedBatch,
-    Outcome,
     PruneMode,
     SampleQueue,
-    SinkBooks,
     SinkConfig,
     SinkCounters,
+    SinkTally,
     SinkWindow,
     TrainBatch,
 )
@@ -67,7 +66,7 @@ class TrainSink:
     """Scores finished groups, queues training samples and cuts batches.
 
     Groups arrive whole (:meth:`add_group`) or member by member (:meth:`open_group` then
-    :meth:`add_member`); failures and cancellations that produced no sample are booked with
+    :meth:`add_member`); failures and cancellations that produced no sample are counted with
     :meth:`record_failed` / :meth:`record_cancelled`. ``step`` is the batch being collected
     (1-based); batch ``S`` trains on policy ``S - 1``, and a sample generated at version ``v`` is
     stale for it when ``v < (S - 1) - max_off_policy_steps``.
@@ -75,15 +74,15 @@ class TrainSink:
 
     def __init__(self, config: SinkConfig, *, step: int = 1) -> None:
         self.config = config
-        self._books = SinkBooks()
+        self._tally = SinkTally()
         #: What changed since the last incremental checkpoint (queue and book record it).
         self.changes = ChangeLog()
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
-        self.queue = SampleQueue(config, self._books, step=step, changes=self.changes)
+        self.queue = SampleQueue(config, self._tally, step=step, changes=self.changes)
         self._next_arrival = 0
         #: The open-group book: the one record of work in flight, and the
         #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
-        self.book = OpenBook(self._books, self._finalize, changes=self.changes)
+        self.book = OpenBook(self._tally, self._finalize, changes=self.changes)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -93,12 +92,12 @@ class TrainSink:
 
     @property
     def counters(self) -> SinkCounters:
-        return self._books.counters
+        return self._tally.counters
 
     @property
     def window(self) -> SinkWindow:
         """The metrics window accumulated since the last non-empty batch (not reset by reading)."""
-        return self._books.window
+        return self._tally.window
 
     @property
     def queued(self) -> int:
@@ -147,9 +146,6 @@ class TrainSink:
         self.queue.mark_read(step)
 
     # -- accounting -----------------------------------------------------------------------------
-
-    def _book(self, outcome: Outcome, n: int) -> None:
-        self._books.book(outcome, n)
 
     def _is_stale(self, version: PolicyVersion) -> bool:
         return self.queue.is_stale(version)
@@ -226,7 +222,7 @@ class TrainSink:
             sequences=sequences,
         )
         self._next_arrival = score.next_arrival
-        self.book.book_score(score)
+        self.book.settle_score(score)
         for ts in score.samples:
             self.queue.enqueue(ts)
 
@@ -275,7 +271,7 @@ class TrainSink:
     # -- checkpoint -----------------------------------------------------------------------------
 
     def state_dict(self) -> SinkState:
-        """An owned snapshot, taken on the loop (see :func:`snapshot_sink`): the books, the queue
+        """An owned snapshot, taken on the loop (see :func:`snapshot_sink`): the tally, the queue
         (a cut is saved as queued), open groups and the rollout layer's work in flight."""
         return snapshot_sink(self)
 
@@ -300,8 +296,8 @@ def snapshot_sink(sink: TrainSink) -> SinkState:
     return SinkState(
         step=sink.queue.step,
         next_arrival=sink._next_arrival,
-        counters=sink._books.counters,
-        window=sink._books.window.copy(),
+        counters=sink._tally.counters,
+        window=sink._tally.window.copy(),
         queued=sink.queue.saved(),
         open_groups=tuple(copy_open_group(g) for g in sink.book.groups.values()),
     )
@@ -316,8 +312,8 @@ def snapshot_changes(sink: TrainSink) -> SinkDelta:
     return SinkDelta(
         step=sink.queue.step,
         next_arrival=sink._next_arrival,
-        counters=sink._books.counters,
-        window=sink._books.window.copy(),
+        counters=sink._tally.counters,
+        window=sink._tally.window.copy(),
         put=tuple(ts for _, ts in sorted(queued.items()) if ts is not None),
         removed=tuple(sorted(a for a, ts in queued.items() if ts is None)),
         groups=tuple(copy_open_group(groups[gid]) for gid in dirty if gid in groups),
@@ -397,8 +393,8 @@ def restoring(
     part of ``state``: discard it."""
     sink.queue.reset(state.step)
     sink._next_arrival = state.next_arrival
-    sink._books.counters = state.counters
-    sink._books.window = state.window.copy()
+    sink._tally.counters = state.counters
+    sink._tally.window = state.window.copy()
     book = sink.book
     book.groups.clear()
     changes = book.changes
@@ -440,7 +436,7 @@ def restoring(
             sink._finalize(og.group_id)
         else:
             resumed.append(g)
-    drops.settle(sink._books)
+    drops.settle(sink._tally)
     return RestoreReport(
         resumed=resumed,
         completed_groups=completed,

@@ -15,7 +15,7 @@ import attrs
 
 from ..samples import OpenGroup, PolicyVersion, Sample
 from ._errors import TrainSinkError
-from ._queue import SinkBooks, SinkCounters, SinkWindow
+from ._queue import SinkCounters, SinkTally, SinkWindow
 from ._scoring import StalenessRule, sample_version
 from ._types import TrainingSample
 
@@ -154,11 +154,11 @@ class RestoreDrops:
             return False
         return True
 
-    def settle(self, books: SinkBooks) -> None:
+    def settle(self, tally: SinkTally) -> None:
         """Count the dropped samples as settled (missing files: filtered; stale: stale) and
         log them."""
-        books.book("filtered", self.queued_missing + self.members_missing)
-        books.book("stale", self.queued_stale + self.members_stale)
+        tally.settle("filtered", self.queued_missing + self.members_missing)
+        tally.settle("stale", self.queued_stale + self.members_stale)
         if self.queued_missing or self.queued_stale or self.members_missing or self.members_stale:
             logger.warning(
                 "restore: dropped %d queued samples with missing payload files, %d stale queued "
