@@ -9,15 +9,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "trio_rl"
 LIMIT = 250
 
 # "module:Class" -> why it may stay over the limit; an entry needs a reason a reviewer would accept.
-EXCEPTIONS: dict[str, str] = {
-    # The consumer's side (next_batch, pause, resume) and the worker's (admission, reaping)
-    # share the buffer, the queue and the closing protocol; issue 21's module split is where
-    # the worker loop moves out, with the cancellable resume and the staleness admission.
-    "rollout/_async.py:AsyncRolloutDriver": "consumer and worker of one buffer (issue 21)",
-    # load, restore (blocking and cancellable), save, compaction and the outboxes: issue 21
-    # splits train/_checkpoint.py into format, chain and manager.
-    "train/_checkpoint.py:CheckpointManager": "format, chain and manager in one (issue 21)",
-}
+EXCEPTIONS: dict[str, str] = {}
 
 
 def class_sizes() -> dict[str, int]:

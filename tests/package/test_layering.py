@@ -213,10 +213,5 @@ def test_the_circle_finder_finds_a_planted_circle() -> None:
     assert _circles(graph) == [["a", "b", "c"]]
 
 
-# The one circle left: the sink's restore and snapshot functions take the sink itself and reach
-# into its books (issue 21 asks for them one-way). Listed so that no new circle can appear.
-KNOWN_CIRCLES = [["trio_rl.train._sink", "trio_rl.train._sink_state"]]
-
-
 def test_no_import_circle_between_modules_type_checking_imports_included() -> None:
-    assert _circles(_module_graph()) == KNOWN_CIRCLES
+    assert _circles(_module_graph()) == []

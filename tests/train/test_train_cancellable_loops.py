@@ -24,8 +24,8 @@ from trio_rl.train import (
     TrainSink,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint import _ReadStoppedError
-from trio_rl.train._sink_state import RESTORE_BATCH, restoring
+from trio_rl.train._checkpoint_format import _ReadStoppedError
+from trio_rl.train._sink import RESTORE_BATCH, restoring
 
 
 def _many_groups(n: int) -> SinkState:

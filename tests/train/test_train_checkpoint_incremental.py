@@ -35,7 +35,7 @@ from trio_rl.train import (
     encode_checkpoint,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint import DELTA_SCHEMA_VERSION, SCHEMA_VERSION
+from trio_rl.train._checkpoint_format import DELTA_SCHEMA_VERSION, SCHEMA_VERSION
 
 
 def _version(path: Path) -> int:
@@ -336,10 +336,10 @@ async def test_close_gives_up_on_a_stalled_compaction_with_a_log_line(
     import threading
     import time
 
-    from trio_rl.train import _checkpoint
+    from trio_rl.train import _checkpoint_chain, _checkpoint_format
 
     stalled, release = threading.Event(), threading.Event()
-    real = _checkpoint._write_stream
+    real = _checkpoint_format.write_stream
 
     def write(*args: Any, **kw: Any) -> None:
         if kw.get("abort") is not None:  # the compaction's write: a disk that stalls
@@ -347,7 +347,7 @@ async def test_close_gives_up_on_a_stalled_compaction_with_a_log_line(
             release.wait(30)
         real(*args, **kw)
 
-    monkeypatch.setattr(_checkpoint, "_write_stream", write)
+    monkeypatch.setattr(_checkpoint_chain, "write_stream", write)
     sink = TrainSink(SinkConfig(batch_size=10**9, max_off_policy_steps=None))
     mgr = CheckpointManager(tmp_path, incremental=True, compact_ratio=0.5, keep=1)
     for step in range(1, 8):

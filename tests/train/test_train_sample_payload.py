@@ -13,7 +13,7 @@ from trio_rl.errors import PayloadError
 from trio_rl.payloads import PayloadSegment, PayloadStore
 from trio_rl.samples import Prompt, Sample
 from trio_rl.train import CheckpointError, CheckpointManager, SinkConfig, TrainSink
-from trio_rl.train import _checkpoint as checkpoint_mod
+from trio_rl.train import _checkpoint_format as checkpoint_mod
 from trio_rl.train._codec import CodecError, decode_sample, enc_segment, encode_sample
 
 

@@ -18,11 +18,11 @@ from ._errors import EngineTransportError as EngineTransportError
 from ._errors import SimulatedEngineError as SimulatedEngineError
 from ._errors import SimulatedEngineFailure as SimulatedEngineFailure
 from ._fleet import EngineFleet as EngineFleet
-from ._fleet import FleetEvent as FleetEvent
-from ._fleet import FleetServer as FleetServer
-from ._fleet import ServerState as ServerState
 from ._fleet import open_engine_fleet as open_engine_fleet
-from ._fleet import open_inference as open_inference
+from ._fleet_status import FleetEvent as FleetEvent
+from ._fleet_status import FleetServer as FleetServer
+from ._fleet_status import ServerState as ServerState
+from ._inference import open_inference as open_inference
 from ._launch import DEFAULT_VLLM as DEFAULT_VLLM
 from ._launch import VLLMServers as VLLMServers
 from ._launch import launch_vllm_servers as launch_vllm_servers

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -33,24 +32,14 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
 from ._validate import a_bool, http_urls, positive
 
-__all__ = [
-    "EngineFleet",
-    "FleetEvent",
-    "FleetServer",
-    "ServerState",
-    "open_engine_fleet",
-    "open_inference",
-]
+__all__ = ["EngineFleet", "open_engine_fleet"]
 
 logger = logging.getLogger("trio_rl.engines")
-
-#: ``live``: takes requests; ``out``: taken out (stopped answering), probed until it answers;
-#: ``loading``: answers again and is loading the current weights before it is taken back in.
-ServerState = Literal["live", "out", "loading"]
 
 
 def _urls(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -59,37 +48,6 @@ def _urls(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 _COUNTS = ("requests", "retried", "failed", "taken_out", "taken_in", "weight_loads")
-
-
-@attrs.frozen
-class FleetServer:
-    """One server of an :class:`EngineFleet`, as :meth:`EngineFleet.servers` reports it."""
-
-    url: str
-    state: ServerState
-    #: Requests on it now.
-    in_flight: int
-    #: The policy version of the weights it has loaded (None: it has not loaded any since it
-    #: came in, so it serves what it started with).
-    loaded_version: PolicyVersion | None
-    #: Requests sent to it, and of those the ones that failed with it (taken out under them).
-    requests: int
-    failures: int
-    #: Times it was taken out and taken back in.
-    taken_out: int
-    taken_in: int
-
-
-@attrs.frozen
-class FleetEvent:
-    """Something that happened to a server: ``out`` (taken out), ``loaded`` (loaded weights
-    ``version``), ``in`` (taken back in). ``at`` is ``trio.current_time()``."""
-
-    at: float
-    url: str
-    kind: Literal["out", "loaded", "in"]
-    version: PolicyVersion | None
-    detail: str = ""
 
 
 @attrs.define(slots=True, eq=False)
@@ -570,57 +528,3 @@ async def _opened(fleet: EngineFleet) -> AsyncIterator[EngineFleet]:
         finally:
             fleet._open = False
             nursery.cancel_scope.cancel()
-
-
-@asynccontextmanager
-async def open_inference(
-    *,
-    urls: Sequence[str] = (),
-    launch: int = 0,
-    model_path: str | os.PathLike[str] | None = None,
-    vllm: str = "",
-    vllm_args: Sequence[str] = (),
-    served_name: str | None = None,
-    restarts: int = 3,
-    log_dir: str | os.PathLike[str] | None = None,
-    **kwargs: Any,
-) -> AsyncIterator[EngineFleet]:
-    """The inference fleet of a run, as ``[inference]`` describes it
-    (``config.inference.inference_kwargs()``): the servers at ``urls``, already running, or
-    ``launch`` vLLM servers serving ``model_path``, started by
-    :func:`~trio_rl.engines.launch_vllm_servers` (``vllm`` the command before ``--model``,
-    default :data:`~trio_rl.engines.DEFAULT_VLLM`, ``vllm_args`` extra
-    arguments, ``log_dir`` their logs, at most ``restarts`` restarts each; a restart takes the
-    server out of the fleet at once). Other keyword arguments go to :class:`EngineFleet`
-    (``start_timeout`` also bounds each launched server's start). Leaving the block closes the
-    fleet, then stops the launched servers (SIGTERM, then SIGKILL, to each process group)."""
-    from ._launch import launch_vllm_servers
-
-    if bool(urls) == bool(launch):
-        raise EngineConfigError(
-            "open_inference: give the servers already running (urls) or how many to launch, "
-            f"exactly one of them (urls={list(urls)}, launch={launch})"
-        )
-    if served_name is not None:
-        kwargs["model"] = served_name
-    if urls:
-        async with open_engine_fleet(urls, **kwargs) as fleet:
-            yield fleet
-        return
-    if model_path is None:
-        raise EngineConfigError("open_inference: launching servers needs model_path")
-    launch_kwargs: dict[str, Any] = {"args": tuple(vllm_args)}
-    if vllm:
-        launch_kwargs["executable"] = tuple(shlex.split(vllm))
-    if "start_timeout" in kwargs:
-        launch_kwargs["start_timeout"] = kwargs["start_timeout"]
-    if served_name is not None:
-        launch_kwargs["served_name"] = served_name
-    async with (
-        launch_vllm_servers(
-            launch, model_path, log_dir=log_dir, restarts=restarts, **launch_kwargs
-        ) as launched,
-        open_engine_fleet(launched.urls, **kwargs) as fleet,
-    ):
-        launched.on_exit = fleet.take_out
-        yield fleet

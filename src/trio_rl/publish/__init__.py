@@ -2,16 +2,16 @@
 
 Every CPU-heavy step of shipping a batch (pruning after selection, packing, metrics, encoding,
 file and checkpoint writes, memory release) runs in worker threads through one shared
-`trio.CapacityLimiter`; the event loop only detaches, snapshots and books.
+`trio.CapacityLimiter`; the event loop only detaches, snapshots and settles.
 """
 
+from ._distribution import Distribution as Distribution
 from ._errors import MonitorTimeoutError as MonitorTimeoutError
 from ._errors import PublishError as PublishError
 from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
 from ._metrics import Annotation as Annotation
 from ._metrics import AttemptStats as AttemptStats
 from ._metrics import CohortStats as CohortStats
-from ._metrics import Distribution as Distribution
 from ._metrics import ProgressTotals as ProgressTotals
 from ._metrics import SelectionStats as SelectionStats
 from ._metrics import ShipRecord as ShipRecord

@@ -1,4 +1,4 @@
-"""Getting booked steps to the trainer exactly once: durable before visible, then sent, and
+"""Getting settled steps to the trainer exactly once: durable before visible, then sent, and
 re-sent with identical bytes until a send is confirmed (see `Publisher.publish`)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Checkpointer(Protocol[SnapshotT]):
     """Checkpointing split in two: an owned snapshot on the loop, the write in a worker."""
 
     def snapshot(self, step: int) -> SnapshotT:
-        """Owned copy of the state right after batch ``step`` was booked. On the event loop."""
+        """Owned copy of the state right after batch ``step`` was settled. On the event loop."""
 
     def write(self, snapshot: SnapshotT) -> object:
         """Serialize and write atomically. In a worker thread."""
@@ -79,7 +79,7 @@ class SinkCheckpointer:
 @attrs.define(eq=False, kw_only=True)
 class Delivery:
     """The publisher's sending half: sends with a deadline, the outbox and checkpoint writes,
-    and the steps booked as shipped whose delivery is not confirmed yet (``pending``)."""
+    and the steps settled as shipped whose delivery is not confirmed yet (``pending``)."""
 
     sender: Sender
     checkpointer: Checkpointer[Any] | None
@@ -104,7 +104,7 @@ class Delivery:
             )
 
     def make_durable(self, snapshot: Any, encoded: Encoded) -> None:
-        """Blocking (a worker): the outbox first, then the checkpoint that books the step."""
+        """Blocking (a worker): the outbox first, then the checkpoint that records the step."""
         checkpointer = self.checkpointer
         assert checkpointer is not None
         outbox: object = checkpointer
@@ -113,7 +113,7 @@ class Delivery:
         checkpointer.write(snapshot)
 
     async def send_durable(self, encoded: Encoded) -> None:
-        """Send a step that is durable (booked, checkpointed): it stays pending until the send
+        """Send a step that is durable (settled, checkpointed): it stays pending until the send
         is confirmed, so a failed or cancelled send leaves it to be re-sent, identical."""
         self._pending[encoded.step] = encoded
         await self.send(encoded)

@@ -73,7 +73,7 @@ class Staged:
         return _StagedPayloads(self)
 
     def discard(self) -> None:
-        """Blocking: remove the staged files (the step was not booked)."""
+        """Blocking: remove the staged files (the step was not settled)."""
         self.sender.unstage(self.step)
 
     def containers(self) -> list[Container]:

@@ -11,15 +11,14 @@ import enum
 import math
 import types
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import chain, compress
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import compress
 from typing import Any, ClassVar
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from ..train import SinkWindow, TrainingSample
+from ._distribution import Distribution
 from ._pacing import Pacer
 
 __all__ = [
@@ -29,7 +28,6 @@ __all__ = [
     "Annotation",
     "AttemptStats",
     "CohortStats",
-    "Distribution",
     "ProgressTotals",
     "SelectionStats",
     "ShipWarning",
@@ -43,6 +41,7 @@ __all__ = [
     "cohort_stats",
     "selection_stats",
     "ship_warnings",
+    "step_record",
 ]
 
 #: A batch whose selected samples are at most this fraction trainable gets a warning.
@@ -61,97 +60,8 @@ def _frozen_mapping(value: Mapping[str, int]) -> Mapping[str, int]:
     return types.MappingProxyType(dict(value))
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), ``ordered`` non-empty."""
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    fraction = position - low
-    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
-
-
-def _paced(parts: Sequence[Sequence[float]]) -> Iterator[Sequence[float]]:
-    """``parts``, yielding the GIL (`Pacer`) between them: one C call such as ``math.fsum``
-    over millions of values then lets the event loop in on the way."""
-    pace = Pacer()
-    for part in parts:
-        pace()
-        yield part
-
-
-def _percentile_of(ordered: npt.NDArray[np.float64], q: float) -> float:
-    """`_percentile` over a sorted float64 array (Python floats: the same arithmetic)."""
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    lo, hi = float(ordered[low]), float(ordered[high])
-    return float(lo + (hi - lo) * (position - low))
-
-
-@attrs.frozen
-class Distribution:
-    """Summary of a list of numbers. All statistics are ``None`` when ``count == 0``."""
-
-    count: int
-    mean: float | None = None
-    min: float | None = None
-    max: float | None = None
-    p10: float | None = None
-    p50: float | None = None
-    p90: float | None = None
-
-    @classmethod
-    def of(cls, values: Iterable[float]) -> Distribution:
-        ordered = sorted(map(float, values))  # map: no Python frame per value
-        if not ordered:
-            return cls(count=0)
-        return cls(
-            count=len(ordered),
-            mean=math.fsum(ordered) / len(ordered),
-            min=ordered[0],
-            max=ordered[-1],
-            p10=_percentile(ordered, 0.1),
-            p50=_percentile(ordered, 0.5),
-            p90=_percentile(ordered, 0.9),
-        )
-
-    @classmethod
-    def of_parts(cls, parts: Sequence[Sequence[float]]) -> Distribution:
-        """`of` over the concatenation of ``parts`` (the same figures), without one
-        GIL-holding sort of every value: the values are copied part by part into a float64
-        array, which numpy sorts with the GIL released (millions of per-token values would
-        otherwise stall the event loop for tens of milliseconds in one C call)."""
-        count = sum(map(len, parts))
-        if count == 0:
-            return cls(count=0)
-        ordered = np.empty(count, dtype=np.float64)
-        start = 0
-        pace = Pacer()
-        for part in parts:
-            pace()
-            ordered[start : start + len(part)] = part
-            start += len(part)
-        ordered.sort()
-        return cls(
-            count=count,
-            mean=math.fsum(chain.from_iterable(_paced(parts))) / count,
-            min=float(ordered[0]),
-            max=float(ordered[-1]),
-            p10=_percentile_of(ordered, 0.1),
-            p50=_percentile_of(ordered, 0.5),
-            p90=_percentile_of(ordered, 0.9),
-        )
-
-    def items(self, prefix: str) -> Iterable[tuple[str, float]]:
-        """Flat ``(key, value)`` pairs; an empty distribution yields no keys."""
-        if self.count == 0:
-            return
-        yield f"{prefix}/count", float(self.count)
-        for name in ("mean", "min", "max", "p10", "p50", "p90"):
-            value = getattr(self, name)
-            if value is not None:
-                yield f"{prefix}/{name}", value
-
+#: The distribution of no values (frozen: one instance serves every default).
+_NO_VALUES = Distribution(count=0)
 
 _OUTCOMES = ("shipped", "pruned", "stale", "filtered", "failed", "cancelled")
 
@@ -174,8 +84,8 @@ class AttemptStats:
     reward_mean: float | None
     reward_count: int
     shipped_tokens: int
-    rewards: Distribution = Distribution(count=0)
-    completion_lengths: Distribution = Distribution(count=0)
+    rewards: Distribution = _NO_VALUES
+    completion_lengths: Distribution = _NO_VALUES
     zero_length: int = 0
     failures: Mapping[str, int] = attrs.field(factory=dict, converter=_frozen_mapping)
 
@@ -349,7 +259,7 @@ class ProgressTotals:
     )
 
     def add_batch(self, samples: Sequence[TrainingSample]) -> None:
-        """Count one shipped batch (on the loop, when it is booked: before its snapshot)."""
+        """Count one shipped batch (on the loop, when it is settled: before its snapshot)."""
         self.tokens += sum(len(s.token_ids) for s in samples)
         self.samples += len(samples)
         self.problems += len({s.group_id for s in samples})
@@ -376,7 +286,7 @@ class ProgressTotals:
 class ShipRecord:
     """The one record published per shipped batch.
 
-    ``counters`` is the sink's cumulative accounting right after the batch was booked (taken on
+    ``counters`` is the sink's cumulative accounting right after the batch was settled (taken on
     the event loop); ``policy_wait`` the policy-wait seconds read and reset right after the
     threaded metrics returned, so waits that completed meanwhile are reported here.
     """

@@ -3,7 +3,7 @@
 What runs where (docs/publish.md, "What runs where"):
 
 - on the event loop, never across an await: detaching the selected samples from the sink,
-  the policy-wait snapshot, settling the batch with the sink (which books the outcome, reads
+  the policy-wait snapshot, settling the batch with the sink (which counts the outcome, reads
   and resets its metrics window and advances the step), the counter snapshot and the
   checkpoint snapshot;
 - in worker threads, through the pipeline's one `trio.CapacityLimiter` (passed down to the
@@ -14,7 +14,7 @@ What runs where (docs/publish.md, "What runs where"):
 
 Nothing the loop still mutates is handed to a worker: the batch is detached first. The
 publisher's jobs live in three parts: this module cuts and reports, `_encoding` holds a step's
-encoded payloads, `_delivery` makes booked steps durable and gets them delivered exactly once.
+encoded payloads, `_delivery` makes settled steps durable and gets them delivered exactly once.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def _check_grid(grid: Sequence[Sequence[MicroBatch]], world_size: int, step: int
 
 
 @attrs.frozen
-class _Booked:
-    """A batch the sink booked as shipped, with everything its record and release need."""
+class _Settled:
+    """A batch the sink settled as shipped, with everything its record and release need."""
 
     step: int
     started: float
@@ -164,7 +164,7 @@ class _Booked:
     annotations: list[Annotation]
     counters: dict[str, Any]
     policy_wait: float
-    #: (ranks, micro-batches per rank, payload bytes), measured at booking: the deferred release
+    #: (ranks, micro-batches per rank, payload bytes), measured at settling: the deferred release
     #: empties the grid and the payloads before the record is built.
     shape: tuple[int, int, int] = attrs.field(
         default=attrs.Factory(
@@ -202,14 +202,14 @@ class _Booked:
         )
 
 
-async def _window_stats(workers: Workers, booked: _Booked) -> AttemptStats:
-    """The ``all`` side of a booked step's record. The window's distributions sort its value
-    lists: a worker job, shielded (the step is booked, its record must follow); its time is
+async def _window_stats(workers: Workers, settled: _Settled) -> AttemptStats:
+    """The ``all`` side of a settled step's record. The window's distributions sort its value
+    lists: a worker job, shielded (the step is settled, its record must follow); its time is
     added to the step's ``metrics`` timing."""
     mark = time.perf_counter()
     with trio.CancelScope(shield=True):
-        stats = await workers.run(attempt_stats, booked.window)
-    booked.timings["metrics"] = booked.timings.get("metrics", 0.0) + time.perf_counter() - mark
+        stats = await workers.run(attempt_stats, settled.window)
+    settled.timings["metrics"] = settled.timings.get("metrics", 0.0) + time.perf_counter() - mark
     return stats
 
 
@@ -237,7 +237,7 @@ async def deliver_to_monitor(monitor: Monitor | None, shipment: Shipment, patien
 
 
 async def _report(
-    monitor: Monitor | None, record: ShipRecord, booked: _Booked, patience: float
+    monitor: Monitor | None, record: ShipRecord, settled: _Settled, patience: float
 ) -> None:
     """Log the record's warnings and hand the monitor its own copy of the samples.
 
@@ -248,7 +248,7 @@ async def _report(
     """
     _log_warnings(record)
     if monitor is not None:
-        shipment = Shipment(record, list(booked.samples), booked.annotations)
+        shipment = Shipment(record, list(settled.samples), settled.annotations)
         await deliver_to_monitor(monitor, shipment, patience)
 
 
@@ -267,7 +267,7 @@ class Publisher:
     _monitor: Monitor | None
     _release: DeferredRelease
     monitor_timeout: float
-    #: Tokens, samples and problems over every batch booked (restored on resume).
+    #: Tokens, samples and problems over every batch settled (restored on resume).
     progress: ProgressTotals = attrs.field(factory=ProgressTotals)
     _policy_wait: float = attrs.field(default=0.0, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
@@ -320,20 +320,20 @@ class Publisher:
         Steps still pending (see `resend_pending`) are re-sent first.
 
         Without a checkpointer: on cancellation or error before the send completed, the batch
-        goes back to the sink's queue (pruned samples stay booked as pruned), a step streamed
+        goes back to the sink's queue (pruned samples stay settled as pruned), a step streamed
         into the sender's staging area is removed from it, and the step is unchanged; a worker
         job already running finishes first (workers are never abandoned; encoding stops at its
-        next cancellation check). Once the send completed the batch is booked and the step
+        next cancellation check). Once the send completed the batch is settled and the step
         advances.
 
         With a checkpointer, a step is *durable before it is visible*: once encoded, the batch is
-        booked (the step advances), the snapshot is taken, and then, shielded, the payload bytes
+        settled (the step advances), the snapshot is taken, and then, shielded, the payload bytes
         are written to the checkpointer's outbox (when it is an `Outbox`) and the checkpoint of
         the step is written; only then is the step sent, and on success its outbox is deleted.
         A send that fails or is cancelled after that does not requeue: the step stays pending,
         and is re-sent with identical bytes before the next step (or, by a resumed run, from the
         outbox file). So a trainer never sees a step change once visible. A cancellation before
-        the batch was booked requeues it as above.
+        the batch was settled requeues it as above.
         """
         if self._closed:
             raise trio.ClosedResourceError("publish() called on a closed publisher")
@@ -343,17 +343,17 @@ class Publisher:
             await self._delivery.resend_pending()
             if not (self.sink.ready() or (force and self.sink.queued)):
                 return None
-            booked = await self._cut_and_book(force)
-            return None if booked is None else await self._deliver_booked(booked)
+            settled = await self._cut_and_settle(force)
+            return None if settled is None else await self._deliver_settled(settled)
 
-    async def _cut_and_book(self, force: bool) -> _Booked | None:
-        # Cut, pack, measure and encode in workers; book with the sink (without a checkpointer,
+    async def _cut_and_settle(self, force: bool) -> _Settled | None:
+        # Cut, pack, measure and encode in workers; settle with the sink (without a checkpointer,
         # only once the send completed). Leaving the cut before `settle` requeues the batch.
         started = time.perf_counter()
         timings: dict[str, float] = {}
         policy_wait = 0.0
         encoded: Encoded | None = None
-        booked = False
+        settled = False
         try:
             async with self.sink.cut(force=force, limiter=self.limiter) as cut:
                 step, pruned = cut.step, cut.pruned
@@ -384,17 +384,17 @@ class Publisher:
                     await self._delivery.send(encoded)
                 timings["send"] = time.perf_counter() - mark
                 batch = cut.settle()
-                self.progress.add_batch(samples)  # booked: before its snapshot
-                booked = True
+                self.progress.add_batch(samples)  # settled: before its snapshot
+                settled = True
         except BaseException:
-            if not booked:
+            if not settled:
                 self._policy_wait += policy_wait  # not reported: keep it for the next record
                 if encoded is not None:
                     with trio.CancelScope(shield=True):
                         await self._workers.run(encoded.discard)
             raise
-        # Booked. The window the sink read and reset is summarized in a worker by `_finish`.
-        return _Booked(
+        # Settled. The window the sink read and reset is summarized in a worker by `_finish`.
+        return _Settled(
             step=step,
             started=started,
             timings=timings,
@@ -411,45 +411,45 @@ class Publisher:
             policy_wait=policy_wait,
         )
 
-    async def _deliver_booked(self, booked: _Booked) -> ShipRecord:
+    async def _deliver_settled(self, settled: _Settled) -> ShipRecord:
         checkpointer = self._delivery.checkpointer
         if checkpointer is None:
-            booked.timings["checkpoint"] = 0.0
-            return await self._finish(booked)
+            settled.timings["checkpoint"] = 0.0
+            return await self._finish(settled)
         # Durable before visible: the outbox (this step's exact bytes) and the checkpoint that
         # covers this step are on disk before any rank can see the step, so a resumed run
         # re-sends these bytes instead of regenerating the step. Shielded: a cancellation
-        # arriving now must not leave a booked step without its checkpoint.
-        snapshot = checkpointer.snapshot(booked.step)
+        # arriving now must not leave a settled step without its checkpoint.
+        snapshot = checkpointer.snapshot(settled.step)
         mark = time.perf_counter()
         with trio.CancelScope(shield=True):
-            await self._workers.run(self._delivery.make_durable, snapshot, booked.encoded)
-        booked.timings["checkpoint"] = time.perf_counter() - mark
+            await self._workers.run(self._delivery.make_durable, snapshot, settled.encoded)
+        settled.timings["checkpoint"] = time.perf_counter() - mark
         del snapshot
         mark = time.perf_counter()
-        # A failure or cancellation here does not requeue (the books say shipped): the step
+        # A failure or cancellation here does not requeue (the sink says shipped): the step
         # stays pending and is re-sent, identical, before the next step. The monitor follows
-        # the books, so it sees the step either way (shielded when the send failed).
+        # the sink's tally, so it sees the step either way (shielded when the send failed).
         try:
-            await self._delivery.send_durable(booked.encoded)
+            await self._delivery.send_durable(settled.encoded)
         except BaseException:
             with trio.CancelScope(shield=True):
-                await self._finish(booked)
+                await self._finish(settled)
             raise
-        booked.timings["send"] += time.perf_counter() - mark
-        return await self._finish(booked)
+        settled.timings["send"] += time.perf_counter() - mark
+        return await self._finish(settled)
 
-    async def _finish(self, booked: _Booked) -> ShipRecord:
-        # A booked step: summarize its window, report it, then schedule its memory release.
+    async def _finish(self, settled: _Settled) -> ShipRecord:
+        # A settled step: summarize its window, report it, then schedule its memory release.
         try:
             mark = time.perf_counter()
             await self._release.wait()  # the previous step's release
-            booked.timings["release_wait"] = time.perf_counter() - mark
-            stats = await _window_stats(self._workers, booked)
-            record = booked.record(self._workers.stats(), stats)
-            await _report(self._monitor, record, booked, self.monitor_timeout)
+            settled.timings["release_wait"] = time.perf_counter() - mark
+            stats = await _window_stats(self._workers, settled)
+            record = settled.record(self._workers.stats(), stats)
+            await _report(self._monitor, record, settled, self.monitor_timeout)
         finally:
-            containers = booked.containers(pending=booked.step in self._delivery.pending_steps)
+            containers = settled.containers(pending=settled.step in self._delivery.pending_steps)
             if self._closed:  # the nursery may be gone: release here, shielded, exactly once
                 await self._release.run_now(containers)
             else:
@@ -458,11 +458,11 @@ class Publisher:
 
     @property
     def pending_steps(self) -> list[int]:
-        """Steps booked as shipped whose delivery is not confirmed yet (re-sent first)."""
+        """Steps settled as shipped whose delivery is not confirmed yet (re-sent first)."""
         return self._delivery.pending_steps
 
     def add_pending(self, step: int, payloads: Sequence[Payload]) -> None:
-        """Adopt a step already booked and checkpointed whose delivery was not confirmed (e.g.
+        """Adopt a step already settled and checkpointed whose delivery was not confirmed (e.g.
         read back from its outbox on resume): it is re-sent, these exact bytes, before the next
         batch. Sync; call on the loop."""
         self._delivery.add_pending(step, payloads)
@@ -545,7 +545,7 @@ async def open_publisher(
         release_timeout: how long the next ship or the teardown waits for a pending release.
         send_timeout, monitor_timeout: deadlines of the send and of a channel monitor.
         progress: the run's totals so far (a resumed run's, from its checkpoint); every batch
-            booked adds to them (`Publisher.progress`).
+            settled adds to them (`Publisher.progress`).
 
     On exit (or cancellation) the pending release is awaited, shielded, before the nursery
     closes; a release never outlives the block.

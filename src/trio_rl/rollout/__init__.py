@@ -1,13 +1,8 @@
 """Rollout layer: data sources, credits and submission policies, the group runner, drivers."""
 
 from ._async import Admission as Admission
-from ._async import AsyncDriverStatistics as AsyncDriverStatistics
 from ._async import AsyncRolloutDriver as AsyncRolloutDriver
-from ._async import DiscardHook as DiscardHook
-from ._async import DiscardReason as DiscardReason
 from ._async import Expiry as Expiry
-from ._async import FailurePolicy as FailurePolicy
-from ._async import UnusedPolicy as UnusedPolicy
 from ._async import open_async_rollout as open_async_rollout
 from ._credits import CreditLedger as CreditLedger
 from ._credits import CreditScheduler as CreditScheduler
@@ -55,3 +50,8 @@ from ._sync import RolloutBatch as RolloutBatch
 from ._sync import SyncBatchStatistics as SyncBatchStatistics
 from ._sync import SyncRolloutDriver as SyncRolloutDriver
 from ._sync import reject_aborted as reject_aborted
+from ._triage import AsyncDriverStatistics as AsyncDriverStatistics
+from ._triage import DiscardHook as DiscardHook
+from ._triage import DiscardReason as DiscardReason
+from ._triage import FailurePolicy as FailurePolicy
+from ._triage import UnusedPolicy as UnusedPolicy

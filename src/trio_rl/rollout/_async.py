@@ -39,23 +39,13 @@ from ._sync import DynamicFilter, recycled_prompt
 from ._triage import (
     AsyncDriverStatistics,
     DiscardHook,
-    DiscardReason,
     FailurePolicy,
     GroupTriage,
     UnusedPolicy,
 )
 from ._validate import check_choice, check_int, check_optional_int
 
-__all__ = [
-    "Admission",
-    "AsyncDriverStatistics",
-    "DiscardHook",
-    "DiscardReason",
-    "AsyncRolloutDriver",
-    "FailurePolicy",
-    "UnusedPolicy",
-    "open_async_rollout",
-]
+__all__ = ["Admission", "AsyncRolloutDriver", "Expiry", "open_async_rollout"]
 
 logger = logging.getLogger("trio_rl.rollout")
 
@@ -349,78 +339,83 @@ class AsyncRolloutDriver:
             buffered=len(self._buffer),
         )
 
-    # -- worker side --------------------------------------------------------------------
 
-    def _next_group(self) -> Group | None:
-        if self._queued:
-            return self._queued.popleft()
-        try:
-            prompt = self.source.take()
-        except SourceExhausted:
-            return None
-        return self.factory.make(prompt, self.version.value)
+# -- the worker: module functions over the driver it serves (its consumer side is the class)
 
-    async def _run(self) -> None:
-        """The worker; records its failure for the consumer instead of raising."""
-        try:
-            async with trio.open_nursery() as groups:
-                await self._work(groups)
-        except Exception as exc:
-            self._failure = _first_real(exc)
-            logger.error("rollout worker failed", exc_info=self._failure)
-        finally:
-            self.scheduler.poll()  # settle the ledger: every group task has ended by now
-            self._buffer.changed.set()
 
-    async def _work(self, groups: trio.Nursery) -> None:
-        scheduler = self.scheduler
-        # Reports made before the worker started (a resume's nudge) are applied first.
-        outcomes: deque[GroupOutcome] = deque(_in_index_order(scheduler.poll()))
-        while True:
-            # Reap until nothing is left: reaping may wait on backpressure, and reports that
-            # arrive meanwhile must be applied before the next decision (a wait applied every
-            # report made before it returned, so with nothing to reap there is nothing to poll).
-            while outcomes:
-                await self._reap(outcomes.popleft())
-                if not outcomes:
-                    outcomes.extend(_in_index_order(scheduler.poll()))
-            budget = self.max_groups_in_flight
-            started = 0
-            while not self.is_paused and scheduler.admits(budget):
-                if not self._queued and self.expiry.blocks():
-                    break
-                group = self._next_group()
-                if group is None:
-                    break
-                scheduler.submitted(group.group_id, pending_samples(group))
-                self._running[group.group_id] = group
-                self._tally.submitted += 1
-                if self.book is not None:
-                    self.book.group_opened(group)
-                groups.start_soon(self.expiry.run, group)
-                started += 1
-                if started % START_BATCH == 0:
-                    # a huge budget lets a cancellation in between batches of group starts
-                    # (after a start: a group taken is always submitted and booked)
-                    await trio.lowlevel.checkpoint()
-            dry = (
-                scheduler.ledger.pending_groups == 0
-                and not self._queued
-                and self.source.exhausted
-                and not self.is_paused
-            )
-            if dry != self._dry:
-                self._dry = dry
-                self._buffer.changed.set()
-            outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
+def _next_group(d: AsyncRolloutDriver) -> Group | None:
+    if d._queued:
+        return d._queued.popleft()
+    try:
+        prompt = d.source.take()
+    except SourceExhausted:
+        return None
+    return d.factory.make(prompt, d.version.value)
 
-    async def _reap(self, outcome: GroupOutcome) -> None:
-        group = outcome.group
-        if not self.expiry.take(outcome) and self.triage.keep(outcome):
-            await self._buffer.put(group)  # backpressure: nothing is submitted meanwhile
-        # Only now: a finished group waiting for buffer space still counts as running for
-        # held_groups(), so a count taken meanwhile does not miss it.
-        self._running.pop(group.group_id, None)
+
+async def _run_worker(d: AsyncRolloutDriver) -> None:
+    """The worker; records its failure for the consumer instead of raising."""
+    try:
+        async with trio.open_nursery() as groups:
+            await _work(d, groups)
+    except Exception as exc:
+        d._failure = _first_real(exc)
+        logger.error("rollout worker failed", exc_info=d._failure)
+    finally:
+        d.scheduler.poll()  # settle the ledger: every group task has ended by now
+        d._buffer.changed.set()
+
+
+async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
+    scheduler = d.scheduler
+    # Reports made before the worker started (a resume's nudge) are applied first.
+    outcomes: deque[GroupOutcome] = deque(_in_index_order(scheduler.poll()))
+    while True:
+        # Reap until nothing is left: reaping may wait on backpressure, and reports that
+        # arrive meanwhile must be applied before the next decision (a wait applied every
+        # report made before it returned, so with nothing to reap there is nothing to poll).
+        while outcomes:
+            await _reap(d, outcomes.popleft())
+            if not outcomes:
+                outcomes.extend(_in_index_order(scheduler.poll()))
+        budget = d.max_groups_in_flight
+        started = 0
+        while not d.is_paused and scheduler.admits(budget):
+            if not d._queued and d.expiry.blocks():
+                break
+            group = _next_group(d)
+            if group is None:
+                break
+            scheduler.submitted(group.group_id, pending_samples(group))
+            d._running[group.group_id] = group
+            d._tally.submitted += 1
+            if d.book is not None:
+                d.book.group_opened(group)
+            groups.start_soon(d.expiry.run, group)
+            started += 1
+            if started % START_BATCH == 0:
+                # a huge budget lets a cancellation in between batches of group starts
+                # (after a start: a group taken is always submitted and reported to the book)
+                await trio.lowlevel.checkpoint()
+        dry = (
+            scheduler.ledger.pending_groups == 0
+            and not d._queued
+            and d.source.exhausted
+            and not d.is_paused
+        )
+        if dry != d._dry:
+            d._dry = dry
+            d._buffer.changed.set()
+        outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
+
+
+async def _reap(d: AsyncRolloutDriver, outcome: GroupOutcome) -> None:
+    group = outcome.group
+    if not d.expiry.take(outcome) and d.triage.keep(outcome):
+        await d._buffer.put(group)  # backpressure: nothing is submitted meanwhile
+    # Only now: a finished group waiting for buffer space still counts as running for
+    # held_groups(), so a count taken meanwhile does not miss it.
+    d._running.pop(group.group_id, None)
 
 
 async def _wind_down(driver: AsyncRolloutDriver) -> None:
@@ -430,11 +425,11 @@ async def _wind_down(driver: AsyncRolloutDriver) -> None:
     its group a step later; cancelling it instead throws that work away and costs trio's
     cancellation path (~30 us per task, more than running it). So submission pauses for good
     and the loop runs a few scheduling passes (no wait: a pass is one turn of the run
-    queue), until nothing is pending or three passes in a row settled nothing. Two are not
-    enough: trio runs each batch of runnable tasks in either order, so in the pass after a
-    sample's first step (which settles nothing) this task may look before the samples
-    finish, and half the closing drivers cancelled a whole wave that was one step from done.
-    Shielded: a cancelled caller gets the same passes, in which its cancelled samples end as
+    queue), until nothing is pending or three passes in a row settled nothing. Three, not
+    two: trio runs each batch of runnable tasks in either order, so the pass after a
+    sample's first step (which settles nothing) may look before the samples finish, and with
+    two idle passes a wave one step from done would be cancelled whenever trio ran this task
+    first. Shielded: a cancelled caller gets the same passes, in which its cancelled samples end as
     they would have in the cancellation.
     """
     driver._pauses += 1  # never resumed: the driver is closing
@@ -453,6 +448,19 @@ async def _wind_down(driver: AsyncRolloutDriver) -> None:
         if idle == _WIND_DOWN_IDLE or not ledger.pending_groups:
             return
         before = now
+
+
+def _group_budget(max_samples_in_flight: int | None, group_size: int, batch_size: int) -> int:
+    """The groups in flight without ``max_groups_in_flight``: as many as ``max_samples_in_flight``
+    holds, else ``batch_size``."""
+    if max_samples_in_flight is None:
+        return batch_size
+    if max_samples_in_flight < group_size:
+        raise RolloutConfigError(
+            f"open_async_rollout.max_samples_in_flight ({max_samples_in_flight}) is "
+            f"below the group size ({group_size})"
+        )
+    return max(1, max_samples_in_flight // group_size)
 
 
 def _in_index_order(outcomes: list[GroupOutcome]) -> list[GroupOutcome]:
@@ -510,7 +518,7 @@ async def open_async_rollout(
     ``sink.book``) is the one owner of work in flight: it is told of every group the worker
     submits, every finished member as it arrives, every failed attempt and every discard
     (:class:`~trio_rl.samples.GroupBook`), so its state is a checkpoint's. ``ledger`` is
-    the empty :class:`CreditLedger` the worker's scheduler keeps its books in (default a new
+    the empty :class:`CreditLedger` the worker's scheduler keeps its accounts in (default a new
     one); pass your own (a subclass, say) to observe every credit the worker hands out.
     ``admission`` (see :class:`Admission`) holds back new groups whose work could no longer
     be trained in time and cancels running ones whose work expired (call
@@ -533,15 +541,7 @@ async def open_async_rollout(
     check_choice(where, "stale", stale, ("drop", "recycle"))
     check_choice(where, "aborted", aborted, ("drop", "recycle"))
     if max_groups_in_flight is None:
-        if max_samples_in_flight is not None:
-            if max_samples_in_flight < factory.group_size:
-                raise RolloutConfigError(
-                    f"open_async_rollout.max_samples_in_flight ({max_samples_in_flight}) is "
-                    f"below the group size ({factory.group_size})"
-                )
-            max_groups_in_flight = max(1, max_samples_in_flight // factory.group_size)
-        else:
-            max_groups_in_flight = batch_size
+        max_groups_in_flight = _group_budget(max_samples_in_flight, factory.group_size, batch_size)
     capacity = 2 * batch_size if buffer_capacity is None else buffer_capacity
     driver = AsyncRolloutDriver(
         source,
@@ -570,7 +570,7 @@ async def open_async_rollout(
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(driver._run)
+            nursery.start_soon(_run_worker, driver)
             try:
                 yield driver
             except BaseException as exc:

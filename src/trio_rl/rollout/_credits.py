@@ -2,9 +2,9 @@
 
 The pieces, from the bottom up:
 
-- :class:`CreditLedger` is the driver's book of credits: one credit per sample that is (or will
+- :class:`CreditLedger` is the driver's account of credits: one credit per sample that is (or will
   be) generated, per pending group the number of its samples not yet finished. It is plain
-  bookkeeping with no I/O, so a test harness can inspect it at any decision point and check
+  accounting with no I/O, so a test harness can inspect it at any decision point and check
   ``ledger.in_flight == sum(ledger.pending().values())``.
 - A :class:`SubmissionPolicy` is a small pure object: ``admits(view)`` decides from a
   :class:`CreditView` (credits in flight, pending groups, group size, budget) whether one more
@@ -300,7 +300,7 @@ class CreditScheduler:
     task that reports to it: close it (:meth:`close`) only after the nursery running the groups
     has exited.
 
-    ``ledger`` is the (empty) ledger to keep the books in, default a new :class:`CreditLedger`;
+    ``ledger`` is the (empty) ledger to keep the accounts in, default a new :class:`CreditLedger`;
     pass one, e.g. a subclass that also records what it is told, to observe the driver's
     accounting from outside (the :mod:`trio_rl.testing` harness does).
     """

@@ -229,6 +229,11 @@ class SyncRolloutDriver:
         the groups kept from an earlier call are kept again (a continued partial group with
         the output it had; work it gained during the call is lost).
         """
+        # Long, on purpose: the call's state (the groups accepted and carried, the counters,
+        # the abort signal, a fatal error) is shared by the admission loop, the soft stop, the
+        # settling of what is left and the give-back in ``finally``; split up, it would travel
+        # in an object that lives for one call, and the cancellation paths would be harder to
+        # follow than in one body.
         check_int("SyncRolloutDriver.generate", "batch_size", batch_size, minimum=1)
         if self.scheduler is not None:
             raise RolloutError("generate() is already running on this driver (one call at a time)")

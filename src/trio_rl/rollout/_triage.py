@@ -193,8 +193,8 @@ class GroupTriage:
     consecutive_failures: int = 0
 
     def keep(self, outcome: GroupOutcome) -> bool:
-        """Book a finished group; True if it goes to the buffer. Raises when the driver must
-        stop (``FailurePolicy("fail")``, or the failure budget is spent)."""
+        """Decide a finished group's fate; True if it goes to the buffer. Raises when the driver
+        must stop (``FailurePolicy("fail")``, or the failure budget is spent)."""
         group = outcome.group
         if outcome.status is GroupStatus.FAILED:
             assert outcome.error is not None
@@ -256,7 +256,7 @@ class GroupTriage:
             self.retries[group.group_id] = tries + 1
             self.tally.retried += 1
             if self.book is not None:
-                # the attempt settles in the books before its samples are reset
+                # the attempt settles in the book before its samples are reset
                 self.book.attempt_failed(group, error)
             for sample in group.samples:
                 sample.reset_for_retry()

@@ -1,4 +1,4 @@
-"""The public testing harness: a scripted adversarial engine, a credit book, and Hypothesis
+"""The public testing harness: a scripted adversarial engine, a credit recorder, and Hypothesis
 properties that check the credit invariants listed in docs/testing.md against the library's own
 policies, group runner and drivers, or against yours.
 
@@ -13,15 +13,15 @@ from ._errors import InvariantViolation as InvariantViolation
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError
 from ._errors import ScriptedFailure as ScriptedFailure
-from ._machine import AsyncDriverMachine as AsyncDriverMachine
-from ._machine import CreditProtocolMachine as CreditProtocolMachine
-from ._machine import SyncDriverMachine as SyncDriverMachine
-from ._machine import async_driver_machine as async_driver_machine
-from ._machine import async_driver_test as async_driver_test
-from ._machine import credit_protocol_machine as credit_protocol_machine
-from ._machine import credit_protocol_test as credit_protocol_test
-from ._machine import sync_driver_machine as sync_driver_machine
-from ._machine import sync_driver_test as sync_driver_test
+from ._machine_async import AsyncDriverMachine as AsyncDriverMachine
+from ._machine_async import async_driver_machine as async_driver_machine
+from ._machine_async import async_driver_test as async_driver_test
+from ._machine_credit import CreditProtocolMachine as CreditProtocolMachine
+from ._machine_credit import credit_protocol_machine as credit_protocol_machine
+from ._machine_credit import credit_protocol_test as credit_protocol_test
+from ._machine_sync import SyncDriverMachine as SyncDriverMachine
+from ._machine_sync import sync_driver_machine as sync_driver_machine
+from ._machine_sync import sync_driver_test as sync_driver_test
 from ._properties import async_driver_property as async_driver_property
 from ._properties import check_async_driver as check_async_driver
 from ._properties import check_credit_loop as check_credit_loop

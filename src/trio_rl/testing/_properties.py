@@ -9,32 +9,35 @@ functions. Every step of every example checks the invariants of docs/testing.md;
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import attrs
 import trio
 import trio.testing
-from hypothesis import Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.database import ExampleDatabase
 
 from ..rollout import (
     DriverFailed,
-    FailurePolicy,
     GroupFactory,
-    InMemorySource,
     RolloutError,
     SourceExhausted,
-    SyncRolloutDriver,
-    open_async_rollout,
     pending_samples,
-    reject_aborted,
     run_reporting,
 )
-from ..samples import Group, OpenGroup, Prompt, Sample, SampleStatus
+from ..samples import Group, Prompt
+from ._checks import (
+    ENGINE_STEPS,
+    SyncCalls,
+    async_driver,
+    check_async_batch,
+    check_async_state,
+    prompts,
+    resumed_group,
+    sync_driver,
+)
+from ._hypothesis import PHASES, namespaced, subject_digest
 from ._recorder import TrackingLedger
 from ._report import Invariant, live_tasks, unwrap_single
 from ._subject import HANG_TIMEOUT, RolloutSubject
@@ -48,11 +51,6 @@ __all__ = [
     "credit_loop_property",
     "sync_driver_property",
 ]
-
-_ENGINE_STEPS = ["settle", "settle", "settle all", "fail together", "advance"]
-#: Every phase but "explain", which re-runs failing examples under a tracer (slow, and the
-#: schedule in the error already explains).
-_PHASES = tuple(p for p in Phase if p is not Phase.explain)
 
 
 def _run(
@@ -101,6 +99,9 @@ def check_credit_loop(data: st.DataObject, subject: RolloutSubject | None = None
 
 
 async def _credit_loop_body(world: World) -> None:
+    # Long, on purpose: one example is one story (draws, the loop under test, the schedule,
+    # the final accounts), and its closures share the example's state; the rule-based machine
+    # (_machine_credit) tells the same story in pieces.
     g, budget, n, arrived = world.draw(
         st.tuples(
             st.integers(1, 4),
@@ -114,20 +115,10 @@ async def _credit_loop_body(world: World) -> None:
     factory = GroupFactory(g)
     todo: deque[Group] = deque()
     for i in range(n):
-        prompt = Prompt(f"p{i}", (i,))
         if i < resumed:
-            members = [
-                Sample(
-                    index=10_000 + 100 * i + k,
-                    group_index=10_000 + i,
-                    prompt_tokens=(i,),
-                    status=SampleStatus.COMPLETED,
-                )
-                for k in range(min(arrived[i], g))
-            ]
-            todo.append(factory.resume(OpenGroup(f"r{i}", prompt, g, members)))
+            todo.append(resumed_group(factory, i, g, arrived[i]))
         else:
-            todo.append(factory.make(prompt))
+            todo.append(factory.make(Prompt(f"p{i}", (i,))))
     world.log(f"G={g} B={budget} groups={n} resumed={resumed}")
     total = len(todo)
 
@@ -173,7 +164,7 @@ async def _credit_loop_body(world: World) -> None:
     try:
         async with trio.open_nursery() as harness:
             harness.start_soon(loop)
-            for step in world.schedule([*_ENGINE_STEPS, "budget", "stop"]):
+            for step in world.schedule([*ENGINE_STEPS, "budget", "stop"]):
                 await world.quiesce()
                 awake()
                 if state["done"]:
@@ -237,53 +228,13 @@ def _property(
 
     test.__name__ = test.__qualname__ = check.__name__.replace("check_", "test_")
     chosen = (
-        settings_ if settings_ is not None else settings(report_multiple_bugs=False, phases=_PHASES)
+        settings_ if settings_ is not None else settings(report_multiple_bugs=False, phases=PHASES)
     )
-    # Failing examples saved in Hypothesis's database are keyed by the test function, the same
-    # for every subject; namespace the keys by the subject, so properties of different
-    # subjects do not replay each other's examples.
-    if subject is not None and chosen.database is not None:
-        chosen = settings(
-            chosen, database=SubjectDatabase(chosen.database, _subject_digest(subject))
-        )
+    if subject is not None:
+        chosen = namespaced(chosen, subject_digest(subject))
     # st.random_module() lets Hypothesis explore (and shrink) trio's task scheduling order.
     wrapped: Callable[[], None] = chosen(given(st.data(), st.random_module())(test))
     return wrapped
-
-
-class SubjectDatabase(ExampleDatabase):
-    """Another Hypothesis example database, with every key prefixed by a namespace."""
-
-    def __init__(self, inner: ExampleDatabase, namespace: bytes) -> None:
-        super().__init__()
-        self.inner = inner
-        self.prefix = hashlib.sha256(namespace).digest()
-
-    def save(self, key: bytes, value: bytes) -> None:
-        self.inner.save(self.prefix + key, value)
-
-    def fetch(self, key: bytes) -> Iterable[bytes]:
-        return self.inner.fetch(self.prefix + key)
-
-    def delete(self, key: bytes, value: bytes) -> None:
-        self.inner.delete(self.prefix + key, value)
-
-    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-        self.inner.move(self.prefix + src, self.prefix + dest, value)
-
-
-def _subject_digest(subject: RolloutSubject) -> bytes:
-    def name(value: object) -> str:
-        return (
-            str(getattr(value, "__module__", ""))
-            + "."
-            + str(getattr(value, "__qualname__", type(value).__qualname__))
-        )
-
-    parts = [name(p) for p in subject.policies]
-    parts += [name(subject.runner), name(subject.generate), name(subject.scheduler)]
-    parts += [name(subject.rule), repr(subject.kinds), str(subject.max_steps)]
-    return "|".join(parts).encode()
 
 
 # --------------------------------------------------------------------------- sync driver
@@ -319,18 +270,11 @@ async def _sync_body(world: World) -> None:
     )
     n = t * calls + spare
     world.log(f"T={t} G={g} calls={calls} O={over} prompts={n} filter={filtering}")
-    source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
+    source = prompts(n)
     factory = GroupFactory(g)
-    driver = SyncRolloutDriver(
-        source,
-        factory,
-        world.group_runner,
-        policy=world.policy,
-        groups_per_admission=over,
-        dynamic_filter=reject_aborted if filtering else None,
-        partial_rollouts=partial,
+    driver = sync_driver(
+        world, source, factory, per_admission=over, filtering=filtering, partial=partial
     )
-    world.ledger = lambda: driver.scheduler.ledger if driver.scheduler is not None else None
     state: dict[str, Any] = {"done": False}
 
     sync = SyncCalls(world, driver, source, factory, t, g, filtering, partial, allow_partial)
@@ -350,7 +294,7 @@ async def _sync_body(world: World) -> None:
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
         harness.start_soon(consumer)
-        for step in world.schedule(_ENGINE_STEPS):
+        for step in world.schedule(ENGINE_STEPS):
             await world.quiesce()
             awake()
             if state["done"]:
@@ -360,133 +304,6 @@ async def _sync_body(world: World) -> None:
             lambda: bool(state["done"]), each_round=awake, time_bound=HANG_TIMEOUT * (n + 2) * 4
         )
     world.check_no_leftovers(baseline)
-
-
-@attrs.define(eq=False)
-class SyncCalls:
-    """The consumer of a sync driver: one :meth:`call` is one ``generate`` call, checked for
-    ``SYNC_BATCH_SHAPE``; :meth:`awake` is ``NO_LOST_WAKEUP`` while a call runs."""
-
-    world: World
-    driver: SyncRolloutDriver
-    source: InMemorySource
-    factory: GroupFactory
-    batch_size: int
-    group_size: int
-    filtering: bool
-    partial: bool
-    allow_partial: bool
-    calls: int = 0
-    handed_out: set[str] = attrs.field(factory=set)
-
-    async def call(self) -> bool:
-        """One ``generate`` call and its checks; False once the source is exhausted."""
-        world, driver, source = self.world, self.driver, self.source
-        t, g = self.batch_size, self.group_size
-        first = self.factory.next_sample_index
-        try:
-            batch = await driver.generate(t, allow_partial=self.allow_partial)
-        except SourceExhausted:
-            world.check(
-                source.exhausted,
-                Invariant.SYNC_BATCH_SHAPE,
-                "SourceExhausted raised but the source has prompts",
-            )
-            world.log(f"call {self.calls + 1}: source exhausted")
-            return False
-        self.calls += 1
-        groups = batch.groups
-        world.log(f"call {self.calls} returned {len(groups)} groups")
-        _check_batch(world, groups, t, g, partial_ok=not batch.complete)
-        world.check(
-            batch.complete or (self.allow_partial and source.exhausted),
-            Invariant.SYNC_BATCH_SHAPE,
-            f"partial batch of {len(groups)} while prompts remain",
-        )
-        if self.partial:
-            # Partial rollouts keep finished and part-way groups for the next call.
-            again = [gr.group_id for gr in groups if gr.group_id in self.handed_out]
-            world.check(
-                not again,
-                Invariant.SYNC_BATCH_SHAPE,
-                f"group {again[:1]} was handed out by an earlier call",
-            )
-        else:
-            world.check(
-                all(gr.first_index >= first for gr in groups),
-                Invariant.SYNC_BATCH_SHAPE,
-                "a group started by an earlier call was carried over",
-            )
-        self.handed_out.update(gr.group_id for gr in groups)
-        if self.filtering:
-            world.check(
-                not any(gr.has_aborted for gr in groups),
-                Invariant.SYNC_BATCH_SHAPE,
-                "aborted group accepted",
-            )
-        world.check(
-            driver.scheduler is None, Invariant.SYNC_BATCH_SHAPE, "scheduler survived the call"
-        )
-        world.check(
-            not world.engine.running and not world.recorder.open_groups,
-            Invariant.SYNC_BATCH_SHAPE,
-            "groups still running after generate() returned",
-        )
-        return True
-
-    def awake(self) -> None:
-        """``NO_LOST_WAKEUP`` while a call runs (every task blocked)."""
-        if self.driver.scheduler is None:
-            return
-        # Once the batch is full, partial rollouts set the abort signal and wait for the
-        # leftovers to settle: no more submissions in this call.
-        stopping = any(
-            c.request.abort is not None and c.request.abort.is_set()
-            for c in self.world.engine.running
-        )
-        self.world.check_awake(
-            budget=self.world.last_budget(),
-            group_size=self.group_size,
-            may_submit=not self.source.exhausted and not stopping,
-        )
-
-
-def _check_batch(
-    world: World, groups: tuple[Group, ...] | list[Group], t: int, g: int, *, partial_ok: bool
-) -> None:
-    world.check(
-        len(groups) == t or (partial_ok and 0 < len(groups) < t),
-        Invariant.SYNC_BATCH_SHAPE,
-        f"batch of {len(groups)} groups, expected {t}",
-    )
-    world.check(
-        all(gr.size == g for gr in groups),
-        Invariant.SYNC_BATCH_SHAPE,
-        f"group sizes {[gr.size for gr in groups]}, expected {g}",
-    )
-    firsts = [gr.first_index for gr in groups]
-    world.check(
-        firsts == sorted(firsts),
-        Invariant.SYNC_BATCH_SHAPE,
-        f"batch not sorted by first index: {firsts}",
-    )
-    ids = [gr.group_id for gr in groups]
-    world.check(
-        len(set(ids)) == len(ids), Invariant.SYNC_BATCH_SHAPE, "a group appears twice in one batch"
-    )
-    for gr in groups:
-        record = world.recorder.groups.get(gr.group_id)
-        world.check(
-            record is not None and record.outcome == "completed",
-            Invariant.SYNC_BATCH_SHAPE,
-            f"group {gr.group_id} in the batch did not complete "
-            f"({None if record is None else record.outcome})",
-        )
-        world.check(
-            all(s.status is not SampleStatus.PENDING for s in gr.samples),
-            Invariant.SYNC_BATCH_SHAPE,
-            f"group {gr.group_id} in the batch has unfinished samples",
-        )
 
 
 def sync_driver_property(
@@ -514,6 +331,9 @@ def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = Non
 
 
 async def _async_body(world: World) -> None:
+    # Long, on purpose: one example is one story (draws, the driver, the schedule of engine
+    # and consumer moves, the close), and its closures share the example's state; the
+    # rule-based machine (_machine_async) tells the same story in pieces.
     t, g, budget, capacity, n, failure, aborted, staleness = world.draw(
         st.tuples(
             st.integers(1, 3),
@@ -528,13 +348,12 @@ async def _async_body(world: World) -> None:
         "T, G, B, buffer capacity, prompts, on failure, aborted groups, max staleness",
     )
     world.log(f"T={t} G={g} B={budget} capacity={capacity} prompts={n} {failure} {aborted}")
-    source = InMemorySource([Prompt(f"p{i}", (i,)) for i in range(n)])
+    source = prompts(n)
     taken: list[str] = []
     state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
 
-    # The driver keeps its books in a ledger that also counts re-submissions (retries).
+    # The driver keeps its accounts in a ledger that also counts re-submissions (retries).
     ledger = TrackingLedger()
-    world.ledger = lambda: ledger
 
     baseline = live_tasks()
     async with trio.open_nursery() as harness:
@@ -545,25 +364,19 @@ async def _async_body(world: World) -> None:
 
         async with (
             contextlib.AsyncExitStack() as pause_stack,
-            open_async_rollout(
+            async_driver(
+                world,
                 source,
-                GroupFactory(g),
-                world.group_runner,
+                ledger,
                 batch_size=t,
-                policy=world.policy,
-                max_groups_in_flight=budget,
-                buffer_capacity=capacity,
-                max_staleness=staleness,
+                group_size=g,
+                budget=budget,
+                capacity=capacity,
+                staleness=staleness,
                 aborted=aborted,
-                on_failure=FailurePolicy(failure, max_retries=1),
-                ledger=ledger,
+                failure=failure,
             ) as driver,
         ):
-            world.check(
-                driver.scheduler.ledger is ledger,
-                Invariant.CREDITS_MATCH_PENDING_SAMPLES,
-                "the driver keeps another ledger",
-            )
 
             async def consume() -> None:
                 # Staleness is judged as each group is taken, at some version from here on.
@@ -579,13 +392,15 @@ async def _async_body(world: World) -> None:
                     state["consumer"] = False
                 world.log(f"next_batch returned {len(batch)} groups")
                 taken.extend(gr.group_id for gr in batch)
-                _check_batch(world, batch, t, g, partial_ok=source.exhausted)
-                if staleness is not None:
-                    world.check(
-                        all(gr.staleness(version_at_call) <= staleness for gr in batch),
-                        Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-                        f"a group staler than {staleness} versions was handed to the consumer",
-                    )
+                check_async_batch(
+                    world,
+                    batch,
+                    version_at_call,
+                    batch_size=t,
+                    group_size=g,
+                    staleness=staleness,
+                    source=source,
+                )
 
             def take() -> None:
                 if not state["consumer"]:
@@ -593,31 +408,19 @@ async def _async_body(world: World) -> None:
                     harness.start_soon(consume)
 
             def checks() -> None:
-                stats = driver.statistics()
-                world.check(
-                    stats.buffered <= capacity,
-                    Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-                    f"buffer holds {stats.buffered} groups, capacity {capacity}",
-                )
-                if state["paused_at"] is not None:
-                    world.check(
-                        submissions() == state["paused_at"],
-                        Invariant.ASYNC_BOUNDED_PAUSED_CLOSED,
-                        f"{submissions() - state['paused_at']} groups submitted while paused",
-                    )
-                alive = driver.failure is None
-                world.check_awake(
+                check_async_state(
+                    world,
+                    driver,
                     budget=budget,
                     group_size=g,
-                    may_submit=alive
-                    and not driver.is_paused
-                    and stats.buffered < capacity
-                    and not source.exhausted,
-                    drains=alive and stats.buffered < capacity,
+                    capacity=capacity,
+                    source=source,
+                    paused_at=state["paused_at"],
+                    submissions=submissions(),
                 )
 
             closed = False
-            actions = [*_ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
+            actions = [*ENGINE_STEPS, "take", "pause", "resume", "new version", "close"]
             for step in world.schedule(actions):
                 await world.quiesce()
                 checks()
@@ -645,7 +448,7 @@ async def _async_body(world: World) -> None:
                     world.log("close the driver")
                     closed = True
                     break
-                elif action in _ENGINE_STEPS:
+                elif action in ENGINE_STEPS:
                     await world.engine_step(step)
             if not closed:
                 state["paused_at"] = None

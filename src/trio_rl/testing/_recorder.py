@@ -1,9 +1,9 @@
 """Recording wrappers around a policy, a group runner and a generate function.
 
 The harness never trusts the component under test to describe itself: it wraps each one and
-keeps its own book of what really happened (which sample tasks started generating, which
+keeps its own record of what really happened (which sample tasks started generating, which
 returned a credit and how many times, when each group ended), then compares the driver's
-credit ledger with that book at every decision point.
+credit ledger with that record at every decision point.
 """
 
 from __future__ import annotations
@@ -102,10 +102,10 @@ class GroupRecord:
 
 
 class CreditRecorder:
-    """The harness's own book of sample tasks, credits and groups.
+    """The harness's own record of sample tasks, credits and groups.
 
     ``ledger`` returns the driver's current :class:`~trio_rl.rollout.CreditLedger` (or None
-    when no batch is in progress); :meth:`check_decision` compares it with the book. The first
+    when no batch is in progress); :meth:`check_decision` compares it with the record. The first
     violation is kept in :attr:`violation` (the harness re-raises it outside the driver, since
     a check that fires inside a driver may be swallowed or wrapped by it).
     """
@@ -134,7 +134,7 @@ class CreditRecorder:
         if self.violation is not None:
             raise self.violation
 
-    # -- the book ----------------------------------------------------------------------
+    # -- the record --------------------------------------------------------------------
     @property
     def open_groups(self) -> list[GroupRecord]:
         return [g for g in self.groups.values() if not g.ended]
@@ -222,7 +222,7 @@ class CreditRecorder:
     # -- decision points ---------------------------------------------------------------
     def not_started(self, ledger: CreditLedger, group_id: str) -> bool:
         """True if the ledger's entry for ``group_id`` is a submission whose runner has not
-        started yet (as opposed to a run the book knows about)."""
+        started yet (as opposed to a run the record knows about)."""
         record = self.groups.get(group_id)
         if record is None:
             return True
@@ -236,7 +236,7 @@ class CreditRecorder:
         return now > record.pending_at_end and ledger.pending().get(group_id) == now
 
     def truth(self) -> tuple[int, int]:
-        """``(credits in flight, pending groups)`` according to the book.
+        """``(credits in flight, pending groups)`` according to the record.
 
         Groups the driver admitted whose runner has not started yet are taken from the ledger
         (they have done nothing yet, so the ledger's count for them is their whole take).
@@ -345,7 +345,7 @@ class RecordingPolicy:
 
 
 def recording_generate(recorder: CreditRecorder, inner: GenerateFn) -> GenerateFn:
-    """Wrap a generate function so the book knows which samples are generating."""
+    """Wrap a generate function so the record knows which samples are generating."""
 
     async def generate(sample: Sample) -> None:
         entry = recorder.sample(sample)

@@ -1,4 +1,4 @@
-"""The per-example world: clock, scripted engine, book, and the adversary's moves.
+"""The per-example world: clock, scripted engine, recorder, and the adversary's moves.
 
 One Hypothesis example is one ``trio.run`` under a manual ``MockClock``. The harness alternates
 *steps* (Hypothesis draws one adversary move: settle a held engine call with some fate, settle

@@ -34,7 +34,7 @@ from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ..samples import Sample
 from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint import file_schema_version
+from ..train._checkpoint_format import file_schema_version
 from ..train._sink_state import payload_files_of_state
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode

@@ -1,16 +1,16 @@
 """The train layer: scoring, the train sink, checkpoint and resume (by-handle payloads are in
 :mod:`trio_rl.payloads`)."""
 
-from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
-from ._checkpoint import CheckpointSnapshot as CheckpointSnapshot
-from ._checkpoint import IncrementalSnapshot as IncrementalSnapshot
-from ._checkpoint import RunBounds as RunBounds
 from ._checkpoint import check_run_bounds as check_run_bounds
-from ._checkpoint import decode_checkpoint as decode_checkpoint
-from ._checkpoint import encode_checkpoint as encode_checkpoint
-from ._checkpoint import read_checkpoint as read_checkpoint
-from ._checkpoint import write_checkpoint as write_checkpoint
+from ._checkpoint_chain import IncrementalSnapshot as IncrementalSnapshot
+from ._checkpoint_chain import read_checkpoint as read_checkpoint
+from ._checkpoint_format import Checkpoint as Checkpoint
+from ._checkpoint_format import CheckpointSnapshot as CheckpointSnapshot
+from ._checkpoint_format import decode_checkpoint as decode_checkpoint
+from ._checkpoint_format import encode_checkpoint as encode_checkpoint
+from ._checkpoint_format import write_checkpoint as write_checkpoint
+from ._checkpoint_schema import RunBounds as RunBounds
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CodecError as CodecError
 from ._errors import PayloadError as PayloadError

@@ -1,4 +1,4 @@
-"""The sink's books and its sample queue: ready, the cut (detach, prune, settle or requeue), and
+"""The sink's tally and its sample queue: ready, the cut (detach, prune, settle or requeue), and
 staleness. The queue's methods are synchronous and run on the event loop, except :meth:`cut`
 and :meth:`take_batch`, whose pruning runs in a worker thread on samples already detached.
 """
@@ -35,7 +35,7 @@ __all__ = [
     "DetachedBatch",
     "PruneMode",
     "SampleQueue",
-    "SinkBooks",
+    "SinkTally",
     "SinkConfig",
     "SinkCounters",
     "SinkWindow",
@@ -157,7 +157,7 @@ class SinkWindow:
     from a scored group (stale and filtered ones included). ``zero_length`` counts the finished
     samples filtered for having no trained (completion) token; ``failure_types`` counts failed
     attempts' errors by exception type name (``"failed_status"``: a member that arrived FAILED,
-    its error recorded on the sample). While the window is the sink's, booking appends to the
+    its error recorded on the sample). While the window is the sink's, counting appends to the
     lists in place; the cut hands them over and the sink starts new ones (`copy` for a snapshot).
     """
 
@@ -192,13 +192,14 @@ class SinkWindow:
 
 
 @attrs.define(slots=True, eq=False)
-class SinkBooks:
-    """The cumulative counters and the current metrics window, booked together."""
+class SinkTally:
+    """The cumulative counters and the current metrics window, counted together: every sample
+    the sink settles (see `Outcome`) and every one dispatched to it."""
 
     counters: SinkCounters = attrs.field(factory=SinkCounters)
     window: SinkWindow = attrs.field(factory=SinkWindow)
 
-    def book(self, outcome: Outcome, n: int) -> None:
+    def settle(self, outcome: Outcome, n: int) -> None:
         if n:
             c, w = self.counters, self.window
             self.counters = attrs.evolve(c, **{outcome: getattr(c, outcome) + n})
@@ -237,7 +238,7 @@ class DetachedBatch:
 @attrs.define(slots=True, eq=False)
 class Cut:
     """A batch being cut (see :meth:`SampleQueue.cut`): detached from the queue and, in
-    ``AFTER_SELECTION`` mode, pruned. ``samples`` are what would ship. :meth:`settle` books it;
+    ``AFTER_SELECTION`` mode, pruned. ``samples`` are what would ship. :meth:`settle` counts it;
     leaving the ``cut`` block any other way puts it back."""
 
     queue: SampleQueue
@@ -259,7 +260,7 @@ class Cut:
         return self.detached.settled
 
     def settle(self) -> TrainBatch:
-        """Book the cut (on the loop): see :meth:`SampleQueue.settle_batch`."""
+        """Settle the cut (on the loop): see :meth:`SampleQueue.settle_batch`."""
         return self.queue.settle_batch(self.detached, self.pruned)
 
 
@@ -268,19 +269,19 @@ class SampleQueue:
 
     ``step`` is the batch being collected (1-based); batch ``S`` trains on policy ``S - 1``, and
     a sample generated at version ``v`` is stale for it when
-    ``v < (S - 1) - max_off_policy_steps``. Outcomes are booked in the shared ``books``.
+    ``v < (S - 1) - max_off_policy_steps``. Outcomes are counted in the shared ``tally``.
     """
 
     def __init__(
         self,
         config: SinkConfig,
-        books: SinkBooks,
+        tally: SinkTally,
         *,
         step: int = 1,
         changes: ChangeLog | None = None,
     ) -> None:
         self.config = config
-        self.books = books
+        self.tally = tally
         #: What an incremental checkpoint saves that changed (see `ChangeLog`).
         self.changes = ChangeLog() if changes is None else changes
         self.step = step
@@ -352,7 +353,7 @@ class SampleQueue:
         for k in stale:
             self._tokens -= self._queue.pop(k).num_tokens
             self.changes.remove(k)
-        self.books.book("stale", len(stale))
+        self.tally.settle("stale", len(stale))
         if stale:
             logger.warning(
                 "dropped %d queued samples past max_off_policy_steps=%s (step %d)",
@@ -400,7 +401,7 @@ class SampleQueue:
     def settle_batch(
         self, detached: DetachedBatch, pruned: PruneResult | None = None
     ) -> TrainBatch:
-        """Finish a cut on the loop: book pruned and shipped samples; a non-empty batch takes the
+        """Finish a cut on the loop: count pruned and shipped samples; a non-empty batch takes the
         window and advances the step, an empty one leaves both as they are.
         """
         if detached.settled:
@@ -412,14 +413,14 @@ class SampleQueue:
             self._in_cut.pop(s.arrival, None)
             self.changes.remove(s.arrival)
         kept = pruned.kept if pruned is not None else detached.samples
-        self.books.book("pruned", len(pruned.pruned) if pruned is not None else 0)
+        self.tally.settle("pruned", len(pruned.pruned) if pruned is not None else 0)
         if not kept:
             logger.warning("skipping empty train batch at step %d (all pruned)", self.step)
             return TrainBatch(samples=[], step=self.step, window=None)
-        self.books.book("shipped", len(kept))
-        w = self.books.window
+        self.tally.settle("shipped", len(kept))
+        w = self.tally.window
         window = attrs.evolve(w, shipped_tokens=w.shipped_tokens + sum(s.num_tokens for s in kept))
-        self.books.window = SinkWindow()
+        self.tally.window = SinkWindow()
         batch = TrainBatch(samples=kept, step=self.step, window=window)
         self._unread[self.step] = min(s.policy_version for s in kept)
         self.step += 1
@@ -429,7 +430,7 @@ class SampleQueue:
         """Undo a cut that was not shipped (cancelled or failed publication).
 
         The samples (``pruned.kept`` if pruning ran) go back into the queue in arrival order;
-        ``pruned.pruned`` are booked as pruned. Window and step are untouched.
+        ``pruned.pruned`` are counted as pruned. Window and step are untouched.
         """
         if detached.settled:
             raise TrainSinkError(f"batch for step {detached.step} settled twice")
@@ -438,7 +439,7 @@ class SampleQueue:
             self._in_cut.pop(s.arrival, None)
             self.changes.remove(s.arrival)
         back = detached.samples if pruned is None else pruned.kept
-        self.books.book("pruned", 0 if pruned is None else len(pruned.pruned))
+        self.tally.settle("pruned", 0 if pruned is None else len(pruned.pruned))
         for s in back:
             self.enqueue(s)
         self._queue = dict(sorted(self._queue.items()))
@@ -450,9 +451,9 @@ class SampleQueue:
         """The one way a batch is cut: detach it on the loop, prune it in a worker thread in
         ``AFTER_SELECTION`` mode, and yield the :class:`Cut`. The body ships ``cut.samples`` and
         calls ``cut.settle()`` once they are out (an empty cut is settled the same way: it
-        books the pruned samples and advances nothing). Leaving the block by an exception or
+        counts the pruned samples and advances nothing). Leaving the block by an exception or
         cancellation before ``settle`` requeues the cut (:meth:`requeue_batch`: pruned samples
-        stay booked as pruned, the rest go back in arrival order) and re-raises; leaving it
+        stay counted as pruned, the rest go back in arrival order) and re-raises; leaving it
         normally without settling requeues it too.
 
         Cancellation: before the cut nothing changes; during pruning the worker is waited for
@@ -476,12 +477,12 @@ class SampleQueue:
     async def take_batch(
         self, *, limiter: trio.CapacityLimiter | None = None, force: bool = False
     ) -> TrainBatch:
-        """Cut the next batch and book it at once (:meth:`cut` with nothing to ship in
+        """Cut the next batch and settle it at once (:meth:`cut` with nothing to ship in
         between): for tests, tools and trainers that consume batches in-process.
 
         On cancellation before the cut nothing changes. A cancellation during pruning waits for
         the worker (shielded), puts the surviving samples back in the queue (the pruned ones are
-        booked as pruned) and re-raises: nothing is lost or counted twice.
+        counted as pruned) and re-raises: nothing is lost or counted twice.
         """
         await trio.lowlevel.checkpoint()
         async with self.cut(force=force, limiter=limiter) as cut:
@@ -489,10 +490,10 @@ class SampleQueue:
         raise AssertionError("unreachable")  # pragma: no cover - the block always returns
 
     def discard_queued(self) -> int:
-        """Shutdown: drop every queued sample, booked as cancelled. Returns how many."""
+        """Shutdown: drop every queued sample, counted as cancelled. Returns how many."""
         n = len(self._queue)
         self._queue.clear()
         self._tokens = 0
         self.changes.invalidate()
-        self.books.book("cancelled", n)
+        self.tally.settle("cancelled", n)
         return n

@@ -139,7 +139,7 @@ class SequenceLists:
     """The long per-token lists of one sample's training sequence (prompt then completion).
 
     Building them is the costly part of scoring; :func:`build_sequences` does it in a worker
-    thread so that the sink's bookkeeping alone runs on the event loop.
+    thread so that the sink's counting alone runs on the event loop.
     """
 
     token_ids: list[int]
@@ -218,7 +218,7 @@ def to_training_sample(
 @attrs.frozen
 class GroupScore:
     """What scoring one complete group yields: its training samples to queue (in arrival order)
-    and how many finished members each outcome books; ``rewards`` are the fresh members'
+    and how many finished members each outcome settles; ``rewards`` are the fresh members'
     rewards (for the metrics window) and ``next_arrival`` the arrival number after it.
     ``zero_length`` counts the filtered members that have no trained token (the publication's
     zero-length warning: they never reach a batch) and ``lengths`` are the completion lengths
@@ -247,7 +247,7 @@ def score_group(
     arrival: int,
     sequences: Mapping[int, SequenceLists] | None = None,
 ) -> GroupScore:
-    """Score a complete group's finished members (pure: books nothing itself).
+    """Score a complete group's finished members (pure: counts nothing itself).
 
     A group holding an aborted member is rejected as a whole (all filtered). Stale members
     (judged by ``rule``: the group's ``start`` by default, see :data:`StalenessRule`) are

@@ -1,30 +1,32 @@
-"""The train sink: finished groups in, training batches out, every sample accounted for.
+"""The train sink: finished groups in, training batches out, every sample accounted for; and
+the sink's snapshots and restores (the state values they use are ``_sink_state``'s).
 
-All methods except :meth:`TrainSink.take_batch` are synchronous and meant to run on the event
-loop; they never block. Post-selection pruning runs in a worker thread on samples the sink has
-already detached.
+All methods except :meth:`TrainSink.ingest_group` and :meth:`TrainSink.take_batch` are
+synchronous and meant to run on the event loop; they never block. Those two run their costly
+part in a worker thread: the training lists of a group, and post-selection pruning of samples
+the sink has already detached.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Generator, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Literal
 
 import trio
 
-from ..samples import Group, PolicyVersion, Prompt, Sample
+from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample
 from ._changes import ChangeLog
+from ._open_book import OpenBook
 from ._queue import (
     Cut,
     DetachedBatch,
-    Outcome,
     PruneMode,
     SampleQueue,
-    SinkBooks,
     SinkConfig,
     SinkCounters,
+    SinkTally,
     SinkWindow,
     TrainBatch,
 )
@@ -36,27 +38,25 @@ from ._scoring import (
     score_group,
 )
 from ._sink_state import (
-    OpenBook,
+    RestoreDrops,
     RestoreReport,
+    SinkDelta,
     SinkState,
+    check_restorable,
+    copy_open_group,
     copy_sample,
-    restore_sink,
-    snapshot_sink,
 )
 from ._types import TrainingSample
 
 __all__ = [
-    "Cut",
-    "DetachedBatch",
-    "PruneMode",
-    "RestoreReport",
-    "SinkConfig",
-    "SinkCounters",
-    "SinkState",
-    "SinkWindow",
-    "TrainBatch",
+    "RESTORE_BATCH",
     "TrainSink",
-    "copy_sample",
+    "finish_restore",
+    "finish_restore_async",
+    "restore_sink",
+    "restoring",
+    "snapshot_changes",
+    "snapshot_sink",
 ]
 
 logger = logging.getLogger("trio_rl.train")
@@ -66,7 +66,7 @@ class TrainSink:
     """Scores finished groups, queues training samples and cuts batches.
 
     Groups arrive whole (:meth:`add_group`) or member by member (:meth:`open_group` then
-    :meth:`add_member`); failures and cancellations that produced no sample are booked with
+    :meth:`add_member`); failures and cancellations that produced no sample are counted with
     :meth:`record_failed` / :meth:`record_cancelled`. ``step`` is the batch being collected
     (1-based); batch ``S`` trains on policy ``S - 1``, and a sample generated at version ``v`` is
     stale for it when ``v < (S - 1) - max_off_policy_steps``.
@@ -74,15 +74,15 @@ class TrainSink:
 
     def __init__(self, config: SinkConfig, *, step: int = 1) -> None:
         self.config = config
-        self._books = SinkBooks()
+        self._tally = SinkTally()
         #: What changed since the last incremental checkpoint (queue and book record it).
         self.changes = ChangeLog()
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
-        self.queue = SampleQueue(config, self._books, step=step, changes=self.changes)
+        self.queue = SampleQueue(config, self._tally, step=step, changes=self.changes)
         self._next_arrival = 0
         #: The open-group book: the one record of work in flight, and the
         #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
-        self.book = OpenBook(self._books, self._finalize, changes=self.changes)
+        self.book = OpenBook(self._tally, self._finalize, changes=self.changes)
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -92,12 +92,12 @@ class TrainSink:
 
     @property
     def counters(self) -> SinkCounters:
-        return self._books.counters
+        return self._tally.counters
 
     @property
     def window(self) -> SinkWindow:
         """The metrics window accumulated since the last non-empty batch (not reset by reading)."""
-        return self._books.window
+        return self._tally.window
 
     @property
     def queued(self) -> int:
@@ -146,9 +146,6 @@ class TrainSink:
         self.queue.mark_read(step)
 
     # -- accounting -----------------------------------------------------------------------------
-
-    def _book(self, outcome: Outcome, n: int) -> None:
-        self._books.book(outcome, n)
 
     def _is_stale(self, version: PolicyVersion) -> bool:
         return self.queue.is_stale(version)
@@ -225,7 +222,7 @@ class TrainSink:
             sequences=sequences,
         )
         self._next_arrival = score.next_arrival
-        self.book.book_score(score)
+        self.book.settle_score(score)
         for ts in score.samples:
             self.queue.enqueue(ts)
 
@@ -274,7 +271,7 @@ class TrainSink:
     # -- checkpoint -----------------------------------------------------------------------------
 
     def state_dict(self) -> SinkState:
-        """An owned snapshot, taken on the loop (see :func:`snapshot_sink`): the books, the queue
+        """An owned snapshot, taken on the loop (see :func:`snapshot_sink`): the tally, the queue
         (a cut is saved as queued), open groups and the rollout layer's work in flight."""
         return snapshot_sink(self)
 
@@ -284,3 +281,168 @@ class TrainSink:
         """Replace the sink's state with a checkpoint's (see :func:`restore_sink`); a state that
         breaks the sink's invariants raises :class:`TrainSinkError` and changes nothing."""
         return restore_sink(self, state, missing_files=missing_files)
+
+
+def snapshot_sink(sink: TrainSink) -> SinkState:
+    """An owned snapshot, taken on the loop.
+
+    Containers are copied. Queued samples are shared, not copied: once queued, the library
+    never mutates a training sample (post-selection pruning works on copies), so sharing them
+    costs nothing and cannot tear. Callers must not mutate queued or shipped samples in place
+    while a save of an earlier snapshot is still running. Samples in a cut are saved as queued.
+    Every open group of the book (the rollout layer's work in flight included: the driver
+    reports it there) is saved as it is, its arrived members copied with their lists.
+    """
+    return SinkState(
+        step=sink.queue.step,
+        next_arrival=sink._next_arrival,
+        counters=sink._tally.counters,
+        window=sink._tally.window.copy(),
+        queued=sink.queue.saved(),
+        open_groups=tuple(copy_open_group(g) for g in sink.book.groups.values()),
+    )
+
+
+def snapshot_changes(sink: TrainSink) -> SinkDelta:
+    """Drain the sink's change log into a :class:`SinkDelta`, on the loop: O(what changed).
+    Queued samples are shared (never mutated once queued), open-group records copied."""
+    queued, dirty, closed = sink.changes.drain()
+    groups = sink.book.groups
+    gone = [gid for gid in dirty if gid not in groups]  # defensive: closed without a record
+    return SinkDelta(
+        step=sink.queue.step,
+        next_arrival=sink._next_arrival,
+        counters=sink._tally.counters,
+        window=sink._tally.window.copy(),
+        put=tuple(ts for _, ts in sorted(queued.items()) if ts is not None),
+        removed=tuple(sorted(a for a, ts in queued.items() if ts is None)),
+        groups=tuple(copy_open_group(groups[gid]) for gid in dirty if gid in groups),
+        closed=(*closed, *gone),
+    )
+
+
+def restore_sink(
+    sink: TrainSink,
+    state: SinkState,
+    *,
+    missing_files: Collection[str] = (),
+    track: object = None,
+) -> RestoreReport:
+    """Replace the sink's state with a checkpoint's.
+
+    Queued samples come back first in the queue (stale ones and those naming a file in
+    ``missing_files`` are dropped and logged). Open groups go back into the book with their id,
+    prompt and fresh members; members dropped (stale or missing files) are regenerated like any
+    missing one. An open group whose fresh members already fill it is scored now and dispatches
+    nothing; the others are the report's ``resumed``: the book's own records, which the rollout
+    layer continues.
+
+    A state that breaks the sink's invariants (see
+    :func:`~trio_rl.train._sink_state.state_problem`) raises :class:`TrainSinkError` naming the
+    field, and the sink is left unchanged.
+
+    ``track`` (an incremental checkpoint manager) starts the sink's change log at ``state`` as
+    saved: what the restore changes in it (dropped work, groups scored now) is logged, so the
+    next checkpoint is a delta after the one restored from.
+    """
+    check_restorable(state)
+    return finish_restore(restoring(sink, state, missing_files=missing_files, track=track))
+
+
+#: Records a restore handles between two yields of :func:`restoring`.
+RESTORE_BATCH = 512
+
+
+def _advance(steps: Generator[None, None, RestoreReport]) -> RestoreReport | None:
+    """One batch of a restore: None while records are left, the report once it is done."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        report: RestoreReport = done.value
+        return report
+    return None
+
+
+def finish_restore(steps: Generator[None, None, RestoreReport]) -> RestoreReport:
+    """Run a restore (:func:`restoring`) to its end at once."""
+    while (report := _advance(steps)) is None:
+        pass
+    return report
+
+
+async def finish_restore_async(steps: Generator[None, None, RestoreReport]) -> RestoreReport:
+    """Run a restore (:func:`restoring`) to its end with a checkpoint every ``RESTORE_BATCH``
+    records: a cancellation gets in whatever the restore holds (the sink then holds part of the
+    state: discard it)."""
+    while (report := _advance(steps)) is None:
+        await trio.lowlevel.checkpoint()
+    return report
+
+
+def restoring(
+    sink: TrainSink,
+    state: SinkState,
+    *,
+    missing_files: Collection[str] = (),
+    track: object = None,
+) -> Generator[None, None, RestoreReport]:
+    """:func:`restore_sink` without the invariant check (the caller ran
+    :func:`~trio_rl.train._sink_state.check_restorable`), as a generator that yields every
+    ``RESTORE_BATCH`` records and returns the report: an async caller checkpoints at each
+    yield, so a restore of any size lets a cancellation in. Stopped part-way, the sink holds
+    part of ``state``: discard it."""
+    sink.queue.reset(state.step)
+    sink._next_arrival = state.next_arrival
+    sink._tally.counters = state.counters
+    sink._tally.window = state.window.copy()
+    book = sink.book
+    book.groups.clear()
+    changes = book.changes
+    changes.invalidate()
+    if track is not None:
+        changes.start(track)
+        changes.active = False  # the bulk restore below is ``state`` itself: not a change
+    drops = RestoreDrops(set(missing_files), sink.queue.is_stale, sink.config.staleness)
+    dropped: list[int] = []
+    for i, ts in enumerate(state.queued):
+        if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+            yield
+        if drops.drops_queued(ts):
+            dropped.append(ts.arrival)
+        else:
+            sink.queue.enqueue(ts)
+            sink._next_arrival = max(sink._next_arrival, ts.arrival + 1)
+    if track is not None:
+        changes.active = True  # from here on, what the restore changes in ``state`` is logged
+        for a in dropped:
+            changes.remove(a)
+    resumed: list[OpenGroup] = []
+    completed: list[str] = []
+    for i, og in enumerate(state.open_groups):
+        if i % RESTORE_BATCH == RESTORE_BATCH - 1:
+            yield
+        start = og.policy_version_at_start
+        fresh = [copy_sample(m) for m in og.arrived if not drops.drops_member(m, start)]
+        g = book.groups[og.group_id] = OpenGroup(
+            og.group_id, og.prompt, og.group_size, fresh, og.policy_version_at_start
+        )
+        if len(fresh) != len(og.arrived):
+            changes.group(og.group_id)  # members dropped
+        # A full group is scored now only when every member has its reward; otherwise its
+        # group reward had not run at the checkpoint, and it goes back to the rollout layer,
+        # which dispatches nothing for it and only runs the reward.
+        if g.complete and (len(fresh) < og.group_size or all(m.reward is not None for m in fresh)):
+            completed.append(og.group_id)
+            sink._finalize(og.group_id)
+        else:
+            resumed.append(g)
+    drops.settle(sink._tally)
+    return RestoreReport(
+        resumed=resumed,
+        completed_groups=completed,
+        queued=len(sink.queue),
+        dropped_queued_missing=drops.queued_missing,
+        dropped_queued_stale=drops.queued_stale,
+        dropped_members_missing=drops.members_missing,
+        dropped_members_stale=drops.members_stale,
+    )

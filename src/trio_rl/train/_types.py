@@ -15,7 +15,7 @@ class TrainingSample:
     """A scored sample ready to be packed. Per-token lists all have length ``len(token_ids)``.
 
     The wire-facing fields follow the reference's ``TrainingSample``; the last four are
-    orchestrator bookkeeping (staleness, ordering, accounting) that never reach the trainer.
+    the orchestrator's own (staleness, ordering, accounting) and never reach the trainer.
     """
 
     token_ids: list[int]
@@ -35,7 +35,7 @@ class TrainingSample:
     trace_id: str | None = None
     branch_index: int | None = None
     payload: list[PayloadSegment] | None = None
-    # bookkeeping
+    # the orchestrator's own fields
     policy_version: PolicyVersion = 0
     group_id: str = ""
     sample_index: int = -1

@@ -30,51 +30,24 @@ from typing import Any, BinaryIO, TypeVar
 import trio
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
-from ._errors import EndOfStream, TransportError, TransportIOError
+from ._errors import EndOfStream, TransportIOError
+from ._file_layout import (
+    RankFiles,
+    fsync_dir,
+    io_error,
+    read_step_marker,
+    rename_into_step_dir,
+    write_end_marker,
+)
+
+# The layout's paths are imported from here by the package and its tools: re-exported.
+from ._file_layout import batch_path as batch_path
+from ._file_layout import consumed_marker_path as consumed_marker_path
+from ._file_layout import end_marker_path as end_marker_path
+from ._file_layout import held_steps as held_steps
 from ._wait import Wait, timeout_seconds
 
-__all__ = [
-    "FileReceiver",
-    "FileSender",
-    "batch_path",
-    "consumed_marker_path",
-    "end_marker_path",
-    "held_steps",
-]
-
 T = TypeVar("T")
-
-
-def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
-    """The path of rank ``rank``'s payload for ``step`` under ``directory``."""
-    return Path(directory) / "batches" / f"step_{step}" / f"rank_{rank}.bin"
-
-
-def held_steps(directory: str | os.PathLike[str], rank: int) -> list[int]:
-    """The steps whose payload file for rank ``rank`` is still under ``directory``, in order
-    (what a deleting receiver of that rank has not consumed yet)."""
-    batches = Path(directory) / "batches"
-    try:
-        names = os.listdir(batches)
-    except FileNotFoundError:
-        return []
-    steps = sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit())
-    return [step for step in steps if batch_path(directory, step, rank).exists()]
-
-
-def end_marker_path(directory: str | os.PathLike[str]) -> Path:
-    """The end-of-stream marker under ``directory``: it holds the step the stream ended at."""
-    return Path(directory) / "batches" / "END"
-
-
-def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """Where rank ``rank``'s receiver records the last step it acknowledged."""
-    return Path(directory) / "batches" / ".consumed" / f"rank_{rank}"
-
-
-_MMAP_MIN_SIZE = 1 << 20
-#: How often one rename retries after readers removed the emptied step directory under it.
-_RENAME_ATTEMPTS = 1000
 
 
 def _check_non_negative(name: str, value: int) -> None:
@@ -82,86 +55,8 @@ def _check_non_negative(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def _io_error(what: str, path: Path, exc: OSError) -> TransportIOError:
-    return TransportIOError(f"{what} {path}: {exc.strerror or exc}", str(path))
-
-
-def _write_file(path: Path, data: Payload, fsync: bool) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def _write_payload(payload: Payload, f: BinaryIO) -> None:
     f.write(payload)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return  # readers consumed every file and removed the directory: nothing to persist
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_step_marker(path: Path) -> int | None:
-    """The step in a marker file (``END``, ``.consumed/rank_R``), or None if it is absent."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise _io_error("cannot read", path, exc) from exc
-    try:
-        step = int(raw.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        step = -1
-    if step < 0:
-        raise TransportError(f"{path}: expected a step number (ASCII decimal), got {raw[:32]!r}")
-    return step
-
-
-def _rename_into_step_dir(tmp: Path, final: Path) -> None:
-    # Renames ``tmp`` to ``final``, making the step directory again if readers removed it.
-    for _ in range(_RENAME_ATTEMPTS):
-        try:
-            os.mkdir(final.parent)
-        except FileExistsError:
-            pass  # a file in its place makes the rename fail (NotADirectoryError)
-        except OSError as exc:
-            raise _io_error("cannot create the step directory", final.parent, exc) from exc
-        try:
-            os.replace(tmp, final)
-            return
-        except FileNotFoundError as exc:
-            if not tmp.exists():
-                raise _io_error(f"the staged file vanished before {final}:", tmp, exc) from exc
-            # A reader removed the emptied step directory after our mkdir: make it again.
-        except OSError as exc:
-            raise _io_error(f"cannot rename {tmp} to", final, exc) from exc
-    raise TransportIOError(
-        f"cannot rename {tmp} to {final}: the step directory was removed "
-        f"{_RENAME_ATTEMPTS} times in a row",
-        str(final),
-    )
-
-
-def _write_end_marker(directory: Path, staging: Callable[[], Path], step: int, fsync: bool) -> None:
-    end = end_marker_path(directory)
-    tmp = staging() / f"END.{os.getpid()}.tmp"
-    try:
-        _write_file(tmp, str(step).encode("ascii"), fsync)
-        os.replace(tmp, end)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise _io_error("cannot write the end marker", end, exc) from exc
-    if fsync:
-        _fsync_dir(end.parent)
 
 
 class FileSender(Sender):
@@ -258,13 +153,13 @@ class FileSender(Sender):
         try:
             staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise _io_error("cannot create the staging directory", staging, exc) from exc
+            raise io_error("cannot create the staging directory", staging, exc) from exc
         if not self._stale_end_removed:
             end = end_marker_path(self._directory)
             try:
                 end.unlink(missing_ok=True)
             except OSError as exc:
-                raise _io_error("cannot remove the stale end marker", end, exc) from exc
+                raise io_error("cannot remove the stale end marker", end, exc) from exc
             self._stale_end_removed = True
         return staging
 
@@ -306,7 +201,7 @@ class FileSender(Sender):
             except OSError:
                 pass  # the error being raised says more
             if isinstance(exc, OSError):
-                raise _io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
+                raise io_error(f"step {step} rank {rank}: cannot write", tmp, exc) from exc
             raise
 
     def open_staged(self, step: int, rank: int) -> Payload:
@@ -319,7 +214,7 @@ class FileSender(Sender):
                     return b""
                 return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         except OSError as exc:
-            raise _io_error(
+            raise io_error(
                 f"step {step} rank {rank}: cannot read the staged file", path, exc
             ) from exc
 
@@ -331,7 +226,7 @@ class FileSender(Sender):
             try:
                 path.unlink(missing_ok=True)
             except OSError as exc:
-                raise _io_error("cannot remove the staged file", path, exc) from exc
+                raise io_error("cannot remove the staged file", path, exc) from exc
 
     async def commit(self, step: int) -> None:
         """Deliver a step written with `stage`: rename every rank's staged file into place.
@@ -353,7 +248,7 @@ class FileSender(Sender):
         for rank in range(self._world_size):
             tmp, final = self.staged_path(step, rank), step_dir / f"rank_{rank}.bin"
             if not tmp.exists():
-                consumed = _read_step_marker(consumed_marker_path(self._directory, rank))
+                consumed = read_step_marker(consumed_marker_path(self._directory, rank))
                 if final.exists() or (consumed is not None and consumed >= step):
                     continue  # committed by an earlier call
                 raise TransportIOError(
@@ -361,9 +256,9 @@ class FileSender(Sender):
                     f"and no batch file {final}",
                     str(tmp),
                 )
-            _rename_into_step_dir(tmp, final)
+            rename_into_step_dir(tmp, final)
         if self._fsync:
-            _fsync_dir(step_dir)
+            fsync_dir(step_dir)
 
     def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
         try:
@@ -392,9 +287,7 @@ class FileSender(Sender):
         _check_non_negative("step", step)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"end_stream({step}): step {self._last_step} was already sent")
-        await self._threads.run(
-            _write_end_marker, self._directory, self._staging, step, self._fsync
-        )
+        await self._threads.run(write_end_marker, self._directory, self._staging, step, self._fsync)
         self._ended_at = step
 
     async def aclose(self) -> None:
@@ -426,123 +319,6 @@ class _Threads:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
-
-
-class _RankFiles:
-    """One rank's files under ``<directory>/batches``, read and acknowledged with blocking calls
-    (`FileReceiver` runs each in a worker thread): the on-disk half of the receiver."""
-
-    __slots__ = ("delete", "directory", "rank", "use_mmap")
-
-    def __init__(self, directory: Path, rank: int, *, delete: bool, use_mmap: bool) -> None:
-        self.directory = directory
-        self.rank = rank
-        self.delete = delete
-        self.use_mmap = use_mmap
-
-    @property
-    def end_marker(self) -> Path:
-        return end_marker_path(self.directory)
-
-    @property
-    def consumed_marker(self) -> Path:
-        return consumed_marker_path(self.directory, self.rank)
-
-    def path(self, step: int) -> Path:
-        return batch_path(self.directory, step, self.rank)
-
-    def end_of_stream(self, step: int, end: int) -> EndOfStream:
-        return EndOfStream(
-            f"rank {self.rank}: the stream ended before step {end} ({self.end_marker}); "
-            f"no step {step}",
-            end,
-        )
-
-    def resume_step(self) -> int:
-        acked = _read_step_marker(self.consumed_marker)
-        if acked is not None:
-            if self.delete:
-                # A crash between recording the ack and deleting the file leaves the file.
-                self.delete_file(acked)
-            return acked + 1
-        batches = self.directory / "batches"
-        try:
-            names = os.listdir(batches)
-        except FileNotFoundError:
-            names = []
-        except OSError as exc:
-            raise _io_error("cannot list", batches, exc) from exc
-        steps = sorted(
-            int(name[5:]) for name in names if name.startswith("step_") and name[5:].isdigit()
-        )
-        for step in steps:
-            if self.path(step).exists():
-                return step
-        end = _read_step_marker(self.end_marker)
-        if end is not None:
-            return end
-        raise TransportError(
-            f"rank {self.rank}: start_step=None, but there is no consumer marker "
-            f"{self.consumed_marker}, no batch file for this rank and no end marker under "
-            f"{batches}: nothing to resume from, pass start_step"
-        )
-
-    def read(self, step: int) -> Payload | None:
-        """The payload of ``step``, or None while its file is not there yet."""
-        path = self.path(step)
-        data = self._try_read(path)
-        if data is not None:
-            return data
-        end = _read_step_marker(self.end_marker)
-        if end is None:
-            return None
-        if step >= end:
-            raise self.end_of_stream(step, end)
-        # The marker is written after every earlier step's files: look once more.
-        data = self._try_read(path)
-        if data is None:
-            raise TransportError(
-                f"rank {self.rank}: no batch file {path}, but {self.end_marker} says every "
-                f"step before {end} was sent: the file was removed by someone else"
-            )
-        return data
-
-    def _try_read(self, path: Path) -> Payload | None:
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if self.use_mmap and size >= _MMAP_MIN_SIZE:
-                    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise _io_error(f"rank {self.rank}: cannot read", path, exc) from exc
-
-    def ack(self, step: int) -> None:
-        marker = self.consumed_marker
-        tmp = marker.with_name(marker.name + ".tmp")
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(str(step).encode("ascii"))
-            os.replace(tmp, marker)
-        except OSError as exc:
-            raise _io_error("cannot record the consumed step in", marker, exc) from exc
-        # Recorded before the deletion, so a crash in between never makes a restart wait for
-        # a deleted file (the leftover file is deleted when resuming).
-        if self.delete:
-            self.delete_file(step)
-
-    def delete_file(self, step: int) -> None:
-        path = self.path(step)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as exc:
-            raise _io_error("cannot delete", path, exc) from exc
-        try:
-            path.parent.rmdir()
-        except OSError:
-            pass  # other ranks' files are still there (or another reader removed it)
 
 
 class FileReceiver(Receiver):
@@ -599,7 +375,7 @@ class FileReceiver(Receiver):
             _check_non_negative("start_step", start_step)
         if not 0 < poll_interval <= max_poll_interval:
             raise ValueError("need 0 < poll_interval <= max_poll_interval")
-        self._files = _RankFiles(Path(directory), rank, delete=delete, use_mmap=use_mmap)
+        self._files = RankFiles(Path(directory), rank, delete=delete, use_mmap=use_mmap)
         self._next_step = start_step
         self._timeout = timeout_seconds(timeout)
         self._poll_interval = poll_interval

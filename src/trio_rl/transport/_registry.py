@@ -26,7 +26,8 @@ import attrs
 
 from ..errors import InvalidArgumentError
 from ._base import Receiver, Sender
-from ._files import FileReceiver, FileSender, end_marker_path, held_steps
+from ._file_layout import oldest_batch_step
+from ._files import FileReceiver, FileSender, end_marker_path
 from ._memory import MemorySender
 from ._zmq_transport import ZmqReceiver, ZmqSender, free_port_pair
 
@@ -106,7 +107,7 @@ def transport_kind(name: str) -> TransportKind:
 
 
 def _oldest_file(setup: TransportSetup, rank: int) -> int | None:
-    return min(held_steps(setup.directory, rank), default=None)
+    return oldest_batch_step(setup.directory, rank)
 
 
 def _zmq_port(setup: TransportSetup) -> TransportSetup:
