@@ -100,18 +100,6 @@ class Proc:
         return alive
 
 
-def wait_healthy(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"cluster: {url} did not answer /health within {timeout}s")
-
-
 def metrics(out: Path) -> list[dict[str, Any]]:
     try:
         lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -126,17 +114,48 @@ def metrics(out: Path) -> list[dict[str, Any]]:
     return records
 
 
+def check_running(procs: list[Proc]) -> None:
+    """Fail at once, naming the process and its log, when one of ``procs`` has exited."""
+    for p in procs:
+        if p.popen is not None and p.popen.poll() is not None:
+            raise SystemExit(f"cluster: {p.name} exited with {p.popen.returncode}; see {p.log}")
+
+
 def wait_step(out: Path, step: int, procs: list[Proc], timeout: float) -> None:
     deadline = time.monotonic() + timeout
+    next_log = time.monotonic() + 60
     while time.monotonic() < deadline:
         got = metrics(out)
         if got and got[-1]["step"] >= step:
+            note(f"step {got[-1]['step']} shipped (reward {got[-1]['reward_mean']})")
             return
-        for p in procs:
-            if p.popen is not None and p.popen.poll() not in (None, 0):
-                raise SystemExit(f"cluster: {p.name} exited with {p.popen.returncode}; see {p.log}")
+        check_running(procs)
+        if time.monotonic() >= next_log:
+            shipped = got[-1]["step"] if got else 0
+            print(f"cluster: waiting for step {step} (shipped: {shipped})", flush=True)
+            next_log += 60
         time.sleep(0.5)
     raise SystemExit(f"cluster: step {step} not shipped within {timeout}s")
+
+
+def wait_healthy_running(url: str, proc: Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        check_running([proc])
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"cluster: {url} did not answer /health within {timeout}s; see {proc.log}")
+
+
+def count_lines(path: Path, needle: str) -> int:
+    try:
+        return sum(needle in line for line in path.read_text(errors="replace").splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def probe_logprobs(url: str, model: str) -> list[float]:
@@ -169,7 +188,7 @@ def main() -> int:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     config = root / "run.toml"
     config.write_text(
-        f'[run]\nout = "{run}"\nsteps = {args.steps}\n\n'
+        f'[run]\nout = "{run}"\nmax_steps = {args.steps}\n\n'
         f'[model]\npath = "{model}"\n\n[data]\nmax_tokens = 7\n\n'
         '[reward]\nfunction = "trio_rl.learn.tasks:repeat"\n\n'
         '[rollout]\ntask = "repeat"\nbatch_groups = 8\ngroup_size = 16\n\n'
@@ -179,16 +198,18 @@ def main() -> int:
     )
     vllm_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
-    def server(i: int) -> Proc:
+    def server(i: int, log: str) -> Proc:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", "tiny",
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "64",
             "--gpu-memory-utilization", "0.05", "--host", "127.0.0.1", "--port", str(ports[i]),
         ]  # fmt: skip
-        return Proc(f"vLLM server {i} ({urls[i]})", cmd, root / f"vllm-{i}.log", vllm_env)
+        return Proc(f"vLLM server {i} ({urls[i]})", cmd, root / log, vllm_env)
 
-    servers = [server(0), server(1)]
+    servers = [server(0, "vllm-0.log"), server(1, "vllm-1.log")]
+    restarted = server(0, "vllm-0-restarted.log")
+    restarted.name = f"vLLM server 0 restarted ({urls[0]})"
     orchestrator = Proc(
         "orchestrator", ["trio-rl", "run", str(config), "--fresh"], root / "orchestrator.log"
     )
@@ -198,40 +219,43 @@ def main() -> int:
         "--no-python", "trio-rl", "trainer", str(config),
     ]  # fmt: skip
     trainer = Proc("trainer job (torchrun x2)", trainer_cmd, root / "trainer.log")
-    all_procs = [*servers, orchestrator, resumed, trainer]
-    restarted = server(0)
-    all_procs.append(restarted)
+    trainer2 = Proc("trainer job (restarted)", trainer_cmd, root / "trainer-restarted.log")
+    all_procs = [*servers, restarted, orchestrator, resumed, trainer, trainer2]
     ok = False
+    started = time.monotonic()
     try:
         for s in servers:
             s.start()
-        for url in urls:
-            wait_healthy(url, 900)
+        for s, url in zip(servers, urls, strict=True):
+            wait_healthy_running(url, s, 1200)
             note(f"{url} answers /health")
         orchestrator.start()
         trainer.start()
         third, half, two_thirds = args.steps // 3, args.steps // 2, (2 * args.steps) // 3
-        wait_step(run, third, [orchestrator], 1800)
+        wait_step(run, third, [orchestrator, trainer, *servers], 2400)
         servers[0].kill()
         restarted.start()
-        wait_healthy(urls[0], 900)
-        note(f"{urls[0]} (restarted) answers /health")
-        wait_step(run, half, [orchestrator], 1800)
+        wait_step(run, half, [orchestrator, trainer, servers[1], restarted], 2400)
         trainer.kill()
-        trainer.start()
-        wait_step(run, two_thirds, [orchestrator], 1800)
+        trainer2.start()
+        wait_step(run, two_thirds, [orchestrator, trainer2, servers[1], restarted], 2400)
         orchestrator.kill()
         resumed.start()
-        deadline = time.monotonic() + 1800
+        # the restarted server must be back before the end: the check asks it for logprobs
+        wait_healthy_running(urls[0], restarted, 1200)
+        note(f"{urls[0]} (restarted) answers /health")
+        deadline = time.monotonic() + 2400
         assert resumed.popen is not None
-        assert trainer.popen is not None
+        assert trainer2.popen is not None
         while resumed.popen.poll() is None and time.monotonic() < deadline:
+            check_running([trainer2, servers[1], restarted])
             time.sleep(1)
         note(f"orchestrator (resumed) exited with {resumed.popen.returncode}")
-        while trainer.popen.poll() is None and time.monotonic() < deadline:
+        while trainer2.popen.poll() is None and time.monotonic() < deadline:
             time.sleep(1)
-        note(f"trainer job exited with {trainer.popen.returncode}")
-        ok = check(run, urls, args.steps)
+        note(f"trainer job exited with {trainer2.popen.returncode}")
+        exits_ok = resumed.popen.returncode == 0 and trainer2.popen.returncode == 0
+        ok = check(run, root, urls, args.steps, time.monotonic() - started) and exits_ok
     finally:
         for p in all_procs:
             p.stop()
@@ -243,23 +267,43 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def check(run: Path, urls: list[str], steps: int) -> bool:
-    records = metrics(run)
+def check(run: Path, root: Path, urls: list[str], steps: int, wall: float) -> bool:
+    # the last record of each step: a resumed orchestrator may ship again a step it had
+    # shipped but not checkpointed
+    by_step = {r["step"]: r for r in metrics(run)}
+    records = [by_step[k] for k in sorted(by_step)]
     rewards = [r["reward_mean"] or 0.0 for r in records]
-    best3 = max(sum(rewards[i : i + 3]) / 3 for i in range(len(rewards) - 2))
-    trained = [json.loads(x)["step"] for x in (run / "trainer/trained.jsonl").read_text().split()]
+    best3 = max((sum(rewards[i : i + 3]) / 3 for i in range(len(rewards) - 2)), default=0.0)
+    log = [json.loads(x) for x in (run / "trainer/trained.jsonl").read_text().splitlines()]
+    trained = [entry["step"] for entry in log]
+    shipped = {r["step"]: r["samples"] for r in records}
+    sequences_match = all(shipped.get(e["step"]) == e["sequences"] for e in log)
     gaps = [
         abs(a - b)
         for a, b in zip(
             probe_logprobs(urls[0], "tiny"), probe_logprobs(urls[1], "tiny"), strict=True
         )
     ]
+    run_logs = [run / "logs/run.log"]
+    back_in = sum(count_lines(p, f"inference server {urls[0]} taken back in") for p in run_logs)
     figures = {
         "steps shipped": records[-1]["step"] if records else 0,
+        "samples shipped": sum(shipped.values()),
         "first step reward": rewards[0] if rewards else None,
         "best 3-step mean reward": round(best3, 3),
+        "last step reward": rewards[-1] if rewards else None,
         "trained steps": f"{len(trained)} entries, {len(set(trained))} distinct",
+        "trained sequences = shipped samples, every step": sequences_match,
+        "trainer processes (pids in the log)": len({e["pid"] for e in log}),
+        "server 0 taken back in (orchestrator log)": back_in,
+        "completions served by restarted server 0": count_lines(
+            root / "vllm-0-restarted.log", "POST /v1/completions"
+        ),
+        "weight reloads of restarted server 0": count_lines(
+            root / "vllm-0-restarted.log", "POST /collective_rpc"
+        ),
         "restarted server vs other, max logprob gap": max(gaps),
+        "wall time, server start included (s)": round(wall),
     }
     print(json.dumps(figures, indent=1))
     return (
@@ -267,6 +311,8 @@ def check(run: Path, urls: list[str], steps: int) -> bool:
         and rewards[0] <= 0.1
         and best3 >= 0.5
         and sorted(trained) == list(range(1, steps + 1))
+        and sequences_match
+        and back_in >= 1
         and max(gaps) <= 1e-4
     )
 

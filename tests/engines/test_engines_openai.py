@@ -364,6 +364,24 @@ async def test_retries_dropped_connections(make_server: Callable[..., FakeVLLM])
     assert len(server.requests) == 3
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_request_unanswered_on_a_closed_connection_is_sent_once_more_in_its_attempt(
+    make_server: Callable[..., FakeVLLM], stream: bool
+) -> None:
+    # what a pooled keep-alive connection the server closed looks like: no answer at all
+    server = make_server(drop_next=1)
+    async with engine(server.url, max_attempts=1, stream=stream) as e:
+        c = await e.generate(req())
+    assert len(c.tokens) == 5
+    assert len(server.requests) == 2  # sent again, within its one attempt
+    # once only: a server that drops every request fails the attempt
+    server = make_server(drop_next=2)
+    async with engine(server.url, max_attempts=1, stream=stream) as e:
+        with pytest.raises(EngineTransportError, match="failed after 1 attempts"):
+            await e.generate(req())
+    assert len(server.requests) == 2
+
+
 async def test_gives_up_after_max_attempts(make_server: Callable[..., FakeVLLM]) -> None:
     server = make_server(fail_next=10)
     async with engine(server.url, max_attempts=3) as e:

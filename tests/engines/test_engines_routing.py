@@ -3,6 +3,8 @@ the ``X-SMG-Routing-Key`` header (what SGLang's router reads), one key per group
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -128,3 +130,29 @@ def test_per_sample_keys_and_the_old_boolean_spelling() -> None:
 def test_the_orchestrator_config_refuses_an_unknown_routing_mode() -> None:
     with pytest.raises(ValueError, match="routing_keys"):
         OrchestratorConfig(routing_keys="groups")  # type: ignore[arg-type]
+
+
+def test_simulate_against_an_openai_server_sends_one_routing_key_per_group(
+    tmp_path: Path,
+) -> None:
+    # `trio-rl simulate` as its own process against a loopback server that records headers
+    with serve() as (state, url):
+        cmd = [
+            sys.executable, "-c", "import sys; from trio_rl.cli import main; sys.exit(main())",
+            "simulate", "--out", str(tmp_path / "run"), "--steps", "1",
+            "--batch-groups", "2", "--group-size", "4",
+            "--set", "engine.kind=openai", "--set", f"engine.url={url}",
+            "--set", "engine.max_tokens=4",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    by_key: dict[str | None, set[tuple[int, ...]]] = defaultdict(set)
+    requests = 0
+    for (_, path, body), headers in zip(state.requests, state.headers, strict=True):
+        if path == "/v1/completions":
+            requests += 1
+            by_key[headers.get("x-smg-routing-key")].add(tuple(body["prompt"]))
+    assert requests >= 8  # at least the shipped step's two groups of four
+    assert None not in by_key  # every request carries the header ...
+    assert len(by_key) >= 2  # ... one key per group ...
+    assert all(len(prompts) == 1 for prompts in by_key.values())  # ... for one prompt only

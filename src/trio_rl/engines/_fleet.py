@@ -256,10 +256,9 @@ class EngineFleet:
                 completion = await server.engine.generate(request)
                 return attrs.evolve(completion, policy_version=version)
         except EngineTransportError as exc:
+            # the server's engine already sent a request again whose pooled connection the
+            # server had closed: this failure is the server's
             reason = str(exc)
-            if await _still_live(self, server):
-                server.failures += 1
-                return f"{reason} (server still answers its probe: kept)"
         finally:
             server.in_flight -= 1
             server.scopes.discard(scope)
@@ -374,13 +373,6 @@ def _take_out(fleet: EngineFleet, server: _Server, reason: str) -> None:
     logger.warning("inference server %s taken out: %s", server.url, reason)
     for scope in list(server.scopes):
         scope.cancel()
-
-
-async def _still_live(fleet: EngineFleet, server: _Server) -> bool:
-    """Whether a live server whose request just failed still answers its probe: a connection
-    the pool reused after the server had closed it (a keep-alive timeout) fails one request of
-    a healthy server, which is then retried elsewhere but kept in rotation."""
-    return server.state == "live" and await _probe(fleet, server) == "ok"
 
 
 async def _probe(fleet: EngineFleet, server: _Server) -> Literal["ok", "failed", "refused"]:

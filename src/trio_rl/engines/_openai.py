@@ -397,12 +397,8 @@ class OpenAICompatibleEngine:
                 await trio.sleep(retry_delay(attempt, self.backoff, self.max_backoff))
                 if request.routing_key is None:
                     base = self.server_for(None)
-            received.reset()
             try:
-                if self.stream:
-                    outcome = await exchange.streamed(client, base, rid, body, received)
-                else:
-                    outcome = await exchange.posted(client, base, rid, body)
+                outcome = await exchange.attempt(client, base, rid, body, received)
             except trio.Cancelled:
                 await self._abort(client, base, rid)
                 raise
@@ -442,16 +438,51 @@ class _Exchange:
     #: The request id and, with a routing key, the routing header.
     headers: Mapping[str, str]
 
+    async def attempt(
+        self,
+        client: httpx.AsyncClient,
+        base: str,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
+    ) -> Completion | str:
+        """One attempt on ``base``: the completion, or why it may be retried. A request
+        that never got an answer because its pooled connection was gone (a server closes an
+        idle keep-alive connection, uvicorn after 5 s, and a request racing that close fails
+        before the server saw it) is sent once more at once, to the same server: that is no
+        failure of the server. Were the server gone, the second try fails to connect."""
+        outcome = await self._once(client, base, rid, body, received)
+        if isinstance(outcome, _Unanswered):
+            logger.debug("%s; sending it again on a new connection", outcome)
+            outcome = await self._once(client, base, rid, body, received)
+        return outcome
+
+    async def _once(
+        self,
+        client: httpx.AsyncClient,
+        base: str,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
+    ) -> Completion | str:
+        received.reset()
+        if self.engine.stream:
+            return await self.streamed(client, base, rid, body, received)
+        return await self.posted(client, base, rid, body)
+
     async def posted(
         self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
     ) -> Completion | str:
         """One non-streamed attempt: the completion, or why it may be retried."""
+        answered = False
         try:
-            response = await client.post(
-                base + self.engine.completions_path, json=body, headers=dict(self.headers)
-            )
+            async with client.stream(
+                "POST", base + self.engine.completions_path, json=body, headers=dict(self.headers)
+            ) as response:
+                answered = True
+                await response.aread()
         except httpx.TransportError as exc:
-            return f"{base}: {type(exc).__name__}: {exc}"
+            return _failure(base, exc, answered)
         if response.status_code >= 500:
             return f"{base}: HTTP {response.status_code}"
         where = f"{base}{self.engine.completions_path} (request {rid!r})"
@@ -471,6 +502,7 @@ class _Exchange:
         lands in ``received`` at once, so an abort (a cancellation of this call) finds it
         there; leaving the ``client.stream`` block closes the response."""
         where = f"{base}{self.engine.completions_path} (request {rid!r})"
+        answered = False
         try:
             async with client.stream(
                 "POST",
@@ -478,6 +510,7 @@ class _Exchange:
                 json=body,
                 headers=dict(self.headers),
             ) as response:
+                answered = True
                 if response.status_code >= 500:
                     return f"{base}: HTTP {response.status_code}"
                 if response.status_code >= 400:
@@ -491,7 +524,7 @@ class _Exchange:
                     lambda payload, n: self._chunk(payload, received, f"{where}, event {n}"),
                 )
         except httpx.TransportError as exc:
-            return f"{base}: {type(exc).__name__}: {exc}"
+            return _failure(base, exc, answered)
         if received.finish is None:
             raise EngineResponseError(f"{where}: the stream ended without a finish reason")
         return Completion(
@@ -530,6 +563,18 @@ class _Exchange:
             finish_reason=finish,
             policy_version=self.engine._stamp(version),
         )
+
+
+class _Unanswered(str):
+    """Why an attempt failed: its connection broke before any answer (a pooled connection
+    the server had closed), so it is sent once more before it counts as an attempt."""
+
+
+def _failure(base: str, exc: httpx.TransportError, answered: bool) -> str:
+    reason = f"{base}: {type(exc).__name__}: {exc}"
+    # refused or timed out connecting: the server is not there, no reason to ask again
+    broken = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+    return _Unanswered(reason) if broken and not answered else reason
 
 
 def _refused(response: httpx.Response, where: str) -> EngineRequestError:

@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 import attrs
 import torch
 import trio
+import trio_util
 
 from .._validation import at_least, one_of
 from ..config._deploy import DataSection, ModelSection, RewardSection
@@ -81,7 +82,8 @@ class TrainerLog:
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, Any]] = {}
         self.closed = False
-        self._changed = trio.Event()
+        # counts the changes: a waiter's condition is checked again at each one
+        self._changes: trio_util.AsyncValue[int] = trio_util.AsyncValue(0)
 
     @property
     def last(self) -> int:
@@ -89,19 +91,21 @@ class TrainerLog:
 
     def add(self, record: dict[str, Any]) -> None:
         self.steps[int(record["step"])] = record
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.value += 1
 
     def close(self) -> None:
         """No more reports: waiters get what there is."""
         self.closed = True
-        self._changed.set()
+        self._changes.value += 1
 
     async def wait_for(self, step: int) -> dict[str, Any] | None:
         """The trainer's record of ``step`` once reported (None once closed, or when a later
         step was reported without it)."""
-        while step not in self.steps and not self.closed and self.last < step:
-            await self._changed.wait()
+
+        def settled(_: int) -> bool:
+            return step in self.steps or self.closed or self.last >= step
+
+        await self._changes.wait_value(settled)
         return self.steps.get(step)
 
 

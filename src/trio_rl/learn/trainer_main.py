@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import logging
+import operator
 import os
 import sys
 import time
@@ -46,7 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import trio
+import trio_util
 
+from ..errors import collapse_single
 from ..rundir import (
     HEARTBEAT_FILE,
     ORCHESTRATOR_HEARTBEAT,
@@ -171,7 +175,8 @@ class _Job:
             self.start = int(state["step"]) + 1
             if rank == 0:
                 self._reconcile(state)
-        self.trained = self.start - 1
+        #: The last step this rank trained (its state saved, its batch acknowledged).
+        self.trained: trio_util.AsyncValue[int] = trio_util.AsyncValue(self.start - 1)
 
     def _reconcile(self, state: dict[str, Any]) -> None:
         log = self.out / TRAINED_LOG
@@ -227,14 +232,14 @@ class _Job:
 
             async def train() -> None:
                 async with transport:
-                    while self.steps is None or self.trained < self.steps:
+                    while self.steps is None or self.trained.value < self.steps:
                         got = await transport.receive()
                         with trio.CancelScope(shield=True):
                             stats = await trio.to_thread.run_sync(
                                 self._step, got.step, got.data, limiter=limiter
                             )
                             await transport.ack(got.step)
-                        self.trained = got.step
+                        self.trained.value = got.step
                         if self.rank == 0:
                             print(
                                 f"trainer step {got.step}: {stats.loss_tokens} loss tokens, loss "
@@ -249,9 +254,55 @@ class _Job:
             # Every rank stops after the same step (a rank leaving early would hang the others
             # in an all-reduce): the one the orchestrator names in the stop file, once trained.
             last = await _wait_for_stop(self.out / STOP_FILE)
-            while self.trained < last:  # noqa: ASYNC110 - the training thread has no event
-                await trio.sleep(0.01)
+            await _wait_trained(
+                self.trained,
+                last,
+                self.config.connect_timeout,
+                f"{self.out / 'batches'} (rank {self.rank})",
+            )
             nursery.cancel_scope.cancel()
+
+
+async def _wait_trained(
+    trained: trio_util.AsyncValue[int],
+    last: int,
+    idle_limit: float,
+    where: str,
+    log_every: float = 10.0,
+) -> None:
+    """Wait until ``trained`` reaches ``last`` (the orchestrator's last step, from ``STOP``),
+    failing when no step was trained for ``idle_limit`` seconds (``trainer.connect_timeout``):
+    a batch the orchestrator shipped but that never arrives (lost, or the job reads another
+    directory) would otherwise keep the job, and every other rank, waiting forever. Logs what
+    it waits for every ``log_every`` seconds (at least once before a short deadline)."""
+    log_every = min(log_every, idle_limit / 2)
+    progress, seen = trio.current_time(), trained.value
+    while trained.value < last:
+        if trained.value > seen:
+            progress, seen = trio.current_time(), trained.value
+        wait = min(log_every, progress + idle_limit - trio.current_time())
+        past = functools.partial(operator.lt, seen)  # past(v): seen < v
+        with trio.move_on_after(max(wait, 0.0)):
+            await trained.wait_value(past)
+        if trained.value > seen:
+            continue
+        idle = trio.current_time() - progress
+        if idle >= idle_limit:
+            raise TransportTimeoutError(
+                f"trainer job: the orchestrator's last step is {last} (STOP) but no step was "
+                f"trained for {idle_limit:g} s (trainer.connect_timeout): step {seen + 1}'s batch "
+                f"never arrived in {where}"
+            )
+        logger.warning(
+            "trainer job: the orchestrator's last step is %d; trained up to %d, waiting for "
+            "step %d's batch in %s for %.0f s; failing in %.0f s (trainer.connect_timeout)",
+            last,
+            seen,
+            seen + 1,
+            where,
+            idle,
+            idle_limit - idle,
+        )
 
 
 def _read(path: Path) -> str | None:
@@ -338,7 +389,8 @@ def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> i
         rank = dist.get_rank() if distributed else 0
         job = _Job(config, rank, steps)
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        trio.run(job.serve)
+        with collapse_single():  # one failure of the job's tasks is raised as itself
+            trio.run(job.serve)
         del job  # the DDP wrapper goes before the process group it holds
         gc.collect()
         if distributed:

@@ -111,6 +111,9 @@ def orchestrator_config(cfg: SimulateConfig) -> OrchestratorConfig:
         seed=cfg.run.seed,
         seq_len=max(8192, cfg.engine.max_tokens + 16),
         checkpoint_keep=cfg.checkpoint.keep,
+        # a server behind a router (SGLang's, vLLM's) keeps a group's prompt in one prefix
+        # cache: every request of a group carries the group's X-SMG-Routing-Key
+        routing_keys="group" if cfg.engine.kind == "openai" else "none",
     )
 
 
