@@ -129,3 +129,17 @@ async def test_a_deterministic_policy_at_the_target_reward_has_converged(tmp_pat
     assert result.stopped == "converged"
     assert result.final_reward is not None
     assert result.final_reward >= 0.0
+
+
+@pytest.mark.parametrize(
+    ("reward", "shown", "verdict"),
+    [(0.99964, "0.9996", "collapsed"), (0.5613, "0.561", "collapsed"), (1.0, "1.000", "converged")],
+)
+def test_a_collapse_just_below_the_target_does_not_print_as_the_target(
+    tmp_path: Path, reward: float, shown: str, verdict: str
+) -> None:
+    from trio_rl.learn.run import _converged
+
+    stopped, line = _converged(reward, LearnConfig(out=tmp_path))
+    assert stopped == verdict
+    assert line.startswith(f"stopping: {verdict} at reward {shown}:"), line

@@ -170,7 +170,7 @@ class LearnTrainer:
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
-    lr: float = option(2e-3, "AdamW learning rate", validator=positive)
+    lr: float = option(1e-3, "AdamW learning rate", validator=positive)
     epochs: int = option(4, "AdamW updates per batch", validator=at_least(1))
     clip: float = option(0.2, "importance-ratio clip", validator=positive)
     weight_decay: float = option(0.0, "AdamW weight decay", validator=at_least(0))

@@ -46,7 +46,7 @@ class TrainerConfig:
     collapsing onto one reply per prompt while it is still wrong (docs/learning.md).
     """
 
-    lr: float = attrs.field(default=2e-3, validator=positive)
+    lr: float = attrs.field(default=1e-3, validator=positive)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     clip: float = attrs.field(default=0.2, validator=positive)

@@ -1009,7 +1009,7 @@ def _converged(final_reward: float | None, config: LearnConfig) -> tuple[str, st
     """Why a run whose groups all had equal rewards ends: ``converged`` at the task's maximum
     (or ``stop_at_reward``), else ``collapsed``; and the line saying so."""
     target = 1.0 if config.stop_at_reward is None else config.stop_at_reward
-    shown = "none" if final_reward is None else f"{final_reward:.3f}"
+    shown = "none" if final_reward is None else _reward_text(final_reward, target)
     if final_reward is not None and final_reward >= target - 1e-9:
         return "converged", (
             f"stopping: converged at reward {shown}: the policy is deterministic "
@@ -1023,6 +1023,16 @@ def _converged(final_reward: float | None, config: LearnConfig) -> tuple[str, st
         f"right (target {target:g}); raise trainer.entropy_coef or "
         "rollout.temperature"
     )
+
+
+def _reward_text(reward: float, target: float) -> str:
+    """``reward`` to three decimals, or to as many as it takes not to read as ``target`` when it
+    is below it (a collapse at 0.9996 must not print as 1.000)."""
+    for digits in range(3, 10):
+        text = f"{reward:.{digits}f}"
+        if reward >= target - 1e-9 or float(text) < target:
+            return text
+    return repr(reward)
 
 
 async def _wait_for_last_step(
