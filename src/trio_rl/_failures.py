@@ -11,7 +11,7 @@ import traceback
 
 import trio
 
-from ._jobs import UsageError
+from ._jobs import _UsageError
 from .config import ConfigError
 from .errors import EngineTransportError
 from .train import CheckpointError
@@ -110,7 +110,7 @@ def report_failure(args: argparse.Namespace, exc: BaseException) -> int:
     engine = _engine_failure(failure)
     if engine is not None:  # the cause, not the rollout layer's wrapping of it
         message = "the engine failed every request, e.g. " + " ".join(str(engine).split())
-    if isinstance(failure, ConfigError | UsageError):
+    if isinstance(failure, ConfigError | _UsageError):
         print(f"trio-rl: error: {message}", file=sys.stderr)
         return 2
     hint = _hint(failure, message, str(getattr(args, "command", "")))

@@ -113,7 +113,7 @@ def resume_command(argv: Sequence[str]) -> str:
     return shlex.join(["trio-rl", *(a for a in argv if a != "--fresh")])
 
 
-class UsageError(TrioRLError, ValueError):
+class _UsageError(TrioRLError, ValueError):
     """A bad command line the parser cannot see (e.g. ``--out`` below a regular file): exit 2."""
 
 
@@ -125,7 +125,7 @@ def check_out(out: Path) -> None:
     for path in (out, *out.parents):
         if path.exists():
             if not path.is_dir():
-                raise UsageError(
+                raise _UsageError(
                     f"--out {out}: {path} is a regular file, not a directory; pass a directory"
                 )
             break
@@ -135,7 +135,7 @@ def check_out(out: Path) -> None:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        raise UsageError(
+        raise _UsageError(
             f"--out {out}: cannot write there ({exc.strerror or exc}); pass a directory you "
             "can write"
         ) from None

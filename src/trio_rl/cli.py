@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from ._failures import FirstFailures, Quiet, report_failure
 from ._flags import RUN_FLAGS, SIMULATE_FLAGS, add_config_arguments, layers
-from ._jobs import STARTUP, UsageError
+from ._jobs import STARTUP, _UsageError
 from ._learning import run_command, trainer_command
 from .config import LearnRunConfig, SimulateConfig, load, to_toml
 from .simulate import orchestrator_config as orchestrator_config
@@ -189,7 +189,7 @@ def _show_config(args: argparse.Namespace) -> int:
     flags = RUN_FLAGS if schema is LearnRunConfig else ()
     if schema is SimulateConfig and any(getattr(args, f.dest, None) for f in RUN_FLAGS):
         given = [f.flag for f in RUN_FLAGS if getattr(args, f.dest, None) is not None]
-        raise UsageError(f"{', '.join(given)}: flags of `run`; with --for simulate use --set")
+        raise _UsageError(f"{', '.join(given)}: flags of `run`; with --for simulate use --set")
     cfg, _ = load(schema, args.configs, layers(schema, args, flags))
     sys.stdout.write(to_toml(cfg))
     return 0

@@ -640,7 +640,9 @@ async def _open_engine(
             yield engine
         return
     if config.inference.launch and config.model.path is None:
-        raise ValueError("[inference] launch needs [model] path: the model the servers serve")
+        raise InvalidArgumentError(
+            "[inference] launch needs [model] path: the model the servers serve"
+        )
     async with open_inference(
         **config.inference.inference_kwargs(),
         model_path=config.model.path,
@@ -686,7 +688,7 @@ async def run_learning(
     out = config.out
     if config.deterministic:
         if config.trainer_mode != "inprocess":
-            raise ValueError("a deterministic run needs the in-process trainer")
+            raise InvalidArgumentError("a deterministic run needs the in-process trainer")
         # one thread: a reduction's order (and so its last bits) must not depend on threads
         torch.set_num_threads(1)
     # The learning run does not resume: a previous run's weights would be taken for new
@@ -839,7 +841,9 @@ async def run_learning(
         )
         if config.trainer_mode == "inprocess":
             if config.ranks != 1:
-                raise ValueError("the in-process trainer has one rank; use trainer_mode='torchrun'")
+                raise InvalidArgumentError(
+                    "the in-process trainer has one rank; use trainer_mode='torchrun'"
+                )
             may_train = None
             if config.deterministic:
                 # lockstep: batch k trains once batch k + async level shipped (or the run's
