@@ -22,7 +22,7 @@ from ..rollout import (
     reject_aborted,
 )
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus
-from ._report import Invariant
+from ._errors import Invariant
 from ._world import World
 
 #: The engine's moves in a schedule (``settle`` drawn three times as often as the others).

@@ -14,8 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from ..rollout import CreditScheduler, GroupFactory, pending_samples, run_reporting
 from ..samples import Group, Prompt
 from ._checks import resumed_group
+from ._errors import Invariant
 from ._machine import Machine, bind, machine_test
-from ._report import Invariant, live_tasks
+from ._report import live_tasks
 from ._subject import HANG_TIMEOUT, RolloutSubject
 
 __all__ = ["CreditProtocolMachine", "credit_protocol_machine", "credit_protocol_test"]

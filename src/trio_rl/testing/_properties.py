@@ -37,9 +37,10 @@ from ._checks import (
     resumed_group,
     sync_driver,
 )
+from ._errors import Invariant
 from ._hypothesis import PHASES, namespaced, subject_digest
 from ._recorder import TrackingLedger
-from ._report import Invariant, live_tasks, unwrap_single
+from ._report import live_tasks, unwrap_single
 from ._subject import HANG_TIMEOUT, RolloutSubject
 from ._world import World
 
