@@ -12,7 +12,9 @@
 - :func:`make_sink` and :func:`one_per_sample_packer`: the publisher tests' sink (groups with
   2-token prompts: with 4 completion tokens a sample is 6 tokens) and a packer whose 8-token
   bins hold one such sample each;
-- :class:`Releases`: an injected memory release that records each call and can be gated.
+- :class:`Releases`: an injected memory release that records each call and can be gated;
+- :func:`micro_batch` and :func:`grid`: wire micro-batches whose values name their step, rank
+  and index, one or a step's worth.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import trio
 
 from trio_rl.engines import FinishReason, GenerateRequest
@@ -32,15 +35,17 @@ from trio_rl.rollout import GroupFactory
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.testing import Fate, ScriptedEngine
 from trio_rl.train import PruneMode, SinkConfig, TrainingSample, TrainSink
-from trio_rl.wire import MicroBatch
+from trio_rl.wire import MicroBatch, RoutedExperts
 
 __all__ = [
     "PROMPT",
     "Releases",
     "WatchedCell",
+    "grid",
     "make_group",
     "make_sample",
     "make_sink",
+    "micro_batch",
     "one_per_sample_packer",
     "pending_group",
     "scripted_engine",
@@ -224,3 +229,31 @@ class Releases:
         release_containers(containers)
         with self._lock:
             self.active -= 1
+
+
+def micro_batch(step: int, rank: int, index: int, tokens: int = 16, experts: int = 0) -> MicroBatch:
+    """A micro-batch of ``tokens`` tokens whose every value says its step, rank and index
+    (``experts``: with routed experts of that many per token)."""
+    base = step * 1000 + rank * 100 + index
+    routed = None
+    if experts:
+        arr = np.arange(tokens * experts * 2, dtype=np.int32).reshape(tokens, experts, 2) + base
+        routed = RoutedExperts(data=arr.tobytes(), shape=list(arr.shape), dtype="int32")
+    return MicroBatch(
+        input_ids=[base + i for i in range(tokens)],
+        loss_mask=[i % 2 == 0 for i in range(tokens)],
+        advantages=[float(base) / 7] * tokens,
+        inference_logprobs=[-0.5 - i / tokens for i in range(tokens)],
+        position_ids=list(range(tokens)),
+        sequence_lengths=[tokens],
+        temperatures=[1.0] * tokens,
+        env_names=[f"env-{rank}"],
+        seq_lens=[tokens],
+        routed_experts=routed,
+    )
+
+
+def grid(step: int, world: int, per_rank: int = 2, **kw: int) -> list[list[MicroBatch]]:
+    """Step ``step``'s micro-batches: ``per_rank`` of :func:`micro_batch` for each of ``world``
+    ranks."""
+    return [[micro_batch(step, r, i, **kw) for i in range(per_rank)] for r in range(world)]

@@ -9,7 +9,9 @@ cut, a driver's close) stay with that layer's tests.
 
 - the publisher over the train sink and a transport: a cut cancelled while pruning, a publish
   cancelled in a worker job (packing, encoding, a checkpoint write, a memory release), and the
-  owner cancelled while a release runs.
+  owner cancelled while a release runs;
+- the trainer's batch receiver over a transport and the wire decoder: receives cancelled while
+  they wait, read or decode lose no step.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from builders import Releases, make_group, make_sink, one_per_sample_packer
+from builders import Releases, grid, make_group, make_sink, one_per_sample_packer
 from trio_rl.publish import open_publisher, release_containers
 from trio_rl.train import PruneMode, TrainingSample
-from trio_rl.transport import FileSender, batch_path
-from trio_rl.wire import MicroBatch
+from trio_rl.trainer import BatchReceiver
+from trio_rl.transport import FileReceiver, FileSender, batch_path
+from trio_rl.wire import MicroBatch, encode
 
 # --------------------------------------------------------------------------- publish over train
 
@@ -239,3 +242,37 @@ def test_cancellation_at_any_worker_job_keeps_releases_and_accounting_exact(
     for step in range(1, shipped + 1):
         assert batch_path(tmp_path, step, 0).exists() != (step in pending)
     assert not batch_path(tmp_path, shipped + 1, 0).exists()
+
+
+# --------------------------------------------------------------------------- trainer over transport
+
+
+async def test_cancelled_receives_lose_no_step(tmp_path: Path) -> None:
+    """Receives (waiting, reading, decoding in a thread) cancelled by tiny timeouts: every step
+    still arrives exactly once, in order, even though each file is deleted once read."""
+    steps = 25
+    sent = [grid(s, 1, per_rank=3, tokens=2048)[0] for s in range(steps)]
+    transport = FileReceiver(tmp_path, 0, delete=True, poll_interval=0.0005)
+    got: list[int] = []
+    cancelled = 0
+    async with (
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
+        BatchReceiver(transport, thread_threshold=1024) as receiver,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def send_all() -> None:
+            for s in range(steps):
+                await sender.send(s, [encode(sent[s])])
+                await trio.sleep(0.002)  # make some receives wait, to be cancelled
+
+        nursery.start_soon(send_all)
+        with trio.fail_after(60):
+            while len(got) < steps:
+                with trio.move_on_after(0.0003) as scope:
+                    step, micro_batches = await receiver.receive()
+                    assert micro_batches == sent[step]
+                    got.append(step)
+                cancelled += scope.cancelled_caught
+    assert got == list(range(steps))
+    assert cancelled > 0
