@@ -36,8 +36,8 @@ from trio_rl.train import CheckpointManager, TrainingSample, TrainSink
 
 
 def arrive(sink: TrainSink, template: list[TrainingSample], k: int, version: int) -> None:
-    """``k`` new samples queued (shared token lists, new objects), booked as dispatched."""
-    sink._books.dispatched(k)
+    """``k`` new samples queued (shared token lists, new objects), counted as dispatched."""
+    sink._tally.dispatched(k)
     for j in range(k):
         a = sink._next_arrival
         sink._next_arrival += 1

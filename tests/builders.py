@@ -8,27 +8,45 @@
   end every call by itself after ``delay`` (virtual) seconds with a finish reason looked up by
   the request's seed;
 - :class:`WatchedCell`: a policy-version cell that records every wait on it, so a test sees
-  the ship gate hold without sleeping.
+  the ship gate hold without sleeping;
+- :func:`make_sink` and :func:`one_per_sample_packer`: the publisher tests' sink (groups with
+  2-token prompts: with 4 completion tokens a sample is 6 tokens) and a packer whose 8-token
+  bins hold one such sample each;
+- :class:`Releases`: an injected memory release that records each call and can be gated;
+- :func:`micro_batch` and :func:`grid`: wire micro-batches whose values name their step, rank
+  and index, one or a step's worth.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
+import numpy as np
 import trio
 
 from trio_rl.engines import FinishReason, GenerateRequest
 from trio_rl.policy import PolicyVersionCell
+from trio_rl.publish import pack_samples, release_containers
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.testing import Fate, ScriptedEngine
+from trio_rl.train import PruneMode, SinkConfig, TrainingSample, TrainSink
+from trio_rl.wire import MicroBatch, RoutedExperts
 
 __all__ = [
     "PROMPT",
+    "Releases",
     "WatchedCell",
+    "grid",
     "make_group",
     "make_sample",
+    "make_sink",
+    "micro_batch",
+    "one_per_sample_packer",
     "pending_group",
     "scripted_engine",
 ]
@@ -168,3 +186,74 @@ class WatchedCell(PolicyVersionCell):
 
         nursery.start_soon(go)
         await self._woken.wait()
+
+
+def make_sink(
+    batch_size: int, groups: int = 0, *, prune: PruneMode = PruneMode.BEFORE_QUEUE
+) -> TrainSink:
+    """A sink with ``groups`` two-sample groups ``g0``, ``g1``, ... queued (rewards 1 and 0: both
+    train), 6 tokens a sample."""
+    sink = TrainSink(SinkConfig(batch_size=batch_size, prune=prune, max_off_policy_steps=None))
+    for g in range(groups):
+        sink.add_group(make_group([1.0, 0.0], group_id=f"g{g}", prompt_len=2))
+    return sink
+
+
+def one_per_sample_packer(
+    world_size: int, seq_len: int = 8
+) -> Callable[[Sequence[TrainingSample]], list[list[MicroBatch]]]:
+    """The library's packer with bins so short that each test sample (6 tokens) gets its own."""
+    return functools.partial(pack_samples, seq_len=seq_len, num_ranks=world_size)
+
+
+class Releases:
+    """An injected release: records each call (and its containers' sizes), can be gated."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.calls: list[list[int]] = []
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        if not gated:
+            self.gate.set()
+        self.active = 0
+        self.max_active = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, containers: Sequence[Any]) -> None:
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        self.calls.append([len(c) for c in containers])
+        self.started.set()
+        self.gate.wait(30)
+        release_containers(containers)
+        with self._lock:
+            self.active -= 1
+
+
+def micro_batch(step: int, rank: int, index: int, tokens: int = 16, experts: int = 0) -> MicroBatch:
+    """A micro-batch of ``tokens`` tokens whose every value says its step, rank and index
+    (``experts``: with routed experts of that many per token)."""
+    base = step * 1000 + rank * 100 + index
+    routed = None
+    if experts:
+        arr = np.arange(tokens * experts * 2, dtype=np.int32).reshape(tokens, experts, 2) + base
+        routed = RoutedExperts(data=arr.tobytes(), shape=list(arr.shape), dtype="int32")
+    return MicroBatch(
+        input_ids=[base + i for i in range(tokens)],
+        loss_mask=[i % 2 == 0 for i in range(tokens)],
+        advantages=[float(base) / 7] * tokens,
+        inference_logprobs=[-0.5 - i / tokens for i in range(tokens)],
+        position_ids=list(range(tokens)),
+        sequence_lengths=[tokens],
+        temperatures=[1.0] * tokens,
+        env_names=[f"env-{rank}"],
+        seq_lens=[tokens],
+        routed_experts=routed,
+    )
+
+
+def grid(step: int, world: int, per_rank: int = 2, **kw: int) -> list[list[MicroBatch]]:
+    """Step ``step``'s micro-batches: ``per_rank`` of :func:`micro_batch` for each of ``world``
+    ranks."""
+    return [[micro_batch(step, r, i, **kw) for i in range(per_rank)] for r in range(world)]

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
-from publisher_support import make_sink
 
+from builders import make_sink
 from trio_rl.publish import SinkCheckpointer, open_publisher
 from trio_rl.train import CheckpointManager, TrainingSample
 from trio_rl.transport import FileSender

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from publisher_support import make_sink
 
+from builders import make_sink
 from trio_rl.publish import _pacing, cohort_stats, pack_lazily, release_containers
 from trio_rl.publish._pacing import Pacer
 

@@ -11,9 +11,8 @@ import msgpack
 import pytest
 import trio
 import trio.testing
-from publisher_support import make_sink, one_per_sample_packer
 
-from builders import make_group
+from builders import make_group, make_sink, one_per_sample_packer
 from trio_rl.publish import (
     BatchSource,
     PublishError,
@@ -227,38 +226,6 @@ async def test_an_all_pruned_cut_ships_nothing_and_keeps_step_and_window(tmp_pat
     assert record.all.attempts == 4
     assert record.all.outcomes["pruned"] == 2
     assert not (tmp_path / "batches" / "step_2").exists()
-
-
-async def test_cancelled_while_pruning_the_publisher_cuts_like_take_batch(tmp_path: Path) -> None:
-    # One cutter: the publisher goes through TrainSink.cut, whose pruning worker is waited for
-    # (shielded) and whose result is booked: pruned samples count as pruned, survivors go back.
-    sink = make_sink(batch_size=4, prune=PruneMode.AFTER_SELECTION)
-    # zero advantages: pruned after selection
-    sink.add_group(make_group([1.0, 1.0], group_id="flat", prompt_len=2))
-    sink.add_group(make_group([1.0, 0.0], group_id="live", prompt_len=2))
-    limiter = trio.CapacityLimiter(1)
-    async with (
-        FileSender(tmp_path, world_size=1, fsync=False) as sender,
-        open_publisher(sink, sender, pack=one_per_sample_packer(1), limiter=limiter) as pub,
-    ):
-        with trio.fail_after(10):
-            await limiter.acquire()  # the pruning worker waits for this token
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pub.publish)
-                await trio.testing.wait_all_tasks_blocked()
-                assert sink.queued == 0  # detached
-                nursery.cancel_scope.cancel()
-                limiter.release()
-        assert pub.step == sink.step == 1
-        assert sink.counters.pruned == 2
-        assert sink.queued == 2
-        assert [s.group_id for s in sink.queued_samples()] == ["live", "live"]
-        sink.add_group(make_group([1.0, 0.0], group_id="live2", prompt_len=2))
-        record = await pub.publish()
-    assert record is not None
-    assert record.effective.samples == 4
-    assert sink.counters.shipped == 4
-    assert sink.counters.dispatched == sink.counters.settled == 6
 
 
 async def test_checkpoint_snapshot_is_taken_after_the_step_advanced(tmp_path: Path) -> None:

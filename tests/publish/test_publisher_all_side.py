@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from publisher_support import one_per_sample_packer
 
-from builders import make_group
+from builders import make_group, one_per_sample_packer
 from trio_rl.publish import ShipRecord, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats
 from trio_rl.rollout import (

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from publisher_support import make_sink, one_per_sample_packer
 
+from builders import make_sink, one_per_sample_packer
 from trio_rl.publish import open_publisher
 from trio_rl.train import TrainingSample
 from trio_rl.trainer import BatchReceiver

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from publisher_support import make_sink
 
-from builders import make_group
+from builders import make_group, make_sink
 from trio_rl.publish import (
     AttemptStats,
     Distribution,

@@ -15,9 +15,9 @@ from typing import BinaryIO
 
 import pytest
 import trio
-from publisher_support import make_sink
 from streaming_peak import fixed, micro_batch
 
+from builders import make_sink
 from trio_rl.publish import (
     PublishError,
     Shipment,

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from publisher_support import one_per_sample_packer
 
-from builders import make_group
+from builders import make_group, one_per_sample_packer
 from trio_rl.publish import Shipment, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats, selection_stats, ship_warnings
 from trio_rl.train import PruneMode, SinkConfig, SinkWindow, TrainingSample, TrainSink

@@ -90,8 +90,9 @@ async def test_outer_cancellation_settles_samples_and_propagates(
 
 
 async def test_outer_cancellation_with_a_failure_in_the_same_tick_still_propagates() -> None:
-    """A sample that fails and siblings cancelled from outside at once: Cancelled wins (as
-    before), every sample settles once, no GroupFailed escapes a cancelled caller."""
+    """A sample that fails and siblings cancelled from outside at once: Cancelled wins (the
+    caller asked to stop), every sample settles once, no GroupFailed escapes a cancelled
+    caller."""
     group = pending_group(3)
     fired: list[int] = []
     started = 0

@@ -39,7 +39,7 @@ class CountingLedger(CreditLedger):
         self.opens.append(group_id)
 
 
-def test_scheduler_keeps_its_books_in_the_given_ledger() -> None:
+def test_scheduler_keeps_its_accounts_in_the_given_ledger() -> None:
     ledger = CountingLedger()
     scheduler = CreditScheduler(SampleBackfill(), G, ledger=ledger)
     assert scheduler.ledger is ledger
@@ -55,7 +55,7 @@ def test_scheduler_refuses_a_used_ledger() -> None:
         CreditScheduler(SampleBackfill(), G, ledger=used)
 
 
-async def test_async_driver_books_every_submission_in_the_given_ledger(
+async def test_async_driver_counts_every_submission_in_the_given_ledger(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     ledger = CountingLedger()

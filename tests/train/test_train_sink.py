@@ -270,7 +270,7 @@ def test_whole_group_for_an_open_group_counts_held_members_once() -> None:
     )
 
 
-def test_discard_queued_books_cancelled() -> None:
+def test_discard_queued_counts_cancelled() -> None:
     s = sink()
     s.add_group(make_group([1.0, 0.0]))
     assert s.discard_queued() == 2

@@ -5,8 +5,12 @@ file and checkpoint writes, memory release) runs in worker threads through one s
 `trio.CapacityLimiter`; the event loop only detaches, snapshots and settles.
 """
 
+from ._delivery import Checkpointer as Checkpointer
+from ._delivery import SinkCheckpointer as SinkCheckpointer
 from ._distribution import Distribution as Distribution
+from ._encoding import Encoder as Encoder
 from ._errors import MonitorTimeoutError as MonitorTimeoutError
+from ._errors import PackingError as PackingError
 from ._errors import PublishError as PublishError
 from ._errors import ReleaseTimeoutError as ReleaseTimeoutError
 from ._metrics import Annotation as Annotation
@@ -22,17 +26,13 @@ from ._metrics import WarningKind as WarningKind
 from ._metrics import cohort_stats as cohort_stats
 from ._metrics import step_record as step_record
 from ._packing import PackedRank as PackedRank
-from ._packing import PackingError as PackingError
 from ._packing import pack_lazily as pack_lazily
 from ._packing import pack_samples as pack_samples
 from ._publisher import BatchSource as BatchSource
-from ._publisher import Checkpointer as Checkpointer
-from ._publisher import Encoder as Encoder
 from ._publisher import Monitor as Monitor
 from ._publisher import Packer as Packer
 from ._publisher import Publisher as Publisher
 from ._publisher import Shipment as Shipment
-from ._publisher import SinkCheckpointer as SinkCheckpointer
 from ._publisher import open_publisher as open_publisher
 from ._release import DeferredRelease as DeferredRelease
 from ._release import malloc_trim as malloc_trim

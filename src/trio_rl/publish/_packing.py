@@ -35,7 +35,6 @@ from ._pacing import Pacer
 
 __all__ = [
     "PackedRank",
-    "PackingError",
     "bin_cost",
     "pack_lazily",
     "pack_samples",

@@ -38,7 +38,7 @@ from ..train import (
 )
 from ..transport import Payload, Sender
 from ..wire import MicroBatch, encode
-from ._delivery import Checkpointer, Delivery, Outbox, SinkCheckpointer
+from ._delivery import Checkpointer, Delivery
 from ._encoding import Encoded, Encoder, encode_step
 from ._errors import MonitorTimeoutError, PublishError
 from ._metrics import (
@@ -62,18 +62,7 @@ logger = logging.getLogger("trio_rl.publish")
 # have a logger of their own, so an application that shows them per step can quiet them alone.
 quality_logger = logging.getLogger("trio_rl.publish.quality")
 
-__all__ = [
-    "BatchSource",
-    "Checkpointer",
-    "Encoder",
-    "Monitor",
-    "Outbox",
-    "Packer",
-    "Publisher",
-    "Shipment",
-    "SinkCheckpointer",
-    "open_publisher",
-]
+__all__ = ["BatchSource", "Monitor", "Packer", "Publisher", "Shipment", "open_publisher"]
 
 #: Packs the shipped samples into one sequence of micro-batches per data-parallel rank (pure,
 #: sync). `trio_rl.publish.pack_lazily` returns ranks that build each micro-batch as the encoder

@@ -9,6 +9,7 @@ from ._engine import Call as Call
 from ._engine import Fate as Fate
 from ._engine import FateKind as FateKind
 from ._engine import ScriptedEngine as ScriptedEngine
+from ._errors import Invariant as Invariant
 from ._errors import InvariantViolation as InvariantViolation
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError
@@ -35,7 +36,6 @@ from ._recorder import RecordingRunner as RecordingRunner
 from ._recorder import RunnerLike as RunnerLike
 from ._recorder import SampleRecord as SampleRecord
 from ._recorder import TrackingLedger as TrackingLedger
-from ._report import Invariant as Invariant
 from ._report import Trace as Trace
 from ._report import live_tasks as live_tasks
 from ._strategies import ADVANCE_SECONDS as ADVANCE_SECONDS

@@ -1,11 +1,11 @@
 """The checks a property and a state machine share, and the drivers they check, built the same
 way by both: a sync driver's calls and batches, the async driver's state and batches, and the
-resumed groups of the credit loop."""
+resumed groups and the accounts of the credit loop."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Literal
 
 import attrs
@@ -15,6 +15,7 @@ from ..rollout import (
     CreditLedger,
     FailurePolicy,
     GroupFactory,
+    GroupOutcome,
     InMemorySource,
     SourceExhausted,
     SyncRolloutDriver,
@@ -22,7 +23,7 @@ from ..rollout import (
     reject_aborted,
 )
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, Sample, SampleStatus
-from ._report import Invariant
+from ._errors import Invariant
 from ._world import World
 
 #: The engine's moves in a schedule (``settle`` drawn three times as often as the others).
@@ -293,4 +294,51 @@ def check_async_state(
         and stats.buffered < capacity
         and not source.exhausted,
         drains=alive and stats.buffered < capacity,
+    )
+
+
+def count_outcome(world: World, outcome: GroupOutcome, outcomes: dict[str, int]) -> None:
+    """A credit loop was handed ``outcome``: ``OUTCOME_AFTER_SAMPLES_SETTLE`` (its group has
+    ended), and it is counted in ``outcomes``."""
+    record = world.recorder.groups.get(outcome.group_id)
+    world.recorder.check(
+        record is not None and record.ended,
+        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
+        f"outcome of group {outcome.group_id} delivered before it ended",
+    )
+    outcomes[outcome.group_id] = outcomes.get(outcome.group_id, 0) + 1
+
+
+def check_credit_loop_awake(
+    world: World, outcomes: Mapping[str, int], *, budget: int, group_size: int, may_submit: bool
+) -> None:
+    """``NO_LOST_WAKEUP`` while a credit loop runs: every group that ended had its outcome
+    delivered, and the loop is not asleep while it could submit."""
+    undelivered = [
+        gid for gid, r in world.recorder.groups.items() if r.ended and gid not in outcomes
+    ]
+    world.check(
+        not undelivered,
+        Invariant.NO_LOST_WAKEUP,
+        f"the driver is asleep although group {undelivered[:1]} ended and its outcome "
+        "was never delivered",
+    )
+    world.check_awake(budget=budget, group_size=group_size, may_submit=may_submit)
+
+
+def check_credit_loop_end(
+    world: World, ledger: CreditLedger, outcomes: Mapping[str, int], groups: int
+) -> None:
+    """A credit loop that ran ``groups`` groups to the end: the ledger holds nothing, and each
+    group's outcome was delivered exactly once."""
+    world.check(
+        ledger.in_flight == 0 and ledger.opened == ledger.returned and ledger.pending_groups == 0,
+        Invariant.CREDITS_MATCH_PENDING_SAMPLES,
+        f"run over but ledger holds {ledger.in_flight} credits "
+        f"(opened {ledger.opened}, returned {ledger.returned})",
+    )
+    world.check(
+        len(outcomes) == groups and all(v == 1 for v in outcomes.values()),
+        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
+        f"{groups} groups ran but outcomes were delivered as {sorted(outcomes.values())}",
     )

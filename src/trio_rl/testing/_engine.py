@@ -29,7 +29,6 @@ __all__ = [
     "Fate",
     "FateKind",
     "ScriptedEngine",
-    "ScriptedFailure",
 ]
 
 #: ``stop``/``length``: a normal completion; ``abort``: a completion with finish reason

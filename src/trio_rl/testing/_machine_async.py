@@ -21,9 +21,10 @@ from ..rollout import (
 )
 from ._checks import async_driver, check_async_batch, check_async_state
 from ._checks import prompts as _prompts
+from ._errors import Invariant
 from ._machine import Machine, bind, machine_test
 from ._recorder import TrackingLedger
-from ._report import Invariant, live_tasks
+from ._report import live_tasks
 from ._subject import HANG_TIMEOUT, RolloutSubject
 
 __all__ = ["AsyncDriverMachine", "async_driver_machine", "async_driver_test"]

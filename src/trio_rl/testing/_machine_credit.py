@@ -13,9 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from ..rollout import CreditScheduler, GroupFactory, pending_samples, run_reporting
 from ..samples import Group, Prompt
-from ._checks import resumed_group
+from ._checks import check_credit_loop_awake, check_credit_loop_end, count_outcome, resumed_group
 from ._machine import Machine, bind, machine_test
-from ._report import Invariant, live_tasks
+from ._report import live_tasks
 from ._subject import HANG_TIMEOUT, RolloutSubject
 
 __all__ = ["CreditProtocolMachine", "credit_protocol_machine", "credit_protocol_test"]
@@ -63,15 +63,7 @@ class CreditProtocolMachine(Machine):
                         if self.done and not self.todo and scheduler.ledger.pending_groups == 0:
                             break
                         for outcome in await scheduler.wait_for_progress():
-                            record = world.recorder.groups.get(outcome.group_id)
-                            world.recorder.check(
-                                record is not None and record.ended,
-                                Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
-                                f"outcome of group {outcome.group_id} delivered before it ended",
-                            )
-                            self.outcomes[outcome.group_id] = (
-                                self.outcomes.get(outcome.group_id, 0) + 1
-                            )
+                            count_outcome(world, outcome, self.outcomes)
         finally:
             self.finished = True
 
@@ -80,17 +72,12 @@ class CreditProtocolMachine(Machine):
         world = self.w
         if self.stopped or self.finished:
             return
-        undelivered = [
-            gid for gid, r in world.recorder.groups.items() if r.ended and gid not in self.outcomes
-        ]
-        world.check(
-            not undelivered,
-            Invariant.NO_LOST_WAKEUP,
-            f"the driver is asleep although group {undelivered[:1]} ended and its "
-            "outcome was never delivered",
-        )
-        world.check_awake(
-            budget=self.budget, group_size=self.group_size, may_submit=bool(self.todo)
+        check_credit_loop_awake(
+            world,
+            self.outcomes,
+            budget=self.budget,
+            group_size=self.group_size,
+            may_submit=bool(self.todo),
         )
 
     @initialize(group_size=st.integers(1, 4), budget=st.integers(1, 4), policy=st.integers(0, 7))
@@ -170,21 +157,7 @@ class CreditProtocolMachine(Machine):
         self.sched.close()  # every task that reports to it has ended
         if self.stopped:
             return
-        ledger = self.sched.ledger
-        world.check(
-            ledger.in_flight == 0
-            and ledger.opened == ledger.returned
-            and ledger.pending_groups == 0,
-            Invariant.CREDITS_MATCH_PENDING_SAMPLES,
-            f"run over but ledger holds {ledger.in_flight} credits "
-            f"(opened {ledger.opened}, returned {ledger.returned})",
-        )
-        world.check(
-            len(self.outcomes) == self.count and all(v == 1 for v in self.outcomes.values()),
-            Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
-            f"{self.count} groups ran but outcomes were delivered as "
-            f"{sorted(self.outcomes.values())}",
-        )
+        check_credit_loop_end(world, self.sched.ledger, self.outcomes, self.count)
 
 
 def credit_protocol_machine(subject: RolloutSubject | None = None) -> type[RuleBasedStateMachine]:

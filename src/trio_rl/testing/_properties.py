@@ -33,13 +33,17 @@ from ._checks import (
     async_driver,
     check_async_batch,
     check_async_state,
+    check_credit_loop_awake,
+    check_credit_loop_end,
+    count_outcome,
     prompts,
     resumed_group,
     sync_driver,
 )
+from ._errors import Invariant
 from ._hypothesis import PHASES, namespaced, subject_digest
 from ._recorder import TrackingLedger
-from ._report import Invariant, live_tasks, unwrap_single
+from ._report import live_tasks, unwrap_single
 from ._subject import HANG_TIMEOUT, RolloutSubject
 from ._world import World
 
@@ -137,28 +141,15 @@ async def _credit_loop_body(world: World) -> None:
                 if not todo and scheduler.ledger.pending_groups == 0:
                     break
                 for outcome in await scheduler.wait_for_progress():
-                    record = world.recorder.groups.get(outcome.group_id)
-                    world.recorder.check(
-                        record is not None and record.ended,
-                        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
-                        f"outcome of group {outcome.group_id} delivered before it ended",
-                    )
-                    outcomes[outcome.group_id] = outcomes.get(outcome.group_id, 0) + 1
+                    count_outcome(world, outcome, outcomes)
         state["done"] = True
 
     def awake() -> None:
         if state["done"] or state["stopped"]:
             return
-        undelivered = [
-            gid for gid, r in world.recorder.groups.items() if r.ended and gid not in outcomes
-        ]
-        world.check(
-            not undelivered,
-            Invariant.NO_LOST_WAKEUP,
-            f"the driver is asleep although group {undelivered[:1]} ended and its outcome "
-            "was never delivered",
+        check_credit_loop_awake(
+            world, outcomes, budget=state["budget"], group_size=g, may_submit=bool(todo)
         )
-        world.check_awake(budget=state["budget"], group_size=g, may_submit=bool(todo))
 
     baseline = live_tasks()
     try:
@@ -192,18 +183,7 @@ async def _credit_loop_body(world: World) -> None:
     world.check_no_leftovers(baseline)
     if state["stopped"]:
         return
-    ledger = scheduler.ledger
-    world.check(
-        ledger.in_flight == 0 and ledger.opened == ledger.returned and ledger.pending_groups == 0,
-        Invariant.CREDITS_MATCH_PENDING_SAMPLES,
-        f"run over but ledger holds {ledger.in_flight} credits "
-        f"(opened {ledger.opened}, returned {ledger.returned})",
-    )
-    world.check(
-        len(outcomes) == total and all(v == 1 for v in outcomes.values()),
-        Invariant.OUTCOME_AFTER_SAMPLES_SETTLE,
-        f"{total} groups ran but outcomes were delivered as {sorted(outcomes.values())}",
-    )
+    check_credit_loop_end(world, scheduler.ledger, outcomes, total)
 
 
 def credit_loop_property(

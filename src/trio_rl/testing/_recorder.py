@@ -23,7 +23,8 @@ from ..rollout import (
     SubmissionPolicy,
 )
 from ..samples import Group, Sample, SampleStatus
-from ._report import Invariant, InvariantViolation, Trace
+from ._errors import Invariant, InvariantViolation
+from ._report import Trace
 
 __all__ = [
     "CreditRecorder",

@@ -6,7 +6,7 @@ import trio
 
 from ._errors import Invariant, InvariantViolation
 
-__all__ = ["Invariant", "InvariantViolation", "Trace", "live_tasks", "unwrap_single"]
+__all__ = ["Trace", "live_tasks", "unwrap_single"]
 
 
 class Trace:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ..engines import GenerateRequest
 from ..rollout import CreditLedger, CreditView, GroupRunner, SubmissionPolicy
 from ._engine import Call, Fate, ScriptedEngine
+from ._errors import Invariant, InvariantViolation
 from ._recorder import (
     CreditRecorder,
     RecordingPolicy,
@@ -26,7 +27,7 @@ from ._recorder import (
     recording_generate,
     spec_rule,
 )
-from ._report import Invariant, InvariantViolation, Trace, live_tasks
+from ._report import Trace, live_tasks
 from ._strategies import ADVANCE_SECONDS, Step, schedules
 from ._subject import RolloutSubject
 

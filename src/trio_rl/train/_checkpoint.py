@@ -25,6 +25,7 @@ from ._checkpoint_format import (
     STOP_EVERY,
     Checkpoint,
     CheckpointSnapshot,
+    checkpoint_name,
     list_checkpoints,
     step_of,
     stopped,
@@ -175,7 +176,7 @@ class CheckpointManager(_Outboxes):
         return self._chain.compactions
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}.ckpt"
+        return self.directory / checkpoint_name(step)
 
     def snapshot(
         self,

@@ -27,6 +27,7 @@ from ._checkpoint_format import (
     Part,
     _CompactionStoppedError,
     atomic_write,
+    checkpoint_name,
     encode_meta,
     list_checkpoints,
     read_part,
@@ -80,7 +81,7 @@ def read_checkpoint(
     while parts[-1].link.parent is not None:
         child = parts[-1]
         assert child.link.parent is not None
-        parent_path = p.with_name(f"step_{child.link.parent:08d}.ckpt")
+        parent_path = p.with_name(checkpoint_name(child.link.parent))
         try:
             parent = read_part(parent_path, stop)
         except CheckpointError as exc:
@@ -156,7 +157,7 @@ def _chain_of(parts: list[Part]) -> tuple[ChainFile, ...]:
             path=part.path,
             parent=None
             if part.link.parent is None
-            else part.path.with_name(f"step_{part.link.parent:08d}.ckpt"),
+            else part.path.with_name(checkpoint_name(part.link.parent)),
             chain=part.link.chain,
             seq=part.link.seq,
             size=part.size,

@@ -61,32 +61,21 @@ from ._types import TrainingSample
 _R = TypeVar("_R")
 
 SCHEMA_VERSION = 1
-
-
 #: Delta checkpoints (written by an incremental `CheckpointManager`) are schema version 2.
 DELTA_SCHEMA_VERSION = 2
-
-
 _MAGIC = b"TRIORLCK"
-
-
 _END = b"TRIOEND!"
-
-
 _HEADER = struct.Struct("<8sHHI")
-
-
 _TRAILER = struct.Struct("<QI8s")
-
-
 CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.ckpt$")
-
-
 _FLUSH = 8 << 20
-
-
 #: A background compaction sleeps this long every 8 records (GIL handed to the loop).
 _YIELD = 0.0005
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of step ``step``'s checkpoint (what `CHECKPOINT_NAME` matches)."""
+    return f"step_{step:08d}.ckpt"
 
 
 @attrs.frozen

@@ -120,7 +120,7 @@ class OpenBook:
 
     def close(self, group_id: str) -> OpenGroup:
         """Take a complete group out to be scored; the attempt budget counts every member that
-        arrived, stale ones included (defect 2)."""
+        arrived, stale ones included: a stale member cost an engine attempt like any other."""
         g = self.groups.pop(group_id)
         self.changes.close(group_id)
         self._attempts(len(g.arrived) + g.failed + g.cancelled, groups=1)

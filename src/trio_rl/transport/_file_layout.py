@@ -56,7 +56,6 @@ def oldest_batch_step(directory: str | os.PathLike[str], rank: int) -> int | Non
 
 
 _MMAP_MIN_SIZE = 1 << 20
-
 #: How often one rename retries after readers removed the emptied step directory under it.
 _RENAME_ATTEMPTS = 1000
 

@@ -10,7 +10,6 @@ __all__ = [
     "MMImageRef",
     "MMRefs",
     "MicroBatch",
-    "PayloadSegment",
     "RoutedExperts",
     "SamplingMask",
 ]

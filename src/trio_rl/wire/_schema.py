@@ -13,7 +13,8 @@ from typing import Any
 
 import attrs
 
-from ._records import MicroBatch, MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
+from ..payloads import PayloadSegment
+from ._records import MicroBatch, MMImageRef, MMRefs, RoutedExperts, SamplingMask
 
 __all__ = ["MICRO_BATCH", "ListOf", "Optional", "Record", "Scalar", "Spec"]
 
