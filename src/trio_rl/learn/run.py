@@ -63,11 +63,12 @@ from ..transport import (
     free_port_pair,
 )
 from ..wire import decode
+from ._logprob_check import LogprobCheck
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer
 from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats, TrainerConfig
-from ._watcher import watch_weights
+from ._watcher import WeightLoader, watch_weights
 from ._weights import latest_weights, publish_weights
 from .tasks import task_records
 
@@ -149,6 +150,11 @@ class LearnConfig:
     out: Path = attrs.field(converter=Path)
     task: str = attrs.field(default="repeat", validator=one_of(TASKS))
     steps: int = attrs.field(default=200, validator=at_least(1))
+    #: The run's last step, a total across resumes: this invocation ships ``steps`` more but
+    #: never past it (counted from the step the orchestrator resumes at, its checkpoint's).
+    max_steps: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(at_least(1))
+    )
     batch_groups: int = attrs.field(default=8, validator=at_least(1))
     group_size: int = attrs.field(default=16, validator=at_least(2))
     seed: int = 0
@@ -619,6 +625,33 @@ def fleet_wanted(config: LearnConfig) -> bool:
     return bool(config.inference.urls or config.inference.launch)
 
 
+def _weight_loader(
+    config: LearnConfig,
+    engine: TorchEngine | EngineFleet,
+    model: torch.nn.Module,
+    prompts: list[Prompt],
+    limiter: trio.CapacityLimiter,
+) -> WeightLoader:
+    """The watcher's loader: the engine, or with ``[inference] check_logprobs`` the fleet
+    checked against a copy of the policy model after every reload."""
+    if not isinstance(engine, EngineFleet) or not config.inference.check_logprobs:
+        return engine
+
+    def report(line: str) -> None:
+        logger.info("%s", line)
+        if config.verbose:
+            print(line, flush=True)
+
+    return LogprobCheck(
+        engine,
+        copy.deepcopy(model).eval(),
+        [p.tokens for p in prompts[: config.inference.check_logprobs]],
+        max_tokens=config.data.max_tokens,
+        limiter=limiter,
+        report=report,
+    )
+
+
 @asynccontextmanager
 async def _open_engine(
     config: LearnConfig, engine_model: torch.nn.Module, policy: Policy, trained: int
@@ -833,7 +866,7 @@ async def run_learning(
         nursery.start_soon(
             lambda: watch_weights(
                 RunDirectory(out).weights,
-                [engine],
+                [_weight_loader(config, engine, model, prompts, limiter)],
                 set_version,
                 current=trained,
                 poll_interval=0.005,
@@ -868,8 +901,11 @@ async def run_learning(
             nursery.start_soon(_poll_trainer_log, out, trainer_log)
         if config.trainer_mode == "torchrun":
             nursery.start_soon(_run_torchrun, config, trainer_done)
+        to_ship = config.steps
+        if config.max_steps is not None:
+            to_ship = max(0, min(to_ship, config.max_steps - orch.step + 1))
         # admission generates nothing for steps after the run's last
-        orch.final_step = orch.step + config.steps - 1
+        orch.final_step = orch.step + to_ship - 1
         if config.trainer_mode != "inprocess":
             nursery.start_soon(_watch_trainer, config)
             nursery.start_soon(beat, out / ORCHESTRATOR_HEARTBEAT)
@@ -899,7 +935,7 @@ async def run_learning(
         rewards: list[float] = []
         stopped = "steps"
         final_reward: float | None = None
-        for _ in range(config.steps):
+        for _ in range(to_ship):
             if stop is not None and stop.is_set():
                 stopped = "signal"
                 break
