@@ -25,16 +25,13 @@ from .engines import SamplingParams as SamplingParams
 from .engines import SimulatedEngine as SimulatedEngine
 from .errors import CheckpointError as CheckpointError
 from .errors import DataSourceError as DataSourceError
-from .errors import DriverFailed as DriverFailed
 from .errors import DriverFailedError as DriverFailedError
-from .errors import EndOfStream as EndOfStream
 from .errors import EndOfStreamError as EndOfStreamError
 from .errors import EngineError as EngineError
 from .errors import PackingError as PackingError
 from .errors import PayloadError as PayloadError
 from .errors import PublishError as PublishError
 from .errors import RolloutError as RolloutError
-from .errors import SourceExhausted as SourceExhausted
 from .errors import SourceExhaustedError as SourceExhaustedError
 from .errors import TensorConversionError as TensorConversionError
 from .errors import TrainSinkError as TrainSinkError
@@ -58,7 +55,6 @@ from .rollout import AsyncRolloutDriver as AsyncRolloutDriver
 from .rollout import DataSource as DataSource
 from .rollout import FailurePolicy as FailurePolicy
 from .rollout import GroupFactory as GroupFactory
-from .rollout import GroupFailed as GroupFailed
 from .rollout import GroupFailedError as GroupFailedError
 from .rollout import GroupGranularity as GroupGranularity
 from .rollout import GroupRunner as GroupRunner

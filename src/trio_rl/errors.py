@@ -50,10 +50,8 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     └── InvariantViolationError (AssertionError)
 
 Naming rule: every class ends in ``Error``; the words before it name what failed, prefixed by
-the layer where the layer is not obvious from them. Names from before this rule stay as aliases
-of the same class, because users catch them: ``GroupFailed``, ``SourceExhausted``,
-``FailureBudgetExceeded``, ``DriverFailed``, ``PayloadFileMissing``, ``SimulatedEngineFailure``,
-``ScriptedFailure``, ``EndOfStream`` and ``InvariantViolation``.
+the layer where the layer is not obvious from them. The names from before this rule were
+removed in 0.1.0 (docs/errors.md lists them with the names to catch instead).
 
 Using a closed resource (an engine, publisher, sender or receiver outside its ``async with``)
 raises ``trio.ClosedResourceError``, as trio's own channels and streams do; trio-rl has no
@@ -82,9 +80,7 @@ __all__ = [
     "ConfigError",
     "CreditError",
     "DataSourceError",
-    "DriverFailed",
     "DriverFailedError",
-    "EndOfStream",
     "EndOfStreamError",
     "EngineConfigError",
     "EngineError",
@@ -92,7 +88,6 @@ __all__ = [
     "EngineResponseError",
     "EngineTimeoutError",
     "EngineTransportError",
-    "FailureBudgetExceeded",
     "FailureBudgetExceededError",
     "InspectError",
     "InvalidArgumentError",
@@ -101,7 +96,6 @@ __all__ = [
     "MonitorTimeoutError",
     "PackingError",
     "PayloadError",
-    "PayloadFileMissing",
     "PayloadFileMissingError",
     "PolicyVersionError",
     "PublishError",
@@ -109,10 +103,7 @@ __all__ = [
     "RolloutConfigError",
     "RolloutError",
     "ScriptedEngineError",
-    "ScriptedFailure",
     "SimulatedEngineError",
-    "SimulatedEngineFailure",
-    "SourceExhausted",
     "SourceExhaustedError",
     "TensorConversionError",
     "ToolsError",
@@ -472,13 +463,6 @@ class MissingExtraError(ToolsError, ImportError):
 
 
 # Names from before the naming rule, kept because users catch them.
-SourceExhausted = SourceExhaustedError
-FailureBudgetExceeded = FailureBudgetExceededError
-DriverFailed = DriverFailedError
-PayloadFileMissing = PayloadFileMissingError
-SimulatedEngineFailure = SimulatedEngineError
-ScriptedFailure = ScriptedEngineError
-EndOfStream = EndOfStreamError
 
 
 @contextlib.contextmanager

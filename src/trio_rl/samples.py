@@ -341,7 +341,7 @@ class GroupBook(Protocol):
       book holds them (the same objects: a group reward fills their ``reward`` in place).
     * ``attempt_failed`` -- the attempt failed (raised): every member of it, held or not yet
       arrived, settles as failed; the group stays open, empty, for a retry. ``error`` is the
-      attempt's exception (a ``GroupFailed``), for counting failures by type.
+      attempt's exception (a ``GroupFailedError``), for counting failures by type.
     * ``group_discarded`` -- the group will not reach the consumer (``reason``: ``"failed"``
       after its last attempt, with its ``error``, ``"aborted"``, ``"filtered"``, ``"stale"``);
       the book settles what it holds and closes it.

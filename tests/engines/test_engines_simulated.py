@@ -22,7 +22,7 @@ from trio_rl.engines import (
     GenerateRequest,
     SamplingParams,
     SimulatedEngine,
-    SimulatedEngineFailure,
+    SimulatedEngineError,
     get_distribution,
 )
 
@@ -297,7 +297,7 @@ def test_correlated_engine_correlates_samples_of_one_prompt() -> None:
 def test_injected_failure_raises_a_library_error_and_frees_the_slot() -> None:
     async def main() -> None:
         engine = SimulatedEngine(Fixed(100), slots=1, seconds_per_token=1.0, failure_rate=1.0)
-        with pytest.raises(SimulatedEngineFailure, match=r"injected failure .* request 'r0'"):
+        with pytest.raises(SimulatedEngineError, match=r"injected failure .* request 'r0'"):
             await engine.generate(req(0))
         assert 0 <= trio.current_time() < 100
         s = engine.statistics()
@@ -317,7 +317,7 @@ def test_failure_rate_is_respected(rate: float, seed: int) -> None:
             nonlocal failures
             try:
                 await engine.generate(req(i))
-            except SimulatedEngineFailure:
+            except SimulatedEngineError:
                 failures += 1
 
         async with trio.open_nursery() as nursery:

@@ -214,15 +214,15 @@ def test_the_errors_module_imports_nothing_of_ours() -> None:
 # --- what users catch -----------------------------------------------------------------------
 
 ALIASES = {
-    "GroupFailed": "GroupFailedError",
-    "SourceExhausted": "SourceExhaustedError",
-    "FailureBudgetExceeded": "FailureBudgetExceededError",
-    "DriverFailed": "DriverFailedError",
-    "PayloadFileMissing": "PayloadFileMissingError",
-    "SimulatedEngineFailure": "SimulatedEngineError",
-    "ScriptedFailure": "ScriptedEngineError",
-    "EndOfStream": "EndOfStreamError",
-    "InvariantViolation": "InvariantViolationError",
+    "GroupFailedError": "GroupFailedError",
+    "SourceExhaustedError": "SourceExhaustedError",
+    "FailureBudgetExceededError": "FailureBudgetExceededError",
+    "DriverFailedError": "DriverFailedError",
+    "PayloadFileMissingError": "PayloadFileMissingError",
+    "SimulatedEngineError": "SimulatedEngineError",
+    "ScriptedEngineError": "ScriptedEngineError",
+    "EndOfStreamError": "EndOfStreamError",
+    "InvariantViolationError": "InvariantViolationError",
 }
 
 
@@ -235,28 +235,22 @@ def test_old_names_are_the_same_class(old: str, new: str) -> None:
 
 # Where each layer's users import its errors from.
 LAYER_EXPORTS = {
-    "trio_rl.engines": ["EngineError", "SimulatedEngineError", "SimulatedEngineFailure"],
+    "trio_rl.engines": ["EngineError", "SimulatedEngineError", "SimulatedEngineError"],
     "trio_rl.rollout": [
         "RolloutError",
         "GroupFailedError",
-        "GroupFailed",
         "SourceExhaustedError",
-        "SourceExhausted",
         "FailureBudgetExceededError",
-        "FailureBudgetExceeded",
         "DriverFailedError",
-        "DriverFailed",
     ],
-    "trio_rl.train": ["TrainError", "CheckpointError", "PayloadError", "PayloadFileMissing"],
+    "trio_rl.train": ["TrainError", "CheckpointError", "PayloadError", "PayloadFileMissingError"],
     "trio_rl.publish": ["PublishError", "PackingError"],
-    "trio_rl.transport": ["TransportError", "EndOfStreamError", "EndOfStream"],
+    "trio_rl.transport": ["TransportError", "EndOfStreamError", "EndOfStreamError"],
     "trio_rl.wire": ["WireFormatError", "WireEncodeError"],
     "trio_rl.trainer": ["TensorConversionError"],
     "trio_rl.testing": [
         "InvariantViolationError",
-        "InvariantViolation",
         "ScriptedEngineError",
-        "ScriptedFailure",
     ],
 }
 
@@ -275,11 +269,8 @@ TOP_LEVEL = [
     "RolloutError",
     "DataSourceError",
     "GroupFailedError",
-    "GroupFailed",
     "SourceExhaustedError",
-    "SourceExhausted",
     "DriverFailedError",
-    "DriverFailed",
     "PayloadError",
     "TrainSinkError",
     "CheckpointError",
@@ -289,7 +280,6 @@ TOP_LEVEL = [
     "TransportIOError",
     "TransportTimeoutError",
     "EndOfStreamError",
-    "EndOfStream",
     "WireFormatError",
     "WireEncodeError",
     "TensorConversionError",

@@ -78,7 +78,6 @@ def test_the_transport_facade_exports_one_sender_and_one_receiver_per_transport(
         "TransportError",
         "TransportIOError",
         "TransportTimeoutError",
-        "EndOfStream",
         "EndOfStreamError",
         # transports by name: the registry every transport registers in
         "TransportKind",
@@ -107,12 +106,17 @@ PINNED: dict[str, set[str]] = {
     "trio_rl.rollout": {
         *("AsyncDriverStatistics", "AsyncRolloutDriver", "CreditError", "CreditLedger"),
         *("CreditScheduler", "CreditView", "DataSource", "DataSourceError", "DiscardHook"),
-        *("DiscardReason", "DriverFailed", "DriverFailedError", "DynamicFilter"),
-        *("FailureBudgetExceeded", "FailureBudgetExceededError", "FailurePolicy", "GenerateFn"),
-        *("GroupDone", "GroupFactory", "GroupFailed", "GroupFailedError", "GroupGranularity"),
+        *("DiscardReason", "DriverFailedError", "DriverFailedError", "DynamicFilter"),
+        *(
+            "FailureBudgetExceededError",
+            "FailureBudgetExceededError",
+            "FailurePolicy",
+            "GenerateFn",
+        ),
+        *("GroupDone", "GroupFactory", "GroupFailedError", "GroupFailedError", "GroupGranularity"),
         *("GroupOutcome", "GroupRewardFn", "GroupRunner", "GroupStatus", "InMemorySource"),
         *("JsonlSource", "RolloutBatch", "RolloutConfigError", "RolloutError", "SampleBackfill"),
-        *("SampleDone", "SampleRewardFn", "SchedulerStatistics", "SourceExhausted"),
+        *("SampleDone", "SampleRewardFn", "SchedulerStatistics", "SourceExhaustedError"),
         *("SourceExhaustedError", "SubmissionPolicy", "SyncBatchStatistics", "SyncRolloutDriver"),
         *("UnusedPolicy", "engine_generate", "open_async_rollout", "pending_samples"),
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
@@ -124,7 +128,7 @@ PINNED: dict[str, set[str]] = {
     "trio_rl.train": {
         *("Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointSnapshot"),
         *("CodecError", "Cut", "DetachedBatch", "IncrementalSnapshot", "PayloadError"),
-        "PayloadFileMissing",
+        "PayloadFileMissingError",
         *("PayloadFileMissingError", "PruneMode", "PruneResult", "RestoreReport"),
         *("ScoringConfig", "SequenceLists", "SinkConfig", "SinkCounters", "SinkState"),
         *("SinkWindow", "TrainBatch", "TrainError", "TrainSink", "TrainSinkError"),

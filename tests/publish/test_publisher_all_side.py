@@ -16,7 +16,7 @@ from trio_rl.publish._metrics import attempt_stats
 from trio_rl.rollout import (
     FailurePolicy,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupRunner,
     InMemorySource,
     open_async_rollout,
@@ -124,8 +124,10 @@ def test_failed_attempts_are_counted_by_exception_type() -> None:
         group_id="g", prompt=prompt, samples=[_member(i, SampleStatus.PENDING) for i in range(3)]
     )
     sink.book.group_opened(group)
-    sink.book.attempt_failed(group, GroupFailed(group, [(0, ValueError("x")), (1, KeyError())]))
-    sink.book.group_discarded(group, "failed", GroupFailed(group, [(None, OSError("reward"))]))
+    sink.book.attempt_failed(
+        group, GroupFailedError(group, [(0, ValueError("x")), (1, KeyError())])
+    )
+    sink.book.group_discarded(group, "failed", GroupFailedError(group, [(None, OSError("reward"))]))
     other = Group(group_id="h", prompt=prompt, samples=[_member(9, SampleStatus.FAILED)])
     sink.book.group_opened(other)
     sink.book.arrive(sink.book.groups["h"], other.samples)  # a member recorded as FAILED
@@ -183,7 +185,7 @@ def test_the_window_s_values_survive_a_checkpoint() -> None:
     prompt = Prompt(key="p", tokens=(1,))
     failed = Group(group_id="f", prompt=prompt, samples=[_member(50, SampleStatus.PENDING)])
     sink.book.group_opened(failed)
-    sink.book.group_discarded(failed, "failed", GroupFailed(failed, [(50, TimeoutError())]))
+    sink.book.group_discarded(failed, "failed", GroupFailedError(failed, [(50, TimeoutError())]))
     window = sink.window
     snapshot = CheckpointManager("unused").snapshot(sink, cursor=None, progress={})
     # the snapshot's lists are its own

@@ -9,17 +9,17 @@ from rollout_helpers import Puppet, prompts, source
 
 from trio_rl.rollout import (
     CreditScheduler,
-    DriverFailed,
+    DriverFailedError,
     FailurePolicy,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupGranularity,
     GroupRunner,
     GroupStatus,
     InMemorySource,
     RolloutError,
     SampleBackfill,
-    SourceExhausted,
+    SourceExhaustedError,
     open_async_rollout,
     run_reporting,
 )
@@ -290,11 +290,11 @@ async def test_worker_error_reaches_the_consumer_even_with_buffered_groups(
         assert driver.statistics().buffered >= 1
         puppet.fail(samples_of(1)[0], RuntimeError("generation exploded"))
         await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(DriverFailed) as info:
+        with pytest.raises(DriverFailedError) as info:
             await driver.next_batch()
-        assert isinstance(info.value.__cause__, GroupFailed)
+        assert isinstance(info.value.__cause__, GroupFailedError)
         assert isinstance(info.value.__cause__.__cause__, RuntimeError)
-        with pytest.raises(DriverFailed):  # and again: the driver stays failed
+        with pytest.raises(DriverFailedError):  # and again: the driver stays failed
             await driver.next_batch()
         # the failing worker cancelled its other groups
         assert driver.statistics().in_flight_groups == 0
@@ -368,13 +368,13 @@ async def test_retries_give_up_after_max(autojump_clock: trio.testing.MockClock)
 async def test_exhaustion_raises_or_returns_partial(autojump_clock: trio.testing.MockClock) -> None:
     async with open_async_rollout(*parts(Puppet(auto_delay=1), source(3)), batch_size=2) as driver:
         assert len(await driver.next_batch()) == 2
-        with pytest.raises(SourceExhausted, match="1 of 2"):
+        with pytest.raises(SourceExhaustedError, match="1 of 2"):
             await driver.next_batch()
         assert driver.statistics().buffered == 1  # the group taken is not lost
     async with open_async_rollout(*parts(Puppet(auto_delay=1), source(3)), batch_size=2) as driver:
         assert len(await driver.next_batch()) == 2
         assert len(await driver.next_batch(allow_partial=True)) == 1
-        with pytest.raises(SourceExhausted):
+        with pytest.raises(SourceExhaustedError):
             await driver.next_batch(allow_partial=True)
 
 

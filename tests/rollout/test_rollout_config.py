@@ -12,13 +12,13 @@ import trio
 import trio.testing
 from rollout_helpers import prompts
 
-from trio_rl.engines import SamplingParams, SimulatedEngine, SimulatedEngineFailure
+from trio_rl.engines import SamplingParams, SimulatedEngine, SimulatedEngineError
 from trio_rl.rollout import (
-    DriverFailed,
-    FailureBudgetExceeded,
+    DriverFailedError,
+    FailureBudgetExceededError,
     FailurePolicy,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupGranularity,
     GroupRunner,
     InMemorySource,
@@ -103,14 +103,14 @@ def test_an_always_failing_engine_ends_the_async_run(
             batch_size=2,
             on_failure=FailurePolicy(action, max_consecutive_failures=20),  # type: ignore[arg-type]
         ) as driver:
-            with trio.fail_after(3600), pytest.raises(DriverFailed) as info:
+            with trio.fail_after(3600), pytest.raises(DriverFailedError) as info:
                 await driver.next_batch()
             budget = info.value.__cause__
-            assert isinstance(budget, FailureBudgetExceeded)
+            assert isinstance(budget, FailureBudgetExceededError)
             assert "20 group attempts in a row failed" in str(budget)
-            assert isinstance(budget.__cause__, GroupFailed)
-            assert isinstance(budget.__cause__.__cause__, SimulatedEngineFailure)
-            with pytest.raises(DriverFailed):  # and again on every later call
+            assert isinstance(budget.__cause__, GroupFailedError)
+            assert isinstance(budget.__cause__.__cause__, SimulatedEngineError)
+            with pytest.raises(DriverFailedError):  # and again on every later call
                 await driver.next_batch()
         return engine.statistics().requests_failed
 
@@ -152,10 +152,10 @@ def test_an_always_failing_engine_ends_a_sync_batch_by_default() -> None:
     )
 
     async def main() -> None:
-        with trio.fail_after(3600), pytest.raises(FailureBudgetExceeded) as info:
+        with trio.fail_after(3600), pytest.raises(FailureBudgetExceededError) as info:
             await driver.generate(2)
         assert "max_failures=100" in str(info.value)
-        assert isinstance(info.value.__cause__, GroupFailed)
+        assert isinstance(info.value.__cause__, GroupFailedError)
 
     logging.disable(logging.ERROR)
     try:

@@ -13,7 +13,7 @@ from trio_rl.engines import SamplingParams
 from trio_rl.rollout import (
     CreditScheduler,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupGranularity,
     GroupRunner,
     GroupStatus,
@@ -32,7 +32,7 @@ async def test_failed_sample_cancels_siblings_and_all_credits_are_back_first() -
     fired: list[int] = []
 
     async def driver() -> None:
-        with pytest.raises(GroupFailed) as info:
+        with pytest.raises(GroupFailedError) as info:
             await run_group(group, puppet, on_sample_done=lambda s: fired.append(s.index))
         # checked immediately at the raise: every sibling settled and returned its credit
         assert sorted(fired) == [0, 1, 2, 3]
@@ -58,7 +58,7 @@ async def test_several_failures_are_all_carried() -> None:
         await trio.testing.wait_all_tasks_blocked()
         raise ValueError(f"bad {sample.index}")
 
-    with pytest.raises(GroupFailed) as info:
+    with pytest.raises(GroupFailedError) as info:
         await run_group(group, boom)
     # all three fail at the same checkpoint; none was a mere cancellation
     assert len(info.value.failures) >= 1
@@ -91,7 +91,7 @@ async def test_outer_cancellation_settles_samples_and_propagates(
 
 async def test_outer_cancellation_with_a_failure_in_the_same_tick_still_propagates() -> None:
     """A sample that fails and siblings cancelled from outside at once: Cancelled wins (the
-    caller asked to stop), every sample settles once, no GroupFailed escapes a cancelled
+    caller asked to stop), every sample settles once, no GroupFailedError escapes a cancelled
     caller."""
     group = pending_group(3)
     fired: list[int] = []
@@ -176,14 +176,14 @@ async def test_group_reward_skipped_on_failure_and_wrong_length_fails(
         calls.append(2)
         return []
 
-    with pytest.raises(GroupFailed, match="group reward"):
+    with pytest.raises(GroupFailedError, match="group reward"):
         await run_group(pending_group(2), puppet, group_reward=one_reward_for_two)
     assert calls == [1]
 
     async def fail(sample: Sample) -> None:
         raise OSError("engine down")
 
-    with pytest.raises(GroupFailed) as info:
+    with pytest.raises(GroupFailedError) as info:
         await run_group(pending_group(2), fail, group_reward=never_called)
     assert calls == [1]
     assert isinstance(info.value.__cause__, OSError)
@@ -192,7 +192,7 @@ async def test_group_reward_skipped_on_failure_and_wrong_length_fails(
 async def test_sample_timeout_is_a_failure(autojump_clock: trio.testing.MockClock) -> None:
     puppet = Puppet()
     start = trio.current_time()
-    with pytest.raises(GroupFailed) as info:
+    with pytest.raises(GroupFailedError) as info:
         await run_group(pending_group(2), puppet, sample_timeout=30)
     assert isinstance(info.value.__cause__, trio.TooSlowError)
     assert trio.current_time() - start == pytest.approx(30)
@@ -225,7 +225,7 @@ async def test_engine_generate_maps_finish_reasons_seeds_and_versions(
 
 async def test_engine_generate_deadline(autojump_clock: trio.testing.MockClock) -> None:
     engine = scripted_engine(delay=100)
-    with pytest.raises(GroupFailed) as info:
+    with pytest.raises(GroupFailedError) as info:
         await run_group(pending_group(1), engine_generate(engine, timeout=5))
     assert isinstance(info.value.__cause__, trio.TooSlowError)
 
@@ -310,7 +310,7 @@ async def test_run_reporting_conserves_credits_on_every_outcome(policy) -> None:
     assert outcomes[groups[0].group_id].status is GroupStatus.COMPLETED
     assert outcomes[groups[1].group_id].status is GroupStatus.FAILED
     assert outcomes[groups[2].group_id].status is GroupStatus.CANCELLED
-    assert isinstance(outcomes[groups[1].group_id].error, GroupFailed)
+    assert isinstance(outcomes[groups[1].group_id].error, GroupFailedError)
     assert scheduler.ledger.in_flight == 0
     assert scheduler.ledger.opened == scheduler.ledger.returned == 9
     assert scheduler.statistics().sample_events == 9  # exactly one credit per sample

@@ -16,10 +16,10 @@ from trio_rl.rollout import (
     CreditError,
     CreditLedger,
     CreditScheduler,
-    DriverFailed,
+    DriverFailedError,
     FailurePolicy,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupRunner,
     SampleBackfill,
     open_async_rollout,
@@ -97,8 +97,8 @@ async def test_async_driver_failure_is_none_until_the_worker_fails(
         assert before is None
         puppet.fail(2, RuntimeError("generation exploded"))
         await trio.testing.wait_all_tasks_blocked()
-        assert isinstance(driver.failure, GroupFailed)
-        with pytest.raises(DriverFailed) as info:
+        assert isinstance(driver.failure, GroupFailedError)
+        with pytest.raises(DriverFailedError) as info:
             await driver.next_batch()
         assert info.value.__cause__ is driver.failure
 

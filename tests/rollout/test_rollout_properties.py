@@ -19,15 +19,15 @@ from rollout_helpers import prompts
 from trio_rl.rollout import (
     CreditScheduler,
     CreditView,
-    DriverFailed,
-    FailureBudgetExceeded,
+    DriverFailedError,
+    FailureBudgetExceededError,
     GroupFactory,
-    GroupFailed,
+    GroupFailedError,
     GroupGranularity,
     GroupRunner,
     InMemorySource,
     SampleBackfill,
-    SourceExhausted,
+    SourceExhaustedError,
     SubmissionPolicy,
     SyncRolloutDriver,
     open_async_rollout,
@@ -125,7 +125,7 @@ def test_sync_driver_invariants(
     async def main() -> None:
         try:
             batch = await driver.generate(t, allow_partial=True)
-        except SourceExhausted:
+        except SourceExhaustedError:
             return
         groups = batch.groups
         assert 1 <= len(groups) <= t
@@ -207,11 +207,11 @@ def test_async_driver_invariants(
                     if step == "take":
                         try:
                             batch = await driver.next_batch()
-                        except DriverFailed as exc:
+                        except DriverFailedError as exc:
                             # only a run that keeps failing ends, via the failure budget
                             cause = exc.__cause__
-                            budget_ran_out = isinstance(cause, FailureBudgetExceeded) and (
-                                isinstance(cause.__cause__, GroupFailed)
+                            budget_ran_out = isinstance(cause, FailureBudgetExceededError) and (
+                                isinstance(cause.__cause__, GroupFailedError)
                             )
                             assert budget_ran_out, exc  # noqa: PT017
                             return

@@ -17,7 +17,7 @@ from trio_rl.rollout import (
     GroupFactory,
     InMemorySource,
     JsonlSource,
-    SourceExhausted,
+    SourceExhaustedError,
     prompt_to_dict,
 )
 from trio_rl.rollout._sources import prompt_from_dict
@@ -35,7 +35,7 @@ def test_in_order_then_exhausted() -> None:
     src = InMemorySource(prompts(2))
     assert [src.take().key, src.take().key] == ["p0", "p1"]
     assert src.exhausted
-    with pytest.raises(SourceExhausted, match="1 epoch"):
+    with pytest.raises(SourceExhaustedError, match="1 epoch"):
         src.take()
 
 

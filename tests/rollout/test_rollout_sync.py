@@ -14,7 +14,7 @@ from trio_rl.rollout import (
     RolloutBatch,
     RolloutError,
     SampleBackfill,
-    SourceExhausted,
+    SourceExhaustedError,
     SubmissionPolicy,
     SyncRolloutDriver,
     reject_aborted,
@@ -171,14 +171,14 @@ async def test_exhausted_source_raises_or_returns_partial(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     driver = make_driver(Puppet(auto_delay=1), source(3))
-    with pytest.raises(SourceExhausted, match="3 of 5 groups"):
+    with pytest.raises(SourceExhaustedError, match="3 of 5 groups"):
         await driver.generate(5)
     driver = make_driver(Puppet(auto_delay=1), source(3))
     batch = await driver.generate(5, allow_partial=True)
     assert not batch.complete
     assert [g.group_index for g in batch.groups] == [0, 1, 2]
     # nothing left at all: an error even with allow_partial, never an empty hang
-    with pytest.raises(SourceExhausted):
+    with pytest.raises(SourceExhaustedError):
         await driver.generate(1, allow_partial=True)
 
 

@@ -13,7 +13,12 @@ import pytest
 from test_testing_catches_bugs import HUNT
 
 from trio_rl.rollout import AsyncRolloutDriver
-from trio_rl.testing import Invariant, InvariantViolation, RolloutSubject, async_driver_property
+from trio_rl.testing import (
+    Invariant,
+    InvariantViolationError,
+    RolloutSubject,
+    async_driver_property,
+)
 
 
 def plant_ignore_pause(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,9 +50,9 @@ ASYNC_BUGS = [
 ]
 
 
-def _hunt() -> InvariantViolation:
+def _hunt() -> InvariantViolationError:
     prop = async_driver_property(RolloutSubject(), settings_=HUNT)
-    with pytest.raises(InvariantViolation) as info:
+    with pytest.raises(InvariantViolationError) as info:
         prop()
     return info.value
 

@@ -18,7 +18,7 @@ from trio_rl.rollout import (
     CreditScheduler,
     CreditView,
     GenerateFn,
-    GroupFailed,
+    GroupFailedError,
     GroupOutcome,
     SampleBackfill,
     SubmissionPolicy,
@@ -27,7 +27,7 @@ from trio_rl.rollout import (
 from trio_rl.samples import Group, Sample, SampleStatus
 from trio_rl.testing import (
     Invariant,
-    InvariantViolation,
+    InvariantViolationError,
     RolloutSubject,
     credit_loop_property,
     sync_driver_property,
@@ -70,7 +70,7 @@ class LeakyRunner:
                 if sample.status is SampleStatus.PENDING:
                     nursery.start_soon(one, sample, nursery.cancel_scope)
         if failures:
-            raise GroupFailed(group, failures)
+            raise GroupFailedError(group, failures)
         return group
 
 
@@ -99,7 +99,7 @@ class DoubleReturnRunner(LeakyRunner):
                 if sample.status is SampleStatus.PENDING:
                     nursery.start_soon(one, sample, nursery.cancel_scope)
         if failures:
-            raise GroupFailed(group, failures)
+            raise GroupFailedError(group, failures)
         return group
 
 
@@ -153,13 +153,13 @@ class OneReportPerWakeScheduler(CreditScheduler):
         return []
 
 
-def _hunt(prop: Callable[[], None]) -> InvariantViolation:
-    with pytest.raises(InvariantViolation) as info:
+def _hunt(prop: Callable[[], None]) -> InvariantViolationError:
+    with pytest.raises(InvariantViolationError) as info:
         prop()
     return info.value
 
 
-def _shrunk(error: InvariantViolation, most_steps: int) -> None:
+def _shrunk(error: InvariantViolationError, most_steps: int) -> None:
     notes = "\n".join(getattr(error, "__notes__", []))
     assert "Falsifying example" in notes or "Failing test case" in notes, notes
     assert len(error.steps) <= most_steps, str(error)
@@ -281,7 +281,7 @@ class SecondFailureBookedTwiceRunner(LeakyRunner):
                 if sample.status is SampleStatus.PENDING:
                     nursery.start_soon(one, sample, nursery.cancel_scope)
         if failures:
-            raise GroupFailed(group, failures)
+            raise GroupFailedError(group, failures)
         return group
 
 

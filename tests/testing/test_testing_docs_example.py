@@ -10,7 +10,7 @@ import pytest
 from hypothesis import Phase, settings
 
 from trio_rl.rollout import CreditView
-from trio_rl.testing import Invariant, InvariantViolation, RolloutSubject, credit_loop_property
+from trio_rl.testing import Invariant, InvariantViolationError, RolloutSubject, credit_loop_property
 
 DOC = Path(__file__).parents[2] / "docs" / "testing.md"
 
@@ -47,6 +47,6 @@ def test_docs_example_rule_is_enforced() -> None:
             phases=[Phase.generate, Phase.shrink],
         ),
     )
-    with pytest.raises(InvariantViolation) as info:
+    with pytest.raises(InvariantViolationError) as info:
         prop()
     assert info.value.invariant is Invariant.ADMISSION_FOLLOWS_RULE

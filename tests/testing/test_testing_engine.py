@@ -9,9 +9,9 @@ import trio
 import trio.testing
 
 from trio_rl.engines import AbortSignal, Completion, Engine, GenerateRequest
-from trio_rl.rollout import GroupFailed, GroupRunner, engine_generate
+from trio_rl.rollout import GroupFailedError, GroupRunner, engine_generate
 from trio_rl.samples import Group, Prompt, Sample
-from trio_rl.testing import Call, Fate, ScriptedEngine, ScriptedFailure
+from trio_rl.testing import Call, Fate, ScriptedEngine, ScriptedEngineError
 
 
 def test_is_an_engine() -> None:
@@ -47,7 +47,7 @@ async def test_held_calls_wait_for_settle_and_record_cancellation() -> None:
     async def one(i: int) -> None:
         try:
             outcomes[i] = (await engine.generate(GenerateRequest((i,)))).finish_reason
-        except ScriptedFailure as exc:
+        except ScriptedEngineError as exc:
             outcomes[i] = exc
 
     async with trio.open_nursery() as nursery:
@@ -67,7 +67,7 @@ async def test_held_calls_wait_for_settle_and_record_cancellation() -> None:
             engine.settle(c0)
         nursery.cancel_scope.cancel()
     assert outcomes[0] == "stop"
-    assert isinstance(outcomes[1], ScriptedFailure)
+    assert isinstance(outcomes[1], ScriptedEngineError)
     assert outcomes[2] == "abort"
     assert 3 not in outcomes
     assert [c.outcome for c in (c0, c1, c2, c3)] == ["stop", "raise", "abort", "cancelled"]
@@ -95,17 +95,17 @@ def _group(size: int) -> Group:
     return Group(group_id="g", prompt=Prompt(key="g", tokens=(0,)), samples=samples)
 
 
-async def _run_and_settle(settle: Callable[[ScriptedEngine], None]) -> GroupFailed:
+async def _run_and_settle(settle: Callable[[ScriptedEngine], None]) -> GroupFailedError:
     engine = ScriptedEngine(lambda _r: Fate("stop"))
     runner = GroupRunner(engine_generate(engine))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            result: list[GroupFailed] = []
+            result: list[GroupFailedError] = []
 
             async def run() -> None:
                 try:
                     await runner.run(_group(4))
-                except GroupFailed as exc:
+                except GroupFailedError as exc:
                     result.append(exc)
 
             nursery.start_soon(run)
@@ -129,7 +129,7 @@ async def test_fail_together_fails_several_calls_in_one_tick() -> None:
 
     failed = await _run_and_settle(together)
     assert len(failed.failures) == 3
-    assert all(isinstance(exc, ScriptedFailure) for _, exc in failed.failures)
+    assert all(isinstance(exc, ScriptedEngineError) for _, exc in failed.failures)
     assert len((await _run_and_settle(one_by_one)).failures) == 1
 
 

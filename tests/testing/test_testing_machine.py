@@ -26,7 +26,7 @@ from conftest import scaled
 from trio_rl.rollout import engine_generate
 from trio_rl.testing import (
     Invariant,
-    InvariantViolation,
+    InvariantViolationError,
     RolloutSubject,
     async_driver_test,
     credit_protocol_machine,
@@ -60,14 +60,12 @@ TestLibraryCreditProtocol.settings = settings(max_examples=20, stateful_step_cou
             RolloutSubject(policy=OffByOneBackfill),
             Invariant.ADMISSION_FOLLOWS_RULE,
             "says False",
-            8,
         ),
         (RolloutSubject(generate=engine_generate), Invariant.NO_DEADLOCK, "deadlock", 8),
         (
             RolloutSubject(runner=SecondFailureBookedTwiceRunner),
             Invariant.ONE_CREDIT_PER_SAMPLE,
             "returned 2",
-            8,
         ),
     ],
     ids=[
@@ -83,7 +81,7 @@ TestLibraryCreditProtocol.settings = settings(max_examples=20, stateful_step_cou
 def test_machine_catches_planted_bug(
     subject: RolloutSubject, invariant: Invariant, detail: str, most_steps: int
 ) -> None:
-    with pytest.raises(InvariantViolation) as info:
+    with pytest.raises(InvariantViolationError) as info:
         credit_protocol_test(subject, settings_=MACHINE_HUNT)()
     error = info.value
     assert error.invariant is invariant, str(error)
@@ -98,7 +96,7 @@ test_library_sync_driver = sync_driver_test(RolloutSubject(max_steps=scaled(16))
 
 
 def test_sync_machine_catches_credit_not_returned() -> None:
-    with pytest.raises(InvariantViolation) as info:
+    with pytest.raises(InvariantViolationError) as info:
         sync_driver_test(RolloutSubject(runner=LeakyRunner), settings_=MACHINE_HUNT)()
     error = info.value
     assert error.invariant is Invariant.ONE_CREDIT_PER_SAMPLE, str(error)
@@ -107,8 +105,8 @@ def test_sync_machine_catches_credit_not_returned() -> None:
     assert len(error.steps) <= 10, str(error)
 
 
-def _hunt_async() -> InvariantViolation:
-    with pytest.raises(InvariantViolation) as info:
+def _hunt_async() -> InvariantViolationError:
+    with pytest.raises(InvariantViolationError) as info:
         async_driver_test(RolloutSubject(), settings_=MACHINE_HUNT)()
     error = info.value
     notes = "\n".join(getattr(error, "__notes__", []))

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_rl.payloads import PayloadStore, clip_segments, segment_files, shift_segments
-from trio_rl.train import PayloadError, PayloadFileMissing
+from trio_rl.train import PayloadError, PayloadFileMissingError
 from trio_rl.wire import PayloadSegment
 
 
@@ -90,7 +90,7 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     store = PayloadStore(tmp_path)
     segs = store.write_request(2, {"routed_experts": np.ones((2, 1), np.int32)})
     store.delete_files(segment_files(segs))
-    with pytest.raises(PayloadFileMissing, match=r"v2/.*\.bin.* does not exist") as info:
+    with pytest.raises(PayloadFileMissingError, match=r"v2/.*\.bin.* does not exist") as info:
         store.read_field(segs, "routed_experts", 0, 2)
     assert isinstance(info.value, FileNotFoundError)
     assert info.value.path.endswith(segs[0].file)

@@ -14,7 +14,7 @@ import trio
 from conftest import scaled
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
-    EndOfStream,
+    EndOfStreamError,
     FileReceiver,
     FileSender,
     TransportError,
@@ -242,7 +242,7 @@ async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path
                 async def trainer(rank: int) -> None:
                     async with BatchReceiver.files(tmp_path, rank, delete=True) as rx:
                         seen[rank] = [step async for step, _ in rx]
-                        with pytest.raises(EndOfStream) as info:
+                        with pytest.raises(EndOfStreamError) as info:
                             await rx.receive()
                         assert info.value.step == 4
                         assert str(end_marker_path(tmp_path)) in str(info.value)
@@ -259,7 +259,7 @@ async def test_end_marker_ends_iteration_and_later_receives_raise(tmp_path: Path
     # A resumed receiver of a finished stream ends at once.
     async with FileReceiver(tmp_path, 0, start_step=None, timeout=5) as rx:
         assert rx.next_step == 4
-        with pytest.raises(EndOfStream):
+        with pytest.raises(EndOfStreamError):
             await rx.receive()
     # A new run in the same directory removes the stale marker with its first send.
     async with FileSender(tmp_path, world_size=2, fsync=False) as sender:

@@ -9,7 +9,7 @@ import trio.testing
 
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
-    EndOfStream,
+    EndOfStreamError,
     MemoryReceiver,
     MemorySender,
     Receiver,
@@ -52,7 +52,7 @@ async def test_every_rank_gets_its_payload_in_step_order_then_the_end() -> None:
                     (2, rank, f"2:{rank}".encode()),
                 ]
                 for _ in range(2):  # again on every later call
-                    with pytest.raises(EndOfStream) as info:
+                    with pytest.raises(EndOfStreamError) as info:
                         await rx.receive()
                     assert info.value.step == 3
             assert rx.next_step == 3

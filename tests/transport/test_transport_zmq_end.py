@@ -10,7 +10,7 @@ import zmq
 
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import (
-    EndOfStream,
+    EndOfStreamError,
     TransportError,
     ZmqReceiver,
     ZmqSender,
@@ -54,7 +54,7 @@ async def test_end_stream_ends_every_ranks_iteration_and_later_receives_raise() 
                         assert got == mbs(step)
                         seen[rank].append(step)
                     for _ in range(2):
-                        with pytest.raises(EndOfStream) as info:
+                        with pytest.raises(EndOfStreamError) as info:
                             await receiver.receive()
                         assert info.value.step == steps
 
@@ -76,7 +76,7 @@ async def test_a_stream_that_ends_before_its_first_step() -> None:
             ZmqReceiver(0, port=port, start_step=5) as receiver,
         ):
             await sender.end_stream(5)  # waits for READY like a first send
-            with pytest.raises(EndOfStream):
+            with pytest.raises(EndOfStreamError):
                 await receiver.receive()
 
 
@@ -99,7 +99,7 @@ async def test_a_prime_rl_style_subscriber_never_sees_the_end_message() -> None:
                 await sender.send(0, [b"zero"])
                 await sender.end_stream(1)
                 assert bytes((await ours.receive()).data) == b"zero"
-                with pytest.raises(EndOfStream):
+                with pytest.raises(EndOfStreamError):
                     await ours.receive()
                 # prime-rl's receive: ``topic, payload = recv_multipart()``, topic unread.
                 topic, data = await raw.recv_multipart()
@@ -127,5 +127,5 @@ async def test_an_end_at_another_step_than_counted_is_reported() -> None:
                 await receiver.receive()
             with pytest.raises(TransportError, match="8 message\\(s\\) were dropped"):
                 await receiver.receive()
-            with pytest.raises(EndOfStream):
+            with pytest.raises(EndOfStreamError):
                 await receiver.receive()

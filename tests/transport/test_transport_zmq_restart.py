@@ -17,7 +17,7 @@ import zmq
 from zmq_restart_sender import payload
 
 from trio_rl.transport import (
-    EndOfStream,
+    EndOfStreamError,
     TransportError,
     TransportTimeoutError,
     ZmqReceiver,
@@ -44,7 +44,7 @@ async def receive_all(rx: ZmqReceiver, got: list[int], ends: list[int], eight: t
     while True:
         try:
             item = await rx.receive()
-        except EndOfStream as end:
+        except EndOfStreamError as end:
             ends.append(end.step)
             return
         assert bytes(item.data) == payload(item.step, rx.rank)

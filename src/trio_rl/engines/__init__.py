@@ -16,7 +16,6 @@ from ._errors import EngineResponseError as EngineResponseError
 from ._errors import EngineTimeoutError as EngineTimeoutError
 from ._errors import EngineTransportError as EngineTransportError
 from ._errors import SimulatedEngineError as SimulatedEngineError
-from ._errors import SimulatedEngineFailure as SimulatedEngineFailure
 from ._fleet import EngineFleet as EngineFleet
 from ._fleet import open_engine_fleet as open_engine_fleet
 from ._fleet_status import FleetEvent as FleetEvent

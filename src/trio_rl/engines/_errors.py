@@ -14,7 +14,6 @@ from ..errors import EngineResponseError as EngineResponseError
 from ..errors import EngineTimeoutError as EngineTimeoutError
 from ..errors import EngineTransportError as EngineTransportError
 from ..errors import SimulatedEngineError as SimulatedEngineError
-from ..errors import SimulatedEngineFailure as SimulatedEngineFailure
 
 __all__ = [
     "EngineConfigError",
@@ -24,5 +23,4 @@ __all__ = [
     "EngineTimeoutError",
     "EngineTransportError",
     "SimulatedEngineError",
-    "SimulatedEngineFailure",
 ]

@@ -13,7 +13,7 @@ from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
-from ._errors import SimulatedEngineFailure
+from ._errors import SimulatedEngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
 from ._validate import an_int, positive_finite, positive_int, probability
 
@@ -92,7 +92,7 @@ class SimulatedEngine:
     scales the token-based distributions, and sets how many tokens a wall-time episode reports).
 
     **Faults.** With probability ``hang_rate`` a request holds its slot until cancelled; with
-    probability ``failure_rate`` it raises :class:`SimulatedEngineFailure` part-way through its
+    probability ``failure_rate`` it raises :class:`SimulatedEngineError` part-way through its
     decode time. ``heavy-tail`` additionally has its own hangs, killed at 3600 s with finish
     reason ``abort``.
 
@@ -207,7 +207,7 @@ class SimulatedEngine:
     async def generate(self, request: GenerateRequest) -> Completion:
         """Wait for a slot, decode for the drawn time, return the completion.
 
-        Raises :class:`SimulatedEngineFailure` for an injected failure. On cancellation the
+        Raises :class:`SimulatedEngineError` for an injected failure. On cancellation the
         slot (or the place in the queue) is released and ``Cancelled`` propagates.
         """
         if self._t0 is None:
@@ -247,7 +247,7 @@ class SimulatedEngine:
                             await trio.sleep_forever()
                         if fail:
                             await trio.sleep(duration * fail_at)
-                            raise SimulatedEngineFailure(
+                            raise SimulatedEngineError(
                                 f"injected failure (failure_rate={self.failure_rate}) for "
                                 f"request {request.request_id!r} after "
                                 f"{duration * fail_at:.3f}s"
@@ -258,7 +258,7 @@ class SimulatedEngine:
         except trio.Cancelled:
             self._cancelled += 1
             raise
-        except SimulatedEngineFailure:
+        except SimulatedEngineError:
             self._failed += 1
             raise
         finally:

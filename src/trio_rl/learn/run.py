@@ -56,7 +56,7 @@ from ..rundir import (
 from ..samples import PolicyVersion, Prompt
 from ..train import CheckpointError, PruneMode, ScoringConfig, SinkConfig
 from ..transport import (
-    EndOfStream,
+    EndOfStreamError,
     FileReceiver,
     FileSender,
     TransportTimeoutError,
@@ -454,7 +454,7 @@ async def _train_inprocess(
         while True:
             try:
                 got = await transport.receive()
-            except EndOfStream:
+            except EndOfStreamError:
                 return  # the source ran dry: every step was shipped
             if config.trainer_delay:
                 await trio.sleep(config.trainer_delay)

@@ -22,7 +22,7 @@ from ..rollout import (
     AsyncRolloutDriver,
     DataSource,
     GroupFactory,
-    SourceExhausted,
+    SourceExhaustedError,
 )
 from ..samples import PolicyVersion
 from ..train import (
@@ -211,7 +211,7 @@ class Orchestrator:
             wanted = 1 if self.config.lockstep else max(1, -(-missing // self.config.group_size))
             try:
                 groups = await self.driver.next_batch(wanted, allow_partial=True)
-            except SourceExhausted:
+            except SourceExhaustedError:
                 groups = []
             for group in groups:
                 # The training lists are built in a worker thread, shielded: a group taken from

@@ -17,15 +17,11 @@ from ._credits import SchedulerStatistics as SchedulerStatistics
 from ._credits import SubmissionPolicy as SubmissionPolicy
 from ._errors import CreditError as CreditError
 from ._errors import DataSourceError as DataSourceError
-from ._errors import DriverFailed as DriverFailed
 from ._errors import DriverFailedError as DriverFailedError
-from ._errors import FailureBudgetExceeded as FailureBudgetExceeded
 from ._errors import FailureBudgetExceededError as FailureBudgetExceededError
-from ._errors import GroupFailed as GroupFailed
 from ._errors import GroupFailedError as GroupFailedError
 from ._errors import RolloutConfigError as RolloutConfigError
 from ._errors import RolloutError as RolloutError
-from ._errors import SourceExhausted as SourceExhausted
 from ._errors import SourceExhaustedError as SourceExhaustedError
 from ._factory import GroupFactory as GroupFactory
 from ._factory import RoutingKeys as RoutingKeys

@@ -27,10 +27,10 @@ from ._credits import (
     SubmissionPolicy,
 )
 from ._errors import (
-    DriverFailed,
+    DriverFailedError,
     RolloutConfigError,
     RolloutError,
-    SourceExhausted,
+    SourceExhaustedError,
 )
 from ._factory import GroupFactory
 from ._group import START_BATCH, GroupRunner, pending_samples
@@ -199,7 +199,7 @@ class AsyncRolloutDriver:
 
         Set once, when the worker fails (a group failure under ``FailurePolicy("fail")``, a
         failure budget exceeded, an error in the source or a hook); from then on the worker
-        admits nothing and :meth:`next_batch` raises :class:`DriverFailed` chained to it.
+        admits nothing and :meth:`next_batch` raises :class:`DriverFailedError` chained to it.
         Cancellation of the worker (leaving the block) is not a failure.
         """
         return self._failure
@@ -253,9 +253,9 @@ class AsyncRolloutDriver:
 
         Staleness is judged here, as each group is taken: a group whose staleness exceeds
         ``max_staleness`` is dropped or recycled (and another is waited for). Waits while the
-        buffer is empty. Raises :class:`DriverFailed` (with the worker's error as cause) if
+        buffer is empty. Raises :class:`DriverFailedError` (with the worker's error as cause) if
         the worker failed, even when groups are buffered. When the source is exhausted and
-        nothing is running, raises :class:`SourceExhausted`, or with ``allow_partial`` returns
+        nothing is running, raises :class:`SourceExhaustedError`, or with ``allow_partial`` returns
         the groups taken so far (if any).
 
         On cancellation, groups already taken by this call go back to the front of the buffer.
@@ -269,7 +269,7 @@ class AsyncRolloutDriver:
                 if group is None:
                     if allow_partial and batch:
                         break
-                    raise SourceExhausted(
+                    raise SourceExhaustedError(
                         f"data source exhausted with {len(batch)} of {size} groups available"
                     )
                 if self.triage.fresh_enough(group, self.version.value):
@@ -283,7 +283,7 @@ class AsyncRolloutDriver:
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            raise DriverFailed(f"rollout worker failed: {self._failure!r}") from self._failure
+            raise DriverFailedError(f"rollout worker failed: {self._failure!r}") from self._failure
         if self._closed:
             raise RolloutError("the rollout driver is closed")
 
@@ -348,7 +348,7 @@ def _next_group(d: AsyncRolloutDriver) -> Group | None:
         return d._queued.popleft()
     try:
         prompt = d.source.take()
-    except SourceExhausted:
+    except SourceExhaustedError:
         return None
     return d.factory.make(prompt, d.version.value)
 

@@ -16,7 +16,7 @@ import trio_util
 
 from ..samples import Group, GroupBook
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
-from ._errors import GroupFailed
+from ._errors import GroupFailedError
 from ._group import GroupRunner, SampleReport, refused_while_closing
 
 __all__ = ["GroupBuffer", "run_booked"]
@@ -71,7 +71,7 @@ async def run_booked(
 ) -> None:
     """Run ``group``, reporting like :func:`~trio_rl.rollout.run_reporting` (one ``SampleDone``
     per started sample, then one :class:`GroupDone`), and each finished member to ``book`` as
-    it arrives, so a checkpoint taken meanwhile holds it. A :class:`GroupFailed` is reported,
+    it arrives, so a checkpoint taken meanwhile holds it. A :class:`GroupFailedError` is reported,
     not raised. Cancellation: the samples settle, the outcome is CANCELLED and
     ``trio.Cancelled`` propagates. A group whose task starts after the driver began closing
     (``scheduler.winding_down``) is not run: its outcome is CANCELLED at once."""
@@ -81,7 +81,7 @@ async def run_booked(
     try:
         await runner.run(group, on_sample_done=SampleReport(scheduler, group, book))
         status = GroupStatus.COMPLETED
-    except GroupFailed as exc:
+    except GroupFailedError as exc:
         status, error = GroupStatus.FAILED, exc
     finally:
         scheduler.group_done(GroupOutcome(group, status, error))

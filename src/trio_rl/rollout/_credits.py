@@ -35,7 +35,7 @@ import trio
 
 from .._validation import at_least
 from ..samples import Group
-from ._errors import CreditError, GroupFailed
+from ._errors import CreditError, GroupFailedError
 from ._validate import check_int
 
 __all__ = [
@@ -141,7 +141,7 @@ class GroupOutcome:
 
     group: Group
     status: GroupStatus
-    error: GroupFailed | None = None
+    error: GroupFailedError | None = None
 
     @property
     def group_id(self) -> str:

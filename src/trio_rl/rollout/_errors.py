@@ -12,28 +12,21 @@ from collections.abc import Sequence
 
 from ..errors import CreditError as CreditError
 from ..errors import DataSourceError as DataSourceError
-from ..errors import DriverFailed as DriverFailed
 from ..errors import DriverFailedError as DriverFailedError
-from ..errors import FailureBudgetExceeded as FailureBudgetExceeded
 from ..errors import FailureBudgetExceededError as FailureBudgetExceededError
 from ..errors import RolloutConfigError as RolloutConfigError
 from ..errors import RolloutError as RolloutError
-from ..errors import SourceExhausted as SourceExhausted
 from ..errors import SourceExhaustedError as SourceExhaustedError
 from ..samples import Group
 
 __all__ = [
     "CreditError",
     "DataSourceError",
-    "DriverFailed",
     "DriverFailedError",
-    "FailureBudgetExceeded",
     "FailureBudgetExceededError",
-    "GroupFailed",
     "GroupFailedError",
     "RolloutConfigError",
     "RolloutError",
-    "SourceExhausted",
     "SourceExhaustedError",
 ]
 
@@ -62,7 +55,3 @@ class GroupFailedError(RolloutError):
         where = "group reward" if first_index is None else f"sample {first_index}"
         more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
         super().__init__(f"group {group.group_id} failed at {where}: {first!r}{more}")
-
-
-# The name from before the naming rule, kept because users catch it.
-GroupFailed = GroupFailedError

@@ -20,7 +20,7 @@ import trio
 from ..engines import AbortSignal, Engine, GenerateRequest, SamplingParams
 from ..samples import Group, GroupBook, Sample, SampleStatus
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
-from ._errors import GroupFailed
+from ._errors import GroupFailedError
 from ._validate import check_timeout, timeout
 
 __all__ = [
@@ -250,10 +250,10 @@ async def run_group(
     unless a sample is ABORTED (such groups are rejected by consumers anyway).
 
     Failure: the first sample that raises cancels its siblings; the nursery waits for all of
-    them (every ``on_sample_done`` has run), then :class:`GroupFailed` is raised with the first
+    them (every ``on_sample_done`` has run), then :class:`GroupFailedError` is raised with the first
     failure as ``__cause__`` and all failures in ``.failures``. Siblings' cancellations are not
     failures, and no ``ExceptionGroup`` escapes. A failing group reward raises
-    :class:`GroupFailed` too. Group reward does not run on failure.
+    :class:`GroupFailedError` too. Group reward does not run on failure.
 
     ``abort`` is the soft stop: the sample tasks see it as :func:`current_abort` (and
     `engine_generate` hands it to the engine), so once it is set they end with what they have
@@ -283,7 +283,7 @@ async def run_group(
             await trio.lowlevel.checkpoint()
     failures = run.failures
     if failures:
-        error = GroupFailed(group, failures)
+        error = GroupFailedError(group, failures)
         raise error from failures[0][1]
     if group_reward is not None and not group.has_aborted:
         try:
@@ -293,7 +293,7 @@ async def run_group(
                     f"group reward returned {len(rewards)} rewards for {group.size} samples"
                 )
         except Exception as exc:
-            raise GroupFailed(group, [(None, exc)]) from exc
+            raise GroupFailedError(group, [(None, exc)]) from exc
         for sample, reward in zip(group.samples, rewards, strict=True):
             sample.reward = float(reward)
     return group
@@ -344,14 +344,14 @@ async def run_reporting(
 
     Each started sample reports :class:`SampleDone` in its ``finally``; then, in this task's
     ``finally``, one :class:`GroupDone` carries the outcome: COMPLETED, FAILED (with the
-    :class:`GroupFailed`), or CANCELLED (cancelled from outside; ``trio.Cancelled``
+    :class:`GroupFailedError`), or CANCELLED (cancelled from outside; ``trio.Cancelled``
     propagates). Applying the ``GroupDone`` returns any credit no sample returned. A
-    :class:`GroupFailed` is reported, not raised; any other exception (a bug) propagates.
+    :class:`GroupFailedError` is reported, not raised; any other exception (a bug) propagates.
     A group whose task starts after its driver began closing (``scheduler.winding_down``) is not
     run: its outcome is CANCELLED at once.
     """
     status = GroupStatus.CANCELLED
-    error: GroupFailed | None = None
+    error: GroupFailedError | None = None
     if abort is not None:
         _ABORT.set(abort)  # this task's own context: nothing outside it sees the signal
     if refused_while_closing(scheduler, group):
@@ -359,7 +359,7 @@ async def run_reporting(
     try:
         await runner.run(group, on_sample_done=SampleReport(scheduler, group))
         status = GroupStatus.COMPLETED
-    except GroupFailed as exc:
+    except GroupFailedError as exc:
         status, error = GroupStatus.FAILED, exc
     finally:
         scheduler.group_done(GroupOutcome(group, status, error))

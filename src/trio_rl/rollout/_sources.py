@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..samples import Prompt
-from ._errors import DataSourceError, RolloutConfigError, SourceExhausted
+from ._errors import DataSourceError, RolloutConfigError, SourceExhaustedError
 from ._validate import check_optional_int
 
 __all__ = [
@@ -35,7 +35,7 @@ class DataSource(Protocol):
     def take(self) -> Prompt:
         """The next prompt: a recycled one if any is waiting, else a fresh one.
 
-        Raises :class:`SourceExhausted` when there is none (a later :meth:`recycle` can make
+        Raises :class:`SourceExhaustedError` when there is none (a later :meth:`recycle` can make
         prompts available again).
         """
         ...
@@ -46,7 +46,7 @@ class DataSource(Protocol):
 
     @property
     def exhausted(self) -> bool:
-        """True when :meth:`take` would raise :class:`SourceExhausted`."""
+        """True when :meth:`take` would raise :class:`SourceExhaustedError`."""
         ...
 
     def state(self) -> dict[str, Any]:
@@ -147,7 +147,7 @@ class InMemorySource:
             self.taken += 1
             return self._recycled.popleft()
         if self.exhausted:
-            raise SourceExhausted(
+            raise SourceExhaustedError(
                 f"data source exhausted after {self._epoch} epoch(s) of {len(self._prompts)} "
                 "prompt(s)"
             )

@@ -18,7 +18,7 @@ from ._credits import (
     GroupStatus,
     SubmissionPolicy,
 )
-from ._errors import FailureBudgetExceeded, RolloutError, SourceExhausted
+from ._errors import FailureBudgetExceededError, RolloutError, SourceExhaustedError
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples, reopen_aborted, run_reporting
 from ._sources import DataSource
@@ -128,7 +128,7 @@ class SyncRolloutDriver:
     under-fills a batch. Finished groups go through the ``dynamic_filter``; a failed group is
     logged, counted and replaced by a new prompt (``max_failures`` per call, default 100,
     bounds this, so an engine that always fails cannot eat the whole source: one more failure
-    raises :class:`FailureBudgetExceeded`; ``None`` removes the bound).
+    raises :class:`FailureBudgetExceededError`; ``None`` removes the bound).
 
     **Partial rollouts** (``partial_rollouts=True``, the reference's ``--partial-rollout``):
     once the batch is full the leftovers are aborted, not cancelled (an :class:`AbortSignal`
@@ -197,7 +197,7 @@ class SyncRolloutDriver:
             return self.factory.resume(self._resumed.popleft(), policy_version)
         try:
             prompt = self.source.take()
-        except SourceExhausted:
+        except SourceExhaustedError:
             return None
         return self.factory.make(prompt, policy_version)
 
@@ -216,7 +216,7 @@ class SyncRolloutDriver:
     ) -> RolloutBatch:
         """Return exactly ``batch_size`` accepted groups, sorted by first sample index.
 
-        When the source runs dry before that, raise :class:`SourceExhausted` (after every
+        When the source runs dry before that, raise :class:`SourceExhaustedError` (after every
         started group has finished), or return the accepted groups as a partial batch
         (``complete=False``) with ``allow_partial``. Once the batch is full, groups still
         running are aborted and kept (``partial_rollouts``) or cancelled (see the class
@@ -281,7 +281,7 @@ class SyncRolloutDriver:
                                     exc_info=outcome.error,
                                 )
                                 if self.max_failures is not None and failed > self.max_failures:
-                                    fatal = FailureBudgetExceeded(
+                                    fatal = FailureBudgetExceededError(
                                         f"{failed} groups failed in one batch "
                                         f"(SyncRolloutDriver.max_failures="
                                         f"{self.max_failures}); last: {outcome.error}"
@@ -359,7 +359,7 @@ class SyncRolloutDriver:
         accepted.sort(key=lambda g: g.first_index)
         if len(accepted) < batch_size:
             if not allow_partial or not accepted:
-                raise SourceExhausted(
+                raise SourceExhaustedError(
                     f"data source exhausted with {len(accepted)} of {batch_size} groups "
                     f"accepted ({failed} failed, {sum(filtered.values())} filtered)"
                 )

@@ -17,7 +17,7 @@ import attrs
 
 from ..samples import Group, GroupBook, PolicyVersion
 from ._credits import GroupOutcome, GroupStatus
-from ._errors import FailureBudgetExceeded, GroupFailed, RolloutError
+from ._errors import FailureBudgetExceededError, GroupFailedError, RolloutError
 from ._sync import DynamicFilter
 from ._validate import check_choice, non_negative_int, optional_positive_int
 
@@ -49,13 +49,13 @@ class FailurePolicy:
     ``"skip"``: log and count it, start a new prompt instead. ``"retry"``: reset its samples
     (keeping indices, seeds and routing keys) and run the same group again, up to
     ``max_retries`` times, then skip it. ``"fail"``: stop the driver; the consumer's next
-    :meth:`~AsyncRolloutDriver.next_batch` raises :class:`DriverFailed`.
+    :meth:`~AsyncRolloutDriver.next_batch` raises :class:`DriverFailedError`.
 
     ``max_consecutive_failures`` bounds a run that only fails (an engine refusing every
     request): when that many group attempts in a row fail (retries count; any group that
     finishes resets the count), the driver stops and the consumer's next call raises
-    :class:`DriverFailed` whose cause is :class:`FailureBudgetExceeded`, itself caused by the
-    last :class:`GroupFailed`. ``None`` removes the bound.
+    :class:`DriverFailedError` whose cause is :class:`FailureBudgetExceededError`, itself
+    caused by the last :class:`GroupFailedError`. ``None`` removes the bound.
     """
 
     action: Literal["skip", "retry", "fail"] = attrs.field(default="skip")
@@ -240,14 +240,14 @@ class GroupTriage:
         if self.on_discard is not None:
             self.on_discard(group, reason)
 
-    def _failed(self, group: Group, error: GroupFailed) -> None:
+    def _failed(self, group: Group, error: GroupFailedError) -> None:
         action = self.on_failure.action
         if action == "fail":
             raise error
         self.consecutive_failures += 1
         budget = self.on_failure.max_consecutive_failures
         if budget is not None and self.consecutive_failures >= budget:
-            raise FailureBudgetExceeded(
+            raise FailureBudgetExceededError(
                 f"{self.consecutive_failures} group attempts in a row failed "
                 f"(FailurePolicy.max_consecutive_failures={budget}); last: {error}"
             ) from error

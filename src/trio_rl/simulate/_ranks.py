@@ -22,7 +22,7 @@ import trio
 from ..orchestrator import Orchestrator
 from ..rundir import RunDirectory
 from ..trainer import to_torch
-from ..transport import EndOfStream, Receiver, TransportKind, TransportSetup
+from ..transport import EndOfStreamError, Receiver, TransportKind, TransportSetup
 from ..wire import MicroBatch, decode
 
 
@@ -41,7 +41,7 @@ async def trainer_rank(
         for step in range(start, stop):
             try:
                 got = await receiver.receive()
-            except EndOfStream:
+            except EndOfStreamError:
                 return  # the run ended early (its source ran dry)
             data = bytes(got.data)
             micro_batches = await trio.to_thread.run_sync(decode, data)

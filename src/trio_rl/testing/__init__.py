@@ -10,10 +10,8 @@ from ._engine import Fate as Fate
 from ._engine import FateKind as FateKind
 from ._engine import ScriptedEngine as ScriptedEngine
 from ._errors import Invariant as Invariant
-from ._errors import InvariantViolation as InvariantViolation
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError
-from ._errors import ScriptedFailure as ScriptedFailure
 from ._machine_async import AsyncDriverMachine as AsyncDriverMachine
 from ._machine_async import async_driver_machine as async_driver_machine
 from ._machine_async import async_driver_test as async_driver_test

@@ -17,7 +17,7 @@ from ..rollout import (
     GroupFactory,
     GroupOutcome,
     InMemorySource,
-    SourceExhausted,
+    SourceExhaustedError,
     SyncRolloutDriver,
     open_async_rollout,
     reject_aborted,
@@ -97,11 +97,11 @@ class SyncCalls:
         first = self.factory.next_sample_index
         try:
             batch = await driver.generate(t, allow_partial=self.allow_partial)
-        except SourceExhausted:
+        except SourceExhaustedError:
             world.check(
                 source.exhausted,
                 Invariant.SYNC_BATCH_SHAPE,
-                "SourceExhausted raised but the source has prompts",
+                "SourceExhaustedError raised but the source has prompts",
             )
             world.log(f"call {self.calls + 1}: source exhausted")
             return False

@@ -2,7 +2,7 @@
 
 The engine never generates anything real. Each ``generate`` call asks a *script* for a
 :class:`Fate`: finish (``stop``/``length``), return an ``abort`` finish reason, raise
-:class:`ScriptedFailure`, or hang. A fate with ``after=None`` parks the call until the test
+:class:`ScriptedEngineError`, or hang. A fate with ``after=None`` parks the call until the test
 settles it with :meth:`ScriptedEngine.settle`; this is how a Hypothesis schedule picks, step by
 step, which in-flight sample ends next and how. Under ``trio.testing.MockClock`` a fate with a
 delay ends after that many virtual seconds.
@@ -22,7 +22,7 @@ import trio
 
 from ..engines import Completion, GenerateRequest
 from ..samples import PolicyVersion
-from ._errors import ScriptedFailure
+from ._errors import ScriptedEngineError
 
 __all__ = [
     "Call",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: ``stop``/``length``: a normal completion; ``abort``: a completion with finish reason
-#: ``abort``; ``raise``: :class:`ScriptedFailure`; ``hang``: wait until cancelled.
+#: ``abort``; ``raise``: :class:`ScriptedEngineError`; ``hang``: wait until cancelled.
 FateKind = Literal["stop", "length", "abort", "raise", "hang"]
 _KINDS: tuple[str, ...] = ("stop", "length", "abort", "raise", "hang")
 
@@ -140,7 +140,7 @@ class ScriptedEngine:
                 await trio.sleep_forever()
             if final.kind == "raise":
                 outcome = "raise"
-                raise ScriptedFailure(f"scripted failure of call {call.number}")
+                raise ScriptedEngineError(f"scripted failure of call {call.number}")
             outcome = final.kind
             return Completion(
                 tokens=list(range(final.tokens)),
@@ -167,7 +167,7 @@ class ScriptedEngine:
         call._release.set()
 
     def fail_together(self, calls: Sequence[Call]) -> None:
-        """Make the held ``calls`` all raise :class:`ScriptedFailure` in the same tick.
+        """Make the held ``calls`` all raise :class:`ScriptedEngineError` in the same tick.
 
         They are released together and each raises as soon as it wakes, with no checkpoint in
         between, so a cancellation that the first failure triggers (a group runner cancelling

@@ -7,15 +7,12 @@ import enum
 from collections.abc import Sequence
 
 from ..errors import ScriptedEngineError as ScriptedEngineError
-from ..errors import ScriptedFailure as ScriptedFailure
 from ..errors import TrioRLError
 
 __all__ = [
     "Invariant",
-    "InvariantViolation",
     "InvariantViolationError",
     "ScriptedEngineError",
-    "ScriptedFailure",
 ]
 
 
@@ -89,7 +86,3 @@ class InvariantViolationError(TrioRLError, AssertionError):
             f"invariant {invariant} ({description}) violated: {detail}\n"
             f"schedule ({len(self.steps)} steps):\n{schedule}"
         )
-
-
-# The name from before the naming rule, kept because users catch it.
-InvariantViolation = InvariantViolationError

@@ -14,10 +14,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from ..rollout import (
     AsyncRolloutDriver,
-    DriverFailed,
+    DriverFailedError,
     InMemorySource,
     RolloutError,
-    SourceExhausted,
+    SourceExhaustedError,
 )
 from ._checks import async_driver, check_async_batch, check_async_state
 from ._checks import prompts as _prompts
@@ -71,9 +71,9 @@ class _AsyncDriverObserver(Machine):
         version_at_call = driver.policy_version
         try:
             batch = await driver.next_batch(allow_partial=True)
-        except (SourceExhausted, DriverFailed, RolloutError) as exc:
+        except (SourceExhaustedError, DriverFailedError, RolloutError) as exc:
             self.w.log(f"next_batch raised {type(exc).__name__}")
-            if isinstance(exc, (SourceExhausted, DriverFailed)):
+            if isinstance(exc, (SourceExhaustedError, DriverFailedError)):
                 self.ended = True
             return
         except trio.ClosedResourceError:

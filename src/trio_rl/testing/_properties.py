@@ -3,7 +3,7 @@
 ``check_credit_loop``, ``check_sync_driver`` and ``check_async_driver`` run one example from a
 Hypothesis ``data`` object; the ``*_property`` functions wrap them into ready-made test
 functions. Every step of every example checks the invariants of docs/testing.md; a violation raises
-:class:`~trio_rl.testing.InvariantViolation` carrying the (shrunk) schedule.
+:class:`~trio_rl.testing.InvariantViolationError` carrying the (shrunk) schedule.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ..rollout import (
-    DriverFailed,
+    DriverFailedError,
     GroupFactory,
     RolloutError,
-    SourceExhausted,
+    SourceExhaustedError,
     pending_samples,
     run_reporting,
 )
@@ -227,7 +227,7 @@ def check_sync_driver(data: st.DataObject, subject: RolloutSubject | None = None
     calls, then an adversarial schedule. Checks the first six invariants after every step and
     ``SYNC_BATCH_SHAPE`` after every call: exactly ``T`` groups of ``G`` samples sorted by
     first index, all started by that call, everything else cancelled and settled (or
-    :class:`SourceExhausted` with the source really exhausted).
+    :class:`SourceExhaustedError` with the source really exhausted).
     """
     subject = subject if subject is not None else RolloutSubject()
     _run(data, subject, _sync_body)
@@ -363,9 +363,9 @@ async def _async_body(world: World) -> None:
                 version_at_call = driver.policy_version
                 try:
                     batch = await driver.next_batch(allow_partial=True)
-                except (SourceExhausted, DriverFailed, RolloutError) as exc:
+                except (SourceExhaustedError, DriverFailedError, RolloutError) as exc:
                     world.log(f"next_batch raised {type(exc).__name__}")
-                    if isinstance(exc, (SourceExhausted, DriverFailed)):
+                    if isinstance(exc, (SourceExhaustedError, DriverFailedError)):
                         state["ended"] = True
                     return
                 finally:

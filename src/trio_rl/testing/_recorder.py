@@ -23,7 +23,7 @@ from ..rollout import (
     SubmissionPolicy,
 )
 from ..samples import Group, Sample, SampleStatus
-from ._errors import Invariant, InvariantViolation
+from ._errors import Invariant, InvariantViolationError
 from ._report import Trace
 
 __all__ = [
@@ -117,7 +117,7 @@ class CreditRecorder:
         self.groups: dict[str, GroupRecord] = {}
         self._by_sample: dict[int, GroupRecord] = {}
         self.decisions: list[tuple[CreditView, bool]] = []
-        self.violation: InvariantViolation | None = None
+        self.violation: InvariantViolationError | None = None
 
     # -- violations --------------------------------------------------------------------
     # Checks made from inside the system under test only *record* the first violation: raising

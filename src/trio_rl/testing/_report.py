@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from ._errors import Invariant, InvariantViolation
+from ._errors import Invariant, InvariantViolationError
 
 __all__ = ["Trace", "live_tasks", "unwrap_single"]
 
@@ -19,12 +19,14 @@ class Trace:
         self.steps.append(f"t={trio.current_time():g} {step}")
 
     def check(self, ok: bool, invariant: Invariant, detail: str) -> None:
-        """Raise :class:`InvariantViolation` unless ``ok``."""
+        """Raise :class:`InvariantViolationError` unless ``ok``."""
         if not ok:
             raise self.fail(invariant, detail)
 
-    def fail(self, invariant: Invariant, detail: str) -> InvariantViolation:
-        return InvariantViolation(invariant, detail, self.steps, description=invariant.description)
+    def fail(self, invariant: Invariant, detail: str) -> InvariantViolationError:
+        return InvariantViolationError(
+            invariant, detail, self.steps, description=invariant.description
+        )
 
 
 def live_tasks() -> set[trio.lowlevel.Task]:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ..engines import GenerateRequest
 from ..rollout import CreditLedger, CreditView, GroupRunner, SubmissionPolicy
 from ._engine import Call, Fate, ScriptedEngine
-from ._errors import Invariant, InvariantViolation
+from ._errors import Invariant, InvariantViolationError
 from ._recorder import (
     CreditRecorder,
     RecordingPolicy,
@@ -138,7 +138,7 @@ class World:
         self.recorder.check(ok, invariant, detail)
         self.recorder.raise_first()
 
-    def fail(self, invariant: Invariant, detail: str) -> InvariantViolation:
+    def fail(self, invariant: Invariant, detail: str) -> InvariantViolationError:
         self.recorder.fail(invariant, detail)
         assert self.recorder.violation is not None
         return self.recorder.violation

@@ -14,7 +14,6 @@ from ._checkpoint_schema import RunBounds as RunBounds
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CodecError as CodecError
 from ._errors import PayloadError as PayloadError
-from ._errors import PayloadFileMissing as PayloadFileMissing
 from ._errors import PayloadFileMissingError as PayloadFileMissingError
 from ._errors import TrainError as TrainError
 from ._errors import TrainSinkError as TrainSinkError

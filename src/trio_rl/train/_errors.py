@@ -8,7 +8,6 @@ from __future__ import annotations
 from ..errors import CheckpointError as CheckpointError
 from ..errors import CodecError as CodecError
 from ..errors import PayloadError as PayloadError
-from ..errors import PayloadFileMissing as PayloadFileMissing
 from ..errors import PayloadFileMissingError as PayloadFileMissingError
 from ..errors import TrainError as TrainError
 from ..errors import TrainSinkError as TrainSinkError
@@ -17,7 +16,6 @@ __all__ = [
     "CheckpointError",
     "CodecError",
     "PayloadError",
-    "PayloadFileMissing",
     "PayloadFileMissingError",
     "TrainError",
     "TrainSinkError",

@@ -154,7 +154,7 @@ class OpenBook:
         types[name] = types.get(name, 0) + n
 
     def _failures(self, error: BaseException | None) -> None:
-        """Count a failed attempt's errors by type: each real failure of a `GroupFailed`
+        """Count a failed attempt's errors by type: each real failure of a `GroupFailedError`
         (a sample's or the group reward's exception), or ``error`` itself."""
         if error is None:
             return
@@ -189,7 +189,7 @@ class OpenBook:
     def attempt_failed(self, group: Group, error: BaseException | None = None) -> None:
         """The attempt raised: each of its samples settles failed (held members included, before
         the driver resets them for the retry), counted in the attempt budget; the group stays
-        open and empty. ``error`` (the attempt's `GroupFailed`) is counted by type."""
+        open and empty. ``error`` (the attempt's `GroupFailedError`) is counted by type."""
         g = self._opened(group)
         self._failures(error)
         self._settle(g, group, "failed")

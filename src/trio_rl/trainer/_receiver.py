@@ -8,7 +8,7 @@ from typing import Self
 import trio
 
 from trio_rl.transport import (
-    EndOfStream,
+    EndOfStreamError,
     FileReceiver,
     ReceivedPayload,
     Receiver,
@@ -60,7 +60,7 @@ class BatchReceiver:
 
     The receiver owns its transport: entering opens it, leaving closes it. Iteration ends
     when the sender ends the stream (`trio_rl.transport.Sender.end_stream`); `receive`
-    then raises `trio_rl.transport.EndOfStream`.
+    then raises `trio_rl.transport.EndOfStreamError`.
 
     Each payload is acknowledged to the transport (`Receiver.ack`) only once it is
     decoded, right before it is returned: the filesystem transport deletes a file (with
@@ -184,7 +184,7 @@ class BatchReceiver:
 
         Large payloads are decoded in a worker thread, which also drops the last reference to
         the received buffer: freeing tens of MiB takes milliseconds the loop should not spend.
-        Raises `trio_rl.transport.EndOfStream` once the sender ended the stream.
+        Raises `trio_rl.transport.EndOfStreamError` once the sender ended the stream.
 
         Cancellation: safe. A payload already taken from the transport but not yet decoded is
         kept and returned by the next call; it is acknowledged to the transport only after
@@ -275,7 +275,7 @@ class BatchReceiver:
             raise StopAsyncIteration
         try:
             return await self.receive()
-        except EndOfStream:
+        except EndOfStreamError:
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:

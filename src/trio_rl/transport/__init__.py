@@ -16,7 +16,6 @@ from ._base import ReceivedPayload as ReceivedPayload
 from ._base import Receiver as Receiver
 from ._base import Sender as Sender
 from ._base import StagingSender as StagingSender
-from ._errors import EndOfStream as EndOfStream
 from ._errors import EndOfStreamError as EndOfStreamError
 from ._errors import TransportError as TransportError
 from ._errors import TransportIOError as TransportIOError

@@ -94,7 +94,7 @@ class Sender(trio.abc.AsyncResource):
         """Tell every rank that the stream ended: no step ``>= step`` will come.
 
         ``step`` is the step after the last one sent (the step a next `send` would have had).
-        A receiver waiting for ``step`` or later then raises `EndOfStream` (and
+        A receiver waiting for ``step`` or later then raises `EndOfStreamError` (and
         ``BatchReceiver``'s ``async for`` ends). Later sends raise `RuntimeError`.
 
         Cancellation: if `trio.Cancelled` is raised, the stream is not known to have ended:
@@ -131,7 +131,7 @@ class Receiver(trio.abc.AsyncResource):
     async def receive(self) -> ReceivedPayload:
         """Wait for and return the payload of `next_step`, then advance `next_step` by one.
 
-        Raises `EndOfStream` if the sender ended the stream at or before `next_step`.
+        Raises `EndOfStreamError` if the sender ended the stream at or before `next_step`.
 
         Cancellation: a receive that raises `trio.Cancelled` has not advanced `next_step` and
         has consumed nothing: the payload it was waiting for (or reading) is returned by the

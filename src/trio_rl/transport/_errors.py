@@ -5,14 +5,12 @@ A sender or receiver used after it was closed raises ``trio.ClosedResourceError`
 
 from __future__ import annotations
 
-from ..errors import EndOfStream as EndOfStream
 from ..errors import EndOfStreamError as EndOfStreamError
 from ..errors import TransportError as TransportError
 from ..errors import TransportIOError as TransportIOError
 from ..errors import TransportTimeoutError as TransportTimeoutError
 
 __all__ = [
-    "EndOfStream",
     "EndOfStreamError",
     "TransportError",
     "TransportIOError",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ._base import Payload
-from ._errors import EndOfStream, TransportError, TransportIOError
+from ._errors import EndOfStreamError, TransportError, TransportIOError
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
@@ -161,8 +161,8 @@ class RankFiles:
     def path(self, step: int) -> Path:
         return batch_path(self.directory, step, self.rank)
 
-    def end_of_stream(self, step: int, end: int) -> EndOfStream:
-        return EndOfStream(
+    def end_of_stream(self, step: int, end: int) -> EndOfStreamError:
+        return EndOfStreamError(
             f"rank {self.rank}: the stream ended before step {end} ({self.end_marker}); "
             f"no step {step}",
             end,

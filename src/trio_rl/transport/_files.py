@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, TypeVar
 import trio
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
-from ._errors import EndOfStream, TransportIOError
+from ._errors import EndOfStreamError, TransportIOError
 from ._file_layout import (
     RankFiles,
     fsync_dir,
@@ -275,7 +275,7 @@ class FileSender(Sender):
     async def end_stream(self, step: int) -> None:
         """Write the end marker ``batches/END`` holding ``step``: no step ``>= step`` will come.
 
-        Receivers waiting for ``step`` or later raise `EndOfStream`. ``step`` must be greater
+        Receivers waiting for ``step`` or later raise `EndOfStreamError`. ``step`` must be greater
         than every step sent. Written like a batch file (staged, fsynced, renamed), after every
         earlier step's files. Later sends raise `RuntimeError`.
 
@@ -452,7 +452,7 @@ class FileReceiver(Receiver):
 
         First acknowledges the step it returned last, if not yet acknowledged (shielded).
         Raises `TransportTimeoutError` (naming the file) if it does not appear within
-        ``timeout`` seconds, `EndOfStream` if the ``END`` marker says the stream ended at or
+        ``timeout`` seconds, `EndOfStreamError` if the ``END`` marker says the stream ended at or
         before this step, `TransportError` if the marker says the step was sent but its file
         is gone, and `TransportIOError` if the file cannot be read.
 
@@ -475,7 +475,7 @@ class FileReceiver(Receiver):
         while True:
             try:
                 data = await self._threads.run(self._files.read, step)
-            except EndOfStream as exc:
+            except EndOfStreamError as exc:
                 self._ended_at = exc.step
                 raise
             if data is not None:

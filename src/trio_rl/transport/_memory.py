@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
-from ._errors import EndOfStream, TransportError
+from ._errors import EndOfStreamError, TransportError
 from ._wait import Wait, timeout_seconds
 
 __all__ = ["MemoryReceiver", "MemorySender"]
@@ -194,8 +194,8 @@ class MemoryReceiver(Receiver):
         """
         await self.aclose()
 
-    def _end_of_stream(self, end: int) -> EndOfStream:
-        return EndOfStream(
+    def _end_of_stream(self, end: int) -> EndOfStreamError:
+        return EndOfStreamError(
             f"memory rank {self._rank}: the stream ended before step {end}; "
             f"no step {self._next_step}",
             end,
@@ -204,7 +204,7 @@ class MemoryReceiver(Receiver):
     async def receive(self) -> ReceivedPayload:
         """Wait for the payload of `next_step` and return it (held until acknowledged).
 
-        First acknowledges the step it returned last. Raises `EndOfStream` at the end of the
+        First acknowledges the step it returned last. Raises `EndOfStreamError` at the end of the
         stream (and on every later call), `TransportError` at a step gap or if the sender was
         closed without ending the stream, `TransportTimeoutError` if nothing came within the
         receiver's timeout.

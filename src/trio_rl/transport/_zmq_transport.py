@@ -38,7 +38,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ._base import Payload, ReceivedPayload, Receiver, Sender
-from ._errors import EndOfStream, TransportError, TransportTimeoutError
+from ._errors import EndOfStreamError, TransportError, TransportTimeoutError
 from ._wait import Wait, timeout_seconds
 from ._zmq import ZmqSocket
 
@@ -237,7 +237,7 @@ class ZmqSender(Sender):
 
         ``step`` must be the step after the last one sent (or any step if none was sent); the
         first call waits for the READY barrier like `send`. A receiver that counted a different
-        step raises `TransportError` (messages were dropped), otherwise `EndOfStream`. Like
+        step raises `TransportError` (messages were dropped), otherwise `EndOfStreamError`. Like
         data, the message is dropped for a receiver more than its high-water mark behind.
         Later sends raise `RuntimeError`.
 
@@ -436,7 +436,7 @@ class ZmqReceiver(Receiver):
         tagged with an earlier step (sent again by a restarted sender) is dropped; an untagged
         one (from a prime-rl sender) is numbered `next_step`. Raises `TransportTimeoutError`
         after ``timeout`` seconds without this step (logging every 60 s while it waits),
-        `EndOfStream` at the sender's end message (and on every later call), or
+        `EndOfStreamError` at the sender's end message (and on every later call), or
         `TransportError` if a message names a later step than `next_step` or the end message
         another step (messages were lost, or the sender and this receiver started at
         different steps).
@@ -449,7 +449,7 @@ class ZmqReceiver(Receiver):
         source = f"{self.data_endpoint} rank {self._rank} step {step}"
         if self._ended_at is not None:
             await trio.lowlevel.checkpoint()
-            raise EndOfStream(
+            raise EndOfStreamError(
                 f"{source}: the stream ended before step {self._ended_at}", self._ended_at
             )
         wait = Wait(self._timeout, f"{source}: no message from the sender")
@@ -504,7 +504,7 @@ class ZmqReceiver(Receiver):
                     else "sender and receiver started at different steps"
                 )
             )
-        raise EndOfStream(f"{source}: the stream ended before step {end}", end)
+        raise EndOfStreamError(f"{source}: the stream ended before step {end}", end)
 
     async def aclose(self) -> None:
         """Stop the READY task, close the sockets (dropping anything queued) and the context.
