@@ -39,6 +39,7 @@ from ..train._sink_state import payload_files_of_state
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError
+from ._main import tool_main
 from .metrics import read_metrics
 
 __all__ = ["Summary", "add_arguments", "inspect_path", "main", "render", "run"]
@@ -418,14 +419,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trio_rl.tools.inspect_cmd``: errors are one line on stderr, status 1."""
-    parser = argparse.ArgumentParser(prog="trio-rl inspect", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except TrioRLError as exc:
-        print(f"trio-rl: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+    return tool_main("trio-rl inspect", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

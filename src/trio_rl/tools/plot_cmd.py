@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ._errors import InspectError, MissingExtraError
+from ._main import tool_main
 from .metrics import read_metrics
 
 __all__ = ["PANELS", "add_arguments", "build_figure", "main", "run", "write_figure"]
@@ -253,14 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trio_rl.tools.plot_cmd``: errors are one line on stderr, status 1."""
-    parser = argparse.ArgumentParser(prog="trio-rl plot", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except TrioRLError as exc:
-        print(f"trio-rl: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+    return tool_main("trio-rl plot", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ._errors import InspectError
+from ._main import tool_main
 from .console import ConsoleDisplay
 from .metrics import read_metrics
 
@@ -63,14 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m trio_rl.tools.watch_cmd``: errors are one line on stderr, status 1."""
-    parser = argparse.ArgumentParser(prog="trio-rl watch", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except TrioRLError as exc:
-        print(f"trio-rl: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 1
+    return tool_main("trio-rl watch", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

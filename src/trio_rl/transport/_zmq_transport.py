@@ -78,6 +78,13 @@ async def _term(ctx: zmq.Context[Any]) -> None:
         await trio.to_thread.run_sync(ctx.term)
 
 
+def _fresh_context(entered: bool, what: str) -> zmq.Context[Any]:
+    """The context of a sender or receiver being entered; entering one twice is a bug."""
+    if entered:
+        raise RuntimeError(f"a {what} can be entered only once")
+    return zmq.Context()
+
+
 class ZmqSender(Sender):
     """Publishes each step's payloads to the trainer ranks over ZeroMQ.
 
@@ -146,10 +153,7 @@ class ZmqSender(Sender):
         Cancellation: a checkpoint on entry; if it raises `trio.Cancelled` nothing was bound.
         """
         await trio.lowlevel.checkpoint()
-        if self._closed or self._ctx is not None:
-            raise RuntimeError("a ZmqSender can be entered only once")
-        ctx: zmq.Context[Any] = zmq.Context()
-        self._ctx = ctx
+        ctx = self._ctx = _fresh_context(self._closed or self._ctx is not None, "ZmqSender")
         try:
             pub = ctx.socket(zmq.PUB)
             self._pub = ZmqSocket(pub)
@@ -371,10 +375,7 @@ class ZmqReceiver(Receiver):
         Cancellation: a checkpoint on entry; if it raises `trio.Cancelled` nothing was opened.
         """
         await trio.lowlevel.checkpoint()
-        if self._closed or self._ctx is not None:
-            raise RuntimeError("a ZmqReceiver can be entered only once")
-        ctx: zmq.Context[Any] = zmq.Context()
-        self._ctx = ctx
+        ctx = self._ctx = _fresh_context(self._closed or self._ctx is not None, "ZmqReceiver")
         try:
             sub = ctx.socket(zmq.SUB)
             self._sub = ZmqSocket(sub)
