@@ -69,17 +69,6 @@ class SinkSection:
         samples per batch."""
         return SinkConfig(batch_size=batch_size, **_build(SinkConfig, self, ()))
 
-    @classmethod
-    def from_config(cls, config: SinkConfig) -> Any:
-        """The section of ``config``'s knobs (its batch size is the rollout's)."""
-        values: dict[str, Any] = {}
-        for knob in _knobs(SinkConfig):
-            value: Any = config
-            for name in knob.path:
-                value = getattr(value, name)
-            values[knob.key] = value.value if isinstance(value, enum.Enum) else value
-        return cls(**values)
-
 
 def _build(cls: type[Any], section: object, path: tuple[str, ...]) -> dict[str, Any]:
     """The keyword arguments of ``cls`` (at ``path`` in ``SinkConfig``) from ``section``."""
