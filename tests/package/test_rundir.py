@@ -52,7 +52,7 @@ _SPELLED = re.compile(
     r"""plot\.png|run\.json|tensorboard)["'/]|glob\(["']step_"""
 )
 # the owners: the layout itself, and the file transport's own directory format
-_OWNERS = {"rundir.py", "transport/_files.py"}
+_OWNERS = {"rundir.py", "transport/_files.py", "transport/_file_layout.py"}
 
 
 @pytest.mark.parametrize(

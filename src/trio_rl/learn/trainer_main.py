@@ -258,7 +258,7 @@ class _Job:
                 self.trained,
                 last,
                 self.config.connect_timeout,
-                f"{self.out / 'batches'} (rank {self.rank})",
+                f"{RunDirectory(self.out).batches} (rank {self.rank})",
             )
             nursery.cancel_scope.cancel()
 
