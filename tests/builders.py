@@ -14,27 +14,47 @@
   bins hold one such sample each;
 - :class:`Releases`: an injected memory release that records each call and can be gated;
 - :func:`micro_batch` and :func:`grid`: wire micro-batches whose values name their step, rank
-  and index, one or a step's worth.
+  and index, one or a step's worth;
+- :func:`write_open_groups_checkpoint`, :func:`open_one_prompt_orchestrator` and
+  :func:`resume_watchdog`: a run resumed from a checkpoint of open groups over one prompt
+  (:data:`RESUME_PROMPTS`), guarded by a watchdog thread, for the resume-deadline and the
+  cross-layer cancellation tests.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import itertools
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
-from trio_rl.engines import FinishReason, GenerateRequest
+from trio_rl.engines import FinishReason, GenerateRequest, SamplingParams, SimulatedEngine
+from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.policy import PolicyVersionCell
 from trio_rl.publish import pack_samples, release_containers
-from trio_rl.rollout import GroupFactory
-from trio_rl.samples import Group, Prompt, Sample, SampleStatus, new_group_id
+from trio_rl.rollout import GroupFactory, InMemorySource
+from trio_rl.samples import Group, OpenGroup, Prompt, Sample, SampleStatus, new_group_id
 from trio_rl.testing import Fate, ScriptedEngine
-from trio_rl.train import PruneMode, SinkConfig, TrainingSample, TrainSink
+from trio_rl.train import (
+    CheckpointManager,
+    CheckpointSnapshot,
+    PruneMode,
+    SinkConfig,
+    SinkCounters,
+    SinkState,
+    SinkWindow,
+    TrainingSample,
+    TrainSink,
+)
+from trio_rl.transport import MemorySender
 from trio_rl.wire import MicroBatch, RoutedExperts
 
 __all__ = [
@@ -257,3 +277,81 @@ def grid(step: int, world: int, per_rank: int = 2, **kw: int) -> list[list[Micro
     """Step ``step``'s micro-batches: ``per_rank`` of :func:`micro_batch` for each of ``world``
     ranks."""
     return [[micro_batch(step, r, i, **kw) for i in range(per_rank)] for r in range(world)]
+
+
+#: The one prompt of the resume tests' runs (a source of it never runs dry).
+RESUME_PROMPTS = [Prompt(key="k", tokens=(1, 2))]
+_RESUME_WATCHDOG = 120.0
+
+
+@contextmanager
+def resume_watchdog() -> Iterator[None]:
+    """Fail the test if the block is still running after a long while: a loop that lets no
+    cancellation in would hold the event loop past any trio deadline, so a thread interrupts
+    the main thread and the test fails loudly instead of hanging."""
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(_RESUME_WATCHDOG, interrupt)
+    timer.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if fired.is_set():
+            pytest.fail(
+                f"no deadline fired within {_RESUME_WATCHDOG} s: a loop let no cancellation in"
+            )
+        raise
+    finally:
+        timer.cancel()
+
+
+def write_open_groups_checkpoint(
+    directory: Path, groups: list[OpenGroup], *, samples_made: int, groups_made: int
+) -> Path:
+    """A checkpoint in ``directory`` whose sink holds ``groups`` open (and nothing queued), with
+    a cursor that says ``samples_made`` samples and ``groups_made`` groups were made."""
+    held = sum(len(g.arrived) for g in groups)
+    state = SinkState(
+        step=1,
+        next_arrival=0,
+        counters=SinkCounters(dispatched=held),
+        window=SinkWindow(),
+        queued=(),
+        open_groups=tuple(groups),
+    )
+    cursor = {
+        "source": InMemorySource(RESUME_PROMPTS, epochs=None).state(),
+        "factory": {"next_sample_index": samples_made, "next_group_index": groups_made},
+    }
+    manager = CheckpointManager(directory)
+    return manager.write(CheckpointSnapshot(0, {"policy_version": 0}, cursor, state))
+
+
+def open_one_prompt_orchestrator(
+    tmp_path: Path, group_size: int, max_tokens: int = 16, **kw: object
+) -> object:
+    """`open_orchestrator` over `RESUME_PROMPTS` resuming from ``tmp_path / "ckpt"`` (``kw``
+    go to `open_orchestrator`)."""
+    return open_orchestrator(
+        SimulatedEngine(seconds_per_token=1e-6),
+        InMemorySource(RESUME_PROMPTS, epochs=None),
+        MemorySender(1),
+        config=OrchestratorConfig(
+            batch_groups=2,
+            group_size=group_size,
+            sampling=SamplingParams(max_tokens=max_tokens),
+        ),
+        checkpoint_dir=tmp_path / "ckpt",
+        # a resume that finishes before the deadline goes on running: its new members need a
+        # reward to be accepted by the sink
+        sample_reward=_parity_reward,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def _parity_reward(sample: Sample) -> float:
+    return float(sample.index % 2)

@@ -11,7 +11,9 @@ cut, a driver's close) stay with that layer's tests.
   cancelled in a worker job (packing, encoding, a checkpoint write, a memory release), and the
   owner cancelled while a release runs;
 - the trainer's batch receiver over a transport and the wire decoder: receives cancelled while
-  they wait, read or decode lose no step.
+  they wait, read or decode lose no step;
+- the orchestrator over the rollout layer: a resume cancelled by its first sample stops
+  starting the samples of a huge group at its next batch.
 """
 
 from __future__ import annotations
@@ -27,8 +29,20 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from builders import Releases, grid, make_group, make_sink, one_per_sample_packer
+from builders import (
+    RESUME_PROMPTS,
+    Releases,
+    grid,
+    make_group,
+    make_sink,
+    one_per_sample_packer,
+    open_one_prompt_orchestrator,
+    resume_watchdog,
+    write_open_groups_checkpoint,
+)
 from trio_rl.publish import open_publisher, release_containers
+from trio_rl.rollout._group import START_BATCH
+from trio_rl.samples import OpenGroup, Sample
 from trio_rl.train import PruneMode, TrainingSample
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileReceiver, FileSender, batch_path
@@ -276,3 +290,30 @@ async def test_cancelled_receives_lose_no_step(tmp_path: Path) -> None:
                 cancelled += scope.cancelled_caught
     assert got == list(range(steps))
     assert cancelled > 0
+
+
+async def test_cancellation_reaches_the_start_of_a_huge_group(tmp_path: Path) -> None:
+    """The group's sample tasks start in batches: the first sample to run cancels the resume,
+    and the loop starting the others stops at its next batch (not after all of them)."""
+    size = 20_000
+    write_open_groups_checkpoint(
+        tmp_path / "ckpt",
+        [OpenGroup("g-0", RESUME_PROMPTS[0], size)],
+        samples_made=0,
+        groups_made=1,
+    )
+    calls = 0
+    scope = trio.CancelScope()
+
+    async def generate(sample: Sample) -> None:
+        nonlocal calls
+        calls += 1
+        scope.cancel()
+        await trio.sleep_forever()
+
+    with resume_watchdog(), scope:
+        async with open_one_prompt_orchestrator(tmp_path, size, generate=generate) as orch:  # type: ignore[attr-defined]
+            await orch.run(1)
+    assert scope.cancelled_caught
+    # the samples of the few batches started before the cancellation was seen, not 20,000
+    assert 1 <= calls <= 8 * START_BATCH < size, calls

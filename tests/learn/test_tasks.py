@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.learn import TASKS, char_reward, make_prompts, tasks
 
 
@@ -23,4 +24,9 @@ def test_a_task_reward_scores_its_records_as_the_task_did(name: str) -> None:
 
 def test_an_unknown_task_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown task 'sort'"):
+        tasks.expected("sort", "ab=")
+
+
+def test_an_unknown_task_is_an_invalid_argument_naming_it() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown task 'sort'; known: "):
         tasks.expected("sort", "ab=")

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.learn import write_tiny_llama
 
 # typed as Any: transformers' own annotations vary between its releases
@@ -28,3 +29,9 @@ def test_writing_the_model_prints_no_progress_bar(
     config = json.loads((out / "config.json").read_text())
     assert (config["tie_word_embeddings"], config["head_dim"]) == (False, 32)
     assert (out / "tokenizer.json").is_file()
+
+
+def test_a_hidden_size_off_the_head_size_is_an_invalid_argument(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="hidden must be a multiple of the head size"):
+        write_tiny_llama(tmp_path / "model", hidden=33)
+    assert not (tmp_path / "model").exists(), "refused before anything is written"

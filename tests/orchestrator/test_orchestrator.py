@@ -17,7 +17,7 @@ from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestr
 from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
 from trio_rl.rollout import FailurePolicy, InMemorySource, engine_generate
-from trio_rl.samples import Group, Prompt, Sample
+from trio_rl.samples import Group, OpenGroup, Prompt, Sample
 from trio_rl.train import SinkConfig
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
@@ -171,6 +171,10 @@ async def test_resumed_open_groups_keep_their_id(tmp_path: Path) -> None:
         )
         async with start(_engine(), InMemorySource(_prompts(60)), sender) as orch:
             await orch.run(1)
+            held = orch.held_groups()  # the driver's own list, not a count
+            assert held
+            assert all(isinstance(g, OpenGroup) for g in held)
+        assert orch.held_groups() == [], "no driver once the block is left"
         async with start(_engine(), InMemorySource(_prompts(60)), sender) as orch:
             restore = orch.restore
             assert restore is not None

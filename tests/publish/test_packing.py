@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import io
+import re
 import types
 from collections import Counter
 from typing import Any
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import scaled
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.publish import PackingError, pack_lazily, pack_samples
 from trio_rl.publish._packing import bin_cost, prepare_sample
 from trio_rl.train import TrainingSample
@@ -337,3 +339,23 @@ def test_lazy_ranks_build_the_eager_micro_batches_on_read(
 def test_lazy_packing_validates_every_sample_up_front() -> None:
     with pytest.raises(PackingError, match="sample 1: logprobs has 1 entries for 2 tokens"):
         pack_lazily([_sample(2), _sample(2, logprobs=[0.0])], seq_len=8)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (
+            {"seq_len": 0},
+            "seq_len, num_ranks and pad_to_multiple_of must all be at least 1, got 0, 1 and 1",
+        ),
+        (
+            {"seq_len": 10, "pad_to_multiple_of": 4},
+            "seq_len (10) must be a multiple of pad_to_multiple_of (4)",
+        ),
+    ],
+)
+def test_a_bad_packing_argument_is_an_invalid_argument_naming_it(
+    kw: dict[str, int], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        pack_lazily([], **kw)

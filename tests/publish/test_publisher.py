@@ -13,6 +13,7 @@ import trio
 import trio.testing
 
 from builders import make_group, make_sink, one_per_sample_packer
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.publish import (
     BatchSource,
     PublishError,
@@ -381,3 +382,17 @@ def test_the_train_sink_is_a_batch_source() -> None:
         assert hasattr(source, name)
     for name in ("ready", "cut", "detach_batch", "settle_batch", "requeue_batch"):
         assert callable(getattr(source, name))
+
+
+def test_a_bad_policy_wait_is_an_invalid_argument_naming_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with (
+            FileSender(tmp_path, world_size=1) as sender,
+            open_publisher(make_sink(2), sender, pack=one_per_sample_packer(1)) as pub,
+        ):
+            with pytest.raises(
+                InvalidArgumentError, match=r"add_policy_wait seconds .* must be >= 0, got -1.0"
+            ):
+                pub.add_policy_wait(-1.0)
+
+    trio.run(main)

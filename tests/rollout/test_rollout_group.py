@@ -10,6 +10,7 @@ from rollout_helpers import Puppet
 
 from builders import PROMPT, pending_group, scripted_engine
 from trio_rl.engines import SamplingParams
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.rollout import (
     CreditScheduler,
     GroupFactory,
@@ -315,3 +316,13 @@ async def test_run_reporting_conserves_credits_on_every_outcome(policy) -> None:
     assert scheduler.ledger.opened == scheduler.ledger.returned == 9
     assert scheduler.statistics().sample_events == 9  # exactly one credit per sample
     scheduler.close()
+
+
+def test_bad_resume_and_failure_arguments_are_invalid_arguments_naming_them() -> None:
+    pending = Sample(index=0, group_index=0, prompt_tokens=(1,))
+    with pytest.raises(InvalidArgumentError, match="resumed group x: arrived sample 0 is PENDING"):
+        GroupFactory(group_size=2).resume(
+            OpenGroup(group_id="x", prompt=PROMPT, group_size=2, arrived=[pending])
+        )
+    with pytest.raises(InvalidArgumentError, match="GroupFailedError failures must hold"):
+        GroupFailedError(pending_group(), [])

@@ -8,7 +8,12 @@ step. Thorough sessions also draw ten times longer schedules.
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from conftest import scaled
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.testing import (
     RolloutSubject,
     async_driver_property,
@@ -22,3 +27,17 @@ LIBRARY = RolloutSubject(max_steps=scaled(16))
 test_credit_loop = credit_loop_property(LIBRARY)
 test_sync_driver = sync_driver_property(LIBRARY)
 test_async_driver = async_driver_property(LIBRARY)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"kinds": ()}, "RolloutSubject.kinds must name at least one fate kind"),
+        ({"max_steps": -1}, "RolloutSubject.max_steps must be >= 0, got -1"),
+    ],
+)
+def test_a_bad_subject_argument_is_an_invalid_argument_naming_it(
+    kw: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        RolloutSubject(**kw)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import random
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -24,6 +25,7 @@ from test_train_checkpoint import state_dicts
 from train_helpers import assert_accounted
 
 from builders import make_group, make_sample
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.samples import Prompt
 from trio_rl.train import (
     CheckpointError,
@@ -364,3 +366,18 @@ async def test_close_gives_up_on_a_stalled_compaction_with_a_log_line(
     release.set()
     mgr.close()  # the write goes on, sees the stop between records, and ends
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".compact")]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"keep": 0}, "CheckpointManager keep must be >= 1, got 0"),
+        ({"compact_ratio": 0.0}, "CheckpointManager compact_ratio must be > 0, got 0.0"),
+        ({"max_chain": 0}, "CheckpointManager max_chain must be >= 1, got 0"),
+    ],
+)
+def test_a_bad_argument_is_an_invalid_argument_naming_it(
+    tmp_path: Path, kw: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        _incremental(tmp_path, **kw)

@@ -9,6 +9,7 @@ import pytest
 import trio
 
 from conftest import scaled
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileReceiver, FileSender, batch_path
 from trio_rl.wire import MicroBatch, encode
@@ -143,3 +144,10 @@ async def test_resume_mode_restarts_after_every_cut(tmp_path: Path) -> None:
                     break
                 k += 1
     assert delivered == list(range(steps))
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan")])
+def test_a_bad_timeout_is_an_invalid_argument_naming_it(tmp_path: Path, timeout: float) -> None:
+    receiver = FileReceiver(tmp_path, rank=0)
+    with pytest.raises(InvalidArgumentError, match=r"BatchReceiver timeout must be >= 0"):
+        BatchReceiver(receiver, timeout=timeout)

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["write_tiny_llama"]
 
 #: The characters of the built-in tasks' prompts and answers (copy, repeat, reverse).
@@ -33,6 +35,8 @@ def write_tiny_llama(
     ``chars`` (ids 0, 1, 2: ``<pad>``, ``<eos>``, ``<bos>``; a tiny chat template) to ``out``
     with ``save_pretrained``; returns the directory. Needs transformers and tokenizers
     (``trio-rl[transformers]``); nothing is downloaded."""
+    if hidden % 32:
+        raise InvalidArgumentError(f"hidden must be a multiple of the head size 32, got {hidden}")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -51,8 +55,6 @@ def write_tiny_llama(
         )
         fast.chat_template = _CHAT_TEMPLATE
         fast.save_pretrained(root)
-    if hidden % 32:
-        raise ValueError(f"hidden must be a multiple of the head size 32, got {hidden}")
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=len(vocab),

@@ -795,7 +795,7 @@ async def run_learning(
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["counters/reward_failures"] = record_reward.failed
                 rec["queue_depth"] = orch.sink.queued
-                rec["open_groups"] = orch.held_groups
+                rec["open_groups"] = len(orch.held_groups())
                 rec["cancelled_stale"] = orch.driver.statistics().cancelled_stale_samples
                 # the engine's rows busy over the interval (batches finished in it)
                 rec["slot_occupancy"] = None  # a fleet's servers report their own

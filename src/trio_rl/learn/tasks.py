@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ._task import TASKS, char_reward
 
 __all__ = ["copy", "expected", "repeat", "reverse", "task_records"]
@@ -27,7 +28,7 @@ def expected(task: str, prompt: str) -> str:
     if task == "repeat":
         letter, count = text[:1], text[1:]
         return letter * int(count) if count.isdigit() else ""
-    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    raise InvalidArgumentError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
 
 
 def copy(record: Mapping[str, Any], completion: str) -> float:

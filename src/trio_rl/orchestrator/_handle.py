@@ -24,7 +24,7 @@ from ..rollout import (
     GroupFactory,
     SourceExhaustedError,
 )
-from ..samples import PolicyVersion
+from ..samples import OpenGroup, PolicyVersion
 from ..train import (
     RestoreReport,
     SinkCounters,
@@ -248,10 +248,13 @@ class Orchestrator:
         path = await self.publisher.save_checkpoint()
         return path if isinstance(path, Path) else None
 
-    @property
-    def held_groups(self) -> int:
-        """Groups the rollout layer holds (running, queued for a retry or resume, buffered)."""
-        return 0 if self._driver is None else len(self._driver.held_groups())
+    def held_groups(self) -> list[OpenGroup]:
+        """Groups the rollout layer holds (running, queued for a retry or resume, buffered).
+
+        The driver's own view (`AsyncRolloutDriver.held_groups`), one `OpenGroup` per group;
+        empty when no driver is open. ``len(orch.held_groups())`` counts them.
+        """
+        return [] if self._driver is None else self._driver.held_groups()
 
     def live_payload_versions(self) -> set[PolicyVersion]:
         """Every version whose payload directory a holder may still read.

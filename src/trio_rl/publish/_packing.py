@@ -28,6 +28,7 @@ from typing import Any, overload
 
 import attrs
 
+from ..errors import InvalidArgumentError
 from ..train import TrainingSample
 from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 from ._errors import PackingError
@@ -436,9 +437,12 @@ def pack_lazily(
     must not change until the ranks have been read. Pure and synchronous (a worker thread).
     """
     if seq_len < 1 or num_ranks < 1 or pad_to_multiple_of < 1:
-        raise ValueError("seq_len, num_ranks and pad_to_multiple_of must all be at least 1")
+        raise InvalidArgumentError(
+            "seq_len, num_ranks and pad_to_multiple_of must all be at least 1, got "
+            f"{seq_len}, {num_ranks} and {pad_to_multiple_of}"
+        )
     if seq_len % pad_to_multiple_of:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"seq_len ({seq_len}) must be a multiple of pad_to_multiple_of ({pad_to_multiple_of})"
             " so that padded micro-batches still fit"
         )

@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeAlias
 import attrs
 import trio
 
+from ..errors import InvalidArgumentError
 from ..train import (
     Cut,
     PruneResult,
@@ -296,7 +297,9 @@ class Publisher:
         return, so a wait that completes while that batch is being finalized is reported with it.
         """
         if not seconds >= 0:
-            raise ValueError(f"policy wait must be >= 0 seconds, got {seconds!r}")
+            raise InvalidArgumentError(
+                f"add_policy_wait seconds (a policy wait) must be >= 0, got {seconds!r}"
+            )
         self._policy_wait += seconds
 
     async def publish(self, *, force: bool = False) -> ShipRecord | None:

@@ -14,6 +14,7 @@ from ..errors import CreditError as CreditError
 from ..errors import DataSourceError as DataSourceError
 from ..errors import DriverFailedError as DriverFailedError
 from ..errors import FailureBudgetExceededError as FailureBudgetExceededError
+from ..errors import InvalidArgumentError
 from ..errors import RolloutConfigError as RolloutConfigError
 from ..errors import RolloutError as RolloutError
 from ..errors import SourceExhaustedError as SourceExhaustedError
@@ -50,7 +51,7 @@ class GroupFailedError(RolloutError):
         self.group_id = group.group_id
         self.failures: tuple[tuple[int | None, Exception], ...] = tuple(failures)
         if not self.failures:
-            raise ValueError("GroupFailedError needs at least one failure")
+            raise InvalidArgumentError("GroupFailedError failures must hold at least one failure")
         first_index, first = self.failures[0]
         where = "group reward" if first_index is None else f"sample {first_index}"
         more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ..errors import InvalidArgumentError
 from ..samples import (
     RESUMED_AT,
     Group,
@@ -122,12 +123,13 @@ class GroupFactory:
         it in ``metadata[RESUMED_AT]``: the ``"group_start"`` staleness rule judges it by that
         version, not by the group's older start. A
         resumed group with nothing missing has no pending sample, so running it generates
-        nothing. Arrived members must have finished (not ``PENDING``): a ``ValueError`` says
-        which one otherwise, since the runner would regenerate it.
+        nothing. Arrived members must have finished (not ``PENDING``): an
+        `~trio_rl.errors.InvalidArgumentError` (a ``ValueError``) says which one otherwise,
+        since the runner would regenerate it.
         """
         for sample in resumed.arrived:
             if sample.status is SampleStatus.PENDING:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"resumed group {resumed.group_id}: arrived sample {sample.index} is PENDING"
                 )
         if resumed.arrived:

@@ -264,13 +264,13 @@ class _Job:
                         trainer_rank, receiver, self.out, starts[rank], last + 1, self.trained
                     )
                 summary = await orch.run(self.cfg.run.steps)
-                self.open_groups = orch.held_groups
+                self.open_groups = len(orch.held_groups())
         return None if self.stop.signals else summary
 
     async def _stopped(self, orch: Orchestrator) -> int:
         # Stopped mid-step: save what was collected since the last shipped step.
         path = await orch.save_checkpoint()
-        held = f"{orch.sink.queued} queued samples, {orch.held_groups} open groups"
+        held = f"{orch.sink.queued} queued samples, {len(orch.held_groups())} open groups"
         if self.keep:
             saved = f"saved {path} ({held}); resume with: {resume_command(self.argv)}"
         else:

@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import attrs
 
+from .._validation import at_least
 from ..engines import Engine
+from ..errors import InvalidArgumentError
 from ..rollout import (
     CreditScheduler,
     CreditView,
@@ -68,7 +70,7 @@ class RolloutSubject:
     rule: Callable[[CreditView], bool] | None = None
     kinds: tuple[FateKind, ...] = attrs.field(factory=_all_kinds)
     #: The longest schedule an example draws (steps before the run is let finish).
-    max_steps: int = attrs.field(default=16, validator=attrs.validators.ge(0))
+    max_steps: int = attrs.field(default=16, validator=at_least(0))
 
     @property
     def policies(self) -> tuple[PolicyFactory, ...]:
@@ -80,4 +82,4 @@ class RolloutSubject:
         self, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
     ) -> None:
         if not value:
-            raise ValueError("kinds must name at least one fate kind")
+            raise InvalidArgumentError("RolloutSubject.kinds must name at least one fate kind")

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from .._validation import check_at_least
+from ..errors import InvalidArgumentError
 from ._checkpoint_chain import CheckpointChain, IncrementalSnapshot, read_checkpoint
 from ._checkpoint_format import (
     CHECKPOINT_NAME,
@@ -144,10 +146,12 @@ class CheckpointManager(_Outboxes):
         max_chain: int = 256,
         background_compaction: bool = True,
     ) -> None:
-        if keep < 1:
-            raise ValueError(f"CheckpointManager keep must be >= 1, got {keep}")
-        if not compact_ratio > 0 or max_chain < 1:
-            raise ValueError("CheckpointManager compact_ratio must be > 0 and max_chain >= 1")
+        check_at_least("CheckpointManager keep", keep, 1)
+        if not compact_ratio > 0:
+            raise InvalidArgumentError(
+                f"CheckpointManager compact_ratio must be > 0, got {compact_ratio}"
+            )
+        check_at_least("CheckpointManager max_chain", max_chain, 1)
         self.directory = Path(directory)
         self.keep = keep
         self.limiter = limiter

@@ -7,6 +7,7 @@ from typing import Self
 
 import trio
 
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.transport import (
     EndOfStreamError,
     FileReceiver,
@@ -99,7 +100,9 @@ class BatchReceiver:
         timeout: float | None = None,
     ) -> None:
         if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"BatchReceiver timeout must be >= 0 seconds or None, got {timeout!r}"
+            )
         self._transport = transport
         self._timeout = timeout
         self._payload_root = payload_root

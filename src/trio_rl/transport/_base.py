@@ -13,6 +13,8 @@ from typing import BinaryIO, Protocol, TypeAlias, runtime_checkable
 import attrs
 import trio
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["Payload", "ReceivedPayload", "Receiver", "Sender", "StagingSender"]
 
 #: What a sender accepts and a receiver returns: any contiguous bytes-like buffer.
@@ -36,7 +38,7 @@ class ReceivedPayload:
 def _check_same_limiter(transport: Sender | Receiver, limiter: trio.CapacityLimiter) -> None:
     own = transport.limiter
     if own is not None and own is not limiter:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{type(transport).__name__} was given its own CapacityLimiter "
             f"({own.total_tokens} tokens); pass the pipeline's limiter to it instead (one "
             "limiter for every worker thread of the pipeline)"
@@ -58,8 +60,9 @@ class Sender(trio.abc.AsyncResource):
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Send ``payloads[r]`` to rank ``r`` for ``step``.
 
-        Raises `ValueError` if ``len(payloads) != world_size``. Payload buffers must not be
-        mutated while the send is in progress (zero-copy transports may still read them).
+        Raises `~trio_rl.errors.InvalidArgumentError` (a ``ValueError``) if ``len(payloads) !=
+        world_size``. Payload buffers must not be mutated while the send is in progress
+        (zero-copy transports may still read them).
 
         Delivery: when `send` returns, the step is delivered: handed to the transport for every
         rank (written and renamed into place, published, or queued), and a receiver of any rank
@@ -84,8 +87,9 @@ class Sender(trio.abc.AsyncResource):
 
         The publisher passes its limiter down with this, so the file writes count against the
         same thread budget as packing, encoding and checkpointing. A transport constructed with
-        a different limiter raises `ValueError` (two budgets is the misconfiguration this
-        catches). The default does nothing: the transport runs no worker threads.
+        a different limiter raises `~trio_rl.errors.InvalidArgumentError` (two budgets is the
+        misconfiguration this catches). The default does nothing: the transport runs no worker
+        threads.
         """
         _check_same_limiter(self, limiter)
 

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import trio
 
+from ..errors import InvalidArgumentError
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStreamError, TransportIOError
 from ._file_layout import (
@@ -52,7 +53,7 @@ T = TypeVar("T")
 
 def _check_non_negative(name: str, value: int) -> None:
     if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
 
 
 def _write_payload(payload: Payload, f: BinaryIO) -> None:
@@ -91,7 +92,7 @@ class FileSender(Sender):
         limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
         self._directory = Path(directory)
         self._world_size = world_size
         self._fsync = fsync
@@ -139,7 +140,7 @@ class FileSender(Sender):
         self._check_open()
         _check_non_negative("step", step)
         if len(payloads) != self._world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
         await self._threads.run(self._write_step, step, payloads)
@@ -185,7 +186,7 @@ class FileSender(Sender):
         self._check_open()
         _check_non_negative("step", step)
         if not 0 <= rank < self._world_size:
-            raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
+            raise InvalidArgumentError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
         self._staging()
         tmp = self.staged_path(step, rank)
         try:
@@ -286,7 +287,9 @@ class FileSender(Sender):
         self._check_open()
         _check_non_negative("step", step)
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"end_stream({step}): step {self._last_step} was already sent")
+            raise InvalidArgumentError(
+                f"end_stream({step}): step {self._last_step} was already sent"
+            )
         await self._threads.run(write_end_marker, self._directory, self._staging, step, self._fsync)
         self._ended_at = step
 
@@ -374,7 +377,10 @@ class FileReceiver(Receiver):
         if start_step is not None:
             _check_non_negative("start_step", start_step)
         if not 0 < poll_interval <= max_poll_interval:
-            raise ValueError("need 0 < poll_interval <= max_poll_interval")
+            raise InvalidArgumentError(
+                f"poll_interval must be > 0 and <= max_poll_interval ({max_poll_interval}), "
+                f"got {poll_interval}"
+            )
         self._files = RankFiles(Path(directory), rank, delete=delete, use_mmap=use_mmap)
         self._next_step = start_step
         self._timeout = timeout_seconds(timeout)
@@ -503,7 +509,9 @@ class FileReceiver(Receiver):
             if self._next_step is not None and step < self._next_step:
                 await trio.lowlevel.checkpoint()
                 return
-            raise ValueError(f"rank {self.rank}: cannot ack step {step}: not received yet")
+            raise InvalidArgumentError(
+                f"rank {self.rank}: cannot ack step {step}: not received yet"
+            )
         await self._threads.run(self._files.ack, step)
         self._unacked = None
 

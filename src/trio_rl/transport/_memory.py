@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
+from ..errors import InvalidArgumentError
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStreamError, TransportError
 from ._wait import Wait, timeout_seconds
@@ -65,7 +66,7 @@ class MemorySender(Sender):
 
     def __init__(self, world_size: int) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
         self._world_size = world_size
         self._lines: list[_RankLine] = []
         for _ in range(world_size):
@@ -91,9 +92,9 @@ class MemorySender(Sender):
         closed, returns first the payload that one received but did not acknowledge.
         """
         if not 0 <= rank < self._world_size:
-            raise ValueError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
+            raise InvalidArgumentError(f"rank must be in 0..{self._world_size - 1}, got {rank}")
         if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
+            raise InvalidArgumentError(f"start_step must be >= 0, got {start_step}")
         return MemoryReceiver(self._lines[rank], rank, start_step, timeout_seconds(timeout))
 
     def _check_step(self, step: int, what: str) -> None:
@@ -102,9 +103,9 @@ class MemorySender(Sender):
         if self._ended_at is not None:
             raise RuntimeError(f"the stream was ended at step {self._ended_at} (end_stream)")
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise InvalidArgumentError(f"step must be >= 0, got {step}")
         if self._last_step is not None and step < self._last_step:
-            raise ValueError(f"{what}({step}): step {self._last_step} was already sent")
+            raise InvalidArgumentError(f"{what}({step}): step {self._last_step} was already sent")
 
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Queue ``payloads[r]`` for rank ``r`` (the buffers are passed on, not copied).
@@ -115,7 +116,7 @@ class MemorySender(Sender):
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_step(step, "send")
         if len(payloads) != self._world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
         for rank, (line, payload) in enumerate(zip(self._lines, payloads, strict=True)):
@@ -134,7 +135,7 @@ class MemorySender(Sender):
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_step(step, "end_stream")
         if self._last_step is not None and step == self._last_step:
-            raise ValueError(f"end_stream({step}): step {step} was already sent")
+            raise InvalidArgumentError(f"end_stream({step}): step {step} was already sent")
         for line in self._lines:
             line.send.send_nowait(_End(step))
         self._ended_at = step
@@ -268,7 +269,9 @@ class MemoryReceiver(Receiver):
         `trio.Cancelled` is raised.
         """
         if step >= self._next_step:
-            raise ValueError(f"memory rank {self._rank}: cannot ack step {step}: not received yet")
+            raise InvalidArgumentError(
+                f"memory rank {self._rank}: cannot ack step {step}: not received yet"
+            )
         line = self._line
         line.acked = max(line.acked, step)
         if line.held is not None and line.held.step <= step:

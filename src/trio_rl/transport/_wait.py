@@ -7,6 +7,7 @@ import math
 
 import trio
 
+from ..errors import InvalidArgumentError
 from ._errors import TransportTimeoutError
 
 logger = logging.getLogger("trio_rl.transport")
@@ -45,9 +46,10 @@ class Wait:
 
 
 def timeout_seconds(timeout: float | None) -> float:
-    """``None`` (wait until cancelled) as ``inf``; a negative or NaN timeout is a `ValueError`."""
+    """``None`` (wait until cancelled) as ``inf``; a negative or NaN timeout is an
+    `~trio_rl.errors.InvalidArgumentError`."""
     if timeout is None:
         return math.inf
     if not timeout >= 0:
-        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
     return float(timeout)

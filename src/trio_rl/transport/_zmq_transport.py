@@ -37,6 +37,7 @@ import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ..errors import InvalidArgumentError
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStreamError, TransportError, TransportTimeoutError
 from ._wait import Wait, timeout_seconds
@@ -68,7 +69,7 @@ def _endpoint(host: str, port: int) -> str:
 
 def _check_port(port: int) -> None:
     if not 0 < port < 65535:
-        raise ValueError(f"port must be in 1..65534 (port + 1 is used too), got {port}")
+        raise InvalidArgumentError(f"port must be in 1..65534 (port + 1 is used too), got {port}")
 
 
 async def _term(ctx: zmq.Context[Any]) -> None:
@@ -111,10 +112,10 @@ class ZmqSender(Sender):
         linger: float = 5.0,
     ) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
         _check_port(port)
         if hwm < 1:
-            raise ValueError(f"hwm must be >= 1, got {hwm}")
+            raise InvalidArgumentError(f"hwm must be >= 1, got {hwm}")
         self._world_size = world_size
         self._host = host
         self._port = port
@@ -230,7 +231,7 @@ class ZmqSender(Sender):
         published to every rank, shielded (it never waits), and the call returns normally.
         """
         if len(payloads) != self._world_size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
         messages = [[step_topic(rank, step), payload] for rank, payload in enumerate(payloads)]
@@ -256,9 +257,9 @@ class ZmqSender(Sender):
         if self._ended_at is not None:
             raise RuntimeError(f"the stream was ended at step {self._ended_at} (end_stream)")
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise InvalidArgumentError(f"step must be >= 0, got {step}")
         if self._last_step is not None and step != self._last_step + 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ZeroMQ steps must be consecutive (receivers count them): "
                 f"got step {step} after step {self._last_step}"
             )
@@ -335,9 +336,9 @@ class ZmqReceiver(Receiver):
         timeout: float | None = None,
     ) -> None:
         if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+            raise InvalidArgumentError(f"rank must be >= 0, got {rank}")
         if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
+            raise InvalidArgumentError(f"start_step must be >= 0, got {start_step}")
         _check_port(port)
         self._rank = rank
         self._host = host
