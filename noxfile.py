@@ -71,8 +71,10 @@ def tests(session: nox.Session) -> None:
     one process.
     """
     _install(session, "test", torch=True)
-    session.run("pytest", "-p", "no:cacheprovider", "-n", "2", *session.posargs,
-                env={"HYPOTHESIS_PROFILE": "ci"})
+    # worksteal: a worker that ran out of tests takes queued ones from the other, so the
+    # minute-long real-process tests do not pile up at the end of one worker's share
+    session.run("pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "worksteal",
+                *session.posargs, env={"HYPOTHESIS_PROFILE": "ci"})
 
 
 @nox.session(python="3.11")
