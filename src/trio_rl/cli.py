@@ -1348,7 +1348,7 @@ def _steps_to_ship(config: Any) -> int:
     if config.max_steps is None:
         return int(config.steps)
     shipped = _last_shipped(Path(config.out)) if _resuming(config) else 0
-    return max(1, min(int(config.steps), config.max_steps - shipped))
+    return max(1, min(int(config.steps), int(config.max_steps) - shipped))
 
 
 def _resuming(config: Any) -> bool:
