@@ -155,11 +155,13 @@ def metrics(out: Path) -> list[dict[str, Any]]:
     return records
 
 
-def check_running(procs: list[Proc]) -> None:
-    """Fail at once, naming the process and its log, when one of ``procs`` has exited."""
+def check_running(procs: list[Proc], done_ok: tuple[Proc, ...] = ()) -> None:
+    """Fail at once, naming the process and its log, when one of ``procs`` has exited (one
+    of ``done_ok`` only when it failed: the trainer job ends by itself after the last step)."""
     for p in procs:
-        if p.popen is not None and p.popen.poll() is not None:
-            raise SystemExit(f"cluster: {p.name} exited with {p.popen.returncode}; see {p.log}")
+        code = None if p.popen is None else p.popen.poll()
+        if code is not None and not (p in done_ok and code == 0):
+            raise SystemExit(f"cluster: {p.name} exited with {code}; see {p.log}")
 
 
 def wait_step(out: Path, step: int, procs: list[Proc], timeout: float) -> None:
@@ -297,7 +299,7 @@ def main() -> int:
         assert resumed.popen is not None
         assert trainer2.popen is not None
         while resumed.popen.poll() is None and time.monotonic() < deadline:
-            check_running([trainer2, servers[1], restarted])
+            check_running([trainer2, servers[1], restarted], done_ok=(trainer2,))
             time.sleep(1)
         note(f"orchestrator (resumed) exited with {resumed.popen.returncode}")
         while trainer2.popen.poll() is None and time.monotonic() < deadline:
