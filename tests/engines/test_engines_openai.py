@@ -929,3 +929,48 @@ async def test_a_continuation_after_an_abort_goes_on_from_the_kept_tokens(
     assert (partial.tokens + rest.tokens)[: len(whole.tokens)] == whole.tokens
     assert rest.tokens[0] == 203  # nothing regenerated, nothing skipped
     assert server.requests[1]["prompt"] == [100, 200, 201, 202]
+
+
+@pytest.mark.parametrize(("expiry", "connections"), [(0.2, 2), (30.0, 1)])
+async def test_an_idle_connection_is_dropped_after_keepalive_expiry(
+    expiry: float, connections: int
+) -> None:
+    # a keep-alive HTTP/1.1 server that records the client port of every request: a connection
+    # kept past the server's own idle limit would meet a close mid-request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from vllm_stand_in import StandIn
+
+    stand_in = StandIn()
+    ports: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ports.append(self.client_address[1])
+            payload = json.dumps(stand_in.completions(body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        async with engine(url, stream=False, keepalive_expiry=expiry) as e:
+            await e.generate(req(0))
+            await trio.sleep(0.6)
+            await e.generate(req(1))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert len(ports) == 2
+    assert len(set(ports)) == connections

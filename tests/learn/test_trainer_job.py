@@ -5,6 +5,7 @@ what it waited for; progress resets the deadline."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -13,9 +14,9 @@ import torch
 import trio
 import trio_util
 
-from trio_rl.errors import TransportTimeoutError
+from trio_rl.errors import TrainError, TransportTimeoutError
 from trio_rl.learn import LearnConfig
-from trio_rl.learn.trainer_main import _wait_trained, run_job
+from trio_rl.learn.trainer_main import _wait_trained, hold_rank, run_job
 
 torch.set_num_threads(1)
 
@@ -70,3 +71,27 @@ async def test_a_stalled_wait_fails_after_its_deadline_with_the_step_it_waits_fo
     with pytest.raises(TransportTimeoutError, match=r"step 5's batch never arrived in here"):
         await _wait_trained(trained, 6, idle_limit=0.5, where="here")
     assert 0.5 <= trio.current_time() - started < 5
+
+
+def test_a_second_trainer_job_on_the_same_run_directory_is_refused_naming_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "STOP").write_text("1")
+    config = LearnConfig(
+        out=tmp_path, trainer_mode="external", connect_timeout=1.0, verbose=False, plot=False
+    )
+    first = hold_rank(tmp_path, 0)  # the job already running (a separate open file: flock)
+    try:
+        with pytest.raises(TrainError) as info:
+            run_job(config)
+    finally:
+        first.close()
+    message = str(info.value)
+    assert f"pid {os.getpid()}" in message  # who holds it
+    assert str(tmp_path / "trainer" / "rank_0.lock") in message
+    assert "train the same steps twice" in message
+    # the lock goes with its holder: a job started after it takes the rank (and then waits
+    # for step 1's batch, which never comes)
+    with pytest.raises(TransportTimeoutError):
+        run_job(config)

@@ -273,6 +273,10 @@ class OpenAICompatibleEngine:
     headers: Mapping[str, str] = attrs.field(factory=dict)
     #: httpx connection-pool size; None means unbounded.
     max_connections: int | None = None
+    #: Seconds an idle pooled connection is kept for reuse. Below the servers' own idle limit
+    #: (uvicorn closes after 5 s), so the pool drops a connection before the server does;
+    #: at the same limit a request races the server's close on every connection in the pool.
+    keepalive_expiry: float = attrs.field(default=2.0, validator=non_negative)
     #: The header that carries :attr:`GenerateRequest.routing_key` (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
 
@@ -287,7 +291,9 @@ class OpenAICompatibleEngine:
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(None),  # trio deadlines bound every call instead
             limits=httpx.Limits(
-                max_connections=self.max_connections, max_keepalive_connections=None
+                max_connections=self.max_connections,
+                max_keepalive_connections=None,
+                keepalive_expiry=self.keepalive_expiry,
             ),
             headers=dict(self.headers),
         )

@@ -33,24 +33,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import functools
 import gc
 import json
 import logging
 import operator
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import trio
 import trio_util
 
-from ..errors import collapse_single
+from ..errors import TrainError, collapse_single
 from ..rundir import (
     HEARTBEAT_FILE,
     ORCHESTRATOR_HEARTBEAT,
@@ -371,6 +373,31 @@ def _read_stop(path: Path) -> str | None:
     return text or None
 
 
+def hold_rank(out: Path, rank: int) -> IO[str]:
+    """Take rank ``rank`` of the run in ``out`` for this process: an exclusive lock on
+    ``out/trainer/rank_<rank>.lock``, held while the returned file is open (the kernel drops it
+    when the process dies, however it dies). Two jobs on one run directory would both train
+    its steps: :class:`~trio_rl.errors.TrainError` naming the holder when another has it."""
+    path = RunDirectory(out).trainer / f"rank_{rank}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = path.open("a+")
+    try:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        holder = held.read().strip() or "a process"
+        held.close()
+        raise TrainError(
+            f"trainer job: rank {rank} of the run in {out} is held by another trainer job "
+            f"({holder}, {path}); stop it first: two jobs would train the same steps twice"
+        ) from None
+    held.seek(0)
+    held.truncate()
+    held.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    held.flush()
+    return held
+
+
 def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> int:
     """Run the trainer job of ``config`` in this process: one rank of a torchrun job (the
     ``WORLD_SIZE`` / ``RANK`` of its environment), or the only rank when started without one.
@@ -385,8 +412,10 @@ def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> i
         )
     if distributed:
         dist.init_process_group("gloo")
+    held: IO[str] | None = None
     try:
         rank = dist.get_rank() if distributed else 0
+        held = _hold_all_ranks(config.out, rank, distributed)
         job = _Job(config, rank, steps)
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         with collapse_single():  # one failure of the job's tasks is raised as itself
@@ -401,7 +430,34 @@ def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> i
     finally:
         if distributed:
             dist.destroy_process_group()
+        if held is not None:
+            held.close()
     return 0
+
+
+def _hold_all_ranks(out: Path, rank: int, distributed: bool) -> IO[str]:
+    # every rank fails together when any rank is held elsewhere: a rank going on alone would
+    # wait in its first collective for peers that left
+    held: IO[str] | None = None
+    error: TrainError | None = None
+    try:
+        held = hold_rank(out, rank)
+    except TrainError as exc:
+        error = exc
+    if distributed:
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        dist.all_reduce(failed)
+        if failed.item() and error is None:
+            error = TrainError(
+                f"trainer job: another rank of the run in {out} is held by another trainer job; "
+                "stop it first: two jobs would train the same steps twice"
+            )
+    if error is not None:
+        if held is not None:
+            held.close()
+        raise error
+    assert held is not None
+    return held
 
 
 def main(argv: Sequence[str] | None = None) -> int:
