@@ -60,12 +60,14 @@ TestLibraryCreditProtocol.settings = settings(max_examples=20, stateful_step_cou
             RolloutSubject(policy=OffByOneBackfill),
             Invariant.ADMISSION_FOLLOWS_RULE,
             "says False",
+            8,
         ),
         (RolloutSubject(generate=engine_generate), Invariant.NO_DEADLOCK, "deadlock", 8),
         (
             RolloutSubject(runner=SecondFailureBookedTwiceRunner),
             Invariant.ONE_CREDIT_PER_SAMPLE,
             "returned 2",
+            8,
         ),
     ],
     ids=[

@@ -28,7 +28,7 @@ from typing import Any, Protocol, TypeAlias
 import attrs
 import trio
 
-from ..errors import InvalidArgumentError
+from .._validation import check_at_least
 from ..train import (
     Cut,
     PruneResult,
@@ -296,10 +296,7 @@ class Publisher:
         The total is read and reset right after the threaded metrics of the next shipped batch
         return, so a wait that completes while that batch is being finalized is reported with it.
         """
-        if not seconds >= 0:
-            raise InvalidArgumentError(
-                f"add_policy_wait seconds (a policy wait) must be >= 0, got {seconds!r}"
-            )
+        check_at_least("add_policy_wait seconds (a policy wait)", seconds, 0)
         self._policy_wait += seconds
 
     async def publish(self, *, force: bool = False) -> ShipRecord | None:
