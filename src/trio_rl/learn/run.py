@@ -40,6 +40,7 @@ from ..config._schema import Inference, LearnSink
 from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
 from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
+from ..orchestrator._config import check_sink_fits_step
 from ..publish import Shipment, release_containers, step_record
 from ..rollout import InMemorySource, RecordReward, import_reward, read_records
 from ..rundir import (
@@ -222,12 +223,7 @@ class LearnConfig:
 
     @sink.validator
     def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
-        step = self.batch_groups * self.group_size
-        if sink.batch_size != step:
-            raise InvalidArgumentError(
-                f"LearnConfig.sink.batch_size must be batch_groups x group_size = {step} "
-                f"(the samples of one step), got {sink.batch_size}"
-            )
+        check_sink_fits_step("LearnConfig", self.batch_groups, self.group_size, sink)
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(

@@ -24,6 +24,17 @@ from ..train import (
 logger = logging.getLogger("trio_rl.orchestrator")
 
 
+def check_sink_fits_step(owner: str, batch_groups: int, group_size: int, sink: SinkConfig) -> None:
+    """A config's sink cuts batches of one step's samples (``batch_groups x group_size``), else
+    `InvalidArgumentError` naming ``owner``."""
+    step = batch_groups * group_size
+    if sink.batch_size != step:
+        raise InvalidArgumentError(
+            f"{owner}.sink.batch_size must be batch_groups x group_size = {step} "
+            f"(the samples of one step), got {sink.batch_size}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class OrchestratorConfig:
     """How a run is shaped (keyword arguments only).
@@ -83,12 +94,7 @@ class OrchestratorConfig:
 
     @sink.validator
     def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
-        step = self.batch_groups * self.group_size
-        if sink.batch_size != step:
-            raise InvalidArgumentError(
-                f"OrchestratorConfig.sink.batch_size must be batch_groups x group_size = {step} "
-                f"(the samples of one step), got {sink.batch_size}"
-            )
+        check_sink_fits_step("OrchestratorConfig", self.batch_groups, self.group_size, sink)
 
     def make_policy(self) -> SubmissionPolicy:
         return SampleBackfill() if self.submission == "sample" else GroupGranularity()
