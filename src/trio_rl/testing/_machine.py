@@ -51,6 +51,7 @@ class _Run:
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None
         self._thread = threading.Thread(target=self._thread_main, daemon=True)
         self._thread.start()
         if not self._ready.wait(_THREAD_TIMEOUT):
@@ -60,8 +61,13 @@ class _Run:
         async def main() -> None:
             self._token = trio.lowlevel.current_trio_token()
             self._stop = trio.Event()
-            self._ready.set()
-            await self._stop.wait()
+            # the example's background tasks (a driver held open, a credit loop, a generate()
+            # call that outlives its rule) live here, so ending the run cancels and awaits them
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._ready.set()
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
 
         try:
             trio.run(main, clock=self._clock)
@@ -72,8 +78,13 @@ class _Run:
         """Run ``fn`` in the trio thread and return its result (or raise its exception)."""
         return trio.from_thread.run(fn, trio_token=self._token)
 
+    def start_soon(self, fn: Callable[[], Awaitable[object]]) -> None:
+        """Start ``fn`` as a task of the run's nursery (call from inside the run)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(fn)
+
     def close(self) -> None:
-        """End the run (its system tasks are cancelled) and join its thread."""
+        """End the run (its background tasks are cancelled and awaited) and join its thread."""
         if self._thread.is_alive() and self._stop is not None:
             trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(_THREAD_TIMEOUT)

@@ -4,6 +4,7 @@ a batch, pause, resume, a weight update, close) as rules beside the engine's."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import trio
@@ -228,9 +229,9 @@ class AsyncDriverMachine(_AsyncDriverObserver):
             world.ledger = lambda: self.ledger
             self.source = _prompts(prompts)
             self.baseline = live_tasks()
-            # The driver outlives this call: it is held open by a system task of the run (which
+            # The driver outlives this call: it is held open by a task of the run's nursery (which
             # checks that the driver keeps its accounts in ``self.ledger``).
-            trio.lowlevel.spawn_system_task(self.guarded, run_harness)
+            self.trio_run.start_soon(partial(self.guarded, run_harness))
             await trio.testing.wait_all_tasks_blocked()
             if self.task_error is not None:
                 raise self.task_error

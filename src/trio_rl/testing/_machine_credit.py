@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 import trio
 from hypothesis import settings
@@ -92,8 +93,8 @@ class CreditProtocolMachine(Machine):
             self.scheduler = scheduler
             world.ledger = lambda: scheduler.ledger
             self.baseline = live_tasks()
-            # The loop outlives this call: a system task of the example's run.
-            trio.lowlevel.spawn_system_task(self.guarded, self.loop)
+            # The loop outlives this call: a task of the example's run's nursery.
+            self.trio_run.start_soon(partial(self.guarded, self.loop))
 
         self.act(setup)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
-import trio
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -112,7 +112,7 @@ class SyncDriverMachine(Machine):
         def move() -> None:
             self.w.log(f"generate() call {self.calls.calls + 1}")
             self.calling = True
-            trio.lowlevel.spawn_system_task(self.guarded, self.one_call)
+            self.trio_run.start_soon(partial(self.guarded, self.one_call))
 
         self.act(move)
 
