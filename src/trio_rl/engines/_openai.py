@@ -460,7 +460,14 @@ class _Exchange:
         outcome = await self._once(client, base, rid, body, received)
         if isinstance(outcome, _Unanswered):
             logger.debug("%s; sending it again on a new connection", outcome)
-            outcome = await self._once(client, base, rid, body, received)
+            # a client of its own: the pool could hand the resend another idle connection the
+            # server closed too, and the server would be blamed for it
+            async with httpx.AsyncClient(
+                timeout=client.timeout,
+                limits=httpx.Limits(max_keepalive_connections=0),
+                headers=client.headers,
+            ) as fresh:
+                outcome = await self._once(fresh, base, rid, body, received)
         return outcome
 
     async def _once(
