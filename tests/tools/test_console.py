@@ -116,7 +116,10 @@ def test_following_a_run_that_appends(tmp_path: Path) -> None:
         finally:
             sink.close()
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 130
+            try:
+                assert proc.wait(timeout=30) == 130
+            finally:
+                proc.kill()  # never leave Popen's exit waiting for a child that did not stop
 
 
 def test_a_damaged_metrics_file_is_one_line(tmp_path: Path) -> None:
