@@ -56,6 +56,14 @@ def _pip_args(session: nox.Session) -> list[str]:
     return []
 
 
+# Bytecode is written on first import, in every session. uv installs no ``.pyc`` files, and
+# with PYTHONDONTWRITEBYTECODE set (as on this machine) every process would compile every
+# module it imports again: 1.5 s more per ``import torch``, paid by each of the suite's hundreds
+# of ``trio-rl`` processes. Writing them on first use costs nothing extra (``uv pip install
+# --compile-bytecode`` would compile all of site-packages up front, ~17 s here).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
 def _install(session: nox.Session, *groups: str, torch: bool = False) -> None:
     deps = [d for g in groups for d in nox.project.dependency_groups(PYPROJECT, g)]
     # torch in the same resolution as the rest: uv then links it from its cache in seconds.
