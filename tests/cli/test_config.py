@@ -111,10 +111,10 @@ def test_the_effective_configuration_round_trips_through_toml(tmp_path: Path) ->
 
 def test_simulate_defaults_are_the_orchestrators() -> None:
     sim, orch = SimulateConfig(), OrchestratorConfig()
+    assert (sim.rollout.batch_groups, sim.rollout.group_size) == (orch.batch_groups, orch.group_size)
     assert sim.sink.to_config(batch_size=orch.batch_groups * orch.group_size) == orch.sink
-    assert sim.checkpoint.keep == orch.checkpoint_keep
-    assert sim.rollout.submission == orch.submission
-    assert sim.rollout.max_groups_in_flight == orch.max_groups_in_flight
+    assert sim.checkpoint.to_config() == orch.checkpoint
+    assert sim.rollout.to_config(routing_keys="none") == orch.rollout
     assert sim.sink.staleness == orch.sink.staleness == LearnRunConfig().sink.staleness
 
 

@@ -39,6 +39,7 @@ from .run import LearnResult as LearnResult
 from .run import build_model as build_model
 from .run import build_policy as build_policy
 from .run import build_prompts as build_prompts
+from .run import orchestrator_config as orchestrator_config
 from .run import run_learning as run_learning
 from .run import write_plot as write_plot
 
@@ -57,7 +58,8 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         seed=run.seed,
         temperature=rollout.temperature,
         sink=config.sink.to_config(batch_size=rollout.batch_groups * rollout.group_size),
-        max_groups_in_flight=rollout.max_groups_in_flight,
+        rollout=rollout.to_config(routing_keys=config.inference.routing_keys),
+        checkpoint=config.checkpoint.to_config(),
         max_async_level=rollout.max_async_level,
         trainer=TrainerConfig(
             lr=trainer.lr,
@@ -72,7 +74,7 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         trainer_delay=trainer.delay,
         trainer_mode=trainer.mode,
         ranks=trainer.ranks,
-        weights_keep=config.checkpoint.keep,
+        weights_keep=config.checkpoint.weights_keep,
         max_steps=run.max_steps,
         time_limit=run.time_limit,
         stop_at_reward=run.stop_at_reward,
