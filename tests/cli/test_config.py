@@ -111,7 +111,8 @@ def test_the_effective_configuration_round_trips_through_toml(tmp_path: Path) ->
 
 def test_simulate_defaults_are_the_orchestrators() -> None:
     sim, orch = SimulateConfig(), OrchestratorConfig()
-    assert (sim.rollout.batch_groups, sim.rollout.group_size) == (orch.batch_groups, orch.group_size)
+    step = (orch.batch_groups, orch.group_size)
+    assert (sim.rollout.batch_groups, sim.rollout.group_size) == step
     assert sim.sink.to_config(batch_size=orch.batch_groups * orch.group_size) == orch.sink
     assert sim.checkpoint.to_config() == orch.checkpoint
     assert sim.rollout.to_config(routing_keys="none") == orch.rollout

@@ -19,17 +19,16 @@ def _is_int(value: object) -> bool:
 
 
 def _named(owner: str, name: str) -> str:
-    # no owner: a validator called without an instance, as the configuration loader calls it
-    # (it puts the file, line and key in front of the message itself)
-    return f"{owner}.{name}" if owner else name
+    """``Owner.name `` in front of a message; nothing without an owner: a validator called
+    without an instance, as the configuration loader calls it (it puts the file, line and key
+    in front of the message itself)."""
+    return f"{owner}.{name} " if owner else ""
 
 
 def check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
     """Refuse ``value`` unless it is an int ``>= minimum``."""
     if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise RolloutConfigError(
-            f"{_named(owner, name)} must be an int >= {minimum}, got {value!r}"
-        )
+        raise RolloutConfigError(f"{_named(owner, name)}must be an int >= {minimum}, got {value!r}")
 
 
 def check_optional_int(owner: str, name: str, value: object, *, minimum: int) -> None:
@@ -44,13 +43,13 @@ def check_timeout(owner: str, name: str, value: object) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
         raise RolloutConfigError(
-            f"{_named(owner, name)} must be finite and > 0 or None, got {value!r}"
+            f"{_named(owner, name)}must be finite and > 0 or None, got {value!r}"
         )
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise RolloutConfigError(f"{_named(owner, name)} must be one of {choices}, got {value!r}")
+        raise RolloutConfigError(f"{_named(owner, name)}must be one of {choices}, got {value!r}")
 
 
 def _owner(instance: object) -> str:
@@ -72,7 +71,7 @@ def optional_positive_int(instance: object, attribute: attrs.Attribute[Any], val
 def optional_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not _is_int(value):
         raise RolloutConfigError(
-            f"{_named(_owner(instance), attribute.name)} must be an int or None, got {value!r}"
+            f"{_named(_owner(instance), attribute.name)}must be an int or None, got {value!r}"
         )
 
 
