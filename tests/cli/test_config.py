@@ -119,6 +119,16 @@ def test_simulate_defaults_are_the_orchestrators() -> None:
     assert sim.sink.staleness == orch.sink.staleness == LearnRunConfig().sink.staleness
 
 
+def test_the_learning_run_defaults_are_learn_configs(tmp_path: Path) -> None:
+    """``trio-rl run``'s defaults are ``LearnConfig``'s (the schema cannot read them: the
+    learning run sits above the configuration, and imports torch), field for field."""
+    from trio_rl.learn import config_from_file
+
+    default = LearnRunConfig()
+    default = attrs.evolve(default, run=attrs.evolve(default.run, out=str(tmp_path)))
+    assert config_from_file(default) == LearnConfig(out=tmp_path)
+
+
 @pytest.mark.parametrize("rule", ["oldest_token", "group_start"])
 def test_the_sink_staleness_key_reaches_both_commands_configs(tmp_path: Path, rule: str) -> None:
     from trio_rl.cli import orchestrator_config

@@ -1,5 +1,5 @@
 """Every knob of the rollout's and the checkpoints' own configs reaches the orchestrator from a
-file and from ``--set``.
+file and from ``--set``, and every knob of the trainer's reaches ``trio-rl run``'s trainer.
 
 ``[rollout]`` and ``[checkpoint]`` are generated from :class:`trio_rl.rollout.RolloutConfig`
 and :class:`trio_rl.train.CheckpointConfig` (as ``[sink]`` is from ``SinkConfig``,
@@ -29,6 +29,7 @@ from trio_rl.learn import orchestrator_config as learn_orchestrator_config
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.rollout import RolloutConfig
 from trio_rl.train import CheckpointConfig
+from trio_rl.trainer import TrainerConfig
 
 SCHEMAS = [SimulateConfig, LearnRunConfig]
 SECTIONS = {"rollout": RolloutConfig, "checkpoint": CheckpointConfig}
@@ -129,6 +130,39 @@ def test_every_rollout_and_checkpoint_knob_reaches_the_orchestrator(
     from_set, _ = load(schema, [printed])
     assert _get(_orchestrator_of(schema, from_set, tmp_path), (section, *path)) == value
     assert from_set == from_file
+
+
+TRAINER_KNOBS = [(p, tp) for p, tp in _paths(TrainerConfig) if p != ("betas",)]
+
+
+def test_the_trainer_section_is_generated_from_the_trainers_config() -> None:
+    values = LearnRunConfig().trainer
+    assert values.config is TrainerConfig
+    assert set(values.omitted) == {"betas"}  # a pair of floats: no key
+    assert values.to_config() == TrainerConfig()
+
+
+@pytest.mark.parametrize(("path", "tp"), TRAINER_KNOBS, ids=["_".join(p) for p, _ in TRAINER_KNOBS])
+def test_every_trainer_knob_reaches_the_learning_runs_trainer(
+    path: tuple[str, ...], tp: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def trainer_of(config: LearnRunConfig) -> TrainerConfig:
+        config = attrs.evolve(config, run=attrs.evolve(config.run, out=str(tmp_path / "run")))
+        return config_from_file(config).trainer
+
+    key = "_".join(path)
+    value = _other(_get(trainer_of(LearnRunConfig()), path), tp)
+    text = _toml_value(value)
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[trainer]\n{key} = {text}\n")
+    from_file, _ = load(LearnRunConfig, [toml])
+    assert _get(trainer_of(from_file), path) == value
+
+    assert cli.main(["config", "--for", "run", "--set", f"trainer.{key}={text}"]) == 0
+    printed = tmp_path / "printed.toml"
+    printed.write_text(capsys.readouterr().out)
+    from_set, _ = load(LearnRunConfig, [printed])
+    assert _get(trainer_of(from_set), path) == value
 
 
 def test_the_routing_keys_come_from_the_engine_or_the_fleet(tmp_path: Path) -> None:

@@ -22,8 +22,9 @@ ALLOWED: dict[str, set[str]] = {
     "samples": {"payloads"},
     # the configuration schema is attrs classes of values; its [rollout], [sink] and
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
-    # knob), and [transport] kind names a registered transport, so it sees those layers
-    "config": {"rollout", "train", "transport", "rundir"},
+    # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
+    # transport, so it sees those layers
+    "config": {"rollout", "train", "trainer", "transport", "rundir"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

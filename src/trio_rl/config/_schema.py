@@ -1,9 +1,10 @@
 """The configuration of ``trio-rl run`` (`LearnRunConfig`) and ``trio-rl simulate``
 (`SimulateConfig`): one section per component.
 
-``[rollout]``, ``[sink]`` and ``[checkpoint]`` are generated from the library's own configs
-(:class:`~trio_rl.rollout.RolloutConfig`, :class:`~trio_rl.train.SinkConfig`,
-:class:`~trio_rl.train.CheckpointConfig`; see `config_section`), their defaults and checks
+``[rollout]``, ``[sink]``, ``[checkpoint]`` and the learning run's ``[trainer]`` are generated
+from the library's own configs (:class:`~trio_rl.rollout.RolloutConfig`,
+:class:`~trio_rl.train.SinkConfig`, :class:`~trio_rl.train.CheckpointConfig`,
+:class:`~trio_rl.trainer.TrainerConfig`; see `config_section`), their defaults and checks
 included; a command's own keys beside them are written here. The other defaults are the
 commands' own; a test pins those the library's configs also hold to them."""
 
@@ -16,6 +17,7 @@ import attrs
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
 from ..train import CheckpointConfig, SinkConfig
+from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
@@ -176,8 +178,8 @@ class LearnTransport:
 
 
 @attrs.frozen
-class LearnTrainer:
-    """The reference GRPO trainer and how it is run."""
+class LearnTrainerKeys(ConfigSection[TrainerConfig]):
+    """``[trainer]``'s keys that are no knob of ``TrainerConfig``: how the trainer is run."""
 
     mode: Literal["inprocess", "torchrun", "external"] = option(
         "inprocess",
@@ -193,24 +195,23 @@ class LearnTrainer:
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
-    lr: float = option(1e-3, "AdamW learning rate", validator=positive)
-    epochs: int = option(4, "AdamW updates per batch", validator=at_least(1))
-    clip: float = option(0.2, "importance-ratio clip", validator=positive)
-    weight_decay: float = option(0.0, "AdamW weight decay", validator=at_least(0))
-    max_grad_norm: float | None = option(
-        1.0, "gradient-norm clip (unset: none)", validator=positive
-    )
-    entropy_coef: float = option(
-        0.01,
-        "entropy bonus: minus this times the mean token entropy joins the loss",
-        validator=at_least(0),
-    )
     delay: float = option(
         0.0,
         "seconds the in-process trainer waits per step (forces staleness)",
         validator=at_least(0),
         may_change=True,
     )
+
+
+#: ``[trainer]`` of the learning run: how the reference GRPO trainer is run, and the knobs of
+#: its :class:`~trio_rl.trainer.TrainerConfig`.
+LearnTrainer = config_section(
+    TrainerConfig,
+    "LearnTrainer",
+    "The reference GRPO trainer (trio_rl.trainer.TrainerConfig) and how it is run.",
+    base=LearnTrainerKeys,
+    omit={"betas": "AdamW's betas, TrainerConfig's default: no key"},
+)
 
 
 @attrs.frozen
@@ -412,7 +413,7 @@ class LearnRunConfig:
     sink: ConfigSection[SinkConfig] = attrs.field(factory=LearnSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: LearnTransport = attrs.field(factory=LearnTransport)
-    trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
+    trainer: LearnTrainerKeys = attrs.field(factory=LearnTrainer)
     checkpoint: LearnCheckpointKeys = attrs.field(factory=LearnCheckpoint)
     metrics: Metrics = attrs.field(factory=Metrics)
     model: ModelSection = attrs.field(factory=ModelSection)

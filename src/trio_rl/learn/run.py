@@ -63,6 +63,7 @@ from ..rundir import (
 )
 from ..samples import PolicyVersion, Prompt
 from ..train import CheckpointConfig, CheckpointError, PruneMode, ScoringConfig, SinkConfig
+from ..trainer import TrainerConfig
 from ..transport import (
     EndOfStreamError,
     FileReceiver,
@@ -75,7 +76,7 @@ from ._logprob_check import LogprobCheck
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer
-from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats, TrainerConfig
+from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats
 from ._watcher import WeightLoader, watch_weights
 from ._weights import latest_weights, publish_weights
 from .tasks import task_records
