@@ -208,3 +208,23 @@ def test_a_bad_knob_is_refused_by_the_library_configs_check(tmp_path: Path) -> N
         # the check's own wording, after the key the loader names once
         assert str(info.value).count(key.partition(".")[2]) == 1
         assert "must be" in str(info.value) or "expected one of" in str(info.value)
+
+
+def test_a_trainer_job_reads_the_rollout_and_checkpoint_configs_back(tmp_path: Path) -> None:
+    # a torchrun or external trainer job reads the run's LearnConfig from run.json
+    import json
+
+    from trio_rl.learn import LearnConfig
+    from trio_rl.rollout import FailurePolicy
+
+    config = LearnConfig(
+        out=tmp_path,
+        rollout=RolloutConfig(
+            max_groups_in_flight=5, sample_timeout=3.0, failure=FailurePolicy("retry")
+        ),
+        checkpoint=CheckpointConfig(keep=2, incremental=False),
+        trainer=TrainerConfig(lr=3e-4, betas=(0.8, 0.9)),
+    )
+    again = LearnConfig.from_json(json.loads(json.dumps(config.to_json())))
+    assert again == config
+    assert again.rollout.failure == FailurePolicy("retry")
