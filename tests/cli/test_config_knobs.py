@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 import pytest
+from config_walk import leaf_paths, other_value, value_at
 
 from trio_rl import cli
 from trio_rl.config import LearnRunConfig, SimulateConfig, load
@@ -37,41 +38,6 @@ SECTIONS = {"rollout": RolloutConfig, "checkpoint": CheckpointConfig}
 LEFT_OUT = {"rollout": {"routing_keys"}, "checkpoint": set()}
 
 
-def _paths(cls: type[Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    """``(path, type)`` of every leaf field of ``cls``, nested attrs configs walked."""
-    hints = typing.get_type_hints(cls)
-    out: list[tuple[tuple[str, ...], Any]] = []
-    for f in attrs.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and attrs.has(tp):
-            out.extend(_paths(tp, (*prefix, f.name)))
-        else:
-            out.append(((*prefix, f.name), tp))
-    return out
-
-
-def _get(obj: Any, path: tuple[str, ...]) -> Any:
-    for name in path:
-        obj = getattr(obj, name)
-    return obj
-
-
-def _other(value: Any, tp: Any) -> Any:
-    """A valid value of type ``tp`` other than ``value``."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if value is None:  # an unset optional knob: any value of its type
-        return {int: 5, float: 2.5}[args[0]]
-    if typing.get_origin(tp) is typing.Literal:
-        return next(v for v in typing.get_args(tp) if v != value)
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 3
-    if isinstance(value, float):
-        return value * 2 + 0.5
-    raise AssertionError(f"no other value for {value!r} of {tp!r}")
-
-
 def _orchestrator_of(schema: type[Any], config: Any, tmp_path: Path) -> OrchestratorConfig:
     """The OrchestratorConfig the command of ``schema`` runs with."""
     if schema is SimulateConfig:
@@ -83,7 +49,7 @@ def _orchestrator_of(schema: type[Any], config: Any, tmp_path: Path) -> Orchestr
 KNOBS = [
     (section, path, tp)
     for section, cls in SECTIONS.items()
-    for path, tp in _paths(cls)
+    for path, tp in leaf_paths(cls)
     if path[0] not in LEFT_OUT[section]
 ]
 
@@ -98,7 +64,7 @@ def test_the_section_is_generated_from_the_library_config(schema: type[Any], sec
     assert set(values.omitted) == LEFT_OUT[section]
     assert all(values.omitted.values())
     keys = {f.name for f in attrs.fields(typing.cast("Any", type(values)))}
-    assert {"_".join(p) for p, _ in _paths(SECTIONS[section])} - keys == LEFT_OUT[section]
+    assert {"_".join(p) for p, _ in leaf_paths(SECTIONS[section])} - keys == LEFT_OUT[section]
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["simulate", "run"])
@@ -114,25 +80,25 @@ def test_every_rollout_and_checkpoint_knob_reaches_the_orchestrator(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     key = "_".join(path)
-    default = _get(_orchestrator_of(schema, schema(), tmp_path), (section, *path))
-    value = _other(default, tp)
+    default = value_at(_orchestrator_of(schema, schema(), tmp_path), (section, *path))
+    value = other_value(default, tp)
     text = _toml_value(value)
 
     toml = tmp_path / "c.toml"
     toml.write_text(f"[{section}]\n{key} = {text}\n")
     from_file, _ = load(schema, [toml])
-    assert _get(_orchestrator_of(schema, from_file, tmp_path), (section, *path)) == value
+    assert value_at(_orchestrator_of(schema, from_file, tmp_path), (section, *path)) == value
 
     target = "simulate" if schema is SimulateConfig else "run"
     assert cli.main(["config", "--for", target, "--set", f"{section}.{key}={text}"]) == 0
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     from_set, _ = load(schema, [printed])
-    assert _get(_orchestrator_of(schema, from_set, tmp_path), (section, *path)) == value
+    assert value_at(_orchestrator_of(schema, from_set, tmp_path), (section, *path)) == value
     assert from_set == from_file
 
 
-TRAINER_KNOBS = [(p, tp) for p, tp in _paths(TrainerConfig) if p != ("betas",)]
+TRAINER_KNOBS = [(p, tp) for p, tp in leaf_paths(TrainerConfig) if p != ("betas",)]
 
 
 def test_the_trainer_section_is_generated_from_the_trainers_config() -> None:
@@ -151,18 +117,18 @@ def test_every_trainer_knob_reaches_the_learning_runs_trainer(
         return config_from_file(config).trainer
 
     key = "_".join(path)
-    value = _other(_get(trainer_of(LearnRunConfig()), path), tp)
+    value = other_value(value_at(trainer_of(LearnRunConfig()), path), tp)
     text = _toml_value(value)
     toml = tmp_path / "c.toml"
     toml.write_text(f"[trainer]\n{key} = {text}\n")
     from_file, _ = load(LearnRunConfig, [toml])
-    assert _get(trainer_of(from_file), path) == value
+    assert value_at(trainer_of(from_file), path) == value
 
     assert cli.main(["config", "--for", "run", "--set", f"trainer.{key}={text}"]) == 0
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     from_set, _ = load(LearnRunConfig, [printed])
-    assert _get(trainer_of(from_set), path) == value
+    assert value_at(trainer_of(from_set), path) == value
 
 
 def test_the_routing_keys_come_from_the_engine_or_the_fleet(tmp_path: Path) -> None:
