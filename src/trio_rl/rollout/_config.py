@@ -51,7 +51,7 @@ class RolloutConfig:
         validator=positive,
         metadata={
             "help": "seconds each sample (generation and reward) may take; expiry fails the "
-            "sample and so its group, which then follows `failure_action` (unset: only the "
+            "sample and so its group, which then follows the failure policy (unset: only the "
             "engine's own deadlines)"
         },
     )

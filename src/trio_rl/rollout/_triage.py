@@ -62,7 +62,7 @@ class FailurePolicy:
         default="skip",
         metadata={
             "help": "what a failed group does: skip (count it, start a new prompt), retry (run "
-            "it again, up to `max_retries` times) or fail (stop the run)"
+            "it again, then skip it once its retries are spent) or fail (stop the run)"
         },
     )
     max_retries: int = attrs.field(
