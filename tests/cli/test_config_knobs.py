@@ -194,3 +194,21 @@ def test_a_trainer_job_reads_the_rollout_and_checkpoint_configs_back(tmp_path: P
     again = LearnConfig.from_json(json.loads(json.dumps(config.to_json())))
     assert again == config
     assert again.rollout.failure == FailurePolicy("retry")
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["simulate", "run"])
+def test_a_flag_offers_the_values_its_key_declares(schema: type[Any]) -> None:
+    import argparse
+
+    from trio_rl._flags import RUN_FLAGS, SIMULATE_FLAGS, add_config_arguments
+    from trio_rl.config import choices
+
+    flags = SIMULATE_FLAGS if schema is SimulateConfig else RUN_FLAGS
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, schema, flags, resumable=False)
+    offered = {a.dest: a.choices for a in parser._actions}
+    declared = {f.dest: choices(schema, f.key) for f in flags if "const" not in f.kwargs}
+    checked = {dest for dest, values in declared.items() if values is not None}
+    assert checked, "no flag of a key with a fixed set of values"
+    for dest in checked:
+        assert list(offered[dest] or ()) == list(declared[dest] or ()), dest
