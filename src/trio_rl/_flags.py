@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from .config import LearnRunConfig, Override, SimulateConfig, env_overrides, flatten
+from .config import LearnRunConfig, Override, SimulateConfig, choices, env_overrides, flatten
 from .engines import DISTRIBUTIONS
 from .transport import transport_kinds
 
@@ -57,7 +57,7 @@ SIMULATE_FLAGS = (
     Flag("--seed", "run.seed", {"type": int}),
     Flag("--batch-groups", "rollout.batch_groups", {"type": _POS_INT}),
     Flag("--group-size", "rollout.group_size", {"type": _POS_INT}),
-    Flag("--submission", "rollout.submission", {"choices": ["sample", "group"]}),
+    Flag("--submission", "rollout.submission"),
     Flag("--slots", "engine.slots", {"type": _POS_INT}),
     Flag("--distribution", "engine.distribution", {"choices": sorted(DISTRIBUTIONS)}),
     Flag("--tokens-per-second", "engine.tokens_per_second", {"type": _POS_FLOAT}),
@@ -88,12 +88,12 @@ RUN_FLAGS = (
         {"action": "store_const", "const": True},
         "same seed, same rewards bit for bit (in-process trainer, one thread); ",
     ),
-    Flag("--task", "rollout.task", {"choices": ["copy", "repeat", "reverse"]}),
+    Flag("--task", "rollout.task"),
     Flag("--batch-groups", "rollout.batch_groups", {"type": int}),
     Flag("--group-size", "rollout.group_size", {"type": int}),
     Flag("--max-async-level", "rollout.max_async_level", {"type": int}),
     Flag("--max-off-policy-steps", "sink.max_off_policy_steps", {"type": int}),
-    Flag("--trainer", "trainer.mode", {"choices": ["inprocess", "torchrun", "external"]}),
+    Flag("--trainer", "trainer.mode"),
     Flag("--ranks", "trainer.ranks", {"type": int}),
     Flag("--lr", "trainer.lr", {"type": float}),
     Flag("--epochs", "trainer.epochs", {"type": int}),
@@ -110,15 +110,18 @@ RUN_FLAGS = (
         {"action": "store_const", "const": "plain"},
         "one plain line per step, no live table or progress bar; ",
     ),
-    Flag("--log-level", "run.log_level", {"choices": ["debug", "info", "warning", "error"]}),
+    Flag("--log-level", "run.log_level"),
 )
 
 
-def _metavar(f: Flag) -> dict[str, Any]:
+def _metavar(f: Flag, schema: type[Any]) -> dict[str, Any]:
     if callable(f.kwargs.get("choices")):  # read now: e.g. the transports registered so far
         return {**f.kwargs, "choices": list(f.kwargs["choices"]())}
     if "choices" in f.kwargs or "metavar" in f.kwargs:
         return f.kwargs
+    allowed = None if f.kwargs else choices(schema, f.key)
+    if allowed is not None:  # the key's own list: the values are spelled once, in its type
+        return {"choices": list(allowed)}
     return {"metavar": f.flag[2:].upper().replace("-", "_"), **f.kwargs}
 
 
@@ -166,7 +169,7 @@ def add_config_arguments(
             default=None,
             help=text,
             # the flag's name, not the dest, in the usage (choices show themselves)
-            **_metavar(f),
+            **_metavar(f, schema),
         )
     p.add_argument("-v", "--verbose", action="store_true", help="log more; tracebacks on errors")
 

@@ -111,11 +111,22 @@ def test_the_effective_configuration_round_trips_through_toml(tmp_path: Path) ->
 
 def test_simulate_defaults_are_the_orchestrators() -> None:
     sim, orch = SimulateConfig(), OrchestratorConfig()
+    step = (orch.batch_groups, orch.group_size)
+    assert (sim.rollout.batch_groups, sim.rollout.group_size) == step
     assert sim.sink.to_config(batch_size=orch.batch_groups * orch.group_size) == orch.sink
-    assert sim.checkpoint.keep == orch.checkpoint_keep
-    assert sim.rollout.submission == orch.submission
-    assert sim.rollout.max_groups_in_flight == orch.max_groups_in_flight
+    assert sim.checkpoint.to_config() == orch.checkpoint
+    assert sim.rollout.to_config(routing_keys="none") == orch.rollout
     assert sim.sink.staleness == orch.sink.staleness == LearnRunConfig().sink.staleness
+
+
+def test_the_learning_run_defaults_are_learn_configs(tmp_path: Path) -> None:
+    """``trio-rl run``'s defaults are ``LearnConfig``'s (the schema cannot read them: the
+    learning run sits above the configuration, and imports torch), field for field."""
+    from trio_rl.learn import config_from_file
+
+    default = LearnRunConfig()
+    default = attrs.evolve(default, run=attrs.evolve(default.run, out=str(tmp_path)))
+    assert config_from_file(default) == LearnConfig(out=tmp_path)
 
 
 @pytest.mark.parametrize("rule", ["oldest_token", "group_start"])

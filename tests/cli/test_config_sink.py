@@ -9,13 +9,12 @@ here without a change to this file.
 
 from __future__ import annotations
 
-import enum
-import typing
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
+from config_walk import leaf_paths, other_value, value_at
 
 from trio_rl import cli
 from trio_rl.config import LearnRunConfig, SimulateConfig, load
@@ -24,44 +23,7 @@ from trio_rl.config._sections import SIZED_ELSEWHERE
 from trio_rl.learn import config_from_file
 from trio_rl.train import SinkConfig
 
-
-def _paths(cls: type[Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    """``(path, type)`` of every leaf field of ``cls``, nested attrs configs walked."""
-    hints = typing.get_type_hints(cls)
-    out: list[tuple[tuple[str, ...], Any]] = []
-    for f in attrs.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and attrs.has(tp):
-            out.extend(_paths(tp, (*prefix, f.name)))
-        else:
-            out.append(((*prefix, f.name), tp))
-    return out
-
-
-def _get(obj: Any, path: tuple[str, ...]) -> Any:
-    for name in path:
-        obj = getattr(obj, name)
-    return obj.value if isinstance(obj, enum.Enum) else obj
-
-
-def _other(value: Any, tp: Any) -> Any:
-    """A valid value of type ``tp`` other than ``value``."""
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return next(m.value for m in tp if m.value != value)
-    if typing.get_origin(tp) is typing.Literal:
-        return next(v for v in typing.get_args(tp) if v != value)
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 3
-    if isinstance(value, float):
-        return value * 2 + 0.5
-    if isinstance(value, typing.Mapping):
-        return {"math": 0.5}
-    raise AssertionError(f"no other value for {value!r} of {tp!r}")
-
-
-KNOBS = [(p, tp) for p, tp in _paths(SinkConfig) if p[0] not in SIZED_ELSEWHERE]
+KNOBS = [(p, tp) for p, tp in leaf_paths(SinkConfig) if p[0] not in SIZED_ELSEWHERE]
 
 
 def _sink_of(schema: type[Any], config: Any, tmp_path: Path) -> SinkConfig:
@@ -76,7 +38,8 @@ def test_the_sink_has_knobs_to_check() -> None:
     keys = {"_".join(p) for p, _ in KNOBS}
     assert {"max_off_policy_steps", "staleness", "prune", "scoring_normalize_std"} <= keys
     # the sizing fields are the only ones left out, and each says where its value comes from
-    assert {p[0] for p, _ in _paths(SinkConfig)} - {p[0] for p, _ in KNOBS} == set(SIZED_ELSEWHERE)
+    left_out = {p[0] for p, _ in leaf_paths(SinkConfig)} - {p[0] for p, _ in KNOBS}
+    assert left_out == set(SIZED_ELSEWHERE)
 
 
 @pytest.mark.parametrize("schema", [SimulateConfig, LearnRunConfig], ids=["simulate", "run"])
@@ -89,21 +52,21 @@ def test_every_sink_knob_reaches_the_sink_from_a_file_and_from_set(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     key = "_".join(path)
-    default = _get(_sink_of(schema, schema(), tmp_path), path)
-    value = _other(default, tp)
+    default = value_at(_sink_of(schema, schema(), tmp_path), path)
+    value = other_value(default, tp)
     text = _toml_value(value)
 
     toml = tmp_path / "c.toml"
     toml.write_text(f"[sink]\n{key} = {text}\n")
     from_file, _ = load(schema, [toml])
-    assert _get(_sink_of(schema, from_file, tmp_path), path) == value
+    assert value_at(_sink_of(schema, from_file, tmp_path), path) == value
 
     target = "simulate" if schema is SimulateConfig else "run"
     assert cli.main(["config", "--for", target, "--set", f"sink.{key}={text}"]) == 0
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     from_set, _ = load(schema, [printed])
-    assert _get(_sink_of(schema, from_set, tmp_path), path) == value
+    assert value_at(_sink_of(schema, from_set, tmp_path), path) == value
     assert from_set == from_file
 
 

@@ -33,7 +33,7 @@ from trio_rl.engines import (
 from trio_rl.engines._launch import free_port
 from trio_rl.errors import collapse_single
 from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
-from trio_rl.rollout import InMemorySource
+from trio_rl.rollout import InMemorySource, RolloutConfig
 from trio_rl.samples import Prompt, Sample
 from trio_rl.transport import FileReceiver, FileSender
 from trio_rl.wire import decode
@@ -105,7 +105,7 @@ async def test_a_run_survives_a_server_killed_with_sigkill_and_takes_it_back(
         max_async_level=1,
         sampling=SamplingParams(max_tokens=8),
         seed=3,
-        routing_keys="group",
+        rollout=RolloutConfig(routing_keys="group"),
     )
     prompts = [Prompt(key=f"p{i}", tokens=(10_000 + i, 2)) for i in range(200)]
     trained: list[tuple[int, ...]] = []

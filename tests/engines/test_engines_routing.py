@@ -15,7 +15,7 @@ from vllm_stand_in import serve
 from trio_rl.engines import OpenAICompatibleEngine, SamplingParams, open_vllm_engine
 from trio_rl.errors import DataSourceError
 from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
-from trio_rl.rollout import GroupFactory, InMemorySource
+from trio_rl.rollout import GroupFactory, InMemorySource, RolloutConfig
 from trio_rl.samples import OpenGroup, Prompt, Sample, SampleStatus
 from trio_rl.transport import FileSender
 
@@ -42,7 +42,7 @@ async def test_the_orchestrator_sends_one_routing_key_per_group_as_the_header(
         max_async_level=1000,
         sampling=SamplingParams(max_tokens=8),
         seed=5,
-        routing_keys="group",
+        rollout=RolloutConfig(routing_keys="group"),
     )
     prompts = [Prompt(key=f"k{i}", tokens=(10 + i, 1)) for i in range(16)]
     with serve() as (state, url):
@@ -127,9 +127,9 @@ def test_per_sample_keys_and_the_old_boolean_spelling() -> None:
         GroupFactory(group_size=2, routing_keys="groups")
 
 
-def test_the_orchestrator_config_refuses_an_unknown_routing_mode() -> None:
+def test_the_rollout_config_refuses_an_unknown_routing_mode() -> None:
     with pytest.raises(ValueError, match="routing_keys"):
-        OrchestratorConfig(routing_keys="groups")  # type: ignore[arg-type]
+        RolloutConfig(routing_keys="groups")  # type: ignore[arg-type]
 
 
 def test_simulate_against_an_openai_server_sends_one_routing_key_per_group(

@@ -16,7 +16,7 @@ from trio_rl.engines import Completion, GenerateRequest, SamplingParams, Simulat
 from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
-from trio_rl.rollout import FailurePolicy, InMemorySource, engine_generate
+from trio_rl.rollout import FailurePolicy, InMemorySource, RolloutConfig, engine_generate
 from trio_rl.samples import Group, OpenGroup, Prompt, Sample
 from trio_rl.train import SinkConfig
 from trio_rl.trainer import BatchReceiver
@@ -297,7 +297,7 @@ async def test_a_hung_sample_hits_its_deadline_and_its_group_is_booked_failed(
             engine,
             InMemorySource(_prompts(300)),
             sender,
-            config=_config(sample_timeout=0.1),
+            config=_config(rollout=RolloutConfig(sample_timeout=0.1)),
             sample_reward=_reward,
         ) as orch,
     ):
@@ -395,7 +395,7 @@ async def test_every_retried_attempt_settles_once_in_the_books(tmp_path: Path) -
             _engine(),
             InMemorySource(_prompts(200)),
             sender,
-            config=_config(failure=FailurePolicy("retry", max_retries=1)),
+            config=_config(rollout=RolloutConfig(failure=FailurePolicy("retry", max_retries=1))),
             sample_reward=_reward,
             generate=generate,
         ) as orch,

@@ -120,13 +120,14 @@ PINNED: dict[str, set[str]] = {
         *("SourceExhaustedError", "SubmissionPolicy", "SyncBatchStatistics", "SyncRolloutDriver"),
         *("UnusedPolicy", "engine_generate", "open_async_rollout", "pending_samples"),
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
-        "RoutingKeys",
+        *("RoutingKeys", "RolloutConfig"),
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
     },
     "trio_rl.train": {
-        *("Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointSnapshot"),
+        *("Checkpoint", "CheckpointConfig", "CheckpointError", "CheckpointManager"),
+        "CheckpointSnapshot",
         *("CodecError", "Cut", "DetachedBatch", "IncrementalSnapshot", "PayloadError"),
         "PayloadFileMissingError",
         *("PayloadFileMissingError", "PruneMode", "PruneResult", "RestoreReport"),

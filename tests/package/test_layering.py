@@ -20,10 +20,11 @@ ALLOWED: dict[str, set[str]] = {
     # by-handle payloads sit next to errors: everything above may import them
     "payloads": set(),
     "samples": {"payloads"},
-    # the configuration schema is attrs classes of values; its [sink] section is generated from
-    # the sink's own config (one declaration per knob), and [transport] kind names a registered
-    # transport, so it sees those two layers
-    "config": {"train", "transport", "rundir"},
+    # the configuration schema is attrs classes of values; its [rollout], [sink] and
+    # [checkpoint] sections are generated from those layers' own configs (one declaration per
+    # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
+    # transport, so it sees those layers
+    "config": {"rollout", "train", "trainer", "transport", "rundir"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

@@ -25,6 +25,7 @@ from ._errors import ConfigChangedError, ConfigError
 from ._load import (
     ENV_PREFIX,
     Override,
+    choices,
     env_overrides,
     flatten,
     key_line,
@@ -44,6 +45,7 @@ __all__ = [
     "Override",
     "SimulateConfig",
     "check_resume",
+    "choices",
     "env_overrides",
     "flatten",
     "key_line",

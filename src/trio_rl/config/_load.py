@@ -31,6 +31,7 @@ __all__ = [
     "Override",
     "at_least",
     "between",
+    "choices",
     "env_overrides",
     "flatten",
     "load",
@@ -360,6 +361,15 @@ def flatten(config: Any) -> dict[str, Any]:
         for f in attrs.fields(type(values)):
             out[f"{section.name}.{f.name}"] = getattr(values, f.name)
     return out
+
+
+def choices(schema: type[Any], key: str) -> tuple[Any, ...] | None:
+    """The values ``key`` (``section.name``) allows when its type is a ``Literal`` (None
+    otherwise): a flag offers the choices the key declares, not a second list of them."""
+    name, _, option_name = key.partition(".")
+    _, tp = _options(_sections(schema)[name])[option_name]
+    base, _ = _optional(tp)
+    return typing.get_args(base) if typing.get_origin(base) is Literal else None
 
 
 def may_change(schema: type[Any], key: str) -> bool:

@@ -1,6 +1,12 @@
 """The configuration of ``trio-rl run`` (`LearnRunConfig`) and ``trio-rl simulate``
-(`SimulateConfig`): one section per component. Defaults are those of the library's configs
-(``LearnConfig``, ``OrchestratorConfig``, ``TrainerConfig``); a test pins them together."""
+(`SimulateConfig`): one section per component.
+
+``[rollout]``, ``[sink]``, ``[checkpoint]`` and the learning run's ``[trainer]`` are generated
+from the library's own configs (:class:`~trio_rl.rollout.RolloutConfig`,
+:class:`~trio_rl.train.SinkConfig`, :class:`~trio_rl.train.CheckpointConfig`,
+:class:`~trio_rl.trainer.TrainerConfig`; see `config_section`), their defaults and checks
+included; a command's own keys beside them are written here. The other defaults are the
+commands' own; a test pins those the library's configs also hold to them."""
 
 from __future__ import annotations
 
@@ -9,10 +15,13 @@ from typing import Any, Literal
 import attrs
 
 from ..errors import InvalidArgumentError
+from ..rollout import RolloutConfig
+from ..train import CheckpointConfig, SinkConfig
+from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, positive
-from ._sections import SinkSection, sink_section
+from ._sections import SIZED_ELSEWHERE, ConfigSection, config_section
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
 
@@ -101,16 +110,14 @@ class LearnEngine:
 
 
 @attrs.frozen
-class LearnRollout:
-    """The data source and the rollout driver: the task's prompts, grouped and sampled."""
+class LearnRolloutKeys(ConfigSection[RolloutConfig]):
+    """``[rollout]``'s keys of the learning run that are no knob of ``RolloutConfig``: the
+    task's prompts, the step's shape and the sampling temperature."""
 
     task: Task = option("repeat", "the verifiable task (copy, repeat, reverse)")  # noqa: RUF009
     prompts: int = option(4096, "prompts drawn from the task (cycled)", validator=at_least(1))
     batch_groups: int = option(8, "groups per step", validator=at_least(1))
     group_size: int = option(16, "samples per group", validator=at_least(2))
-    max_groups_in_flight: int | None = option(
-        None, "rollout concurrency in groups (unset: `batch_groups`)", validator=at_least(1)
-    )
     max_async_level: int = option(
         1,
         "ship gate: step S ships once the policy version is >= S - 1 - this",
@@ -119,12 +126,30 @@ class LearnRollout:
     temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
 
 
+#: ``[rollout]`` of the learning run: its own keys and the knobs of
+#: :class:`~trio_rl.rollout.RolloutConfig`. An unset rollout budget is one step's groups
+#: here (``trio-rl run`` resolves it; the orchestrator's is two steps').
+LearnRollout = config_section(
+    RolloutConfig,
+    "LearnRollout",
+    "The data source and the rollout driver (trio_rl.rollout.RolloutConfig): the task's "
+    "prompts, grouped and sampled.",
+    base=LearnRolloutKeys,
+    omit={"routing_keys": "inference.routing_keys with an inference fleet, else none"},
+    meaning={
+        "max_groups_in_flight": "rollout concurrency in groups, the budget B (unset: "
+        "`batch_groups`)"
+    },
+)
+
 #: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.train.SinkConfig`. The learning
 #: run keeps at most one version of staleness by default: its tiny model moves fast, and samples
 #: older than that train it the wrong way.
-LearnSink = sink_section(
+LearnSink = config_section(
+    SinkConfig,
     "LearnSink",
     "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    omit=SIZED_ELSEWHERE,
     max_off_policy_steps=1,
 )
 
@@ -153,8 +178,8 @@ class LearnTransport:
 
 
 @attrs.frozen
-class LearnTrainer:
-    """The reference GRPO trainer and how it is run."""
+class LearnTrainerKeys(ConfigSection[TrainerConfig]):
+    """``[trainer]``'s keys that are no knob of ``TrainerConfig``: how the trainer is run."""
 
     mode: Literal["inprocess", "torchrun", "external"] = option(
         "inprocess",
@@ -170,18 +195,6 @@ class LearnTrainer:
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
-    lr: float = option(1e-3, "AdamW learning rate", validator=positive)
-    epochs: int = option(4, "AdamW updates per batch", validator=at_least(1))
-    clip: float = option(0.2, "importance-ratio clip", validator=positive)
-    weight_decay: float = option(0.0, "AdamW weight decay", validator=at_least(0))
-    max_grad_norm: float | None = option(
-        1.0, "gradient-norm clip (unset: none)", validator=positive
-    )
-    entropy_coef: float = option(
-        0.01,
-        "entropy bonus: minus this times the mean token entropy joins the loss",
-        validator=at_least(0),
-    )
     delay: float = option(
         0.0,
         "seconds the in-process trainer waits per step (forces staleness)",
@@ -190,11 +203,31 @@ class LearnTrainer:
     )
 
 
-@attrs.frozen
-class LearnCheckpoint:
-    """What is kept on disk."""
+#: ``[trainer]`` of the learning run: how the reference GRPO trainer is run, and the knobs of
+#: its :class:`~trio_rl.trainer.TrainerConfig`.
+LearnTrainer = config_section(
+    TrainerConfig,
+    "LearnTrainer",
+    "The reference GRPO trainer (trio_rl.trainer.TrainerConfig) and how it is run.",
+    base=LearnTrainerKeys,
+    omit={"betas": "AdamW's betas, TrainerConfig's default: no key"},
+)
 
-    keep: int = option(3, "published weight versions kept", validator=at_least(1))
+
+@attrs.frozen
+class LearnCheckpointKeys(ConfigSection[CheckpointConfig]):
+    """``[checkpoint]``'s key of the learning run that is no knob of ``CheckpointConfig``."""
+
+    weights_keep: int = option(3, "published weight versions kept", validator=at_least(1))
+
+
+LearnCheckpoint = config_section(
+    CheckpointConfig,
+    "LearnCheckpoint",
+    "What is kept on disk: the orchestrator's checkpoints (trio_rl.train.CheckpointConfig) "
+    "and the published weights.",
+    base=LearnCheckpointKeys,
+)
 
 
 @attrs.frozen
@@ -376,12 +409,12 @@ class LearnRunConfig:
 
     run: LearnRun = attrs.field(factory=LearnRun)
     engine: LearnEngine = attrs.field(factory=LearnEngine)
-    rollout: LearnRollout = attrs.field(factory=LearnRollout)
-    sink: SinkSection = attrs.field(factory=LearnSink)
+    rollout: LearnRolloutKeys = attrs.field(factory=LearnRollout)
+    sink: ConfigSection[SinkConfig] = attrs.field(factory=LearnSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: LearnTransport = attrs.field(factory=LearnTransport)
-    trainer: LearnTrainer = attrs.field(factory=LearnTrainer)
-    checkpoint: LearnCheckpoint = attrs.field(factory=LearnCheckpoint)
+    trainer: LearnTrainerKeys = attrs.field(factory=LearnTrainer)
+    checkpoint: LearnCheckpointKeys = attrs.field(factory=LearnCheckpoint)
     metrics: Metrics = attrs.field(factory=Metrics)
     model: ModelSection = attrs.field(factory=ModelSection)
     data: DataSection = attrs.field(factory=DataSection)
@@ -445,22 +478,29 @@ class SimEngine:
 
 
 @attrs.frozen
-class SimRollout:
-    """The rollout driver."""
+class SimRolloutKeys(ConfigSection[RolloutConfig]):
+    """``[rollout]``'s keys of ``trio-rl simulate`` that are no knob of ``RolloutConfig``: the
+    step's shape."""
 
     batch_groups: int = option(8, "groups per step", validator=at_least(1))
     group_size: int = option(8, "samples per group", validator=at_least(1))
-    submission: Literal["sample", "group"] = option(
-        "sample", "sample: sample backfill; group: group granularity"
-    )
-    max_groups_in_flight: int | None = option(
-        None, "rollout concurrency in groups (unset: 2 x `batch_groups`)", validator=at_least(1)
-    )
 
 
-SimSink = sink_section(
+SimRollout = config_section(
+    RolloutConfig,
+    "SimRollout",
+    "The rollout driver (trio_rl.rollout.RolloutConfig).",
+    base=SimRolloutKeys,
+    omit={
+        "routing_keys": "group with engine.kind = openai (one prefix cache per group), else none"
+    },
+)
+
+SimSink = config_section(
+    SinkConfig,
     "SimSink",
     "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    omit=SIZED_ELSEWHERE,
 )
 
 
@@ -496,11 +536,12 @@ class SimTrainer:
     ranks: int = option(2, "data-parallel ranks", validator=at_least(1))
 
 
-@attrs.frozen
-class SimCheckpoint:
-    """The orchestrator's checkpoints (``checkpoints/`` in the run directory)."""
-
-    keep: int = option(3, "checkpoints kept", validator=at_least(1))
+SimCheckpoint = config_section(
+    CheckpointConfig,
+    "SimCheckpoint",
+    "The orchestrator's checkpoints (trio_rl.train.CheckpointConfig; ``checkpoints/`` in the "
+    "run directory).",
+)
 
 
 @attrs.frozen
@@ -509,9 +550,9 @@ class SimulateConfig:
 
     run: SimRun = attrs.field(factory=SimRun)
     engine: SimEngine = attrs.field(factory=SimEngine)
-    rollout: SimRollout = attrs.field(factory=SimRollout)
-    sink: SinkSection = attrs.field(factory=SimSink)
+    rollout: SimRolloutKeys = attrs.field(factory=SimRollout)
+    sink: ConfigSection[SinkConfig] = attrs.field(factory=SimSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: SimTransport = attrs.field(factory=SimTransport)
     trainer: SimTrainer = attrs.field(factory=SimTrainer)
-    checkpoint: SimCheckpoint = attrs.field(factory=SimCheckpoint)
+    checkpoint: ConfigSection[CheckpointConfig] = attrs.field(factory=SimCheckpoint)

@@ -1,25 +1,32 @@
-"""Sections generated from a library config: ``[sink]`` is :class:`~trio_rl.train.SinkConfig`.
+"""Sections generated from a library config: ``[rollout]`` from
+:class:`~trio_rl.rollout.RolloutConfig`, ``[sink]`` from :class:`~trio_rl.train.SinkConfig`,
+``[checkpoint]`` from :class:`~trio_rl.train.CheckpointConfig`.
 
-The ``[sink]`` section has one key per knob of ``SinkConfig`` and takes the field's type,
-default, check and meaning (``metadata["help"]``) from it, so a sink knob is declared once, in
-the sink's own config, and reaches the files, ``--set sink.<key>=...``, the environment and the
-reference without a second spelling. A nested config (``scoring``: a
+`config_section` makes a section class with one key per knob of the library config, taking the
+field's type, default, check and meaning (``metadata["help"]``) from it, so a knob is declared
+once, in its layer's own config, and reaches the files, ``--set <section>.<key>=...``, the
+environment and the reference without a second spelling. A nested config (``scoring``: a
 :class:`~trio_rl.train.ScoringConfig`) contributes its fields as ``scoring_<name>``; an enum
-(``prune``) is written as its value. :meth:`SinkSection.to_config` builds the ``SinkConfig``.
+(``prune``) is written as its value. :meth:`ConfigSection.to_config` builds the library config.
 
-The batch size is not a key: the commands size a step from ``[rollout]`` (``batch_groups`` x
-``group_size`` samples; `SIZED_ELSEWHERE` says so for each sizing field).
+A command may change a default (``max_off_policy_steps=1`` for the learning run) or a key's
+meaning line (where the command resolves an unset value its own way). Fields the command sets
+from other keys are left out (``omit``: each says where its value comes from), and keys that
+are the command's own, no library knob (``[rollout] task``), are a hand-written ``base`` the
+generated class extends.
 """
 
 from __future__ import annotations
 
 import enum
 import typing
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import attrs
 
-from ..train import SinkConfig
+C = TypeVar("C")
+S = TypeVar("S", bound="ConfigSection[Any]")
 
 #: The ``SinkConfig`` fields that are no ``[sink]`` key, and where their value comes from.
 SIZED_ELSEWHERE: dict[str, str] = {
@@ -39,15 +46,15 @@ class _Knob:
     tp: Any
 
 
-def _knobs(cls: type[Any], path: tuple[str, ...] = ()) -> list[_Knob]:
+def _knobs(cls: type[Any], omit: Mapping[str, str], path: tuple[str, ...] = ()) -> list[_Knob]:
     hints = typing.get_type_hints(cls)
     out: list[_Knob] = []
     for f in attrs.fields(cls):
-        if not path and f.name in SIZED_ELSEWHERE:
+        if not path and f.name in omit:
             continue
         tp = hints[f.name]
         if isinstance(tp, type) and attrs.has(tp):
-            out.extend(_knobs(tp, (*path, f.name)))
+            out.extend(_knobs(tp, omit, (*path, f.name)))
             continue
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             tp = Literal[tuple(m.value for m in tp)]
@@ -57,55 +64,109 @@ def _knobs(cls: type[Any], path: tuple[str, ...] = ()) -> list[_Knob]:
     return out
 
 
-class SinkSection:
-    """The base of the generated ``[sink]`` sections (`sink_section`)."""
+class ConfigSection(Generic[C]):
+    """The base of the sections `config_section` generates from the library config ``C``."""
+
+    #: The library config the section is generated from, and its fields that are no key.
+    config: ClassVar[type[Any]]
+    omitted: ClassVar[Mapping[str, str]]
 
     if TYPE_CHECKING:  # the generated fields, one per knob, are known at run time only
 
         def __getattr__(self, name: str) -> Any: ...
 
-    def to_config(self, batch_size: int) -> SinkConfig:
-        """The :class:`~trio_rl.train.SinkConfig` of these values, cutting ``batch_size``
-        samples per batch."""
-        return SinkConfig(batch_size=batch_size, **_build(SinkConfig, self, ()))
+    def to_config(self, **given: Any) -> C:
+        """The library config of these values; ``given``: the fields that are no key of the
+        section (`omitted`), or values the command resolved its own way."""
+        return cast("C", self.config(**{**_build(self.config, self, self.omitted, ()), **given}))
 
 
-def _build(cls: type[Any], section: object, path: tuple[str, ...]) -> dict[str, Any]:
-    """The keyword arguments of ``cls`` (at ``path`` in ``SinkConfig``) from ``section``."""
+def _build(
+    cls: type[Any], section: object, omit: Mapping[str, str], path: tuple[str, ...]
+) -> dict[str, Any]:
+    """The keyword arguments of ``cls`` (at ``path`` in the library config) from ``section``."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in attrs.fields(cls):
-        if not path and f.name in SIZED_ELSEWHERE:
+        if not path and f.name in omit:
             continue
         tp = hints[f.name]
         if isinstance(tp, type) and attrs.has(tp):
-            kwargs[f.name] = tp(**_build(tp, section, (*path, f.name)))
+            kwargs[f.name] = tp(**_build(tp, section, omit, (*path, f.name)))
             continue
         value = getattr(section, "_".join((*path, f.name)))
         kwargs[f.name] = tp(value) if isinstance(tp, type) and issubclass(tp, enum.Enum) else value
     return kwargs
 
 
-def sink_section(name: str, doc: str, **defaults: Any) -> type[SinkSection]:
-    """A ``[sink]`` section class named ``name``: every knob of ``SinkConfig``, with the
-    library's defaults except those in ``defaults`` (a command's own choice)."""
-    unknown = set(defaults) - {k.key for k in _knobs(SinkConfig)}
-    if unknown:
-        raise TypeError(f"sink_section: no [sink] key {sorted(unknown)}")
+@typing.overload
+def config_section(
+    config: type[C],
+    name: str,
+    doc: str,
+    *,
+    base: type[S],
+    omit: Mapping[str, str] | None = None,
+    meaning: Mapping[str, str] | None = None,
+    **defaults: Any,
+) -> type[S]: ...
+
+
+@typing.overload
+def config_section(
+    config: type[C],
+    name: str,
+    doc: str,
+    *,
+    omit: Mapping[str, str] | None = None,
+    meaning: Mapping[str, str] | None = None,
+    **defaults: Any,
+) -> type[ConfigSection[C]]: ...
+
+
+def config_section(
+    config: type[C],
+    name: str,
+    doc: str,
+    *,
+    base: type[ConfigSection[Any]] = ConfigSection,
+    omit: Mapping[str, str] | None = None,
+    meaning: Mapping[str, str] | None = None,
+    **defaults: Any,
+) -> type[ConfigSection[Any]]:
+    """A section class named ``name`` with one key per knob of ``config``: the library's
+    defaults except those in ``defaults`` (a command's own choice), its meanings except those
+    in ``meaning``. ``omit``: the fields that are no key, each with where its value comes
+    from. ``base``: an attrs subclass of `ConfigSection` holding the command's own keys."""
+    omit = {} if omit is None else dict(omit)
+    meaning = {} if meaning is None else dict(meaning)
+    knobs = _knobs(config, omit)
+    keys = {k.key for k in knobs}
+    for what, given in (("default", defaults), ("meaning", meaning)):
+        unknown = set(given) - keys
+        if unknown:
+            raise TypeError(f"{name}: a {what} for no key of {config.__name__}: {sorted(unknown)}")
+    own = {f.name for f in attrs.fields(base)} if attrs.has(base) else set()
+    if own & keys:
+        raise TypeError(f"{name}: {sorted(own & keys)} are keys of {config.__name__} already")
     these: dict[str, Any] = {}
-    for knob in _knobs(SinkConfig):
+    for knob in knobs:
         default: Any = knob.field.default
         if knob.key in defaults:
             default = defaults[knob.key]
         elif isinstance(default, enum.Enum):
             default = default.value
+        metadata = dict(knob.field.metadata)
+        if knob.key in meaning:
+            metadata["help"] = meaning[knob.key]
         these[knob.key] = attrs.field(
-            default=default,
-            validator=knob.field.validator,
-            metadata=dict(knob.field.metadata),
-            type=knob.tp,
+            default=default, validator=knob.field.validator, metadata=metadata, type=knob.tp
         )
-    cls = attrs.make_class(name, these, bases=(SinkSection,), frozen=True)
+    cls = cast(
+        "type[ConfigSection[Any]]", attrs.make_class(name, these, bases=(base,), frozen=True)
+    )
     cls.__doc__ = doc
     cls.__module__ = __name__
+    cls.config = config
+    cls.omitted = omit
     return cls

@@ -87,8 +87,8 @@ class EngineFleet:
     **Balancing.** A request goes to the live server with the fewest requests in flight. A
     request with a :attr:`~trio_rl.engines.GenerateRequest.routing_key` goes where the key's
     first request went, while that server is live: under group-sticky routing
-    (``OrchestratorConfig(routing_keys="group")``) all samples of a group land on one server,
-    which computes their shared prompt once (prefix cache). The key also travels as the
+    (``RolloutConfig(routing_keys="group")``) all samples of a group land on one server, which
+    computes their shared prompt once (prefix cache). The key also travels as the
     ``X-SMG-Routing-Key`` header. The fleet remembers the last ``max_keys`` keys.
 
     **A server that stops answering** is taken out: at once when a request to it fails with a

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import LearnRunConfig
+from ..trainer import TrainerConfig as TrainerConfig
 from . import tasks as tasks
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
@@ -27,7 +28,6 @@ from ._tiny import write_tiny_llama as write_tiny_llama
 from ._trainer import TRAINER_KEYS as TRAINER_KEYS
 from ._trainer import GRPOTrainer as GRPOTrainer
 from ._trainer import StepStats as StepStats
-from ._trainer import TrainerConfig as TrainerConfig
 from ._trainer import grpo_token_losses as grpo_token_losses
 from ._trainer import grpo_token_terms as grpo_token_terms
 from ._watcher import watch_weights as watch_weights
@@ -39,6 +39,7 @@ from .run import LearnResult as LearnResult
 from .run import build_model as build_model
 from .run import build_policy as build_policy
 from .run import build_prompts as build_prompts
+from .run import orchestrator_config as orchestrator_config
 from .run import run_learning as run_learning
 from .run import write_plot as write_plot
 
@@ -57,22 +58,16 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         seed=run.seed,
         temperature=rollout.temperature,
         sink=config.sink.to_config(batch_size=rollout.batch_groups * rollout.group_size),
-        max_groups_in_flight=rollout.max_groups_in_flight,
+        rollout=rollout.to_config(routing_keys=config.inference.routing_keys),
+        checkpoint=config.checkpoint.to_config(),
         max_async_level=rollout.max_async_level,
-        trainer=TrainerConfig(
-            lr=trainer.lr,
-            weight_decay=trainer.weight_decay,
-            clip=trainer.clip,
-            epochs=trainer.epochs,
-            max_grad_norm=trainer.max_grad_norm,
-            entropy_coef=trainer.entropy_coef,
-        ),
+        trainer=trainer.to_config(),
         d_model=config.engine.d_model,
         n_layers=config.engine.n_layers,
         trainer_delay=trainer.delay,
         trainer_mode=trainer.mode,
         ranks=trainer.ranks,
-        weights_keep=config.checkpoint.keep,
+        weights_keep=config.checkpoint.weights_keep,
         max_steps=run.max_steps,
         time_limit=run.time_limit,
         stop_at_reward=run.stop_at_reward,

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .._validation import positive
-from ..trainer import TrainerTensors, to_torch
+from ..trainer import TrainerConfig, TrainerTensors, to_torch
 from ..wire import MicroBatch
 from ._model import sequence_logprobs_entropy
 
@@ -29,30 +28,9 @@ __all__ = [
     "TRAINER_KEYS",
     "GRPOTrainer",
     "StepStats",
-    "TrainerConfig",
     "grpo_token_losses",
     "grpo_token_terms",
 ]
-
-
-@attrs.frozen
-class TrainerConfig:
-    """The optimisation of one step.
-
-    Each step runs ``epochs`` AdamW updates over the whole batch (PPO-style reuse); the
-    importance ratio against the inference logprobs is clipped to ``[1 - clip, 1 + clip]``.
-    ``entropy_coef`` adds ``-entropy_coef x`` the mean token entropy (of the distributions the
-    trained tokens were sampled from) to the loss: an entropy bonus that keeps the policy from
-    collapsing onto one reply per prompt while it is still wrong (docs/learning.md).
-    """
-
-    lr: float = attrs.field(default=1e-3, validator=positive)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    clip: float = attrs.field(default=0.2, validator=positive)
-    epochs: int = attrs.field(default=4, validator=attrs.validators.ge(1))
-    max_grad_norm: float | None = 1.0
-    entropy_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen

@@ -42,7 +42,14 @@ from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..orchestrator._config import check_sink_fits_step
 from ..publish import Shipment, release_containers, step_record
-from ..rollout import InMemorySource, RecordReward, import_reward, read_records
+from ..rollout import (
+    FailurePolicy,
+    InMemorySource,
+    RecordReward,
+    RolloutConfig,
+    import_reward,
+    read_records,
+)
 from ..rundir import (
     HEARTBEAT_FILE,
     METRICS_FILE,
@@ -55,7 +62,8 @@ from ..rundir import (
     RunDirectory,
 )
 from ..samples import PolicyVersion, Prompt
-from ..train import CheckpointError, PruneMode, ScoringConfig, SinkConfig
+from ..train import CheckpointConfig, CheckpointError, PruneMode, ScoringConfig, SinkConfig
+from ..trainer import TrainerConfig
 from ..transport import (
     EndOfStreamError,
     FileReceiver,
@@ -68,12 +76,19 @@ from ._logprob_check import LogprobCheck
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer
-from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats, TrainerConfig
+from ._trainer import TRAINER_KEYS, GRPOTrainer, StepStats
 from ._watcher import WeightLoader, watch_weights
 from ._weights import latest_weights, publish_weights
 from .tasks import task_records
 
-__all__ = ["LearnConfig", "LearnResult", "build_model", "run_learning", "write_plot"]
+__all__ = [
+    "LearnConfig",
+    "LearnResult",
+    "build_model",
+    "orchestrator_config",
+    "run_learning",
+    "write_plot",
+]
 
 logger = logging.getLogger("trio_rl.learn")
 
@@ -160,9 +175,14 @@ class LearnConfig:
     group_size: int = attrs.field(default=16, validator=at_least(2))
     seed: int = 0
     temperature: float = 1.0
-    #: Rollout concurrency in groups (default ``batch_groups``).
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
     max_async_level: int = attrs.field(default=1, validator=at_least(0))
+    #: How the rollouts are driven. An unset ``max_groups_in_flight`` is ``batch_groups`` here
+    #: (the orchestrator's default is twice that); ``routing_keys`` (by default ``group``, as
+    #: ``[inference] routing_keys``) applies with an inference fleet (``inference``), the
+    #: in-process engine being one server.
+    rollout: RolloutConfig = attrs.field(factory=lambda: RolloutConfig(routing_keys="group"))
+    #: The orchestrator's checkpoints (``checkpoints/`` in ``out``).
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     #: Staleness-aware admission (see :attr:`OrchestratorConfig.stale_admission`).
     stale_admission: bool = True
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
@@ -239,6 +259,12 @@ class LearnConfig:
         raw["trainer"] = TrainerConfig(
             **{**raw["trainer"], "betas": tuple(raw["trainer"]["betas"])}
         )
+        if "rollout" in raw:
+            rollout = dict(raw["rollout"])
+            rollout["failure"] = FailurePolicy(**rollout["failure"])
+            raw["rollout"] = RolloutConfig(**rollout)
+        if "checkpoint" in raw:
+            raw["checkpoint"] = CheckpointConfig(**raw["checkpoint"])
         if "sink" in raw:
             sink = dict(raw["sink"])
             sink["prune"] = PruneMode(sink["prune"])
@@ -616,6 +642,29 @@ class Display(Protocol):
     def close(self) -> None: ...
 
 
+def orchestrator_config(config: LearnConfig, max_tokens: int) -> OrchestratorConfig:
+    """The :class:`OrchestratorConfig` of the learning run ``config``, its completions capped
+    at ``max_tokens`` (:func:`completion_cap`)."""
+    rollout = config.rollout
+    if rollout.max_groups_in_flight is None:
+        rollout = attrs.evolve(rollout, max_groups_in_flight=config.batch_groups)
+    if not fleet_wanted(config):
+        rollout = attrs.evolve(rollout, routing_keys="none")
+    return OrchestratorConfig(
+        batch_groups=config.batch_groups,
+        group_size=config.group_size,
+        rollout=rollout,
+        sink=config.sink,
+        checkpoint=config.checkpoint,
+        max_async_level=config.max_async_level,
+        stale_admission=config.stale_admission,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=config.temperature),
+        seed=config.seed,
+        seq_len=1024,
+        lockstep=config.deterministic,
+    )
+
+
 def fleet_wanted(config: LearnConfig) -> bool:
     """Whether ``[inference]`` asks for an inference fleet (else the in-process engine)."""
     return bool(config.inference.urls or config.inference.launch)
@@ -738,21 +787,7 @@ async def run_learning(
     engine_model = copy.deepcopy(model).eval()
     prompts = await trio.to_thread.run_sync(build_prompts, config, policy)
     source = InMemorySource(prompts, epochs=None)
-    orch_config = OrchestratorConfig(
-        batch_groups=config.batch_groups,
-        group_size=config.group_size,
-        sink=config.sink,
-        max_async_level=config.max_async_level,
-        stale_admission=config.stale_admission,
-        max_groups_in_flight=config.max_groups_in_flight or config.batch_groups,
-        sampling=SamplingParams(
-            max_tokens=completion_cap(config, policy), temperature=config.temperature
-        ),
-        seed=config.seed,
-        seq_len=1024,
-        routing_keys=config.inference.routing_keys if fleet_wanted(config) else "none",
-        lockstep=config.deterministic,
-    )
+    orch_config = orchestrator_config(config, completion_cap(config, policy))
     metrics: list[dict[str, Any]] = []
     earlier = await trio.to_thread.run_sync(_earlier_metrics, out) if resuming else []
     checkpoint: Path | None = None

@@ -1,25 +1,17 @@
-"""`OrchestratorConfig`: how a run is shaped; it holds the sink's own config."""
+"""`OrchestratorConfig`: how a run is shaped; it holds the rollout, sink and checkpoint
+configs themselves."""
 
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import attrs
 
-from .._validation import at_least, one_of
+from .._validation import at_least
 from ..engines import SamplingParams
 from ..errors import InvalidArgumentError
-from ..rollout import (
-    FailurePolicy,
-    GroupGranularity,
-    RoutingKeys,
-    SampleBackfill,
-    SubmissionPolicy,
-)
-from ..train import (
-    SinkConfig,
-)
+from ..rollout import RolloutConfig
+from ..train import CheckpointConfig, SinkConfig
 
 logger = logging.getLogger("trio_rl.orchestrator")
 
@@ -39,40 +31,32 @@ def check_sink_fits_step(owner: str, batch_groups: int, group_size: int, sink: S
 class OrchestratorConfig:
     """How a run is shaped (keyword arguments only).
 
-    A step trains on ``batch_groups`` groups of ``group_size`` samples. ``max_groups_in_flight``
-    (the budget ``B``, default ``2 x batch_groups``) bounds rollout concurrency under
-    ``submission`` (``"sample"``: sample backfill; ``"group"``: group granularity).
-    ``max_async_level`` is the ship gate: batch ``S`` ships only once the policy version is at
-    least ``S - 1 - max_async_level``. ``sink`` is the train sink's own config
+    The orchestrator holds the configs of the layers it wires, each the one source of its
+    knobs: ``rollout`` (:class:`~trio_rl.rollout.RolloutConfig`: concurrency, submission,
+    routing keys, the sample deadline, failed groups), ``sink``
     (:class:`~trio_rl.train.SinkConfig`: the staleness limit ``max_off_policy_steps``, the
-    ``staleness`` rule, pruning, scoring); by default the library's, cutting ``batch_groups x
-    group_size`` samples per batch, which a given one must cut too. ``routing_keys``
-    turns routing keys on (see :class:`~trio_rl.rollout.GroupFactory`): ``"group"`` is
-    group-sticky routing, every sample of a group with one key, which the HTTP engines send as
-    the ``X-SMG-Routing-Key`` header and :class:`~trio_rl.engines.EngineFleet` routes by.
+    ``staleness`` rule, pruning, scoring) and ``checkpoint``
+    (:class:`~trio_rl.train.CheckpointConfig`: how many are kept, incremental ones).
+
+    Its own fields are the knobs that span layers, which no lower config could hold alone.
+    The step's shape: a step trains on ``batch_groups`` groups of ``group_size`` samples, which
+    fixes the sink's batch size (``sink`` by default cuts ``batch_groups x group_size``
+    samples, and a given one must cut as many) and the rollout budget's default
+    (``rollout.max_groups_in_flight`` unset: ``2 x batch_groups``); ``seq_len`` and
+    ``pad_to_multiple_of`` shape the packed batch. ``max_async_level`` is the ship gate: batch
+    ``S`` ships only once the policy version is at least ``S - 1 - max_async_level``.
+    ``sampling`` and ``seed`` are the run's, shared by the engine calls and the group factory.
+    ``stale_admission`` and ``lockstep`` decide which groups start from the sink's staleness
+    limit and the ship gate together (the orchestrator's :class:`StalenessAdmission`).
     """
 
     batch_groups: int = attrs.field(default=8, validator=at_least(1))
     group_size: int = attrs.field(default=8, validator=at_least(1))
-    max_groups_in_flight: int | None = attrs.field(default=None, validator=at_least(1))
-    submission: Literal["sample", "group"] = "sample"
     max_async_level: int = attrs.field(default=1, validator=at_least(0))
     seq_len: int = attrs.field(default=8192, validator=at_least(1))
     pad_to_multiple_of: int = attrs.field(default=1, validator=at_least(1))
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     seed: int | None = None
-    routing_keys: RoutingKeys = attrs.field(
-        default="none", validator=one_of(("none", "sample", "group"))
-    )
-    failure: FailurePolicy = attrs.field(factory=FailurePolicy)
-    checkpoint_keep: int = attrs.field(default=3, validator=at_least(1))
-    #: Incremental checkpoints: a full one first, then per step a delta of what changed since
-    #: the previous one, compacted into a full file in the background (see
-    #: :class:`~trio_rl.train.CheckpointManager`). False: a full checkpoint every step.
-    checkpoint_incremental: bool = True
-    #: Deadline in seconds of each sample (generation plus its reward); expiry fails the sample
-    #: and so its group, which then follows ``failure``. None: only the engine's own deadlines.
-    sample_timeout: float | None = None
     #: Staleness-aware admission (:class:`StalenessAdmission`): a new group starts only if its
     #: samples can still ship within ``max_off_policy_steps`` (and before the run's last step),
     #: and a running group whose work can no longer be trained is cancelled early. False: the
@@ -83,6 +67,8 @@ class OrchestratorConfig:
     #: (``S - 1 - max_async_level``), so a seeded run generates the same rollouts every time.
     #: The caller keeps the trainer from running ahead (see ``trio-rl run --deterministic``).
     lockstep: bool = False
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    checkpoint: CheckpointConfig = attrs.field(factory=CheckpointConfig)
     sink: SinkConfig = attrs.field(
         # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
         # after every default is made
@@ -96,5 +82,9 @@ class OrchestratorConfig:
     def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
         check_sink_fits_step("OrchestratorConfig", self.batch_groups, self.group_size, sink)
 
-    def make_policy(self) -> SubmissionPolicy:
-        return SampleBackfill() if self.submission == "sample" else GroupGranularity()
+    @property
+    def group_budget(self) -> int:
+        """The rollout budget in groups: ``rollout.max_groups_in_flight``, by default
+        ``2 x batch_groups``."""
+        budget = self.rollout.max_groups_in_flight
+        return 2 * self.batch_groups if budget is None else budget

@@ -90,17 +90,17 @@ async def open_orchestrator(
     """
     config = OrchestratorConfig() if config is None else config
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
-    factory = GroupFactory(config.group_size, seed=config.seed, routing_keys=config.routing_keys)
+    factory = GroupFactory(
+        config.group_size, seed=config.seed, routing_keys=config.rollout.routing_keys
+    )
     sink = TrainSink(config.sink)
     manager = (
         None
         if checkpoint_dir is None
-        else CheckpointManager(
+        else config.checkpoint.manager(
             checkpoint_dir,
-            keep=config.checkpoint_keep,
             limiter=limiter,
             payload_root=None if payloads is None else payloads.root,
-            incremental=config.checkpoint_incremental,
         )
     )
     try:
@@ -136,7 +136,7 @@ async def open_orchestrator(
             generate if generate is not None else engine_generate(engine, config.sampling),
             sample_reward=sample_reward,
             group_reward=group_reward,
-            sample_timeout=config.sample_timeout,
+            sample_timeout=config.rollout.sample_timeout,
         )
         with collapse_single():
             async with (
@@ -165,12 +165,12 @@ def _open_rollout(
         orch.factory,
         runner,
         batch_size=config.batch_groups,
-        policy=config.make_policy(),
-        max_groups_in_flight=config.max_groups_in_flight or 2 * config.batch_groups,
+        policy=config.rollout.make_policy(),
+        max_groups_in_flight=config.group_budget,
         # The sink's staleness filter is the hard guarantee; the driver passes all.
         max_staleness=None,
         aborted="recycle",
-        on_failure=config.failure,
+        on_failure=config.rollout.failure,
         # the sink's book is the one record of work in flight: the driver reports to it
         book=orch.sink.book,
         resumed=() if restore is None else restore.resumed,

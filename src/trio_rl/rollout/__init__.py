@@ -4,6 +4,7 @@ from ._async import Admission as Admission
 from ._async import AsyncRolloutDriver as AsyncRolloutDriver
 from ._async import Expiry as Expiry
 from ._async import open_async_rollout as open_async_rollout
+from ._config import RolloutConfig as RolloutConfig
 from ._credits import CreditLedger as CreditLedger
 from ._credits import CreditScheduler as CreditScheduler
 from ._credits import CreditView as CreditView

@@ -58,9 +58,25 @@ class FailurePolicy:
     caused by the last :class:`GroupFailedError`. ``None`` removes the bound.
     """
 
-    action: Literal["skip", "retry", "fail"] = attrs.field(default="skip")
-    max_retries: int = attrs.field(default=1, validator=non_negative_int)
-    max_consecutive_failures: int | None = attrs.field(default=100, validator=optional_positive_int)
+    action: Literal["skip", "retry", "fail"] = attrs.field(
+        default="skip",
+        metadata={
+            "help": "what a failed group does: skip (count it, start a new prompt), retry (run "
+            "it again, then skip it once its retries are spent) or fail (stop the run)"
+        },
+    )
+    max_retries: int = attrs.field(
+        default=1,
+        validator=non_negative_int,
+        metadata={"help": "retries of a failed group (action retry) before it is skipped"},
+    )
+    max_consecutive_failures: int | None = attrs.field(
+        default=100,
+        validator=optional_positive_int,
+        metadata={
+            "help": "group attempts in a row that may fail before the run stops (unset: no bound)"
+        },
+    )
 
     @action.validator
     def _check_action(self, attribute: attrs.Attribute[str], value: str) -> None:

@@ -18,10 +18,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _named(owner: str, name: str) -> str:
+    """``Owner.name `` in front of a message; nothing without an owner: a validator called
+    without an instance, as the configuration loader calls it (it puts the file, line and key
+    in front of the message itself)."""
+    return f"{owner}.{name} " if owner else ""
+
+
 def check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
     """Refuse ``value`` unless it is an int ``>= minimum``."""
     if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise RolloutConfigError(f"{owner}.{name} must be an int >= {minimum}, got {value!r}")
+        raise RolloutConfigError(f"{_named(owner, name)}must be an int >= {minimum}, got {value!r}")
 
 
 def check_optional_int(owner: str, name: str, value: object, *, minimum: int) -> None:
@@ -35,32 +42,38 @@ def check_timeout(owner: str, name: str, value: object) -> None:
         return
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
-        raise RolloutConfigError(f"{owner}.{name} must be finite and > 0 or None, got {value!r}")
+        raise RolloutConfigError(
+            f"{_named(owner, name)}must be finite and > 0 or None, got {value!r}"
+        )
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise RolloutConfigError(f"{owner}.{name} must be one of {choices}, got {value!r}")
+        raise RolloutConfigError(f"{_named(owner, name)}must be one of {choices}, got {value!r}")
+
+
+def _owner(instance: object) -> str:
+    return "" if instance is None else type(instance).__name__
 
 
 def positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    check_int(type(instance).__name__, attribute.name, value, minimum=1)
+    check_int(_owner(instance), attribute.name, value, minimum=1)
 
 
 def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    check_int(type(instance).__name__, attribute.name, value, minimum=0)
+    check_int(_owner(instance), attribute.name, value, minimum=0)
 
 
 def optional_positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    check_optional_int(type(instance).__name__, attribute.name, value, minimum=1)
+    check_optional_int(_owner(instance), attribute.name, value, minimum=1)
 
 
 def optional_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not _is_int(value):
         raise RolloutConfigError(
-            f"{type(instance).__name__}.{attribute.name} must be an int or None, got {value!r}"
+            f"{_named(_owner(instance), attribute.name)}must be an int or None, got {value!r}"
         )
 
 
 def timeout(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    check_timeout(type(instance).__name__, attribute.name, value)
+    check_timeout(_owner(instance), attribute.name, value)

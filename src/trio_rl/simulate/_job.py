@@ -104,16 +104,16 @@ def orchestrator_config(cfg: SimulateConfig) -> OrchestratorConfig:
     return OrchestratorConfig(
         batch_groups=cfg.rollout.batch_groups,
         group_size=cfg.rollout.group_size,
-        max_groups_in_flight=cfg.rollout.max_groups_in_flight,
-        submission=cfg.rollout.submission,
+        rollout=cfg.rollout.to_config(
+            # a server behind a router (SGLang's, vLLM's) keeps a group's prompt in one prefix
+            # cache: every request of a group carries the group's X-SMG-Routing-Key
+            routing_keys="group" if cfg.engine.kind == "openai" else "none",
+        ),
         sink=cfg.sink.to_config(batch_size=cfg.rollout.batch_groups * cfg.rollout.group_size),
+        checkpoint=cfg.checkpoint.to_config(),
         sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
         seed=cfg.run.seed,
         seq_len=max(8192, cfg.engine.max_tokens + 16),
-        checkpoint_keep=cfg.checkpoint.keep,
-        # a server behind a router (SGLang's, vLLM's) keeps a group's prompt in one prefix
-        # cache: every request of a group carries the group's X-SMG-Routing-Key
-        routing_keys="group" if cfg.engine.kind == "openai" else "none",
     )
 
 

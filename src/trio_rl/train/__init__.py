@@ -1,6 +1,7 @@
 """The train layer: scoring, the train sink, checkpoint and resume (by-handle payloads are in
 :mod:`trio_rl.payloads`)."""
 
+from ._checkpoint import CheckpointConfig as CheckpointConfig
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import check_run_bounds as check_run_bounds
 from ._checkpoint_chain import IncrementalSnapshot as IncrementalSnapshot

@@ -1,6 +1,7 @@
 """The checkpoint manager: one checkpoint per step in a directory, written in a worker thread,
 pruned to the newest few, read back newest usable first; and the outbox files next to them.
-The file format is ``_checkpoint_format``'s, incremental chains ``_checkpoint_chain``'s.
+`CheckpointConfig` holds a run's checkpoint knobs. The file format is ``_checkpoint_format``'s,
+incremental chains ``_checkpoint_chain``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from .._validation import check_at_least
+from .._validation import at_least, check_at_least, positive
 from ..errors import InvalidArgumentError
 from ._checkpoint_chain import CheckpointChain, IncrementalSnapshot, read_checkpoint
 from ._checkpoint_format import (
@@ -38,7 +39,7 @@ from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
 from ._sink import TrainSink, finish_restore, finish_restore_async
 from ._sink_state import RestoreReport, check_restorable, payload_files_of_state
 
-__all__ = ["CheckpointManager", "check_run_bounds"]
+__all__ = ["CheckpointConfig", "CheckpointManager", "check_run_bounds"]
 
 logger = logging.getLogger("trio_rl.train")
 _R = TypeVar("_R")
@@ -105,6 +106,63 @@ class _Outboxes:
             int(m.group(1))
             for e in os.scandir(self.directory)
             if (m := _OUTBOX.match(e.name)) is not None
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointConfig:
+    """How a run checkpoints (keyword arguments only): what :class:`CheckpointManager` is made
+    with when the orchestrator makes it.
+
+    Each knob's meaning is its field's ``metadata["help"]``: the ``[checkpoint]`` section of the
+    configuration files (``trio_rl.config``) is generated from these fields, so a knob added
+    here is a key there, with ``--set checkpoint.<key>=...``, and a line of the reference.
+    Incremental checkpoints are on by default here (a run's checkpoint then costs what changed
+    since the previous one); a `CheckpointManager` made by hand writes full ones unless told.
+    """
+
+    keep: int = attrs.field(
+        default=3,
+        validator=at_least(1),
+        metadata={"help": "checkpoints kept (the newest, and every file they depend on)"},
+    )
+    incremental: bool = attrs.field(
+        default=True,
+        metadata={
+            "help": "a full checkpoint first, then per step a delta of what changed, compacted "
+            "into a full file in the background; false: a full checkpoint every step"
+        },
+    )
+    compact_ratio: float = attrs.field(
+        default=1.0,
+        validator=positive,
+        metadata={
+            "help": "incremental: compact once the deltas since the last full file exceed this "
+            "times its size"
+        },
+    )
+    max_chain: int = attrs.field(
+        default=256,
+        validator=at_least(1),
+        metadata={"help": "incremental: compact once this many deltas follow the last full file"},
+    )
+
+    def manager(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        limiter: trio.CapacityLimiter | None = None,
+        payload_root: str | os.PathLike[str] | None = None,
+    ) -> CheckpointManager:
+        """The :class:`CheckpointManager` of ``directory`` with these knobs."""
+        return CheckpointManager(
+            directory,
+            keep=self.keep,
+            limiter=limiter,
+            payload_root=payload_root,
+            incremental=self.incremental,
+            compact_ratio=self.compact_ratio,
+            max_chain=self.max_chain,
         )
 
 
