@@ -17,6 +17,9 @@ time per generation.
 Part C (real time): 256 slots, lognormal latencies, both sides in turn; 3 runs per latency scale
 with scales 1.25x apart, each side's highest sample rate at median occupancy >= 0.95, and the
 occupancy, CPU per sample and loop lag p95 of both sides at the reference's highest such rate.
+Replies come as a socket's would: a timerfd (``_timerfd.py``) armed at the next due time ends
+each loop's I/O wait when a reply is due, where a loop timer's timeout is rounded up to a whole
+millisecond by epoll (``--rt-engine`` for the other engines).
 
 Part B then prints the machinery-only ratio: the asyncio side builds its groups from
 trio-rl's ``GroupFactory`` too, so only tasks, nurseries and credits are compared.
@@ -55,6 +58,7 @@ import trio.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _asyncio_reference as ref
+from _timerfd import TimerFd
 from trio_rl.engines import DISTRIBUTIONS, SamplingParams, SimulatedEngine
 from trio_rl.rollout import (
     CreditScheduler,
@@ -709,12 +713,16 @@ class _RealTime:
 _PROBE = 0.001
 
 
-#: How the trio side's simulated engine delivers a reply: "io" (default) as trio's I/O manager
-#: delivers a socket's readiness (:class:`_IoReplies`); "reactor" from one timer task that sets
-#: an event per reply (a task hop between the timer and the sample that a socket reply does not
-#: have); "sleep" a ``trio.sleep`` per sample (a cancel scope and a deadline-driven
-#: cancellation per sample, which asyncio's ``call_later`` does not pay). Set by :func:`main`.
-_rt_engine = "io"
+#: How the simulated engine delivers a reply. "timerfd" (default, both sides): as a socket's
+#: readiness, a timerfd armed at the next due time ending the loop's I/O wait at once
+#: (:class:`_FdReplies`, :class:`_AsyncioFdReplies`). The others are trio-side only, the asyncio
+#: side then sleeping with ``asyncio.sleep``, whose timeout epoll rounds up to a millisecond:
+#: "io" delivers after each I/O wait, bounded by a cancel scope's deadline (:class:`_IoReplies`;
+#: the same millisecond rounding); "reactor" from one timer task that sets an event per reply
+#: (a task hop between the timer and the sample that a socket reply does not have); "sleep" a
+#: ``trio.sleep`` per sample (a cancel scope and a deadline-driven cancellation per sample,
+#: which asyncio's ``call_later`` does not pay). Set by :func:`main`.
+_rt_engine = "timerfd"
 
 
 class _IoReplies(trio.abc.Instrument):
@@ -773,6 +781,84 @@ class _IoReplies(trio.abc.Instrument):
             trio.lowlevel.remove_instrument(self)
 
 
+class _FdReplies(trio.abc.Instrument):
+    """Replies that come as a socket's would (``--rt-engine timerfd``): a due reply makes a
+    :class:`~_timerfd.TimerFd` readable, which ends the loop's I/O wait at once, and right
+    after each I/O wait (``after_io_wait``) every sample whose reply is due is rescheduled, as
+    trio's I/O manager reschedules a task whose socket is ready. One task keeps the fd in the
+    I/O manager's wait set. The asyncio side's counterpart is :class:`_AsyncioFdReplies`."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, list[trio.lowlevel.Task | None]]] = []
+        self._n = itertools.count()
+        self._timer = TimerFd()
+
+    async def wait(self, latency: float) -> None:
+        due = time.monotonic() + latency
+        entry: list[trio.lowlevel.Task | None] = [trio.lowlevel.current_task()]
+        heapq.heappush(self._heap, (due, next(self._n), entry))
+        if due < self._timer.armed:
+            self._timer.arm(due)
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            entry[0] = None  # cancelled: the reply is dropped when it comes due
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def after_io_wait(self, timeout: float) -> None:
+        heap = self._heap
+        if heap and heap[0][0] <= (now := time.monotonic()):
+            while heap and heap[0][0] <= now:
+                task = heapq.heappop(heap)[2][0]
+                if task is not None:
+                    trio.lowlevel.reschedule(task)
+            self._timer.arm(heap[0][0] if heap else math.inf)
+
+    async def run(self) -> None:
+        trio.lowlevel.add_instrument(self)
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self._timer.fd)
+                self._timer.clear()
+        finally:
+            trio.lowlevel.remove_instrument(self)
+            self._timer.close()
+
+
+class _AsyncioFdReplies:
+    """:class:`_FdReplies` on asyncio: the timerfd registered with ``add_reader``, whose
+    callback resolves every due reply's future, as a socket reader's callback would."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._n = itertools.count()
+        self._timer = TimerFd()
+        self._loop = loop
+        loop.add_reader(self._timer.fd, self._fire)
+
+    def wait(self, latency: float) -> asyncio.Future[None]:
+        due = time.monotonic() + latency
+        future = self._loop.create_future()
+        heapq.heappush(self._heap, (due, next(self._n), future))
+        if due < self._timer.armed:
+            self._timer.arm(due)
+        return future
+
+    def _fire(self) -> None:
+        self._timer.clear()
+        heap, now = self._heap, time.monotonic()
+        while heap and heap[0][0] <= now:
+            future = heapq.heappop(heap)[2]
+            if not future.done():
+                future.set_result(None)
+        self._timer.arm(heap[0][0] if heap else math.inf)
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._timer.fd)
+        self._timer.close()
+
+
 class _Replies:
     """One task delivering every simulated reply at its time: a heap of (due, n, event)."""
 
@@ -801,7 +887,7 @@ class _Replies:
 
 
 async def _trio_real_time(rt: _RealTime) -> float:
-    replies = _IoReplies() if _rt_engine == "io" else _Replies()
+    replies = {"io": _IoReplies, "timerfd": _FdReplies}.get(_rt_engine, _Replies)()
 
     async def generate(sample: Sample) -> None:
         latency = rt.latency()
@@ -851,11 +937,15 @@ async def _asyncio_real_time(rt: _RealTime) -> float:
     completed = ref.MilesSample.Status.COMPLETED
     counter = itertools.count().__next__
     prompt = ref.MilesSample(prompt="p", tokens=list(_PROMPT.tokens), label="x")
+    replies = _AsyncioFdReplies(asyncio.get_running_loop()) if _rt_engine == "timerfd" else None
 
     async def generate(sample: Any) -> Any:
         latency = rt.latency()
         due = time.perf_counter() + latency
-        await asyncio.sleep(latency)
+        if replies is None:
+            await asyncio.sleep(latency)
+        else:
+            await replies.wait(latency)
         sample.status = completed
         rt.done(due)
         return sample
@@ -889,6 +979,8 @@ async def _asyncio_real_time(rt: _RealTime) -> float:
     for task in (worker, probe_task):
         task.cancel()
     await asyncio.gather(worker, probe_task, return_exceptions=True)
+    if replies is not None:
+        replies.close()
     return cpu_at[1] - cpu_at[0]
 
 
@@ -989,7 +1081,7 @@ def part_c(seconds: float, slots: int, seed: int, repeat: int, scales: list[floa
     print(
         f"\n== C. real time: {slots} slots, lognormal latencies (median 20 ms x scale, sigma 1), "
         f"{seconds:g} s windows after 0.5 s warm-up, G = {G}, sample backfill; "
-        f"trio engine replies: {_rt_engine}; "
+        f"engine replies: {_rt_engine}; "
         f"asyncio: {_reference_label}"
     )
     base = 0.020
@@ -1105,7 +1197,7 @@ def part_c_loads(
     print(
         f"\n== C2. real time at several offered loads: {slots} slots, lognormal latencies (sigma "
         f"1), {seconds:g} s windows after 0.5 s warm-up, G = {G}, sample backfill, {repeat} "
-        f"interleaved runs per load and side; trio engine replies: {_rt_engine}; asyncio: "
+        f"interleaved runs per load and side; engine replies: {_rt_engine}; asyncio: "
         f"{_reference_label}"
     )
     header = (
@@ -1213,11 +1305,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--rt-engine",
-        choices=["io", "reactor", "sleep"],
-        default="io",
-        help="part C, trio side: replies delivered as trio's I/O manager delivers a socket's "
-        "readiness (default), by one timer task setting an event per reply, or by a trio.sleep "
-        "per sample",
+        choices=["timerfd", "io", "reactor", "sleep"],
+        default="timerfd",
+        help="part C: replies delivered as a socket's readiness, through a timerfd, on both sides "
+        "(default); or, trio side only against asyncio.sleep: after each I/O wait up to a "
+        "deadline (io), by one timer task setting an event per reply, or by a trio.sleep per "
+        "sample",
     )
     parser.add_argument("--rt-seconds", type=float, default=5.0, help="window per run (part C)")
     parser.add_argument(
