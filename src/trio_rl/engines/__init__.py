@@ -28,7 +28,7 @@ from ._launch import launch_vllm_servers as launch_vllm_servers
 from ._launch import run_vllm_server as run_vllm_server
 from ._launch import vllm_command as vllm_command
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
-from ._openai import parse_completion_response as parse_completion_response
+from ._openai_answers import parse_completion_response as parse_completion_response
 from ._protocol import Completion as Completion
 from ._protocol import Engine as Engine
 from ._protocol import FinishReason as FinishReason

@@ -35,16 +35,11 @@ from ._errors import (
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
-from ._validate import a_bool, http_urls, positive
+from ._validate import a_bool, http_urls, positive, url_tuple
 
 __all__ = ["EngineFleet", "open_engine_fleet"]
 
 logger = logging.getLogger("trio_rl.engines")
-
-
-def _urls(value: str | Sequence[str]) -> tuple[str, ...]:
-    urls = (value,) if isinstance(value, str) else tuple(value)
-    return tuple(u.rstrip("/") for u in urls)
 
 
 _COUNTS = ("requests", "retried", "failed", "taken_out", "taken_in", "weight_loads")
@@ -123,7 +118,7 @@ class EngineFleet:
     :meth:`load_weights` leaves the version where it was.
     """
 
-    urls: tuple[str, ...] = attrs.field(converter=_urls, validator=http_urls, kw_only=False)
+    urls: tuple[str, ...] = attrs.field(converter=url_tuple, validator=http_urls, kw_only=False)
     model: str = "default"
     timeout: float = attrs.field(default=600.0, validator=positive)
     max_attempts: int = attrs.field(default=3, validator=positive)

@@ -8,6 +8,7 @@ flooding the log with per-request failures later.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -23,6 +24,12 @@ def _fail(instance: object, attribute: attrs.Attribute[Any], value: object, want
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def url_tuple(value: str | Sequence[str]) -> tuple[str, ...]:
+    """A converter: one URL or several, as a tuple without trailing slashes."""
+    urls = (value,) if isinstance(value, str) else tuple(value)
+    return tuple(u.rstrip("/") for u in urls)
 
 
 def a_bool(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -34,7 +34,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
-from ._openai import parse_completion_chunk, parse_completion_response
+from ._openai_answers import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
 from ._sse import event_json, read_events
 from ._validate import a_bool, http_urls
@@ -248,7 +248,7 @@ class VLLMEngine:
 
     **Streaming** (``stream``, default True): the request asks for ``"stream": true`` and
     the answer is read as server-sent events (:func:`~trio_rl.engines._sse.read_events`), each
-    chunk's choices parsed by :func:`~trio_rl.engines._openai.parse_completion_chunk` and
+    chunk's choices parsed by :func:`~trio_rl.engines._openai_answers.parse_completion_chunk` and
     routed to their sample by ``choices[k].index``. A choice that finishes releases its sample
     at once, before its siblings finish. The completions equal the non-streamed ones
     (``stream=False`` posts ``"stream": false`` and reads one JSON body). A malformed event (bad
