@@ -781,12 +781,12 @@ class _IoReplies(trio.abc.Instrument):
             trio.lowlevel.remove_instrument(self)
 
 
-class _FdReplies(trio.abc.Instrument):
+class _FdReplies:
     """Replies that come as a socket's would (``--rt-engine timerfd``): a due reply makes a
-    :class:`~_timerfd.TimerFd` readable, which ends the loop's I/O wait at once, and right
-    after each I/O wait (``after_io_wait``) every sample whose reply is due is rescheduled, as
-    trio's I/O manager reschedules a task whose socket is ready. One task keeps the fd in the
-    I/O manager's wait set. The asyncio side's counterpart is :class:`_AsyncioFdReplies`."""
+    :class:`~_timerfd.TimerFd` readable, which ends the loop's I/O wait at once, and the task
+    waiting on it reschedules every sample whose reply is due, as a reader task does with what
+    its socket brought. The asyncio side's counterpart is :class:`_AsyncioFdReplies`, whose
+    reader callback resolves the due samples' futures: the same hops on both loops."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, list[trio.lowlevel.Task | None]]] = []
@@ -806,24 +806,20 @@ class _FdReplies(trio.abc.Instrument):
 
         await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def after_io_wait(self, timeout: float) -> None:
-        heap = self._heap
-        if heap and heap[0][0] <= (now := time.monotonic()):
-            while heap and heap[0][0] <= now:
-                task = heapq.heappop(heap)[2][0]
-                if task is not None:
-                    trio.lowlevel.reschedule(task)
-            self._timer.arm(heap[0][0] if heap else math.inf)
-
     async def run(self) -> None:
-        trio.lowlevel.add_instrument(self)
+        heap, timer = self._heap, self._timer
         try:
             while True:
-                await trio.lowlevel.wait_readable(self._timer.fd)
-                self._timer.clear()
+                await trio.lowlevel.wait_readable(timer.fd)
+                timer.clear()
+                now = time.monotonic()
+                while heap and heap[0][0] <= now:
+                    task = heapq.heappop(heap)[2][0]
+                    if task is not None:
+                        trio.lowlevel.reschedule(task)
+                timer.arm(heap[0][0] if heap else math.inf)
         finally:
-            trio.lowlevel.remove_instrument(self)
-            self._timer.close()
+            timer.close()
 
 
 class _AsyncioFdReplies:
