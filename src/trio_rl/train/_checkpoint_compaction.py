@@ -90,8 +90,7 @@ class Compaction:
         raise CheckpointCompactionError(
             str(path),
             f"compacting this delta into a full file {how} (last: {exc}); the deltas stay "
-            "valid: every checkpoint written is still readable, only the chain grows; "
-            "compaction is retried at the next write",
+            "valid: every checkpoint written is still readable, only the chain is longer",
         ) from exc
 
     def close(self, timeout: float) -> None:
