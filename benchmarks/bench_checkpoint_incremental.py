@@ -125,8 +125,8 @@ async def main() -> None:
         before = inc.compactions
         r = await run_steps(sink, inc, 1, args.arrivals, template)
         inc.compact_ratio = 1e12
-        while inc.compactions == before and inc._chain.compactor is not None:
-            if not inc._chain.compactor.is_alive():
+        while inc.compactions == before and inc._chain.compaction.thread is not None:
+            if not inc._chain.compaction.thread.is_alive():
                 break
             r2 = await run_steps(sink, inc, 1, args.arrivals, template)
             for k in r:

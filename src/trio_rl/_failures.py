@@ -14,7 +14,7 @@ import trio
 from ._jobs import _UsageError
 from .config import ConfigError
 from .errors import EngineTransportError
-from .train import CheckpointError
+from .train import CheckpointCompactionError, CheckpointError
 
 
 def _one_failure(exc: BaseException) -> BaseException:
@@ -35,6 +35,12 @@ def _hint(failure: BaseException, message: str, command: str) -> str:
         cause = cause.__cause__ or cause.__context__
     if command not in ("run", "simulate"):
         return ""  # inspect, plot: the message is the finding
+    if isinstance(failure, CheckpointCompactionError):
+        # nothing is damaged: --fresh would throw away a resumable run
+        return (
+            "; every checkpoint written is readable: fix the cause (disk space, what is in "
+            "the way) and run the same command again to resume"
+        )
     if isinstance(failure, CheckpointError) and "unusable" in message:
         return "; pass --fresh to move them aside and start over"
     if isinstance(failure, CheckpointError):

@@ -32,6 +32,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── TrainSinkError (ValueError)
     │   ├── CodecError (ValueError)
     │   └── CheckpointError
+    │       └── CheckpointCompactionError
     ├── PublishError
     │   ├── PackingError (ValueError)
     │   ├── ReleaseTimeoutError
@@ -74,6 +75,7 @@ from collections.abc import Iterator
 import trio
 
 __all__ = [
+    "CheckpointCompactionError",
     "CheckpointError",
     "CodecError",
     "ConfigChangedError",
@@ -329,6 +331,12 @@ class CheckpointError(TrainError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"checkpoint {path}: {message}")
         self.path = path
+
+
+class CheckpointCompactionError(CheckpointError):
+    """An incremental checkpoint's compaction (its newest delta rewritten as a full file)
+    failed; ``path`` names the delta, ``__cause__`` is the failure. The deltas stay valid: every
+    checkpoint written is still readable, only the chain is longer than it should be."""
 
 
 # Publish -------------------------------------------------------------------------------------

@@ -126,7 +126,8 @@ PINNED: dict[str, set[str]] = {
         *("Admission", "Expiry"),
     },
     "trio_rl.train": {
-        *("Checkpoint", "CheckpointConfig", "CheckpointError", "CheckpointManager"),
+        *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),
+        "CheckpointManager",
         "CheckpointSnapshot",
         *("CodecError", "Cut", "DetachedBatch", "IncrementalSnapshot", "PayloadError"),
         "PayloadFileMissingError",

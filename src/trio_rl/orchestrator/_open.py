@@ -35,6 +35,7 @@ from ..rollout import (
 )
 from ..samples import PolicyVersion
 from ..train import (
+    CheckpointError,
     CheckpointManager,
     RestoreReport,
     RunBounds,
@@ -149,11 +150,24 @@ async def open_orchestrator(
                     if resumed.pending is not None:
                         publisher.add_pending(*resumed.pending)
                     yield orch
-    finally:
+    except BaseException:
         if manager is not None:
-            # a background compaction stops (the deltas it would replace stay valid)
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(manager.close)
+            # the run's own failure is the one raised; the manager's is only logged with it
+            try:
+                await _close(manager)
+            except CheckpointError:
+                logger.exception("closing the checkpoint manager failed too")
+        raise
+    else:
+        if manager is not None:
+            await _close(manager)
+
+
+async def _close(manager: CheckpointManager) -> None:
+    """Stop a background compaction (the deltas it would replace stay valid) and join its
+    thread; a compaction failure not reported yet is raised (`CheckpointCompactionError`)."""
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(manager.close)
 
 
 def _open_rollout(

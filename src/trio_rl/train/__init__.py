@@ -12,6 +12,7 @@ from ._checkpoint_format import decode_checkpoint as decode_checkpoint
 from ._checkpoint_format import encode_checkpoint as encode_checkpoint
 from ._checkpoint_format import write_checkpoint as write_checkpoint
 from ._checkpoint_schema import RunBounds as RunBounds
+from ._errors import CheckpointCompactionError as CheckpointCompactionError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CodecError as CodecError
 from ._errors import PayloadError as PayloadError

@@ -179,6 +179,11 @@ class CheckpointManager(_Outboxes):
     (``background_compaction``) or in the writing thread. Pruning keeps the newest ``keep``
     checkpoints and every file they depend on.
 
+    A failed compaction loses nothing (the deltas stay valid) and is retried at the next write;
+    the 3rd failure in a row is raised by that write (once its own file is written), a failure
+    not yet reported by `wait_compaction` and `close` (which joins the manager's compaction
+    thread within ``timeout``, or raises): `CheckpointCompactionError`, naming the delta.
+
     :meth:`snapshot` runs on the loop (an owned copy); :meth:`save` and the loads run the file
     work in a worker thread under ``limiter``. ``payload_root`` lets loads report which payload
     files named by the checkpoint are gone.
@@ -283,13 +288,14 @@ class CheckpointManager(_Outboxes):
         return await finish_restore_async(self._chain.restoring(sink, ckpt))
 
     def close(self, timeout: float = 60.0) -> None:
-        """Blocking: stop a background compaction (its temporary file is removed; the deltas
-        stay valid) and wait for its thread, at most ``timeout`` seconds (then logged)."""
-        self._chain.close(timeout)
+        """Blocking: stop a background compaction and join its thread within ``timeout``
+        seconds, else `CheckpointCompactionError` (a hung write: call again to join it); then
+        raise a compaction failure not reported yet."""
+        self._chain.compaction.close(timeout)
 
-    def wait_compaction(self) -> None:
-        """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
-        self._chain.wait()
+    def wait_compaction(self, timeout: float = 600.0) -> None:
+        """Blocking: wait for a compaction (``timeout`` s); raise its failure or overrun."""
+        self._chain.compaction.wait(timeout)
 
     def write(self, snap: CheckpointSnapshot | IncrementalSnapshot) -> Path:
         """Blocking save: atomic write, then rotation.
@@ -299,8 +305,7 @@ class CheckpointManager(_Outboxes):
         aside (otherwise "latest" would jump back to them); a foreign file of ``snap.step``
         itself is moved aside before it is replaced. Then all but the newest ``keep`` of the
         checkpoints this manager wrote are deleted, and temporary files a crashed writer left
-        behind. One writer per directory at a time.
-        """
+        behind. One writer per directory at a time (compaction failures: see the class)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.path_for(snap.step)
         with self._chain.lock:

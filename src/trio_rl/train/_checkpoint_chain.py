@@ -6,8 +6,9 @@ live here too (a full file is a chain of one).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import logging
+import functools
 import os
 import re
 import secrets
@@ -19,13 +20,13 @@ from typing import Any
 import attrs
 
 from ..samples import OpenGroup
+from ._checkpoint_compaction import Compaction
 from ._checkpoint_format import (
     DELTA_SCHEMA_VERSION,
     ChainFile,
     Checkpoint,
     CheckpointSnapshot,
     Part,
-    _CompactionStoppedError,
     atomic_write,
     checkpoint_name,
     encode_meta,
@@ -43,8 +44,6 @@ from ._outbox import fsync_dir
 from ._sink import TrainSink, restoring, snapshot_changes
 from ._sink_state import RestoreReport, SinkDelta, SinkState
 from ._types import TrainingSample
-
-logger = logging.getLogger("trio_rl.train")
 
 _TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.tmp$")
 _COMPACT_TMP = re.compile(r"^step_\d+\.ckpt\.\d+\.compact$")
@@ -281,8 +280,7 @@ class CheckpointChain:
         self.mirror: _Mirror | None = None
         self.need_full = False
         self.links: dict[Path, tuple[Path | None, int, int, int]] = {}  # parent, chain, seq, size
-        self.compactor: threading.Thread | None = None
-        self.abort = threading.Event()
+        self.compaction = Compaction(self.lock)
 
     def snapshot(
         self, sink: TrainSink, step: int | None, cursor: Any, progress: Mapping[str, Any] | None
@@ -340,11 +338,18 @@ class CheckpointChain:
             self.links.pop(path, None)
         self.written.add(path)
         self.prune(snap.step)
-        compacting = self.compactor is not None and self.compactor.is_alive()
-        for entry in os.scandir(self.directory):
-            # left behind by a writer (or a compaction) that crashed mid-save
-            if _TMP.match(entry.name) or (not compacting and _COMPACT_TMP.match(entry.name)):
-                Path(entry.path).unlink(missing_ok=True)
+        compacting = self.compaction.running
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                # left behind by a writer (or a compaction) that crashed mid-save; a directory
+                # of that name is not a file a writer left: not ours to delete
+                stale = _TMP.match(entry.name) or (
+                    not compacting and _COMPACT_TMP.match(entry.name)
+                )
+                if stale and not entry.is_dir(follow_symlinks=False):
+                    Path(entry.path).unlink(missing_ok=True)
+        # after this step's file is written: a persistent failure loses nothing accepted
+        self.compaction.check()
         return path
 
     def write(self, target: Path, snap: IncrementalSnapshot) -> Path:
@@ -401,7 +406,7 @@ class CheckpointChain:
 
     def maybe_compact(self) -> None:
         mirror = self.mirror
-        if mirror is None or (self.compactor is not None and self.compactor.is_alive()):
+        if mirror is None or self.compaction.running:
             return
         length = _chain_length(self.links, mirror.path)
         if length is None:
@@ -412,14 +417,8 @@ class CheckpointChain:
         # an owned view of the mirror (samples shared): the writer goes on changing the mirror
         state = mirror.state(ordered=False)
         snap = CheckpointSnapshot(mirror.step, mirror.progress, mirror.cursor, state)
-        job = (mirror.path, mirror.chain, mirror.seq, snap)
-        if not self.background_compaction:
-            self.compact(*job)
-            return
-        self.compactor = threading.Thread(
-            target=self.compact, args=job, name="trio-rl checkpoint compaction", daemon=True
-        )
-        self.compactor.start()
+        job = functools.partial(self.compact, mirror.path, mirror.chain, mirror.seq, snap)
+        self.compaction.start(mirror.path, job, background=self.background_compaction)
 
     def compact(self, path: Path, chain: int, seq: int, snap: CheckpointSnapshot) -> None:
         """Rewrite the delta ``path`` as a full file with the same content (atomically); the
@@ -431,7 +430,11 @@ class CheckpointChain:
         try:
             with open(tmp, "wb") as f:
                 write_stream(
-                    f, full, str(path), link={"chain": chain, "seq": seq}, abort=self.abort
+                    f,
+                    full,
+                    str(path),
+                    link={"chain": chain, "seq": seq},
+                    abort=self.compaction.abort,
                 )
                 f.flush()
                 os.fsync(f.fileno())
@@ -447,36 +450,10 @@ class CheckpointChain:
                 self.compactions += 1
                 mirror = self.mirror
                 self.prune(mirror.step if mirror is not None else step_of(path))
-        except _CompactionStoppedError:
-            tmp.unlink(missing_ok=True)
-        except Exception:
-            tmp.unlink(missing_ok=True)
-            logger.exception("checkpoint compaction of %s failed (the deltas stay)", path)
-
-    def close(self, timeout: float = 60.0) -> None:
-        """Blocking: stop a background compaction (its temporary file is removed; the deltas
-        stay valid) and wait for its thread, at most ``timeout`` seconds: it stops between two
-        records, so only a hung write (a stalled disk) outlasts that; it is then logged and
-        left to finish (a daemon thread: it never holds the interpreter's exit)."""
-        t = self.compactor
-        if t is not None:
-            self.abort.set()
-            t.join(timeout)
-            if t.is_alive():
-                logger.warning(
-                    "checkpoint compaction did not stop within %.0f s (a stalled write?); "
-                    "leaving it: the deltas it would replace stay valid",
-                    timeout,
-                )
-                return
-            self.abort.clear()
-            self.compactor = None
-
-    def wait(self) -> None:
-        """Blocking: wait for a background compaction to finish (tests, benchmarks)."""
-        t = self.compactor
-        if t is not None:
-            t.join()
+        except BaseException:
+            # the failure (or the stop) is the caller's, `Compaction`'s; the file is ours
+            _remove(tmp)
+            raise
 
     def prune(self, step: int) -> None:
         """Delete own checkpoints newer than ``step`` (an abandoned run's) and all but the newest
@@ -496,6 +473,13 @@ class CheckpointChain:
                 old.unlink(missing_ok=True)
                 self.written.discard(old)
                 self.links.pop(old, None)
+
+
+def _remove(path: Path) -> None:
+    """Remove a compaction's temporary file; what stands there is left when it is no file
+    (the failure being reported names the cause)."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _write_full(target: Path, snap: IncrementalSnapshot, state: SinkState, chain: int) -> int:

@@ -5,6 +5,7 @@ Payload errors are not train errors: payload files are written by rollout and re
 
 from __future__ import annotations
 
+from ..errors import CheckpointCompactionError as CheckpointCompactionError
 from ..errors import CheckpointError as CheckpointError
 from ..errors import CodecError as CodecError
 from ..errors import PayloadError as PayloadError
@@ -13,6 +14,7 @@ from ..errors import TrainError as TrainError
 from ..errors import TrainSinkError as TrainSinkError
 
 __all__ = [
+    "CheckpointCompactionError",
     "CheckpointError",
     "CodecError",
     "PayloadError",
