@@ -38,6 +38,7 @@ def _load(args: argparse.Namespace) -> tuple[LearnRunConfig, dict[str, str]]:
             "trainer.ranks",
             'the in-process trainer has one rank; set trainer.mode = "torchrun"',
         )
+    check_stamped_temperature(learn_cfg, origin)
     args.default_out = learn_cfg.run.out is None
     if learn_cfg.run.out is None:  # runs/<time> under the current directory, kept
         learn_cfg = attrs.evolve(
@@ -49,6 +50,32 @@ def _load(args: argparse.Namespace) -> tuple[LearnRunConfig, dict[str, str]]:
         if not args.fresh and RunDirectory(out).has_checkpoints():
             check_resume(LearnRunConfig, learn_cfg, out, args.allow_change)
     return learn_cfg, origin
+
+
+def check_stamped_temperature(cfg: LearnRunConfig, origin: dict[str, str]) -> None:
+    """``[sink] scoring_temperature`` and ``scoring_env_temperatures``, when set, are
+    ``rollout.temperature``: the trainer scores every token at its stamped temperature, and the
+    run samples every token at ``rollout.temperature``. Another value is a `ConfigError` naming
+    both keys (exit 2)."""
+    sampled = cfg.rollout.temperature
+    stamped: float | None = cfg.sink.scoring_temperature
+    others = {env: t for env, t in cfg.sink.scoring_env_temperatures.items() if t != sampled}
+    for key, value in (
+        ("sink.scoring_temperature", None if stamped in (None, sampled) else f"{stamped:g}"),
+        ("sink.scoring_env_temperatures", str(others) if others else None),
+    ):
+        if value is None:
+            continue
+        where = ", ".join(
+            f"{k} at {origin.get(k, 'defaults')}" for k in (key, "rollout.temperature")
+        )
+        raise ConfigError(
+            where,
+            key,
+            f"{value} conflicts with rollout.temperature = {sampled:g}: the run samples every "
+            "token at rollout.temperature and the trainer scores it at the stamped one, so "
+            "they must be equal (leave the key unset: it is rollout.temperature)",
+        )
 
 
 def run_command(args: argparse.Namespace) -> int:

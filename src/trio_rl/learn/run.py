@@ -228,14 +228,16 @@ class LearnConfig:
     #: Seconds a normal end waits for the trainer to report the last shipped step.
     trainer_timeout: float = attrs.field(default=120.0, validator=at_least(0))
     #: The train sink's config (the staleness limit and rule, pruning, scoring); it cuts
-    #: ``batch_groups x group_size`` samples per batch. By default that of ``trio-rl run``'s
+    #: ``batch_groups x group_size`` samples per batch and stamps ``temperature``, the
+    #: sampling temperature, on every trained token. By default that of ``trio-rl run``'s
     #: ``[sink]`` defaults (``trio_rl.config``'s ``LearnSink``).
     sink: SinkConfig = attrs.field(
         # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
         # after every default is made
         default=attrs.Factory(
             lambda self: LearnSink().to_config(
-                batch_size=max(1, self.batch_groups * self.group_size)
+                batch_size=max(1, self.batch_groups * self.group_size),
+                scoring_temperature=self.temperature,
             ),
             takes_self=True,
         )
@@ -244,6 +246,7 @@ class LearnConfig:
     @sink.validator
     def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
         check_sink_fits_step("LearnConfig", self.batch_groups, self.group_size, sink)
+        check_stamped_temperature("LearnConfig", self.temperature, sink)
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(
@@ -290,6 +293,25 @@ class LearnConfig:
     def reward_function(self) -> str:
         """``[reward] function``, or the built-in task's (``trio_rl.learn.tasks:<task>``)."""
         return self.reward.function or f"trio_rl.learn.tasks:{self.task}"
+
+
+def check_stamped_temperature(owner: str, temperature: float, sink: SinkConfig) -> None:
+    """The sink stamps ``temperature``, the one the run samples at, on every trained token,
+    else `InvalidArgumentError` naming ``owner``: the trainer scores each token at its stamped
+    temperature, and a token sampled at another would give a wrong importance ratio and KL."""
+    scoring = sink.scoring
+    if scoring.temperature != temperature:
+        raise InvalidArgumentError(
+            f"{owner}.sink.scoring.temperature is {scoring.temperature:g}, but the run samples "
+            f"at temperature {temperature:g} ({owner}.temperature): the trainer would score "
+            "the tokens at another temperature than they were sampled at"
+        )
+    other = {env: t for env, t in scoring.env_temperatures.items() if t != temperature}
+    if other:
+        raise InvalidArgumentError(
+            f"{owner}.sink.scoring.env_temperatures stamps {other}, but the run samples every "
+            f"env at temperature {temperature:g} ({owner}.temperature)"
+        )
 
 
 @attrs.frozen
