@@ -213,22 +213,22 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
         return 0
     out = config.out
     last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
+    hint = _resume_hint(config, resume)
     if result.checkpoint is not None and config.trainer_mode != "inprocess":
         saved = (
             f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
             f"trainer job keeps its own state in {RunDirectory(out).trainer}); resume with: "
-            f"{resume}"
+            f"{hint}"
         )
     elif result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
-            f"and {out / STORED_FILE}; resume with: {resume}"
+            f"and {out / STORED_FILE}; resume with: {hint}"
         )
-    else:
+    else:  # the signal came after the last step: its checkpoint is the run's last
         saved = (
-            f"saved {RunDirectory(out).metrics} and the weights in {RunDirectory(out).weights}; "
-            "the "
-            f"{config.trainer_mode} trainer does not resume: `trio-rl run --out {out}` starts over"
+            f"saved {RunDirectory(out).metrics} and the checkpoints in "
+            f"{RunDirectory(out).checkpoints}; resume with: {hint}"
         )
     stop.report(f"after step {last}: {saved}")
     return stop.status
@@ -264,10 +264,21 @@ def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> Non
     if file_config.metrics.plot:
         print(f"  plot:    {RunDirectory(out).plot}  (again: trio-rl plot {out})", flush=True)
     print(f"  log:     {RunDirectory(out).run_log}", flush=True)
-    if config.trainer_mode == "inprocess":
-        print(f"  resume:  {resume}", flush=True)
-    else:
-        print(f"  resume:  none (the {config.trainer_mode} trainer starts over)", flush=True)
+    print(f"  resume:  {_resume_hint(config, resume)}", flush=True)
+
+
+def _resume_hint(config: Any, resume: str) -> str:
+    """How the run goes on, whichever the trainer mode: the orchestrator resumes from its
+    checkpoint, and the trainer from its saved state (the in-process one; a torchrun job the
+    command starts again, which resumes after its saved step). An external trainer job exited
+    after the last shipped step: it is started again by hand beside the resumed run."""
+    if config.trainer_mode != "external":
+        return resume
+    stored = Path(config.out) / STORED_FILE
+    return (
+        f"{resume}  (and start the trainer job again, as before: "
+        f"{shlex.join(['trio-rl', 'trainer', str(stored)])}, under torchrun for several ranks)"
+    )
 
 
 def _open_display(

@@ -209,8 +209,9 @@ class LearnConfig:
     threads: int = attrs.field(default=4, validator=at_least(1))
     #: fsync every batch file.
     fsync: bool = False
-    #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
-    #: moves its checkpoints aside and starts over.
+    #: Continue the run in ``out`` when it has checkpoints, whichever the trainer mode (a
+    #: torchrun or external trainer job resumes after its own saved step); False moves its
+    #: checkpoints aside and starts over.
     resume: bool = True
     #: ``[model]``, ``[data]`` and ``[reward]`` of the configuration, as they are.
     model: ModelSection = attrs.field(factory=ModelSection)
@@ -772,8 +773,9 @@ async def run_learning(
     W&B and Prometheus sinks) gets every record, in a worker thread; the caller closes it.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
-    and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
-    and ``batches/`` there are removed first (the learning run does not resume). torch should be
+    and, with ``config.plot``, ``plot.png`` into ``config.out``. A run in ``config.out`` with
+    checkpoints is resumed (``config.resume``); else a previous run's ``weights/`` and
+    ``batches/`` there are removed first. torch should be
     imported (and ``torch.set_num_threads`` chosen) before ``trio.run``.
 
     Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
@@ -791,8 +793,8 @@ async def run_learning(
             raise InvalidArgumentError("a deterministic run needs the in-process trainer")
         # one thread: a reduction's order (and so its last bits) must not depend on threads
         torch.set_num_threads(1)
-    # The learning run does not resume: a previous run's weights would be taken for new
-    # versions, its batch files for this run's steps.
+    # A new run (nothing to resume) clears a previous run's weights and batch files: they would
+    # be taken for this run's versions and steps.
     resuming = await trio.to_thread.run_sync(_resumable, out, config)
     await trio.to_thread.run_sync(_prepare_run_directory, out, config, resuming)
     state = (
