@@ -227,3 +227,18 @@ def test_a_stamped_temperature_other_than_the_sampling_one_is_one_line_exit_2(
             timeout=60,
         )
         assert shown.returncode == 0, shown.stderr
+
+
+def test_a_run_stored_with_the_stamped_temperature_set_resumes(tmp_path: Path) -> None:
+    # a run stored before the key was unset by default has `scoring_temperature = 1.0` in its
+    # config.toml: the same stamp as unset (rollout.temperature = 1.0), no change to refuse
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(out, "--steps", "1"), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    stored = out / "config.toml"
+    unset = "# scoring_temperature =  (unset)\n"
+    assert unset in stored.read_text()
+    stored.write_text(stored.read_text().replace(unset, "scoring_temperature = 1.0\n"))
+    again = subprocess.run(_cmd(out, "--steps", "1"), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at step 2" in again.stdout

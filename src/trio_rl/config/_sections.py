@@ -187,6 +187,9 @@ def config_section(
         if knob.key in derived:
             tp, default = tp | None, None
             metadata["help"] = f"{metadata['help']} (unset: {derived[knob.key]})"
+            # its value is pinned to the key it derives from (the command refuses another),
+            # so set or unset on a resume it is the same: a run stored with it set resumes
+            metadata["may_change"] = True
             if validator is not None:
                 validator = attrs.validators.optional(validator)
         these[knob.key] = attrs.field(
