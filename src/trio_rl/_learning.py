@@ -38,6 +38,7 @@ def _load(args: argparse.Namespace) -> tuple[LearnRunConfig, dict[str, str]]:
             "trainer.ranks",
             'the in-process trainer has one rank; set trainer.mode = "torchrun"',
         )
+    check_stamped_temperature(learn_cfg, origin)
     args.default_out = learn_cfg.run.out is None
     if learn_cfg.run.out is None:  # runs/<time> under the current directory, kept
         learn_cfg = attrs.evolve(
@@ -49,6 +50,32 @@ def _load(args: argparse.Namespace) -> tuple[LearnRunConfig, dict[str, str]]:
         if not args.fresh and RunDirectory(out).has_checkpoints():
             check_resume(LearnRunConfig, learn_cfg, out, args.allow_change)
     return learn_cfg, origin
+
+
+def check_stamped_temperature(cfg: LearnRunConfig, origin: dict[str, str]) -> None:
+    """``[sink] scoring_temperature`` and ``scoring_env_temperatures``, when set, are
+    ``rollout.temperature``: the trainer scores every token at its stamped temperature, and the
+    run samples every token at ``rollout.temperature``. Another value is a `ConfigError` naming
+    both keys (exit 2)."""
+    sampled = cfg.rollout.temperature
+    stamped: float | None = cfg.sink.scoring_temperature
+    others = {env: t for env, t in cfg.sink.scoring_env_temperatures.items() if t != sampled}
+    for key, value in (
+        ("sink.scoring_temperature", None if stamped in (None, sampled) else f"{stamped:g}"),
+        ("sink.scoring_env_temperatures", str(others) if others else None),
+    ):
+        if value is None:
+            continue
+        where = ", ".join(
+            f"{k} at {origin.get(k, 'defaults')}" for k in (key, "rollout.temperature")
+        )
+        raise ConfigError(
+            where,
+            key,
+            f"{value} conflicts with rollout.temperature = {sampled:g}: the run samples every "
+            "token at rollout.temperature and the trainer scores it at the stamped one, so "
+            "they must be equal (leave the key unset: it is rollout.temperature)",
+        )
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -186,22 +213,22 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
         return 0
     out = config.out
     last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
+    hint = _resume_hint(config, resume)
     if result.checkpoint is not None and config.trainer_mode != "inprocess":
         saved = (
             f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
             f"trainer job keeps its own state in {RunDirectory(out).trainer}); resume with: "
-            f"{resume}"
+            f"{hint}"
         )
     elif result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
-            f"and {out / STORED_FILE}; resume with: {resume}"
+            f"and {out / STORED_FILE}; resume with: {hint}"
         )
-    else:
+    else:  # the signal came after the last step: its checkpoint is the run's last
         saved = (
-            f"saved {RunDirectory(out).metrics} and the weights in {RunDirectory(out).weights}; "
-            "the "
-            f"{config.trainer_mode} trainer does not resume: `trio-rl run --out {out}` starts over"
+            f"saved {RunDirectory(out).metrics} and the checkpoints in "
+            f"{RunDirectory(out).checkpoints}; resume with: {hint}"
         )
     stop.report(f"after step {last}: {saved}")
     return stop.status
@@ -237,10 +264,21 @@ def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> Non
     if file_config.metrics.plot:
         print(f"  plot:    {RunDirectory(out).plot}  (again: trio-rl plot {out})", flush=True)
     print(f"  log:     {RunDirectory(out).run_log}", flush=True)
-    if config.trainer_mode == "inprocess":
-        print(f"  resume:  {resume}", flush=True)
-    else:
-        print(f"  resume:  none (the {config.trainer_mode} trainer starts over)", flush=True)
+    print(f"  resume:  {_resume_hint(config, resume)}", flush=True)
+
+
+def _resume_hint(config: Any, resume: str) -> str:
+    """How the run goes on, whichever the trainer mode: the orchestrator resumes from its
+    checkpoint, and the trainer from its saved state (the in-process one; a torchrun job the
+    command starts again, which resumes after its saved step). An external trainer job exited
+    after the last shipped step: it is started again by hand beside the resumed run."""
+    if config.trainer_mode != "external":
+        return resume
+    stored = Path(config.out) / STORED_FILE
+    return (
+        f"{resume}  (and start the trainer job again, as before: "
+        f"{shlex.join(['trio-rl', 'trainer', str(stored)])}, under torchrun for several ranks)"
+    )
 
 
 def _open_display(

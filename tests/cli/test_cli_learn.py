@@ -163,3 +163,82 @@ def test_out_below_a_regular_file_is_one_line_exit_2(tmp_path: Path) -> None:
             "directory; pass a directory\n"
         )
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_stamped_temperature_other_than_the_sampling_one_is_one_line_exit_2(
+    tmp_path: Path,
+) -> None:
+    # the trainer scores every token at its stamped temperature: it must be the sampled one
+    config = tmp_path / "t.toml"
+    config.write_text("[rollout]\ntemperature = 0.7\n\n[sink]\nscoring_temperature = 1.0\n")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_rl",
+            "run",
+            QUICK,
+            str(config),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"trio-rl: error: sink.scoring_temperature at {config}:5, rollout.temperature at "
+        f"{config}:2: sink.scoring_temperature: 1 conflicts with rollout.temperature = 0.7"
+    ), done.stderr
+    assert not (tmp_path / "run").exists()
+    per_env = tmp_path / "e.toml"
+    per_env.write_text(
+        "[rollout]\ntemperature = 0.7\n\n[sink]\nscoring_env_temperatures = {math = 1.0}\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trio_rl",
+            "run",
+            QUICK,
+            str(per_env),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        "sink.scoring_env_temperatures: {'math': 1.0} conflicts with rollout.temperature = 0.7"
+        in done.stderr
+    )
+    # equal, or unset, is the sampling temperature: accepted (checked by `trio-rl config`)
+    for text in ("scoring_temperature = 0.7\n", ""):
+        config.write_text(f"[rollout]\ntemperature = 0.7\n\n[sink]\n{text}")
+        shown = subprocess.run(
+            [sys.executable, "-m", "trio_rl", "config", "--for", "run", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+
+
+def test_a_run_stored_with_the_stamped_temperature_set_resumes(tmp_path: Path) -> None:
+    # a run stored before the key was unset by default has `scoring_temperature = 1.0` in its
+    # config.toml: the same stamp as unset (rollout.temperature = 1.0), no change to refuse
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(out, "--steps", "1"), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    stored = out / "config.toml"
+    unset = "# scoring_temperature =  (unset)\n"
+    assert unset in stored.read_text()
+    stored.write_text(stored.read_text().replace(unset, "scoring_temperature = 1.0\n"))
+    again = subprocess.run(_cmd(out, "--steps", "1"), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at step 2" in again.stdout

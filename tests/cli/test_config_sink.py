@@ -56,18 +56,34 @@ def test_every_sink_knob_reaches_the_sink_from_a_file_and_from_set(
     value = other_value(default, tp)
     text = _toml_value(value)
 
+    # the learning run stamps its sampling temperature: a stamp is set with rollout.temperature
+    sampled = _sampled_at(schema, key, value)
     toml = tmp_path / "c.toml"
-    toml.write_text(f"[sink]\n{key} = {text}\n")
+    rollout = "" if sampled is None else f"[rollout]\ntemperature = {sampled!r}\n"
+    toml.write_text(f"{rollout}[sink]\n{key} = {text}\n")
     from_file, _ = load(schema, [toml])
     assert value_at(_sink_of(schema, from_file, tmp_path), path) == value
 
     target = "simulate" if schema is SimulateConfig else "run"
-    assert cli.main(["config", "--for", target, "--set", f"sink.{key}={text}"]) == 0
+    also = [] if sampled is None else ["--set", f"rollout.temperature={sampled!r}"]
+    assert cli.main(["config", "--for", target, *also, "--set", f"sink.{key}={text}"]) == 0
     printed = tmp_path / "printed.toml"
     printed.write_text(capsys.readouterr().out)
     from_set, _ = load(schema, [printed])
     assert value_at(_sink_of(schema, from_set, tmp_path), path) == value
     assert from_set == from_file
+
+
+def _sampled_at(schema: type[Any], key: str, value: Any) -> float | None:
+    """The ``rollout.temperature`` the learning run needs for ``[sink] key = value``."""
+    if schema is SimulateConfig:
+        return None
+    if key == "scoring_temperature":
+        return float(value)
+    if key == "scoring_env_temperatures":
+        (temperature,) = set(value.values())
+        return float(temperature)
+    return None
 
 
 @pytest.mark.parametrize("schema", [SimulateConfig, LearnRunConfig], ids=["simulate", "run"])

@@ -5,10 +5,12 @@ one plain progress line per step, and closing lines that name the run directory,
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
@@ -76,3 +78,86 @@ def test_a_kept_simulate_run_has_its_log_too(tmp_path: Path) -> None:
         if line.startswith("step "):
             assert f"INFO trio_rl.console: {line}" in log
     assert "INFO trio_rl.console: accounting: dispatched" in log
+
+
+def test_a_torchrun_run_prints_the_command_that_continues_it_and_that_command_does(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    done = _run(tmp_path, "--trainer", "torchrun", "--steps", "2", "--out", str(out), "--plain")
+    assert done.returncode == 0, done.stderr
+    resume = done.stdout.splitlines()[-1]
+    assert resume.startswith("  resume:  trio-rl run "), done.stdout
+    command = shlex.split(resume.removeprefix("  resume:  "))
+    assert command[:2] == ["trio-rl", "run"], command
+    assert "--trainer" in command, command
+
+    again = subprocess.run(
+        [sys.executable, "-m", "trio_rl", *command[1:]],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    # the orchestrator continued from its checkpoint, the trainer job from its saved state
+    assert "resumed at step 3" in again.stdout, again.stdout
+    assert "trainer job: resumed after step 2" in again.stdout + again.stderr
+    trained = [
+        json.loads(line)["step"]
+        for line in (out / "trainer" / "trained.jsonl").read_text().splitlines()
+    ]
+    assert trained == [1, 2, 3, 4]  # every step trained once, none again from the start
+    shipped = [
+        json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert shipped == [1, 2, 3, 4]
+    assert again.stdout.splitlines()[-1] == resume  # and it can go on again the same way
+
+
+def _external_run(cwd: Path, orchestrator: list[str], out: Path) -> tuple[str, str]:
+    """The orchestrator's and the trainer job's stdout: the orchestrator ``orchestrator`` (argv
+    after ``trio-rl``) with ``trio-rl trainer out/config.toml`` started beside it."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "trio_rl", *orchestrator],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "config.toml").exists():  # the orchestrator stores it first
+            assert time.monotonic() < deadline, "the orchestrator stored no config.toml"
+            assert run.poll() is None, run.communicate()
+            time.sleep(0.05)
+        trainer = subprocess.run(
+            [sys.executable, "-m", "trio_rl", "trainer", str(out / "config.toml")],
+            cwd=cwd, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        stdout, stderr = run.communicate(timeout=300)
+    finally:
+        run.kill()
+        run.communicate()
+    assert run.returncode == 0, stderr
+    assert trainer.returncode == 0, trainer.stderr
+    return stdout, trainer.stdout + trainer.stderr
+
+
+def test_an_external_run_prints_both_commands_that_continue_it_and_they_do(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    args = ["run", QUICK, "--trainer", "external", "--steps", "2", "--out", str(out), "--plain"]
+    stdout, _ = _external_run(tmp_path, args, out)
+    found = re.fullmatch(
+        r"  resume:  (trio-rl run .*)  \(and start the trainer job again, as before: "
+        r"(trio-rl trainer .*), under torchrun for several ranks\)",
+        stdout.splitlines()[-1],
+    )
+    assert found is not None, stdout
+    command, trainer = (shlex.split(found.group(i)) for i in (1, 2))
+    assert trainer == ["trio-rl", "trainer", str(out / "config.toml")]
+
+    stdout, trainer_out = _external_run(tmp_path, command[1:], out)
+    assert "resumed at step 3" in stdout, stdout
+    assert "resumed after step 2" in trainer_out, trainer_out
+    trained = [
+        json.loads(line)["step"]
+        for line in (out / "trainer" / "trained.jsonl").read_text().splitlines()
+    ]
+    assert trained == [1, 2, 3, 4]

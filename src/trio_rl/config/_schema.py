@@ -150,6 +150,16 @@ LearnSink = config_section(
     "LearnSink",
     "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
     omit=SIZED_ELSEWHERE,
+    # The trainer scores every token at its stamped temperature: the stamp is the sampling
+    # temperature by construction, and `trio-rl run` refuses another value (exit 2).
+    derived={"scoring_temperature": "`rollout.temperature`"},
+    meaning={
+        "scoring_temperature": "temperature stamped on every trained token, the one the "
+        "trainer scores it at: the sampling temperature, so a value other than "
+        "`rollout.temperature` is an error",
+        "scoring_env_temperatures": "the stamped temperature per env name; the learning run "
+        "samples every env at `rollout.temperature`, so a value other than it is an error",
+    },
     max_off_policy_steps=1,
 )
 

@@ -13,7 +13,9 @@ A command may change a default (``max_off_policy_steps=1`` for the learning run)
 meaning line (where the command resolves an unset value its own way). Fields the command sets
 from other keys are left out (``omit``: each says where its value comes from), and keys that
 are the command's own, no library knob (``[rollout] task``), are a hand-written ``base`` the
-generated class extends.
+generated class extends. A key whose value is another key's unless set (``derived``: the
+learning run's ``[sink] scoring_temperature``, by default ``rollout.temperature``) is optional
+and unset by default; the command passes the other key's value to `ConfigSection.to_config`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class ConfigSection(Generic[C]):
     #: The library config the section is generated from, and its fields that are no key.
     config: ClassVar[type[Any]]
     omitted: ClassVar[Mapping[str, str]]
+    #: The keys that are unset by default, and the key whose value they then take.
+    derived: ClassVar[Mapping[str, str]]
 
     if TYPE_CHECKING:  # the generated fields, one per knob, are known at run time only
 
@@ -77,14 +81,25 @@ class ConfigSection(Generic[C]):
 
     def to_config(self, **given: Any) -> C:
         """The library config of these values; ``given``: the fields that are no key of the
-        section (`omitted`), or values the command resolved its own way."""
-        return cast("C", self.config(**{**_build(self.config, self, self.omitted, ()), **given}))
+        section (`omitted`), values the command resolved its own way, and the value of every
+        `derived` key (by its key, e.g. ``scoring_temperature``), taken when it is unset."""
+        missing = set(self.derived) - set(given)
+        if missing:
+            raise TypeError(f"to_config needs the values of {sorted(missing)} (derived keys)")
+        defaults = {k: given.pop(k) for k in self.derived}
+        kwargs = _build(self.config, self, self.omitted, (), defaults)
+        return cast("C", self.config(**{**kwargs, **given}))
 
 
 def _build(
-    cls: type[Any], section: object, omit: Mapping[str, str], path: tuple[str, ...]
+    cls: type[Any],
+    section: object,
+    omit: Mapping[str, str],
+    path: tuple[str, ...],
+    defaults: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The keyword arguments of ``cls`` (at ``path`` in the library config) from ``section``."""
+    """The keyword arguments of ``cls`` (at ``path`` in the library config) from ``section``;
+    ``defaults``: the values of the derived keys left unset."""
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
     for f in attrs.fields(cls):
@@ -92,9 +107,12 @@ def _build(
             continue
         tp = hints[f.name]
         if isinstance(tp, type) and attrs.has(tp):
-            kwargs[f.name] = tp(**_build(tp, section, omit, (*path, f.name)))
+            kwargs[f.name] = tp(**_build(tp, section, omit, (*path, f.name), defaults))
             continue
-        value = getattr(section, "_".join((*path, f.name)))
+        key = "_".join((*path, f.name))
+        value = getattr(section, key)
+        if value is None and key in defaults:
+            value = defaults[key]
         kwargs[f.name] = tp(value) if isinstance(tp, type) and issubclass(tp, enum.Enum) else value
     return kwargs
 
@@ -108,6 +126,7 @@ def config_section(
     base: type[S],
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
+    derived: Mapping[str, str] | None = None,
     **defaults: Any,
 ) -> type[S]: ...
 
@@ -120,6 +139,7 @@ def config_section(
     *,
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
+    derived: Mapping[str, str] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[C]]: ...
 
@@ -132,17 +152,21 @@ def config_section(
     base: type[ConfigSection[Any]] = ConfigSection,
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
+    derived: Mapping[str, str] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[Any]]:
     """A section class named ``name`` with one key per knob of ``config``: the library's
     defaults except those in ``defaults`` (a command's own choice), its meanings except those
     in ``meaning``. ``omit``: the fields that are no key, each with where its value comes
-    from. ``base``: an attrs subclass of `ConfigSection` holding the command's own keys."""
+    from. ``derived``: the keys that are optional and unset by default, each with the key
+    whose value they then take (`ConfigSection.to_config` is given it). ``base``: an attrs
+    subclass of `ConfigSection` holding the command's own keys."""
     omit = {} if omit is None else dict(omit)
     meaning = {} if meaning is None else dict(meaning)
+    derived = {} if derived is None else dict(derived)
     knobs = _knobs(config, omit)
     keys = {k.key for k in knobs}
-    for what, given in (("default", defaults), ("meaning", meaning)):
+    for what, given in (("default", defaults), ("meaning", meaning), ("derived key", derived)):
         unknown = set(given) - keys
         if unknown:
             raise TypeError(f"{name}: a {what} for no key of {config.__name__}: {sorted(unknown)}")
@@ -159,8 +183,17 @@ def config_section(
         metadata = dict(knob.field.metadata)
         if knob.key in meaning:
             metadata["help"] = meaning[knob.key]
+        tp, validator = knob.tp, knob.field.validator
+        if knob.key in derived:
+            tp, default = tp | None, None
+            metadata["help"] = f"{metadata['help']} (unset: {derived[knob.key]})"
+            # its value is pinned to the key it derives from (the command refuses another),
+            # so set or unset on a resume it is the same: a run stored with it set resumes
+            metadata["may_change"] = True
+            if validator is not None:
+                validator = attrs.validators.optional(validator)
         these[knob.key] = attrs.field(
-            default=default, validator=knob.field.validator, metadata=metadata, type=knob.tp
+            default=default, validator=validator, metadata=metadata, type=tp
         )
     cls = cast(
         "type[ConfigSection[Any]]", attrs.make_class(name, these, bases=(base,), frozen=True)
@@ -169,4 +202,5 @@ def config_section(
     cls.__module__ = __name__
     cls.config = config
     cls.omitted = omit
+    cls.derived = derived
     return cls

@@ -57,7 +57,10 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         group_size=rollout.group_size,
         seed=run.seed,
         temperature=rollout.temperature,
-        sink=config.sink.to_config(batch_size=rollout.batch_groups * rollout.group_size),
+        sink=config.sink.to_config(
+            batch_size=rollout.batch_groups * rollout.group_size,
+            scoring_temperature=rollout.temperature,
+        ),
         rollout=rollout.to_config(routing_keys=config.inference.routing_keys),
         checkpoint=config.checkpoint.to_config(),
         max_async_level=rollout.max_async_level,

@@ -209,8 +209,9 @@ class LearnConfig:
     threads: int = attrs.field(default=4, validator=at_least(1))
     #: fsync every batch file.
     fsync: bool = False
-    #: Continue the run in ``out`` when it has checkpoints (in-process trainer only); False
-    #: moves its checkpoints aside and starts over.
+    #: Continue the run in ``out`` when it has checkpoints, whichever the trainer mode (a
+    #: torchrun or external trainer job resumes after its own saved step); False moves its
+    #: checkpoints aside and starts over.
     resume: bool = True
     #: ``[model]``, ``[data]`` and ``[reward]`` of the configuration, as they are.
     model: ModelSection = attrs.field(factory=ModelSection)
@@ -228,14 +229,16 @@ class LearnConfig:
     #: Seconds a normal end waits for the trainer to report the last shipped step.
     trainer_timeout: float = attrs.field(default=120.0, validator=at_least(0))
     #: The train sink's config (the staleness limit and rule, pruning, scoring); it cuts
-    #: ``batch_groups x group_size`` samples per batch. By default that of ``trio-rl run``'s
+    #: ``batch_groups x group_size`` samples per batch and stamps ``temperature``, the
+    #: sampling temperature, on every trained token. By default that of ``trio-rl run``'s
     #: ``[sink]`` defaults (``trio_rl.config``'s ``LearnSink``).
     sink: SinkConfig = attrs.field(
         # max(1, ...): a bad batch_groups is reported by its own check, which attrs runs
         # after every default is made
         default=attrs.Factory(
             lambda self: LearnSink().to_config(
-                batch_size=max(1, self.batch_groups * self.group_size)
+                batch_size=max(1, self.batch_groups * self.group_size),
+                scoring_temperature=self.temperature,
             ),
             takes_self=True,
         )
@@ -244,6 +247,7 @@ class LearnConfig:
     @sink.validator
     def _check_sink(self, _: attrs.Attribute[SinkConfig], sink: SinkConfig) -> None:
         check_sink_fits_step("LearnConfig", self.batch_groups, self.group_size, sink)
+        check_stamped_temperature("LearnConfig", self.temperature, sink)
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(
@@ -290,6 +294,25 @@ class LearnConfig:
     def reward_function(self) -> str:
         """``[reward] function``, or the built-in task's (``trio_rl.learn.tasks:<task>``)."""
         return self.reward.function or f"trio_rl.learn.tasks:{self.task}"
+
+
+def check_stamped_temperature(owner: str, temperature: float, sink: SinkConfig) -> None:
+    """The sink stamps ``temperature``, the one the run samples at, on every trained token,
+    else `InvalidArgumentError` naming ``owner``: the trainer scores each token at its stamped
+    temperature, and a token sampled at another would give a wrong importance ratio and KL."""
+    scoring = sink.scoring
+    if scoring.temperature != temperature:
+        raise InvalidArgumentError(
+            f"{owner}.sink.scoring.temperature is {scoring.temperature:g}, but the run samples "
+            f"at temperature {temperature:g} ({owner}.temperature): the trainer would score "
+            "the tokens at another temperature than they were sampled at"
+        )
+    other = {env: t for env, t in scoring.env_temperatures.items() if t != temperature}
+    if other:
+        raise InvalidArgumentError(
+            f"{owner}.sink.scoring.env_temperatures stamps {other}, but the run samples every "
+            f"env at temperature {temperature:g} ({owner}.temperature)"
+        )
 
 
 @attrs.frozen
@@ -750,8 +773,9 @@ async def run_learning(
     W&B and Prometheus sinks) gets every record, in a worker thread; the caller closes it.
 
     Writes ``run.json``, ``metrics.jsonl`` (one object per shipped step), ``weights/step_<S>/``
-    and, with ``config.plot``, ``plot.png`` into ``config.out``; a previous run's ``weights/``
-    and ``batches/`` there are removed first (the learning run does not resume). torch should be
+    and, with ``config.plot``, ``plot.png`` into ``config.out``. A run in ``config.out`` with
+    checkpoints is resumed (``config.resume``); else a previous run's ``weights/`` and
+    ``batches/`` there are removed first. torch should be
     imported (and ``torch.set_num_threads`` chosen) before ``trio.run``.
 
     Cancellation: the engine, the orchestrator, the trainer and the watcher are all closed;
@@ -769,8 +793,8 @@ async def run_learning(
             raise InvalidArgumentError("a deterministic run needs the in-process trainer")
         # one thread: a reduction's order (and so its last bits) must not depend on threads
         torch.set_num_threads(1)
-    # The learning run does not resume: a previous run's weights would be taken for new
-    # versions, its batch files for this run's steps.
+    # A new run (nothing to resume) clears a previous run's weights and batch files: they would
+    # be taken for this run's versions and steps.
     resuming = await trio.to_thread.run_sync(_resumable, out, config)
     await trio.to_thread.run_sync(_prepare_run_directory, out, config, resuming)
     state = (
