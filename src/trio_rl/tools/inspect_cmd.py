@@ -34,8 +34,10 @@ from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ..samples import Sample
 from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint_format import file_schema_version
+from ..train._checkpoint_format import CHECKPOINT_MAGIC, CHECKPOINT_NAME, file_schema_version
+from ..train._outbox import OUTBOX_MAGIC, OUTBOX_NAME
 from ..train._sink_state import payload_files_of_state
+from ..transport._file_layout import RANK_FILE, STEP_DIR
 from ..transport._files import end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError
@@ -44,12 +46,8 @@ from .metrics import read_metrics
 
 __all__ = ["Summary", "add_arguments", "inspect_path", "main", "render", "run"]
 
-_CKPT_MAGIC = b"TRIORLCK"
-_OUTBOX_MAGIC = b"TRIORLOB"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_RANK_FILE = re.compile(r"^rank_(\d+)\.bin$")
-_CKPT_NAME = re.compile(r"^step_(\d+)\.ckpt$")
-_OUTBOX_NAME = re.compile(r"^outbox_step_(\d+)\.bin$")
+#: ``weights/step_<S>/``, as trio_rl.learn publishes them (read here without importing torch).
+_WEIGHTS_DIR = re.compile(r"^step_(\d+)$")
 _OPTIONAL = tuple(f.name for f in attrs.fields(MicroBatch) if f.default is not attrs.NOTHING)
 _LAYOUT = RunDirectory(Path())
 _RUN_PARTS = tuple(
@@ -116,7 +114,7 @@ def inspect_batch(path: Path) -> dict[str, Any]:
     data = _read(path)
     micro_batches = decode(data, source=str(path))
     out: dict[str, Any] = {"kind": "batch file", "file": str(path), "bytes": len(data)}
-    step, rank = _STEP_DIR.match(path.parent.name), _RANK_FILE.match(path.name)
+    step, rank = STEP_DIR.match(path.parent.name), RANK_FILE.match(path.name)
     if step and rank:
         out["step"], out["rank"] = int(step.group(1)), int(rank.group(1))
     out.update(summarize_micro_batches(micro_batches))
@@ -169,7 +167,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
 
 def inspect_outbox(path: Path) -> dict[str, Any]:
     """An outbox file (a step's payloads whose delivery was not confirmed) and its batches."""
-    m = _OUTBOX_NAME.match(path.name)
+    m = OUTBOX_NAME.match(path.name)
     if m is None:
         raise InspectError(str(path), "an outbox file must be named outbox_step_<N>.bin")
     step = int(m.group(1))
@@ -199,9 +197,9 @@ def _inspect_file(path: Path) -> dict[str, Any]:
             head = f.read(8)
     except OSError as exc:
         raise InspectError(str(path), f"cannot read: {exc.strerror or exc}") from exc
-    if head == _CKPT_MAGIC or _CKPT_NAME.match(path.name):
+    if head == CHECKPOINT_MAGIC or CHECKPOINT_NAME.match(path.name):
         return inspect_checkpoint(path)
-    if head == _OUTBOX_MAGIC:
+    if head == OUTBOX_MAGIC:
         return inspect_outbox(path)
     if path.suffix == ".jsonl":
         records = read_metrics(path)
@@ -269,7 +267,7 @@ def inspect_run_directory(path: Path) -> Summary:
     present = [p for p in _RUN_PARTS if (path / p).exists()]
     if not present:
         # a checkpoint directory on its own is fine too
-        if _steps_in(path, _CKPT_NAME):
+        if _steps_in(path, CHECKPOINT_NAME):
             return _checkpoint_dir(path, {"kind": "checkpoint directory", "path": str(path)})
         raise InspectError(
             str(path), f"not a run directory (none of {', '.join(_RUN_PARTS)} is there)"
@@ -304,7 +302,7 @@ def inspect_run_directory(path: Path) -> Summary:
         out["set_aside"] = aside
     if run.batches.is_dir():
         out["batches"] = _batches(path, damage)
-    weights = _steps_in(run.weights, _STEP_DIR)
+    weights = _steps_in(run.weights, _WEIGHTS_DIR)
     if run.weights.is_dir():
         out["weights"] = {
             "versions": [s for s, _ in weights],
@@ -318,7 +316,7 @@ def inspect_run_directory(path: Path) -> Summary:
 
 def _checkpoint_dir(directory: Path, out: dict[str, Any]) -> Summary:
     damage: list[TrioRLError] = []
-    ckpts = _steps_in(directory, _CKPT_NAME)
+    ckpts = _steps_in(directory, CHECKPOINT_NAME)
     out["files"] = len(ckpts)
     out["steps"] = [s for s, _ in ckpts]
     for _, p in ckpts[:-1]:
@@ -327,7 +325,7 @@ def _checkpoint_dir(directory: Path, out: dict[str, Any]) -> Summary:
             out[p.name] = verdict
     if ckpts:
         out["newest"] = _guarded(damage, inspect_checkpoint, ckpts[-1][1])
-    outboxes = _steps_in(directory, _OUTBOX_NAME)
+    outboxes = _steps_in(directory, OUTBOX_NAME)
     if outboxes:
         out["outboxes"] = {p.name: _guarded(damage, inspect_outbox, p) for _, p in outboxes}
     return Summary(out, tuple(damage))
@@ -337,8 +335,8 @@ def _batches(run: Path, damage: list[TrioRLError]) -> dict[str, Any]:
     root = RunDirectory(run).batches
     out: dict[str, Any] = {}
     pending: dict[str, Any] = {}
-    for step, step_dir in _steps_in(root, _STEP_DIR):
-        for rank, file in _steps_in(step_dir, _RANK_FILE):
+    for step, step_dir in _steps_in(root, STEP_DIR):
+        for rank, file in _steps_in(step_dir, RANK_FILE):
             verdict = _guarded(damage, inspect_batch, file)
             if isinstance(verdict, dict):
                 verdict = {

@@ -10,7 +10,6 @@ import copy
 import functools
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +34,7 @@ from ._checkpoint_format import (
 )
 from ._checkpoint_schema import RunBounds, run_bound_problem
 from ._errors import CheckpointError
-from ._outbox import fsync_dir, read_outbox_file, write_outbox_file
+from ._outbox import OUTBOX_NAME, fsync_dir, outbox_name, read_outbox_file, write_outbox_file
 from ._sink import TrainSink, finish_restore, finish_restore_async
 from ._sink_state import RestoreReport, check_restorable, payload_files_of_state
 
@@ -43,8 +42,6 @@ __all__ = ["CheckpointConfig", "CheckpointManager", "check_run_bounds"]
 
 logger = logging.getLogger("trio_rl.train")
 _R = TypeVar("_R")
-
-_OUTBOX = re.compile(r"^outbox_step_(\d+)\.bin$")
 
 
 async def _stoppable(fn: Callable[..., _R], limiter: trio.CapacityLimiter | None) -> _R:
@@ -78,7 +75,7 @@ class _Outboxes:
 
     def outbox_path(self, step: int) -> Path:
         """Where the payload bytes of ``step`` wait until their delivery is confirmed."""
-        return self.directory / f"outbox_step_{step:08d}.bin"
+        return self.directory / outbox_name(step)
 
     # -- outbox: the payload bytes of a step whose delivery is not confirmed yet --
 
@@ -105,7 +102,7 @@ class _Outboxes:
         return sorted(
             int(m.group(1))
             for e in os.scandir(self.directory)
-            if (m := _OUTBOX.match(e.name)) is not None
+            if (m := OUTBOX_NAME.match(e.name)) is not None
         )
 
 
@@ -408,7 +405,7 @@ class CheckpointManager(_Outboxes):
         files = [
             Path(e.path)
             for e in (os.scandir(self.directory) if self.directory.is_dir() else ())
-            if CHECKPOINT_NAME.match(e.name) or _OUTBOX.match(e.name)
+            if CHECKPOINT_NAME.match(e.name) or OUTBOX_NAME.match(e.name)
         ]
         return self._move_aside(files, "fresh start") if files else None
 

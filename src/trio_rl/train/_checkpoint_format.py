@@ -63,7 +63,8 @@ _R = TypeVar("_R")
 SCHEMA_VERSION = 1
 #: Delta checkpoints (written by an incremental `CheckpointManager`) are schema version 2.
 DELTA_SCHEMA_VERSION = 2
-_MAGIC = b"TRIORLCK"
+#: The first bytes of every checkpoint file.
+CHECKPOINT_MAGIC = b"TRIORLCK"
 _END = b"TRIOEND!"
 _HEADER = struct.Struct("<8sHHI")
 _TRAILER = struct.Struct("<QI8s")
@@ -221,7 +222,7 @@ def write_body(
     # The reader's own validator judges every record before it is written: what the writer
     # accepts, the reader reads back (one set of rules, not two that can drift apart).
     _judge(name, head, "meta", lambda obj, _: _judge_meta(obj, version))
-    f.write(_HEADER.pack(_MAGIC, version, 0, 0))
+    f.write(_HEADER.pack(CHECKPOINT_MAGIC, version, 0, 0))
     body = _Body(f)
     body.add(head)
     for i, ts in enumerate(queued):
@@ -375,7 +376,7 @@ def _read_stream(
     if size < _HEADER.size + _TRAILER.size:
         raise CheckpointError(name, f"truncated ({size} bytes)")
     magic, version, flags, reserved = _HEADER.unpack(f.read(_HEADER.size))
-    if magic != _MAGIC:
+    if magic != CHECKPOINT_MAGIC:
         raise CheckpointError(name, "not a trio-rl checkpoint (bad magic)")
     if version not in (SCHEMA_VERSION, DELTA_SCHEMA_VERSION):
         raise CheckpointError(

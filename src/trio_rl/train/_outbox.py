@@ -14,6 +14,7 @@ fsync of the directory); a truncated or corrupt file raises :class:`CheckpointEr
 from __future__ import annotations
 
 import os
+import re
 import struct
 import zlib
 from collections.abc import Sequence
@@ -23,7 +24,16 @@ from ._errors import CheckpointError
 
 __all__ = ["fsync_dir", "read_outbox_file", "write_outbox_file"]
 
-_MAGIC = b"TRIORLOB"
+#: The first bytes of every outbox file, and the name of step N's.
+OUTBOX_MAGIC = b"TRIORLOB"
+OUTBOX_NAME = re.compile(r"^outbox_step_(\d+)\.bin$")
+
+
+def outbox_name(step: int) -> str:
+    """The file name of step ``step``'s outbox (what `OUTBOX_NAME` matches)."""
+    return f"outbox_step_{step:08d}.bin"
+
+
 _VERSION = 1
 _END = b"OBOXEND!"
 _HEADER = struct.Struct("<8sHHQ")
@@ -47,7 +57,7 @@ def write_outbox_file(
     crc = 0
     try:
         with open(tmp, "wb") as f:
-            head = _HEADER.pack(_MAGIC, _VERSION, len(payloads), step)
+            head = _HEADER.pack(OUTBOX_MAGIC, _VERSION, len(payloads), step)
             f.write(head)
             crc = zlib.crc32(head, crc)
             for payload in payloads:
@@ -85,7 +95,7 @@ def read_outbox_file(path: Path, step: int) -> list[bytes] | None:
     if zlib.crc32(memoryview(data)[:end]) != crc:
         raise CheckpointError(name, "outbox checksum mismatch (corrupt)")
     magic, version, ranks, got_step = _HEADER.unpack_from(data, 0)
-    if magic != _MAGIC or version != _VERSION or got_step != step:
+    if magic != OUTBOX_MAGIC or version != _VERSION or got_step != step:
         raise CheckpointError(
             name, f"not an outbox of step {step} (magic {magic!r}, version {version})"
         )

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 from ._base import Payload
 from ._errors import EndOfStreamError, TransportError, TransportIOError
+
+#: The names :func:`batch_path` gives a step's directory and a rank's file.
+STEP_DIR = re.compile(r"^step_(\d+)$")
+RANK_FILE = re.compile(r"^rank_(\d+)\.bin$")
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
@@ -40,12 +45,7 @@ def held_steps(directory: str | os.PathLike[str], rank: int) -> list[int]:
         return []
     except OSError as exc:
         raise io_error("cannot list", batches, exc) from exc
-    prefix = "step_"
-    steps = sorted(
-        int(name[len(prefix) :])
-        for name in names
-        if name.startswith(prefix) and name[len(prefix) :].isdigit()
-    )
+    steps = sorted(int(m.group(1)) for name in names if (m := STEP_DIR.match(name)))
     return [step for step in steps if batch_path(directory, step, rank).exists()]
 
 
