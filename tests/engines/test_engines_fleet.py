@@ -3,6 +3,7 @@ balancing, taking a server out and back in, weight loads, deadlines and cancella
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -333,3 +334,79 @@ def test_bad_settings_are_refused() -> None:
         EngineFleet(["ftp://x"])
     with pytest.raises(EngineConfigError):
         EngineFleet(["http://x"], probe_interval=0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_a_fleet_starts_with_min_servers_and_takes_in_the_missing_one() -> None:
+    port = free_port()
+    late_url = f"http://127.0.0.1:{port}"
+    with servers(2) as ss:
+        urls = [ss[0][1], late_url, ss[1][1]]
+        with trio.fail_after(20):
+            async with open_engine_fleet(urls, min_servers=2, **FAST) as fleet:
+                assert fleet.live() == [ss[0][1], ss[1][1]]
+                assert [s.state for s in fleet.servers()] == ["live", "out", "live"]
+                await fleet.load_weights("/weights/v1", 1)
+                for i in range(4):
+                    await fleet.generate(req(i))
+                with serve(port) as (late, _):
+                    await fleet.wait_live(urls, timeout=10)
+                    for i in range(4, 10):
+                        await fleet.generate(req(i))
+                    assert completions(late)
+                    reload = (
+                        "/collective_rpc",
+                        {"method": "reload_weights", "kwargs": {"weights_path": "/weights/v1"}},
+                    )
+                    assert [(p, b) for _, p, b in late.requests if p != "/health"][:3] == [
+                        ("/v1/models", None),
+                        reload,
+                        ("/reset_prefix_cache", None),
+                    ]
+                events = [(e.url, e.kind) for e in fleet.events()]
+    assert events.index((late_url, "out")) < events.index((late_url, "in"))
+    assert fleet.servers()[1].taken_in == 1
+
+
+async def test_a_late_server_serving_another_model_stays_out() -> None:
+    port = free_port()
+    late_url = f"http://127.0.0.1:{port}"
+    with servers(1) as ss:
+        with trio.fail_after(20):
+            async with open_engine_fleet([ss[0][1], late_url], min_servers=1, **FAST) as fleet:
+                other = StandIn()
+                other.model = "another"
+                with serve(port, other):
+                    with trio.fail_after(10):
+                        while not any(e.kind == "refused" for e in fleet.events()):  # noqa: ASYNC110 - events are a log, not a signal
+                            await trio.sleep(0.05)
+                    await trio.sleep(0.3)  # more probes: it must stay out
+                    assert fleet.live() == [ss[0][1]]
+                    assert not completions(other)
+                refused = [e for e in fleet.events() if e.kind == "refused"]
+    assert len(refused) == 1  # reported once, not at every probe
+    assert refused[0].url == late_url
+    assert "another" in refused[0].detail
+
+
+async def test_too_few_servers_at_start_fail_naming_the_missing_ones() -> None:
+    missing = f"http://127.0.0.1:{free_port()}"
+    with servers(2) as ss:
+        urls = [ss[0][1], missing, ss[1][1]]
+        with (
+            trio.fail_after(10),
+            pytest.raises(EngineTimeoutError, match=rf"missing: \['{missing}'\]"),
+        ):
+            async with open_engine_fleet(urls, min_servers=3, start_timeout=0.5):
+                pass
+
+
+@pytest.mark.parametrize("bad", [0, 4, -1])
+def test_min_servers_outside_one_to_the_number_of_urls_is_refused(bad: int) -> None:
+    with pytest.raises(EngineConfigError, match=r"min_servers .* 1\.\.3"):
+        EngineFleet(["http://a", "http://b", "http://c"], min_servers=bad)

@@ -58,6 +58,10 @@ class _Server:
     taken_out: int = 0
     taken_in: int = 0
     probe_failures: int = 0
+    #: its models were compared with the fleet's (at opening, or when it first joined)
+    checked: bool = False
+    #: what it served when it was last refused for serving other models (reported once)
+    refused: list[str] | None = None
     #: one cancel scope per request on it: taking the server out cancels them
     scopes: set[trio.CancelScope] = attrs.field(factory=set)
 
@@ -110,7 +114,13 @@ class EngineFleet:
 
     **Deadlines.** Each request, retries included, runs under ``trio.fail_after(timeout)``
     (:class:`EngineTimeoutError`); every admin call under ``admin_timeout``; opening waits at
-    most ``start_timeout`` for every server to answer ``/health``.
+    most ``start_timeout`` for every server (or ``min_servers`` of them) to answer
+    ``/health``.
+
+    **Starting with a quorum.** With ``min_servers``, the fleet opens once that many servers
+    answer; the others start taken out and are probed in like a server that came back. With
+    ``check_models``, a server joining later must serve the models the others serve: one that
+    serves others stays out (logged, and a ``refused`` event).
 
     **Cancellation.** A cancelled request is abandoned (the response closed: vLLM aborts a
     request whose client left) and ``trio.Cancelled`` propagates; leaving
@@ -144,6 +154,9 @@ class EngineFleet:
     #: Check at opening that every server serves the same models (``GET /v1/models``), and
     #: ``model`` among them; ``"default"`` becomes the first model they list.
     check_models: bool = attrs.field(default=True, validator=a_bool)
+    #: How many servers must answer at opening (None: all of them); the others start taken
+    #: out and are probed in like a server that came back (after the model check).
+    min_servers: int | None = attrs.field(default=None)
     #: The policy-version cell this fleet advances; pass the pipeline's to share it.
     version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
 
@@ -158,6 +171,22 @@ class EngineFleet:
     _open: bool = attrs.field(init=False, default=False)
     _events: deque[FleetEvent] = attrs.field(init=False, factory=lambda: deque(maxlen=10_000))
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_COUNTS, 0))
+    #: what the servers checked at opening serve (with ``check_models``)
+    _models: list[str] | None = attrs.field(init=False, default=None)
+
+    @min_servers.validator
+    def _check_min_servers(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is None:
+            return
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or not 1 <= value <= len(self.urls)
+        ):
+            raise EngineConfigError(
+                f"EngineFleet.min_servers must be None or an int in 1..{len(self.urls)} "
+                f"(the number of urls), got {value!r}"
+            )
 
     # ------------------------------------------------------------------ reading
 
@@ -402,10 +431,31 @@ async def _watch(fleet: EngineFleet, server: _Server) -> None:
             await _bring_back(fleet, server)
 
 
+async def _serves_the_model(fleet: EngineFleet, server: _Server) -> bool:
+    """Whether a server that joins after opening serves what the fleet's servers serve; a
+    refusal is logged and reported (a ``refused`` event) once per answer it gave."""
+    if fleet._models is None or server.checked:
+        return True
+    served = sorted(await server.admin.models())
+    if served == fleet._models:
+        server.checked = True
+        server.refused = None
+        return True
+    if served != server.refused:
+        server.refused = served
+        detail = f"serves {served}, the fleet serves {fleet._models}"
+        fleet._events.append(FleetEvent(trio.current_time(), server.url, "refused", None, detail))
+        logger.warning("inference server %s answers but stays out: it %s", server.url, detail)
+    return False
+
+
 async def _bring_back(fleet: EngineFleet, server: _Server) -> None:
     async with fleet._weights_lock:
         server.state = "loading"
         try:
+            if not await _serves_the_model(fleet, server):
+                server.state = "out"
+                return
             if fleet._weights is not None:
                 path, version = fleet._weights
                 await _reload(fleet, server, path, version)
@@ -432,23 +482,38 @@ async def _bring_back(fleet: EngineFleet, server: _Server) -> None:
         )
 
 
-async def _check_servers(fleet: EngineFleet) -> None:
-    """Every server answers ``/health`` within ``start_timeout`` and, with
-    ``check_models``, all serve the same models."""
+async def _check_servers(fleet: EngineFleet) -> list[_Server]:
+    """Wait until every server (or ``min_servers`` of them) answers ``/health`` within
+    ``start_timeout`` and, with ``check_models``, check that those serve the same models;
+    the servers that answered, in the order of ``urls``."""
     models: dict[str, list[str]] = {}
+    need = len(fleet._servers) if fleet.min_servers is None else fleet.min_servers
 
-    async def check(server: _Server) -> None:
-        await server.admin.wait_healthy(fleet.start_timeout, poll_interval=0.25)
-        if fleet.check_models:
-            models[server.url] = sorted(await server.admin.models())
+    async def check(server: _Server, nursery: trio.Nursery) -> None:
+        try:
+            await server.admin.wait_healthy(fleet.start_timeout, poll_interval=0.25)
+        except EngineTimeoutError:
+            if fleet.min_servers is None:
+                raise
+            return
+        models[server.url] = sorted(await server.admin.models()) if fleet.check_models else []
+        if len(models) >= need:
+            nursery.cancel_scope.cancel()
 
     with collapse_single():
         async with trio.open_nursery() as nursery:
             for server in fleet._servers:
-                nursery.start_soon(check, server)
+                nursery.start_soon(check, server, nursery)
+    ready = [s for s in fleet._servers if s.url in models]
+    if len(ready) < need:
+        missing = [s.url for s in fleet._servers if s.url not in models]
+        raise EngineTimeoutError(
+            f"only {len(ready)} of {len(fleet._servers)} inference servers answered /health "
+            f"within {fleet.start_timeout}s (min_servers {need}); missing: {missing}"
+        )
     if not fleet.check_models:
-        return
-    first_url = fleet._servers[0].url
+        return ready
+    first_url = ready[0].url
     if fleet.model == "default" and models[first_url]:
         # ask for what the servers serve (vLLM refuses a request naming another model)
         fleet.model = models[first_url][0]
@@ -464,13 +529,18 @@ async def _check_servers(fleet: EngineFleet) -> None:
         raise EngineConfigError(
             f"inference servers serve {models[first_url]}, not the model {fleet.model!r}"
         )
+    fleet._models = models[first_url]
+    for server in ready:
+        server.checked = True
+    return ready
 
 
 @asynccontextmanager
 async def open_engine_fleet(urls: str | Sequence[str], **kwargs: Any) -> AsyncIterator[EngineFleet]:
     """Open an :class:`EngineFleet` over the servers at ``urls`` (keyword arguments as in its
-    constructor): wait for every server to answer ``/health`` (``start_timeout``; an
-    unreachable one is an :class:`EngineTimeoutError` naming it), check that they serve the
+    constructor): wait for every server (or ``min_servers`` of them; the others start taken
+    out) to answer ``/health`` (``start_timeout``; an :class:`EngineTimeoutError` names the
+    missing ones), check that they serve the
     same models (:class:`EngineConfigError` naming both), then probe them while the block runs.
     Leaving the block stops the probes and closes every client; requests still running get
     ``trio.ClosedResourceError`` or are cancelled with it."""
@@ -504,8 +574,17 @@ async def _opened(fleet: EngineFleet) -> AsyncIterator[EngineFleet]:
             await stack.enter_async_context(engine)
             await stack.enter_async_context(admin)
             fleet._servers.append(_Server(url, engine, admin))
-        await _check_servers(fleet)
-        fleet._live.value = frozenset(fleet.urls)
+        ready = await _check_servers(fleet)
+        for server in fleet._servers:
+            if server not in ready:
+                # like a server taken out: the probes bring it in once it answers
+                server.state = "out"
+                reason = "it did not answer at opening"
+                fleet._events.append(
+                    FleetEvent(trio.current_time(), server.url, "out", None, reason)
+                )
+                logger.warning("inference server %s starts taken out: %s", server.url, reason)
+        fleet._live.value = frozenset(s.url for s in ready)
         nursery = await stack.enter_async_context(trio.open_nursery())
         for server in fleet._servers:
             nursery.start_soon(_watch, fleet, server)

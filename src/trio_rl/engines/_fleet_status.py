@@ -38,10 +38,11 @@ class FleetServer:
 @attrs.frozen
 class FleetEvent:
     """Something that happened to a server: ``out`` (taken out), ``loaded`` (loaded weights
-    ``version``), ``in`` (taken back in). ``at`` is ``trio.current_time()``."""
+    ``version``), ``in`` (taken back in), ``refused`` (answers, but serves other models than
+    the fleet: it stays out). ``at`` is ``trio.current_time()``."""
 
     at: float
     url: str
-    kind: Literal["out", "loaded", "in"]
+    kind: Literal["out", "loaded", "in", "refused"]
     version: PolicyVersion | None
     detail: str = ""
