@@ -25,6 +25,7 @@ from trio_rl import cli
 from trio_rl.config import LearnRunConfig, SimulateConfig, load
 from trio_rl.config._load import _toml_value
 from trio_rl.config._sections import ConfigSection
+from trio_rl.errors import ConfigError
 from trio_rl.learn import config_from_file
 from trio_rl.learn import orchestrator_config as learn_orchestrator_config
 from trio_rl.orchestrator import OrchestratorConfig
@@ -212,3 +213,18 @@ def test_a_flag_offers_the_values_its_key_declares(schema: type[Any]) -> None:
     assert checked, "no flag of a key with a fixed set of values"
     for dest in checked:
         assert list(offered[dest] or ()) == list(declared[dest] or ()), dest
+
+
+def test_inference_min_servers_reaches_the_fleet_and_is_checked(tmp_path: Path) -> None:
+    toml = tmp_path / "c.toml"
+    urls = '[inference]\nurls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]\n'
+    toml.write_text(urls)
+    config, _ = load(LearnRunConfig, [toml])
+    assert config.inference.inference_kwargs()["min_servers"] is None
+    toml.write_text(urls + "min_servers = 1\n")
+    config, _ = load(LearnRunConfig, [toml])
+    assert config.inference.inference_kwargs()["min_servers"] == 1
+    for bad, match in [("3", r"min_servers = 3 is more than the 2 servers"), ("0", "min_servers")]:
+        toml.write_text(urls + f"min_servers = {bad}\n")
+        with pytest.raises(ConfigError, match=match):
+            load(LearnRunConfig, [toml])

@@ -353,6 +353,13 @@ class Inference:
         validator=positive,
         may_change=True,
     )
+    min_servers: int | None = option(
+        None,
+        "start once this many of the servers answer /health (unset: all of them); the others "
+        "join when they answer (same model, after loading the current weights)",
+        validator=at_least(1),
+        may_change=True,
+    )
     timeout: float = option(
         600.0,
         "seconds a request may take, retries on other servers included",
@@ -411,6 +418,12 @@ class Inference:
     def __attrs_post_init__(self) -> None:
         if self.urls and self.launch:
             raise InvalidArgumentError("set `urls` (servers already running) or `launch`, not both")
+        servers = len(self.urls) or self.launch
+        if self.min_servers is not None and servers and self.min_servers > servers:
+            raise InvalidArgumentError(
+                f"min_servers = {self.min_servers} is more than the {servers} servers of "
+                "[inference]"
+            )
 
 
 @attrs.frozen
