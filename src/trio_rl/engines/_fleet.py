@@ -78,6 +78,17 @@ class _Server:
         )
 
 
+def _quorum(fleet: EngineFleet, attribute: attrs.Attribute[Any], value: object) -> None:
+    """``min_servers``: None, or 1 to the number of urls."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= len(fleet.urls):
+        raise EngineConfigError(
+            f"EngineFleet.min_servers must be None or an int in 1..{len(fleet.urls)} "
+            f"(the number of urls), got {value!r}"
+        )
+
+
 @attrs.define(slots=True, eq=False, kw_only=True)
 class EngineFleet:
     """An :class:`~trio_rl.engines.Engine` over several OpenAI-compatible servers that serve the
@@ -156,7 +167,7 @@ class EngineFleet:
     check_models: bool = attrs.field(default=True, validator=a_bool)
     #: How many servers must answer at opening (None: all of them); the others start taken
     #: out and are probed in like a server that came back (after the model check).
-    min_servers: int | None = attrs.field(default=None)
+    min_servers: int | None = attrs.field(default=None, validator=_quorum)
     #: The policy-version cell this fleet advances; pass the pipeline's to share it.
     version: PolicyVersionCell = attrs.field(factory=PolicyVersionCell)
 
@@ -173,20 +184,6 @@ class EngineFleet:
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_COUNTS, 0))
     #: what the servers checked at opening serve (with ``check_models``)
     _models: list[str] | None = attrs.field(init=False, default=None)
-
-    @min_servers.validator
-    def _check_min_servers(self, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is None:
-            return
-        if (
-            not isinstance(value, int)
-            or isinstance(value, bool)
-            or not 1 <= value <= len(self.urls)
-        ):
-            raise EngineConfigError(
-                f"EngineFleet.min_servers must be None or an int in 1..{len(self.urls)} "
-                f"(the number of urls), got {value!r}"
-            )
 
     # ------------------------------------------------------------------ reading
 
