@@ -165,27 +165,28 @@ def test_out_below_a_regular_file_is_one_line_exit_2(tmp_path: Path) -> None:
     assert blocker.read_text() == "not a directory"
 
 
+def _run_with(tmp_path: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    """``trio-rl run`` on the quick example plus ``config``, into ``tmp_path/run``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "trio_rl",
+        "run",
+        QUICK,
+        str(config),
+        "--out",
+        str(tmp_path / "run"),
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
 def test_a_stamped_temperature_other_than_the_sampling_one_is_one_line_exit_2(
     tmp_path: Path,
 ) -> None:
     # the trainer scores every token at its stamped temperature: it must be the sampled one
     config = tmp_path / "t.toml"
     config.write_text("[rollout]\ntemperature = 0.7\n\n[sink]\nscoring_temperature = 1.0\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trio_rl",
-            "run",
-            QUICK,
-            str(config),
-            "--out",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run_with(tmp_path, config)
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(
@@ -197,21 +198,7 @@ def test_a_stamped_temperature_other_than_the_sampling_one_is_one_line_exit_2(
     per_env.write_text(
         "[rollout]\ntemperature = 0.7\n\n[sink]\nscoring_env_temperatures = {math = 1.0}\n"
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trio_rl",
-            "run",
-            QUICK,
-            str(per_env),
-            "--out",
-            str(tmp_path / "run"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _run_with(tmp_path, per_env)
     assert done.returncode == 2, done.stderr
     assert (
         "sink.scoring_env_temperatures: {'math': 1.0} conflicts with rollout.temperature = 0.7"

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
 from test_orchestrator import _config, _engine, _prompts, _reward
 
 from trio_rl.errors import CheckpointCompactionError
-from trio_rl.orchestrator import open_orchestrator
+from trio_rl.orchestrator import Orchestrator, open_orchestrator
 from trio_rl.rollout import InMemorySource
 from trio_rl.train import CheckpointConfig, read_checkpoint
 from trio_rl.transport import MemorySender
@@ -24,22 +25,26 @@ def _blocked(directory: Path) -> None:
         (directory / f"step_{s:08d}.ckpt.{os.getpid()}.compact").mkdir(parents=True)
 
 
+def _opened(sender: MemorySender, ckpt: Path) -> AbstractAsyncContextManager[Orchestrator]:
+    """An orchestrator checkpointing into ``ckpt``, compacting after every delta."""
+    return open_orchestrator(
+        _engine(),
+        InMemorySource(_prompts(60)),
+        sender,
+        config=_config(checkpoint=CheckpointConfig(max_chain=1)),
+        checkpoint_dir=ckpt,
+        sample_reward=_reward,
+    )
+
+
 async def test_leaving_a_run_raises_a_compaction_failure_not_reported_yet(
     tmp_path: Path,
 ) -> None:
     ckpt = tmp_path / "ckpt"
     _blocked(ckpt)
-    config = _config(checkpoint=CheckpointConfig(max_chain=1))
     async with MemorySender(1) as sender:
         with pytest.raises(CheckpointCompactionError) as info:
-            async with open_orchestrator(
-                _engine(),
-                InMemorySource(_prompts(60)),
-                sender,
-                config=config,
-                checkpoint_dir=ckpt,
-                sample_reward=_reward,
-            ) as orch:
+            async with _opened(sender, ckpt) as orch:
                 await orch.run(2)
     assert isinstance(info.value.__cause__, IsADirectoryError)
     assert Path(info.value.path).parent == ckpt
@@ -52,19 +57,11 @@ async def test_a_run_that_fails_raises_its_own_failure_and_logs_the_compaction(
 ) -> None:
     ckpt = tmp_path / "ckpt"
     _blocked(ckpt)
-    config = _config(checkpoint=CheckpointConfig(max_chain=1))
 
     async def run_and_fail() -> None:
         async with (
             MemorySender(1) as sender,
-            open_orchestrator(
-                _engine(),
-                InMemorySource(_prompts(60)),
-                sender,
-                config=config,
-                checkpoint_dir=ckpt,
-                sample_reward=_reward,
-            ) as orch,
+            _opened(sender, ckpt) as orch,
         ):
             await orch.run(2)
             raise KeyError("the run's own failure")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import trio
+import trio.testing
 from hypothesis import settings
 from test_testing_catches_async_bugs import ASYNC_BUGS
 from test_testing_catches_bugs import (
@@ -33,6 +35,7 @@ from trio_rl.testing import (
     credit_protocol_test,
     sync_driver_test,
 )
+from trio_rl.testing._machine import _Run
 
 # The bug hunts' settings, with schedules of up to 16 rules.
 MACHINE_HUNT = settings(HUNT, stateful_step_count=16)
@@ -125,3 +128,21 @@ def test_async_machine_catches_a_planted_bug(
     assert error.invariant is Invariant.ASYNC_BOUNDED_PAUSED_CLOSED, str(error)
     assert detail in error.detail
     assert len(error.steps) <= 12, str(error)
+
+
+def test_a_background_task_failing_in_the_examples_run_is_raised_when_the_run_closes() -> None:
+    run = _Run(trio.testing.MockClock())
+
+    async def fail() -> None:
+        raise ValueError("a background task failed")
+
+    async def start() -> None:
+        run.start_soon(fail)
+
+    run.call(start)
+    with pytest.raises(RuntimeError, match="trio run failed") as info:
+        run.close()
+    cause = info.value.__cause__
+    # the run's nursery raised it, in a group (trio's strict exception groups)
+    assert isinstance(cause, BaseExceptionGroup), cause
+    assert cause.subgroup(ValueError) is not None, cause

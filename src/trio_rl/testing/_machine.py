@@ -13,6 +13,7 @@ Rules are synchronous, trio is not: each example runs one ``trio.run`` under a m
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import ClassVar, TypeVar
@@ -52,6 +53,10 @@ class _Run:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._nursery: trio.Nursery | None = None
+        #: What ended the run other than `close` (a background task's failure), raised by it.
+        self._failure: BaseException | None = None
+        # A daemon so that a run stuck past `close`'s deadline, which it then raises, cannot
+        # hold the test process's exit; otherwise `close` joins it.
         self._thread = threading.Thread(target=self._thread_main, daemon=True)
         self._thread.start()
         if not self._ready.wait(_THREAD_TIMEOUT):
@@ -71,6 +76,8 @@ class _Run:
 
         try:
             trio.run(main, clock=self._clock)
+        except BaseException as exc:  # seen by the machine's thread, in `close`
+            self._failure = exc
         finally:
             self._ready.set()
 
@@ -83,13 +90,18 @@ class _Run:
         assert self._nursery is not None
         self._nursery.start_soon(fn)
 
-    def close(self) -> None:
-        """End the run (its background tasks are cancelled and awaited) and join its thread."""
+    def close(self, *, raise_failure: bool = True) -> None:
+        """End the run (its background tasks are cancelled and awaited) and join its thread;
+        then raise what ended the run otherwise, if anything did (``raise_failure`` False: an
+        error already on its way out must not be replaced by it)."""
         if self._thread.is_alive() and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            with contextlib.suppress(trio.RunFinishedError):  # it ended on its own meanwhile
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(_THREAD_TIMEOUT)
         if self._thread.is_alive():
             raise RuntimeError(f"the example's trio run did not end in {_THREAD_TIMEOUT:g}s")
+        if self._failure is not None and raise_failure:
+            raise RuntimeError("the example's trio run failed") from self._failure
 
 
 def _held(machine: Machine) -> int:
@@ -208,8 +220,10 @@ class Machine(RuleBasedStateMachine):
         try:
             if self.world is not None and not self.failed:
                 self.act(self.finish)
-        finally:
-            self.trio_run.close()
+        except BaseException:
+            self.trio_run.close(raise_failure=False)
+            raise
+        self.trio_run.close(raise_failure=not self.failed)
 
 
 def bind(
