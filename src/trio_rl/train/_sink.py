@@ -34,6 +34,7 @@ from ._scoring import (
     PruneResult,
     SequenceLists,
     build_sequences,
+    member_is_stale,
     sample_version,
     score_group,
 )
@@ -149,6 +150,14 @@ class TrainSink:
 
     def _is_stale(self, version: PolicyVersion) -> bool:
         return self.queue.is_stale(version)
+
+    def member_is_stale(self, sample: Sample, start: PolicyVersion) -> bool:
+        """Whether this sink would drop ``sample``, a member (finished or still to generate) of
+        a group started at ``start``, as stale for the batch being collected now. Scoring and
+        restore judge members by the same rule (:func:`~trio_rl.train.member_is_stale`), and
+        the orchestrator's early expiry of running groups asks this, so the two never
+        disagree (e.g. on the members a resumed group regenerates)."""
+        return member_is_stale(sample, start, self.config.staleness, self._is_stale)
 
     # -- ingest ---------------------------------------------------------------------------------
 
