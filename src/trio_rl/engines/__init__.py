@@ -29,6 +29,7 @@ from ._launch import run_vllm_server as run_vllm_server
 from ._launch import vllm_command as vllm_command
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
 from ._openai_answers import parse_completion_response as parse_completion_response
+from ._protocol import AbortsAll as AbortsAll
 from ._protocol import Completion as Completion
 from ._protocol import Engine as Engine
 from ._protocol import FinishReason as FinishReason
