@@ -48,6 +48,7 @@ from ._sink_state import (
     copy_sample,
 )
 from ._types import TrainingSample
+from ._zero_output import ZeroOutputBudget
 
 __all__ = [
     "RESTORE_BATCH",
@@ -81,9 +82,16 @@ class TrainSink:
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
         self.queue = SampleQueue(config, self._tally, step=step, changes=self.changes)
         self._next_arrival = 0
+        #: #3806's zero-output budget: finished groups that queued nothing, with its warning.
+        self.zero_output = ZeroOutputBudget(
+            config.batch_size or config.token_batch_size or 1,
+            tokens=config.batch_size is None,
+        )
         #: The open-group book: the one record of work in flight, and the
         #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
-        self.book = OpenBook(self._tally, self._finalize, changes=self.changes)
+        self.book = OpenBook(
+            self._tally, self._finalize, changes=self.changes, zero_output=self.zero_output
+        )
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -234,6 +242,11 @@ class TrainSink:
         self.book.settle_score(score)
         for ts in score.samples:
             self.queue.enqueue(ts)
+        if score.samples:
+            self.zero_output.admitted()
+        else:  # stale (voided), filtered, pruned, failed or cancelled: nothing to train
+            owed = len(g.arrived) + g.failed + g.cancelled
+            self.zero_output.finished_empty(g.arrived, owed, len(g.prompt.tokens))
 
     # -- the queue (see SampleQueue) ---------------------------------------------------------
 
