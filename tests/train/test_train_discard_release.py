@@ -17,7 +17,9 @@ from trio_rl.transport import FileSender
 
 
 def _watch(group: Group) -> list[weakref.ref[object]]:
-    return [weakref.ref(group), *(weakref.ref(s) for s in group.samples)]
+    refs: list[weakref.ref[object]] = [weakref.ref(group)]
+    refs += [weakref.ref(s) for s in group.samples]
+    return refs
 
 
 def _discard(sink: TrainSink, how: str) -> list[weakref.ref[object]]:
