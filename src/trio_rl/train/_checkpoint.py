@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from .._validation import at_least, check_at_least, positive
+from .._validation import at_least, check_at_least, positive_finite
 from ..errors import InvalidArgumentError
 from ._checkpoint_chain import CheckpointChain, IncrementalSnapshot, read_checkpoint
 from ._checkpoint_format import (
@@ -132,7 +132,7 @@ class CheckpointConfig:
     )
     compact_ratio: float = attrs.field(
         default=1.0,
-        validator=positive,
+        validator=positive_finite,
         metadata={
             "help": "incremental: compact once the deltas since the last full file exceed this "
             "times its size"
