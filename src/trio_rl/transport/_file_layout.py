@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .._durable import atomic_write
 from ._base import Payload
 from ._errors import EndOfStreamError, TransportError, TransportIOError
 
@@ -64,25 +65,6 @@ def io_error(what: str, path: Path, exc: OSError) -> TransportIOError:
     return TransportIOError(f"{what} {path}: {exc.strerror or exc}", str(path))
 
 
-def write_file(path: Path, data: Payload, fsync: bool) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return  # readers consumed every file and removed the directory: nothing to persist
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def read_step_marker(path: Path) -> int | None:
     """The step in a marker file (``END``, ``.consumed/rank_R``), or None if it is absent."""
     try:
@@ -127,15 +109,10 @@ def rename_into_step_dir(tmp: Path, final: Path) -> None:
 
 def write_end_marker(directory: Path, staging: Callable[[], Path], step: int, fsync: bool) -> None:
     end = end_marker_path(directory)
-    tmp = staging() / f"END.{os.getpid()}.tmp"
     try:
-        write_file(tmp, str(step).encode("ascii"), fsync)
-        os.replace(tmp, end)
+        atomic_write(end, str(step).encode("ascii"), staging=staging(), fsync=fsync)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise io_error("cannot write the end marker", end, exc) from exc
-    if fsync:
-        fsync_dir(end.parent)
 
 
 class RankFiles:
@@ -221,11 +198,9 @@ class RankFiles:
 
     def ack(self, step: int) -> None:
         marker = self.consumed_marker
-        tmp = marker.with_name(marker.name + ".tmp")
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(str(step).encode("ascii"))
-            os.replace(tmp, marker)
+            atomic_write(marker, str(step).encode("ascii"), fsync=False)
         except OSError as exc:
             raise io_error("cannot record the consumed step in", marker, exc) from exc
         # Recorded before the deletion, so a crash in between never makes a restart wait for

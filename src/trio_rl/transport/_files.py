@@ -29,12 +29,12 @@ from typing import Any, BinaryIO, TypeVar
 
 import trio
 
+from .._durable import fsync_dir, write_synced
 from ..errors import InvalidArgumentError
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStreamError, TransportIOError
 from ._file_layout import (
     RankFiles,
-    fsync_dir,
     io_error,
     read_step_marker,
     rename_into_step_dir,
@@ -190,12 +190,7 @@ class FileSender(Sender):
         self._staging()
         tmp = self.staged_path(step, rank)
         try:
-            with open(tmp, "wb") as f:
-                write(f)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-                return f.tell()
+            return write_synced(tmp, write, fsync=self._fsync)
         except BaseException as exc:
             try:
                 tmp.unlink(missing_ok=True)
@@ -259,7 +254,7 @@ class FileSender(Sender):
                 )
             rename_into_step_dir(tmp, final)
         if self._fsync:
-            fsync_dir(step_dir)
+            fsync_dir(step_dir, missing_ok=True)
 
     def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
         try:
