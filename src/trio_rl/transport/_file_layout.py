@@ -18,28 +18,48 @@ from ._errors import EndOfStreamError, TransportError, TransportIOError
 #: The names :func:`batch_path` gives a step's directory and a rank's file.
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RANK_FILE = re.compile(r"^rank_(\d+)\.bin$")
+#: The name of each receiver's marker file in :func:`consumed_dir`.
+CONSUMED_FILE = re.compile(r"^rank_(\d+)$")
+#: The transport's directory under the directory a sender or receiver is given.
+_BATCHES = "batches"
+
+
+def batches_dir(directory: str | os.PathLike[str]) -> Path:
+    """The file transport's own directory under ``directory``: every step's directory and
+    the markers live in it."""
+    return Path(directory) / _BATCHES
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     """The path of rank ``rank``'s payload for ``step`` under ``directory``."""
-    return Path(directory) / "batches" / f"step_{step}" / f"rank_{rank}.bin"
+    return batches_dir(directory) / f"step_{step}" / f"rank_{rank}.bin"
 
 
 def end_marker_path(directory: str | os.PathLike[str]) -> Path:
     """The end-of-stream marker under ``directory``: it holds the step the stream ended at."""
-    return Path(directory) / "batches" / "END"
+    return batches_dir(directory) / "END"
+
+
+def consumed_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where the receivers record the last step each acknowledged, one file per rank."""
+    return batches_dir(directory) / ".consumed"
 
 
 def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
     """Where rank ``rank``'s receiver records the last step it acknowledged."""
-    return Path(directory) / "batches" / ".consumed" / f"rank_{rank}"
+    return consumed_dir(directory) / f"rank_{rank}"
+
+
+def staging_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where a sender writes its files before it renames them into their step's directory."""
+    return batches_dir(directory) / ".staging"
 
 
 def held_steps(directory: str | os.PathLike[str], rank: int) -> list[int]:
     """The steps whose payload file for rank ``rank`` is still under ``directory``, in order
     (what a deleting receiver of that rank has not consumed yet; blocking);
     `TransportIOError` if ``batches/`` cannot be listed."""
-    batches = Path(directory) / "batches"
+    batches = batches_dir(directory)
     try:
         names = os.listdir(batches)
     except FileNotFoundError:
@@ -161,7 +181,7 @@ class RankFiles:
         raise TransportError(
             f"rank {self.rank}: start_step=None, but there is no consumer marker "
             f"{self.consumed_marker}, no batch file for this rank and no end marker under "
-            f"{self.directory / 'batches'}: nothing to resume from, pass start_step"
+            f"{batches_dir(self.directory)}: nothing to resume from, pass start_step"
         )
 
     def read(self, step: int) -> Payload | None:

@@ -38,11 +38,14 @@ from ._file_layout import (
     io_error,
     read_step_marker,
     rename_into_step_dir,
+    staging_dir,
     write_end_marker,
 )
 
 # The layout's paths are imported from here by the package and its tools: re-exported.
 from ._file_layout import batch_path as batch_path
+from ._file_layout import batches_dir as batches_dir
+from ._file_layout import consumed_dir as consumed_dir
 from ._file_layout import consumed_marker_path as consumed_marker_path
 from ._file_layout import end_marker_path as end_marker_path
 from ._file_layout import held_steps as held_steps
@@ -150,7 +153,7 @@ class FileSender(Sender):
         self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def _staging(self) -> Path:
-        staging = self._directory / "batches" / ".staging"
+        staging = staging_dir(self._directory)
         try:
             staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -172,8 +175,7 @@ class FileSender(Sender):
 
     def staged_path(self, step: int, rank: int) -> Path:
         """Where `stage` writes rank ``rank``'s file of ``step`` before `commit` renames it."""
-        staging = self._directory / "batches" / ".staging"
-        return staging / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
+        return staging_dir(self._directory) / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
 
     def stage(self, step: int, rank: int, write: Callable[[BinaryIO], object]) -> int:
         """Blocking (call it in a worker thread): write rank ``rank``'s file of ``step`` into
