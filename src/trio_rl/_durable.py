@@ -20,7 +20,7 @@ from typing import BinaryIO
 __all__ = ["Contents", "atomic_write", "fsync_dir", "write_synced"]
 
 #: What `atomic_write` writes: bytes, text (UTF-8) or a function that writes into the open file.
-Contents = bytes | bytearray | memoryview | str | Callable[[BinaryIO], None]
+Contents = bytes | bytearray | memoryview | str | Callable[[BinaryIO], object]
 
 
 def fsync_dir(path: str | os.PathLike[str], *, missing_ok: bool = False) -> None:
