@@ -29,7 +29,7 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
 What lies inside ``checkpoints/`` and ``batches/`` belongs to their owners (the checkpoint
 manager of `trio_rl.train`, the file transport of `trio_rl.transport`, which also names its
 directory), which this asks. Every other module takes its paths from here instead of joining a
-name to the run directory (``tests/package/test_rundir.py`` greps for such joins).
+name to the run directory (``tests/package/test_package_rundir.py`` greps for such joins).
 """
 
 from __future__ import annotations
