@@ -21,7 +21,6 @@ from trio_rl.engines import (
     AbortSignal,
     Completion,
     Engine,
-    EngineConfigError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -31,6 +30,7 @@ from trio_rl.engines import (
     SamplingParams,
     parse_completion_response,
 )
+from trio_rl.errors import InvalidArgumentError
 
 
 @attrs.define(eq=False)
@@ -297,8 +297,8 @@ def test_satisfies_engine_protocol() -> None:
     ],
 )
 def test_bad_configuration_is_rejected(kwargs: dict[str, Any], match: str) -> None:
-    # the shared engine validators: EngineConfigError (a ValueError) naming class and field
-    with pytest.raises(EngineConfigError, match=match):
+    # the shared validators: InvalidArgumentError (a ValueError) naming class and field
+    with pytest.raises(InvalidArgumentError, match=match):
         OpenAICompatibleEngine(**kwargs)
 
 
