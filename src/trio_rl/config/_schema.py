@@ -15,7 +15,16 @@ from typing import Any, Literal
 
 import attrs
 
-from ..engines import FLEET, OPENAI, SIMULATED, TORCH, Command, EngineKind, engine_kind
+from ..engines import (
+    FLEET,
+    OPENAI,
+    SIMULATED,
+    TORCH,
+    Command,
+    EngineKind,
+    InferenceConfig,
+    engine_kind,
+)
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
 from ..train import CheckpointConfig, SinkConfig
@@ -358,6 +367,12 @@ class InferenceKeys(EngineSection):
 
     def __attrs_post_init__(self) -> None:
         self.engine_config(FLEET, "inference")  # the fleet's checks across its knobs
+
+    def fleet_config(self) -> InferenceConfig:
+        """The fleet's knobs of this section (what :func:`~trio_rl.engines.open_inference`
+        takes, as ``attrs.asdict(...)``)."""
+        config: InferenceConfig = self.engine_config(FLEET, "inference")
+        return config
 
     @property
     def kind(self) -> EngineKind:

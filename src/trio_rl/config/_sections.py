@@ -251,7 +251,7 @@ def engine_section(
     `EngineSection`: which engine, and the command's own keys), then one key per knob of each
     engine of ``kinds``, taken from its config class (type, default, check, meaning)."""
     these: dict[str, Any] = {}
-    own = {f.name for f in attrs.fields(base)}
+    own = {f.name for f in attrs.fields(cast("type[Any]", base))}
     for kind in kinds:
         hints = typing.get_type_hints(kind.config)
         for f in attrs.fields(kind.config):
@@ -265,7 +265,7 @@ def engine_section(
                 metadata=dict(f.metadata),
                 type=hints[f.name],
             )
-    cls = attrs.make_class(name, these, bases=(base,), frozen=True)
+    cls = cast("type[EngineSection]", attrs.make_class(name, these, bases=(base,), frozen=True))
     cls.__doc__ = doc
     cls.__module__ = __name__
     cls.kinds = kinds

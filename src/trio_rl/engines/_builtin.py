@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import trio
@@ -24,7 +24,7 @@ from ._torch import TorchEngine
 __all__ = ["FLEET", "OPENAI", "SIMULATED", "TORCH", "OpenAIConfig", "SimulatedConfig"]
 
 
-def _knob(default: object, help: str, validator: object = None, may_change: bool = False) -> object:
+def _knob(default: Any, help: str, validator: Any = None, may_change: bool = False) -> Any:
     return attrs.field(
         default=default, validator=validator, metadata={"help": help, "may_change": may_change}
     )

@@ -160,14 +160,14 @@ def engine_kind(name: str, command: Command | None = None) -> EngineKind:
     module, sep, attribute = name.partition(":")
     if sep:
         try:
-            kind = getattr(importlib.import_module(module), attribute)
+            found = getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError) as exc:
             raise InvalidArgumentError(f"engine {name!r}: cannot import it: {exc}") from None
-        if not isinstance(kind, EngineKind):
-            raise InvalidArgumentError(f"engine {name!r} is no EngineKind: {kind!r}")
-        register_engine(kind)
+        if not isinstance(found, EngineKind):
+            raise InvalidArgumentError(f"engine {name!r} is no EngineKind: {found!r}")
+        kind: EngineKind | None = register_engine(found)
     else:
-        kind = _KINDS.get(name)  # type: ignore[assignment]
+        kind = _KINDS.get(name)
     if kind is None or (command is not None and command not in kind.commands):
         known = ", ".join(engine_kinds(command))
         what = "registered" if kind is None else f"an engine of `trio-rl {command}`"

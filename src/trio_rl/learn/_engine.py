@@ -79,7 +79,7 @@ def weight_loader(
             print(line, flush=True)
 
     return LogprobCheck(
-        engine,  # type: ignore[arg-type]
+        engine,
         copy.deepcopy(model).eval(),
         [p.tokens for p in prompts[: config.inference.check_logprobs]],
         max_tokens=config.data.max_tokens,
