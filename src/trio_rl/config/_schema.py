@@ -367,6 +367,7 @@ class InferenceKeys(EngineSection):
 
     def __attrs_post_init__(self) -> None:
         self.engine_config(FLEET, "inference")  # the fleet's checks across its knobs
+        self.engine_config(self.kind, "inference")  # a plug-in's options, checked by its class
 
     def fleet_config(self) -> InferenceConfig:
         """The fleet's knobs of this section (what :func:`~trio_rl.engines.open_inference`
@@ -445,6 +446,10 @@ class SimEngineKeys(EngineSection):
     )
     max_tokens: int = option(2048, "completion cap", validator=at_least(1))
     options: Mapping[str, Any] = option({}, _OPTIONS, may_change=True)
+
+    def __attrs_post_init__(self) -> None:
+        # the engine's config, built to check it (a plug-in's options, by its own class)
+        self.engine_config(engine_kind(self.kind, "simulate"), "engine")
 
 
 #: ``[engine]`` of ``trio-rl simulate``: which engine, and the knobs of the built-in ones.
