@@ -55,6 +55,7 @@ from ._registry import register_engine as register_engine
 from ._registry import unregister_engine as unregister_engine
 from ._simulated import EngineStatistics as EngineStatistics
 from ._simulated import SimulatedEngine as SimulatedEngine
+from ._torch import WEIGHTS_FILE as WEIGHTS_FILE
 from ._torch import TorchEngine as TorchEngine
 from ._vllm import VLLMAdmin as VLLMAdmin
 from ._vllm import VLLMEngine as VLLMEngine

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,16 @@ import torch
 import trio
 
 from ..config import LearnRunConfig
+from ..engines import Engine
 from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource, RecordReward, import_reward
 from ..rundir import STOP_FILE, RunDirectory
+from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
+from ._policy import Policy
 from ._records import Records, write_plot
 from ._run_io import TrainerLog, earlier_metrics, load_trainer_state, prepare_run_directory
 from ._settings import (
@@ -107,71 +109,44 @@ async def run_learning(
     ``run.out``. Cancellation closes the engine, the orchestrator, the trainer and the watcher.
     """
     out, begun = run_directory(config), time.perf_counter()
-    resuming, state, earlier = await _prepare(config, out, resume)
-    trained = 0 if state is None else int(state["step"])
-    policy = await trio.to_thread.run_sync(build_policy, config)
-    if state is not None:
-        policy.model.load_state_dict(state["model"])
-    prompts = await trio.to_thread.run_sync(build_prompts, config, policy)
-    # the run's one capacity limiter: the orchestrator (publisher, sender, checkpoints) and the
-    # in-process trainer (reads, decoding, training) borrow it
-    limiter = trio.CapacityLimiter(config.publish.threads)
-    reward = RecordReward(
-        import_reward(reward_function(config)),
-        policy.decode,
-        limiter=limiter,
-        timeout=config.reward.timeout,
-        name=f"reward {reward_function(config)}",
-    )
+    start = await _Start.prepare(config, resume)
     trainer = TrainerSide(
-        config, TrainerLog(), policy.model, limiter, state, trained, patience=trainer_timeout
+        config,
+        TrainerLog(),
+        start.policy.model,
+        start.limiter,
+        start.state,
+        start.trained,
+        patience=trainer_timeout,
     )
     shipments_send, shipments = trio.open_memory_channel[Shipment](64)
     async with (
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
-        open_engine(config, policy, trained) as engine,
+        open_engine(config, start.policy, start.trained) as engine,
         open_orchestrator(
             engine,
-            InMemorySource(prompts, epochs=None),
+            InMemorySource(start.prompts, epochs=None),
             sender,
             config=orchestrator_config(
-                config, completion_cap(config, policy), stale_admission=stale_admission
+                config, completion_cap(config, start.policy), stale_admission=stale_admission
             ),
-            sample_reward=reward,
+            sample_reward=start.reward,
             monitor=shipments_send,
-            limiter=limiter,
+            limiter=start.limiter,
             checkpoint_dir=RunDirectory(out).checkpoints,
-            resume=resuming,
+            resume=start.resuming,
         ) as orch,
         trio.open_nursery() as nursery,
     ):
-        records = Records(config, orch, engine, reward, trainer.log, limiter, display, sinks)
-        records.start(nursery, shipments, begun, earlier, trained)
-        loader = weight_loader(
-            config, config.inference.kind, engine, policy.model, prompts, limiter
+        records = Records(
+            config, orch, engine, start.reward, trainer.log, start.limiter, display, sinks
         )
-        nursery.start_soon(
-            partial(
-                watch_weights,
-                RunDirectory(out).weights,
-                [loader],
-                records.set_version,
-                current=trained,
-                poll_interval=0.005,
-            )
-        )
+        records.start(nursery, shipments, begun, start.earlier, start.trained)
+        nursery.start_soon(start.watch_weights, engine, records.set_version)
         trainer.start(nursery, orch)
-        resumed_at = _begin(
-            config,
-            orch,
-            trained,
-            resuming,
-            policy,
-            sum(p.numel() for p in policy.model.parameters()),
-        )
+        resumed_at = _begin(config, orch, start)
         ending = await _ship_steps(config, orch, stop, begun)
-        last_shipped = orch.sink.step - 1
-        counters = attrs.asdict(orch.sink.counters)
+        last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
         # the run ends here, whatever `steps` said: no rollouts for later steps, and a
         # lockstep trainer may train up to the last shipped step; an external trainer job
         # trains up to it, then exits by itself
@@ -183,7 +158,7 @@ async def run_learning(
         await records.drain()
         nursery.cancel_scope.cancel()
     wall = time.perf_counter() - begun
-    await records.close(earlier, wall)
+    await records.close(start.earlier, wall)
     return LearnResult(
         records.metrics,
         counters,
@@ -192,10 +167,68 @@ async def run_learning(
         out,
         ending.stopped,
         checkpoint=ending.checkpoint,
-        trained_through=max(trainer.log.last, trained),
+        trained_through=max(trainer.log.last, start.trained),
         resumed_at=resumed_at,
         final_reward=ending.final_reward,
     )
+
+
+@attrs.frozen
+class _Start:
+    """What the run starts from: whether it resumes, the in-process trainer's saved state
+    (``trained``: its step), the earlier records, the policy and its prompts, the run's one
+    capacity limiter and the reward."""
+
+    config: LearnRunConfig
+    resuming: bool
+    state: dict[str, Any] | None
+    earlier: list[dict[str, Any]]
+    policy: Policy
+    prompts: list[Prompt]
+    limiter: trio.CapacityLimiter
+    reward: RecordReward
+
+    @property
+    def trained(self) -> int:
+        return 0 if self.state is None else int(self.state["step"])
+
+    @classmethod
+    async def prepare(cls, config: LearnRunConfig, resume: bool) -> _Start:
+        resuming, state, earlier = await _prepare(config, run_directory(config), resume)
+        policy = await trio.to_thread.run_sync(build_policy, config)
+        if state is not None:
+            policy.model.load_state_dict(state["model"])
+        prompts = await trio.to_thread.run_sync(build_prompts, config, policy)
+        # the run's one capacity limiter: the orchestrator (publisher, sender, checkpoints)
+        # and the in-process trainer (reads, decoding, training) borrow it
+        limiter = trio.CapacityLimiter(config.publish.threads)
+        spec = reward_function(config)
+        reward = RecordReward(
+            import_reward(spec),
+            policy.decode,
+            limiter=limiter,
+            timeout=config.reward.timeout,
+            name=f"reward {spec}",
+        )
+        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward)
+
+    async def watch_weights(self, engine: Engine, set_version: Any) -> None:
+        """Load every version the trainer publishes into the engine, then count it."""
+        loader = weight_loader(
+            self.config,
+            self.config.inference.kind,
+            engine,
+            self.policy.model,
+            self.prompts,
+            self.limiter,
+        )
+        await watch_weights(
+            RunDirectory(run_directory(self.config)).weights,
+            [loader],
+            set_version,
+            current=self.trained,
+            poll_interval=0.005,
+        )
 
 
 async def _prepare(
@@ -220,14 +253,7 @@ async def _prepare(
     return resuming, state, earlier
 
 
-def _begin(
-    config: LearnRunConfig,
-    orch: Orchestrator,
-    trained: int,
-    resuming: bool,
-    policy: Any,
-    parameters: int,
-) -> int | None:
+def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | None:
     """Set the run's last step and its policy version; say how it starts. Returns the step it
     resumed at (None: a new run)."""
     to_ship = config.run.steps
@@ -235,10 +261,11 @@ def _begin(
         to_ship = max(0, min(to_ship, config.run.max_steps - orch.step + 1))
     # admission generates nothing for steps after the run's last
     orch.final_step = orch.step + to_ship - 1
+    trained, policy = start.trained, start.policy
     if trained > orch.policy_version:
         orch.set_policy_version(trained)  # the engine serves the trainer's saved state
     verbose = config.metrics.console
-    if resuming and verbose:
+    if start.resuming and verbose:
         r = orch.restore
         print(
             f"resumed at step {orch.step}: trainer state of step {trained}, "
@@ -251,13 +278,13 @@ def _begin(
             f"learning run: {policy.description}, "
             f"prompts {config.data.prompts or 'of the task'}, "
             f"reward {reward_function(config)}, "
-            f"{parameters} parameters, "
+            f"{sum(p.numel() for p in policy.model.parameters())} parameters, "
             f"{config.rollout.batch_groups} groups x {config.rollout.group_size} samples per "
             f"step, trainer {config.trainer.mode} x{config.trainer.ranks}, run directory "
             f"{run_directory(config)}",
             flush=True,
         )
-    return orch.step if resuming else None
+    return orch.step if start.resuming else None
 
 
 async def _ship_steps(
