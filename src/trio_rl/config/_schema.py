@@ -145,13 +145,6 @@ class LearnRolloutKeys(StepShape):
     )
     temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
 
-    def __attrs_post_init__(self) -> None:
-        if self.group_size < 2:
-            raise InvalidArgumentError(
-                f"group_size must be >= 2, got {self.group_size}: GRPO scores a sample against "
-                "the other samples of its group"
-            )
-
 
 #: ``[rollout]`` of the learning run: its own keys and the knobs of
 #: :class:`~trio_rl.rollout.RolloutConfig`. An unset rollout budget is one step's groups
@@ -167,6 +160,8 @@ LearnRollout = config_section(
         "max_groups_in_flight": "rollout concurrency in groups, the budget B (unset: "
         "`batch_groups`)"
     },
+    # GRPO scores a sample against the other samples of its group: two at least
+    checks={"group_size": at_least(2)},
     group_size=16,
 )
 
