@@ -31,8 +31,14 @@ from ..train import CheckpointConfig, SinkConfig
 from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
-from ._load import at_least, between, option, positive
-from ._sections import SIZED_ELSEWHERE, ConfigSection, EngineSection, config_section, engine_section
+from ._load import at_least, between, option, optional_positive_finite, positive_finite
+from ._sections import (
+    SIZED_ELSEWHERE,
+    ConfigSection,
+    EngineSection,
+    config_section,
+    engine_section,
+)
 
 __all__ = ["Inference", "InferenceKeys", "LearnRunConfig", "SimulateConfig", "StepShape"]
 
@@ -93,7 +99,7 @@ class LearnRun:
     time_limit: float | None = option(
         None,
         "stop after this many seconds even if not every step shipped",
-        validator=positive,
+        validator=optional_positive_finite,
         may_change=True,
     )
     stop_at_reward: float | None = option(
@@ -224,7 +230,7 @@ class LearnTrainerKeys(ConfigSection[TrainerConfig]):
         300.0,
         "seconds the run waits for a torchrun or external trainer job to start (its "
         "`trainer/ready` file in `run.out`) before it fails; logged while it waits",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
