@@ -6,13 +6,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 from vllm_stand_in import StandIn, serve
 
-from trio_rl.engines import AbortsAll, EngineFleet, OpenAICompatibleEngine, open_engine_fleet
+from trio_rl.config import LearnRunConfig, load
+from trio_rl.engines import (
+    FLEET,
+    AbortsAll,
+    EngineFleet,
+    EngineSetup,
+    GenerateRequest,
+    OpenAICompatibleEngine,
+    SamplingParams,
+    open_engine_fleet,
+)
 from trio_rl.rollout import (
     GroupFactory,
     GroupRunner,
@@ -106,3 +117,45 @@ async def test_the_sync_driver_aborts_its_leftovers_at_the_engines(abort_path: s
 
 def _rids(state: StandIn) -> list[str]:
     return [body["rid"] for _, path, body in state.requests if path == "/v1/completions"]
+
+
+@pytest.mark.parametrize("key", ['abort_path = "/abort_request"\n', ""])
+async def test_the_fleet_of_a_toml_config_aborts_where_its_inference_section_says(
+    tmp_path: Path, key: str
+) -> None:
+    """``[inference] abort_path`` (unset: vLLM) reaches the fleet the run opens from its
+    configuration: a cancelled request's abort and ``abort_all`` at the recording servers."""
+    with servers(2) as ss:
+        for state, _ in ss:
+            state.stall = {0: 1}
+        toml = tmp_path / "run.toml"
+        urls = ", ".join(f'"{u}"' for _, u in ss)
+        toml.write_text(f"[inference]\nurls = [{urls}]\nstart_timeout = 5.0\n{key}")
+        config, _ = load(LearnRunConfig, [toml])
+        fleet_config = config.inference.fleet_config()
+        assert fleet_config.abort_path == ("/abort_request" if key else None)
+        assert config.inference.kind is FLEET
+        async with FLEET.open(EngineSetup(tmp_path), fleet_config) as fleet:
+            assert isinstance(fleet, EngineFleet)
+            with trio.fail_after(20):
+                with trio.move_on_after(0.5):  # cancelled while it streams
+                    await fleet.generate(
+                        GenerateRequest(
+                            prompt_tokens=(5, 6),
+                            params=SamplingParams(max_tokens=8),
+                            request_id="r1",
+                        )
+                    )
+                await fleet.abort_all()
+                for _ in range(1000):  # the server notices the closed connection (20 ms poll)
+                    if sum(state.disconnects for state, _ in ss):
+                        break
+                    await trio.sleep(0.01)
+        sent = [aborts(state) for state, _ in ss]
+    if key:
+        assert sorted(map(str, sent)) == sorted(
+            [str([{"rid": "r1"}, {"abort_all": True}]), str([{"abort_all": True}])]
+        )
+    else:
+        assert sent == [[], []]
+    assert sum(state.disconnects for state, _ in ss) == 1  # the cancelled request's

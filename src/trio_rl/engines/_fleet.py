@@ -33,6 +33,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import abort_path_check
 from ._fleet_config import fleet_default as _d
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
@@ -152,7 +153,7 @@ class EngineFleet:
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
     #: SGLang's ``/abort_request`` (a cancelled request's, and :meth:`abort_all`'s); None: vLLM.
-    abort_path: str | None = None
+    abort_path: str | None = attrs.field(default=_d("abort_path"), validator=abort_path_check)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
     #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``).
