@@ -18,7 +18,7 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.policy import PolicyVersionCell
 from trio_rl.rollout import InMemorySource, RolloutConfig, engine_generate
 from trio_rl.samples import RESUMED_AT, Prompt, Sample
-from trio_rl.train import CheckpointManager, SinkConfig, TrainSink
+from trio_rl.sink import CheckpointManager, SinkConfig, TrainSink
 from trio_rl.transport import MemorySender
 
 G = 2

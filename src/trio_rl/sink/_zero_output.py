@@ -12,7 +12,7 @@ from ..samples import Sample
 
 __all__ = ["ZeroOutputBudget"]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 
 @attrs.define(slots=True, eq=False)

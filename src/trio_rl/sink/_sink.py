@@ -61,7 +61,7 @@ __all__ = [
     "snapshot_sink",
 ]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 
 class TrainSink:
@@ -162,9 +162,9 @@ class TrainSink:
     def member_is_stale(self, sample: Sample, start: PolicyVersion) -> bool:
         """Whether this sink would drop ``sample``, a member (finished or still to generate) of
         a group started at ``start``, as stale for the batch being collected now. Scoring and
-        restore judge members by the same rule (:func:`~trio_rl.train.member_is_stale`), and
-        the orchestrator's early expiry of running groups asks this, so the two never
-        disagree (e.g. on the members a resumed group regenerates)."""
+        restore judge members with the same function (``member_is_stale`` of the scoring
+        module), and the orchestrator's early expiry of running groups asks this, so the two
+        never disagree (e.g. on the members a resumed group regenerates)."""
         return member_is_stale(sample, start, self.config.staleness, self._is_stale)
 
     # -- ingest ---------------------------------------------------------------------------------
@@ -360,7 +360,7 @@ def restore_sink(
     layer continues.
 
     A state that breaks the sink's invariants (see
-    :func:`~trio_rl.train._sink_state.state_problem`) raises :class:`TrainSinkError` naming the
+    :func:`~trio_rl.sink._sink_state.state_problem`) raises :class:`TrainSinkError` naming the
     field, and the sink is left unchanged.
 
     ``track`` (an incremental checkpoint manager) starts the sink's change log at ``state`` as
@@ -409,7 +409,7 @@ def restoring(
     track: object = None,
 ) -> Generator[None, None, RestoreReport]:
     """:func:`restore_sink` without the invariant check (the caller ran
-    :func:`~trio_rl.train._sink_state.check_restorable`), as a generator that yields every
+    :func:`~trio_rl.sink._sink_state.check_restorable`), as a generator that yields every
     ``RESTORE_BATCH`` records and returns the report: an async caller checkpoints at each
     yield, so a restore of any size lets a cancellation in. Stopped part-way, the sink holds
     part of ``state``: discard it."""

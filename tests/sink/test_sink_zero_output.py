@@ -11,7 +11,7 @@ import pytest
 
 from builders import make_group
 from trio_rl.samples import Prompt, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 
 WARNING = "no admitted train payload after"
 
@@ -22,7 +22,7 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _capture(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="trio_rl.train")
+    caplog.set_level(logging.WARNING, logger="trio_rl.sink")
 
 
 def test_each_batch_equivalent_of_empty_groups_warns_once(

@@ -12,7 +12,7 @@ import trio
 from builders import make_group, one_per_sample_packer
 from trio_rl.publish import open_publisher
 from trio_rl.samples import Group, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 from trio_rl.transport import FileSender
 
 
