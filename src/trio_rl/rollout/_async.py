@@ -49,6 +49,8 @@ __all__ = ["Admission", "AsyncRolloutDriver", "Expiry", "open_async_rollout"]
 
 logger = logging.getLogger("trio_rl.rollout")
 
+#: The name of every group task (trio would otherwise format one per spawn).
+_GROUP_TASK = "trio_rl.rollout.group"
 #: At most this many scheduling passes for ready work when the driver closes (`_wind_down`).
 _WIND_DOWN_PASSES = 8
 #: ... ending early after this many passes in a row that settled nothing.
@@ -105,6 +107,11 @@ class Expiry:
     async def run(self, group: Group) -> None:
         """The group's task: :func:`run_booked` under a cancel scope of its own."""
         d = self._driver
+        if self.admission is None:
+            # Nothing can expire: no cancel scope and no entry per group (a scope's enter and
+            # exit cost trio 5-8 us per group).
+            await run_booked(d.runner, group, d.scheduler, d.book)
+            return
         scope = self._scopes[group.group_id] = trio.CancelScope()
         try:
             with scope:
@@ -391,7 +398,7 @@ async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
             d._tally.submitted += 1
             if d.book is not None:
                 d.book.group_opened(group)
-            groups.start_soon(d.expiry.run, group)
+            groups.start_soon(d.expiry.run, group, name=_GROUP_TASK)
             started += 1
             if started % START_BATCH == 0:
                 # a huge budget lets a cancellation in between batches of group starts
