@@ -1,7 +1,7 @@
 """The trio-rl driver with every sample of a wave alive at once: a check on part B's figures.
 
 Part B's zero-latency samples finish in the pass after they start, so a driver that starts
-its admitted groups one schedule point apart (issue 33) never has the whole budget's tasks
+its admitted groups one schedule point apart never has the whole budget's tasks
 alive: the collector then sees far fewer objects than N in flight would hold. Here each
 sample waits at a gate that opens once N samples are waiting, as engine latency would hold
 them, so all N tasks are alive at once whatever the start pacing. trio-rl side only: run it

@@ -91,7 +91,7 @@ def test_the_fast_path_decides_as_the_reference_policies(
     view = ledger.view(group_size, budget)
     for policy in (SampleBackfill(), GroupGranularity()):
         fast = _FAST_POLICIES[type(policy)]
-        assert fast(ledger, group_size, budget) == policy.admits(view)
+        assert fast(policy, ledger, group_size, budget) == policy.admits(view)
 
 
 @attrs.frozen
