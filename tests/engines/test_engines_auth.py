@@ -289,6 +289,28 @@ async def test_the_gate_refuses_what_the_server_would_let_through(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_connection_is_admitted_by_its_first_request_only(
+    gated: tuple[StandIn, str],
+) -> None:
+    """A request with the key pipelined behind one without it does not get in: the gate
+    answers the first with 401 and closes the connection."""
+    state, path = gated
+    port = free_port()
+    bare = b"POST /collective_rpc HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    keyed = bare.replace(b"Host: x", f"Host: x\r\nAuthorization: Bearer {KEY}".encode())
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_gate, path, KEY, port)
+            answer = await _raw(port, bare + keyed)
+            assert answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n")
+            assert answer.count(b"HTTP/1.") == 1
+            assert state.requests == []
+            admitted = await _raw(port, keyed)
+            assert admitted.startswith(b"HTTP/1.0 200 ")  # the stand-in speaks HTTP/1.0
+            assert [p for _, p, _ in state.requests] == ["/collective_rpc"]
+            nursery.cancel_scope.cancel()
+
+
 async def test_the_gate_relays_keep_alive_streams_and_a_client_that_leaves(
     gated: tuple[StandIn, str],
 ) -> None:

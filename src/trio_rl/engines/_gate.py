@@ -14,7 +14,9 @@ The gate authenticates a connection by its first request: a request head without
 the connection is closed; with the key, the head and everything after it are relayed both ways
 unchanged (keep-alive, chunked and streamed answers included) until either side closes, and then
 both are closed: a client that leaves is a disconnect for the server, which aborts its request.
-Later requests on that connection come from the client that presented the key.
+The gate authenticates connections, as a TLS client certificate does: later requests on an
+admitted connection are those of the client that presented the key (no other process can
+write to that TCP connection), and a request pipelined behind a refused one never gets in.
 """
 
 from __future__ import annotations
