@@ -83,11 +83,13 @@ async def _read_head(stream: trio.abc.ReceiveStream) -> tuple[bytes, bytes] | No
         buffered += data
 
 
-async def _relay(source: trio.abc.ReceiveStream, sink: trio.abc.SendStream) -> None:
-    """Copy ``source`` to ``sink`` until ``source`` ends or either breaks."""
+async def _relay(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+    """Copy ``source`` to ``sink`` until ``source`` ends (then ``sink`` is sent an end of
+    stream: a client sees the server's close as a clean one) or either breaks."""
     try:
         while data := await source.receive_some(65536):
             await sink.send_all(data)
+        await sink.send_eof()
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
 
