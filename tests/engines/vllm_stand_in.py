@@ -67,6 +67,8 @@ class StandIn:
         self.release = threading.Event()
         self.lock = threading.Lock()
         self.api_key: str | None = None
+        #: with a vocabulary size, every token id but EOS is folded into 2 .. vocab - 1
+        self.vocab: int | None = None
         self.guard_all = False
 
     def authorized(self, path: str, authorization: str | None) -> bool:
@@ -79,6 +81,8 @@ class StandIn:
     def choice(self, body: dict[str, Any], i: int) -> tuple[list[int], list[float], str]:
         seed, length = body.get("seed", 0), (self.lengths or [])[i : i + 1] or [2]
         tokens = [seed + i + 1000 * k for k in range(length[0] - 1)] + [EOS]
+        if self.vocab is not None:  # ids a real model can score: 2 .. vocab - 1
+            tokens = [t if t == EOS else 2 + t % (self.vocab - 2) for t in tokens]
         logprobs = [-0.5 - i - k / 8 for k in range(length[0] - 1)] + [-0.25]
         if len(tokens) > body["max_tokens"]:
             n = body["max_tokens"]
@@ -304,6 +308,7 @@ def main() -> None:
         help="start a child process, as vLLM starts its engine core (printed as 'child PID')",
     )
     parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before listening")
+    parser.add_argument("--vocab", type=int, default=None, help="fold token ids into 2..vocab-1")
     args = parser.parse_args()
     if args.child:
         import subprocess
@@ -315,6 +320,7 @@ def main() -> None:
     state = StandIn()
     state.model, state.step_delay, state.lengths = args.model, args.step_delay, [args.length] * 64
     state.api_key = os.environ.get("VLLM_API_KEY") or None
+    state.vocab = args.vocab
     with serve(args.port, state, uds=args.uds):
         print("ready", flush=True)
         threading.Event().wait()  # until killed
