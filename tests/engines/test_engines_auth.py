@@ -181,6 +181,23 @@ async def test_a_refused_request_is_an_auth_error_that_keeps_no_body(
         assert caught.value.status_code == 403
 
 
+async def test_an_answer_that_echoes_the_request_is_quoted_without_the_secrets(
+    guarded: tuple[StandIn, str],
+) -> None:
+    state, url = guarded
+    echo = f'{{"detail": "bad request", "got": "Bearer {KEY}", "tenant": "team-secret-7"}}'
+    state.override["/v1/completions"] = (400, echo.encode())
+    headers = {**bearer_headers(KEY), "X-Tenant": "team-secret-7"}
+    async with OpenAICompatibleEngine((url,), headers=headers, max_attempts=1) as engine:
+        with pytest.raises(EngineRequestError, match="HTTP 400") as caught:
+            await engine.generate(_request())
+    assert type(caught.value) is EngineRequestError
+    for text in (str(caught.value), caught.value.body):
+        assert "bad request" in text
+        assert KEY not in text
+        assert "team-secret-7" not in text
+
+
 async def test_the_vllm_engine_sends_its_headers_with_requests_and_admin_calls(
     guarded: tuple[StandIn, str],
 ) -> None:

@@ -73,10 +73,43 @@ def expand_headers(
     return expanded
 
 
+#: Request headers whose values are not secret: everything else the request carried (an
+#: ``Authorization``, a proxy's token) is blanked out of an answer quoted in an error.
+_PLAIN_HEADERS = frozenset(
+    {
+        "host",
+        "accept",
+        "accept-encoding",
+        "connection",
+        "content-length",
+        "content-type",
+        "user-agent",
+        "x-request-id",
+    }
+)
+
+
+def _quoted(response: httpx.Response, limit: int) -> str:
+    """The start of the body, with every value of a request header that may be secret
+    replaced by ``***`` (a proxy or server may echo the request back)."""
+    text = response.text
+    try:
+        sent = response.request.headers
+    except RuntimeError:  # a response built without its request
+        return text[:limit]
+    for name, value in sent.items():
+        if name.lower() not in _PLAIN_HEADERS and value:
+            text = text.replace(value, "***")
+            _, _, token = value.partition(" ")
+            if len(token) >= 8:  # the key alone, without its scheme
+                text = text.replace(token, "***")
+    return text[:limit]
+
+
 def refused(response: httpx.Response, where: str) -> EngineRequestError:
     """The error of a 4xx answer: :class:`EngineAuthError` for 401 and 403 (the body is not
-    kept: a proxy may echo the request back), else :class:`EngineRequestError` with the
-    start of the body."""
+    kept), else :class:`EngineRequestError` with the start of the body, the values of the
+    request's headers blanked out of it."""
     status = response.status_code
     if status in AUTH_STATUSES:
         return EngineAuthError(
@@ -85,7 +118,7 @@ def refused(response: httpx.Response, where: str) -> EngineRequestError:
             body="",
         )
     return EngineRequestError(
-        f"{where} refused with HTTP {status}: {response.text[:500]}",
+        f"{where} refused with HTTP {status}: {_quoted(response, 500)}",
         status_code=status,
-        body=response.text[:2000],
+        body=_quoted(response, 2000),
     )
