@@ -21,7 +21,7 @@ as ``requests``). With ``api_key`` set it checks ``Authorization: Bearer <key>``
 Run as a program (``python vllm_stand_in.py --port P``, or ``--uds PATH`` for a Unix socket as
 vLLM's ``--uds``; the key from ``VLLM_API_KEY``, as vLLM reads it) it is a separate server
 process, as the fleet tests need one to kill: ``GET /stand_in/log`` then answers every request
-it recorded (method, path, body, routing header) as JSON, and ``--step-delay`` slows its
+it recorded (method, path, body, routing header, headers) as JSON, and ``--step-delay`` slows its
 streams.
 """
 
@@ -195,6 +195,7 @@ def serve(
                         "path": path,
                         "body": body,
                         "routing_key": headers.get("x-smg-routing-key"),
+                        "headers": headers,
                     }
                     for (method, path, body), headers in zip(
                         state.requests, state.headers, strict=True
