@@ -56,6 +56,8 @@ def guarded_server() -> Iterator[str]:
     finally:
         server.kill()
         server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
 
 
 def _config(tmp: Path, inference: str) -> Path:

@@ -58,7 +58,7 @@ async def open_inference(
             f"exactly one of them (urls={list(urls)}, launch={launch})"
         )
     key, source = _api_key(api_key, api_key_env)
-    sent = expand_headers(headers or {}, where="open_inference headers")
+    sent = expand_headers(headers or {}, where="headers")
     if any(name.lower() == "authorization" for name in sent) and (key is not None or launch):
         raise EngineConfigError(
             "open_inference: an Authorization header and an API key"
