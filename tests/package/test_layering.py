@@ -36,6 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "publish": {"payloads", "samples", "wire", "train", "transport"},
     "trainer": {"payloads", "wire", "transport"},
     "testing": {"payloads", "samples", "policy", "engines", "rollout"},
+    # evaluation: its runner generates through the engines and the rollout layer's group
+    # nursery and priority lane; nothing below knows it
+    "evals": {"payloads", "samples", "policy", "engines", "rollout"},
     "orchestrator": {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "train", "publish"),
         "transport",
