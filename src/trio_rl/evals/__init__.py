@@ -9,6 +9,8 @@
   samples come from one policy version;
 * :class:`EvalJournal`: ``eval.jsonl`` and the marker that lets a resumed run redo or drop an
   eval a kill cut short, with nothing logged twice;
+* :class:`RunEvals`: the evals of a training run, driven by its weight loader: which version
+  to load next so no due eval is skipped, each eval under the pin, recorded once;
 * :class:`EvalConfig`: the ``[eval]`` knobs.
 
 See docs/evaluation.md.
@@ -36,3 +38,5 @@ from ._runner import TURNS_KEY as TURNS_KEY
 from ._runner import EvalProgress as EvalProgress
 from ._runner import EvalRunner as EvalRunner
 from ._runner import turns_of as turns_of
+from ._session import EvalReport as EvalReport
+from ._session import RunEvals as RunEvals
