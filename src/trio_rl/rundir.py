@@ -6,6 +6,8 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
     RUN_DIR/
         config.toml          the effective configuration (`config`)
         metrics.jsonl        one record per shipped step (`metrics`)
+        eval.jsonl           one record per held-out eval (`evals`)
+        eval.pending         the eval in progress, if any (`eval_pending`)
         plot.png             the run's figure (`plot`)
         logs/run.log         the run's log (`run_log`)
         checkpoints/         the orchestrator's checkpoints (`checkpoints`, `has_checkpoints`)
@@ -30,6 +32,8 @@ from .transport import held_steps
 from .transport._files import batch_path
 
 __all__ = [
+    "EVAL_FILE",
+    "EVAL_PENDING_FILE",
     "HEARTBEAT_FILE",
     "ORCHESTRATOR_HEARTBEAT",
     "RUN_FILE",
@@ -46,6 +50,9 @@ __all__ = [
 STORED_FILE = "config.toml"
 #: One metrics record per shipped step.
 METRICS_FILE = "metrics.jsonl"
+#: One record per held-out eval (`trio_rl.evals`), and the marker of an eval in progress.
+EVAL_FILE = "eval.jsonl"
+EVAL_PENDING_FILE = "eval.pending"
 #: The run's log.
 RUN_LOG = "logs/run.log"
 #: The learning run's configuration, which its trainer job reads.
@@ -80,6 +87,14 @@ class RunDirectory:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS_FILE
+
+    @property
+    def evals(self) -> Path:
+        return self.root / EVAL_FILE
+
+    @property
+    def eval_pending(self) -> Path:
+        return self.root / EVAL_PENDING_FILE
 
     @property
     def plot(self) -> Path:

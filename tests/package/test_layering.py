@@ -37,8 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": {"payloads", "wire", "transport"},
     "testing": {"payloads", "samples", "policy", "engines", "rollout"},
     # evaluation: its runner generates through the engines and the rollout layer's group
-    # nursery and priority lane; nothing below knows it
-    "evals": {"payloads", "samples", "policy", "engines", "rollout"},
+    # nursery and priority lane; its journal keeps the run directory's eval files
+    "evals": {"payloads", "samples", "policy", "engines", "rollout", "rundir"},
     "orchestrator": {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "train", "publish"),
         "transport",

@@ -18,6 +18,8 @@ def test_the_layout(tmp_path: Path) -> None:
     run = RunDirectory(tmp_path)
     assert run.config == tmp_path / "config.toml"
     assert run.metrics == tmp_path / "metrics.jsonl"
+    assert run.evals == tmp_path / "eval.jsonl"
+    assert run.eval_pending == tmp_path / "eval.pending"
     assert run.plot == tmp_path / "plot.png"
     assert run.run_log == tmp_path / "logs" / "run.log"
     assert run.checkpoints == tmp_path / "checkpoints"
@@ -49,7 +51,7 @@ def test_checkpoints_and_held_batches_are_asked_of_their_owners(tmp_path: Path) 
 # A path joined with one of the run directory's names, or a glob for checkpoint files.
 _SPELLED = re.compile(
     r"""/\s*["'](checkpoints|metrics\.jsonl|config\.toml|weights|batches|trainer|logs|"""
-    r"""plot\.png|run\.json|tensorboard)["'/]|glob\(["']step_"""
+    r"""plot\.png|run\.json|tensorboard|eval\.jsonl|eval\.pending)["'/]|glob\(["']step_"""
 )
 # the owners: the layout itself, and the file transport's own directory format
 _OWNERS = {"rundir.py", "transport/_files.py", "transport/_file_layout.py"}

@@ -18,6 +18,8 @@ See docs/evaluation.md.
 
 from ..errors import EvalConfigError as EvalConfigError
 from ..errors import EvalError as EvalError
+from ..rundir import EVAL_FILE as EVAL_FILE
+from ..rundir import EVAL_PENDING_FILE as EVAL_PENDING_FILE
 from ._config import BUILTIN_HELD_OUT as BUILTIN_HELD_OUT
 from ._config import EvalConfig as EvalConfig
 from ._config import OnResume as OnResume
@@ -26,8 +28,6 @@ from ._estimators import mean_pass_at_k as mean_pass_at_k
 from ._estimators import mean_pass_hat_k as mean_pass_hat_k
 from ._estimators import pass_at_k as pass_at_k
 from ._estimators import pass_hat_k as pass_hat_k
-from ._journal import EVAL_FILE as EVAL_FILE
-from ._journal import EVAL_PENDING_FILE as EVAL_PENDING_FILE
 from ._journal import EvalJournal as EvalJournal
 from ._journal import PendingEval as PendingEval
 from ._pin import VersionPin as VersionPin

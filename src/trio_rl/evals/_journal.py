@@ -17,14 +17,10 @@ from pathlib import Path
 import attrs
 
 from ..errors import EvalError
+from ..rundir import RunDirectory
 from ._result import EvalResult
 
-__all__ = ["EVAL_FILE", "EVAL_PENDING_FILE", "EvalJournal", "PendingEval"]
-
-#: The eval records of a run, one JSON object per line, in its run directory.
-EVAL_FILE = "eval.jsonl"
-#: The marker of an eval in progress (removed when its record is written).
-EVAL_PENDING_FILE = "eval.pending"
+__all__ = ["EvalJournal", "PendingEval"]
 
 
 @attrs.frozen
@@ -53,11 +49,11 @@ class EvalJournal:
 
     @property
     def path(self) -> Path:
-        return self.directory / EVAL_FILE
+        return RunDirectory(self.directory).evals
 
     @property
     def pending_path(self) -> Path:
-        return self.directory / EVAL_PENDING_FILE
+        return RunDirectory(self.directory).eval_pending
 
     def results(self) -> list[EvalResult]:
         """Every record of ``eval.jsonl`` (none: an empty list), in file order. A damaged line
@@ -87,7 +83,7 @@ class EvalJournal:
     def begin(self, pending: PendingEval) -> None:
         """Mark the eval ``pending`` as in progress (written atomically)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.pending_path.with_name(EVAL_PENDING_FILE + ".tmp")
+        tmp = self.pending_path.with_name(self.pending_path.name + ".tmp")
         tmp.write_text(json.dumps(attrs.asdict(pending)))
         os.replace(tmp, self.pending_path)
         _fsync_dir(self.directory)

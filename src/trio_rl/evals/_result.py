@@ -82,6 +82,20 @@ class EvalResult:
         )
         return rec
 
+    def sink_record(self) -> dict[str, Any]:
+        """The record for the metrics sinks (TensorBoard, W&B, Prometheus): ``step`` and the
+        figures under ``eval/`` (``eval/pass@8``; see ``trio_rl.tools.EVAL_FIELDS``). A
+        figure the eval has none of is left out."""
+        rec = self.record()
+        out: dict[str, Any] = {"step": self.step}
+        for key, value in rec.items():
+            if key in ("step", "status", "k", "temperature", "prompts_planned"):
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"eval/{key}"] = value
+        out["eval/cut"] = 1.0 if self.status == "cut" else 0.0
+        return out
+
     @classmethod
     def from_record(cls, rec: Mapping[str, Any], where: str = "eval record") -> EvalResult:
         """The result an :meth:`record` wrote; :class:`~trio_rl.errors.EvalError` naming
