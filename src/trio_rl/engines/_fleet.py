@@ -32,6 +32,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import fleet_default
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
@@ -141,14 +142,16 @@ class EngineFleet:
 
     urls: tuple[str, ...] = attrs.field(converter=url_tuple, validator=http_urls, kw_only=False)
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=positive)
-    max_attempts: int = attrs.field(default=3, validator=positive)
-    wait_for_server: float = attrs.field(default=60.0, validator=positive)
-    start_timeout: float = attrs.field(default=60.0, validator=positive)
-    admin_timeout: float = attrs.field(default=120.0, validator=positive)
-    probe_interval: float = attrs.field(default=1.0, validator=positive)
-    probe_timeout: float = attrs.field(default=10.0, validator=positive)
-    probe_failures: int = attrs.field(default=2, validator=positive)
+    timeout: float = attrs.field(default=fleet_default("timeout"), validator=positive)
+    max_attempts: int = attrs.field(default=fleet_default("max_attempts"), validator=positive)
+    wait_for_server: float = attrs.field(
+        default=fleet_default("wait_for_server"), validator=positive
+    )
+    start_timeout: float = attrs.field(default=fleet_default("start_timeout"), validator=positive)
+    admin_timeout: float = attrs.field(default=fleet_default("admin_timeout"), validator=positive)
+    probe_interval: float = attrs.field(default=fleet_default("probe_interval"), validator=positive)
+    probe_timeout: float = attrs.field(default=fleet_default("probe_timeout"), validator=positive)
+    probe_failures: int = attrs.field(default=fleet_default("probe_failures"), validator=positive)
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
     #: Posted on cancellation (SGLang's ``/abort_request``); None for vLLM, which aborts a
