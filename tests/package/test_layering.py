@@ -24,8 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers; its engine sections are generated from the registered
-    # engines' configs
-    "config": {"rollout", "train", "trainer", "transport", "rundir", "engines"},
+    # engines' configs, and [eval] from the evals' config
+    "config": {"rollout", "train", "trainer", "transport", "rundir", "engines", "evals"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
@@ -55,6 +55,7 @@ ALLOWED: dict[str, set[str]] = {
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
         "orchestrator",
         "rundir",
+        "evals",
     },
     # what the commands share: the signal watcher, the run log, the flags, failure reporting
     "_jobs": {"rundir"},
