@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from ..trainer import TrainerConfig as TrainerConfig
 from . import tasks as tasks
+from ._evals import eval_line as eval_line
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
 from ._model import sequence_logprobs as sequence_logprobs
+from ._offline import ProgressBar as ProgressBar
+from ._offline import evaluate_offline as evaluate_offline
 from ._policy import HFCausalLM as HFCausalLM
 from ._policy import Policy as Policy
 from ._policy import check_model_dir as check_model_dir

@@ -79,15 +79,19 @@ async def watch_weights(
             gone = [v for v in range(current + 1, latest.version) if v not in have]
             await evals.skipped(gone, "its weights were pruned before they were loaded")
         if latest is not None:
-            try:
-                async with pin.loading(f"the load of version {latest.version}"):
+            async with pin.loading(f"the load of version {latest.version}"):
+                try:
                     for engine in engines:
                         await engine.load_weights(latest.path, latest.version)
-            except EngineError as exc:
-                logger.warning("could not load weights %s: %s", latest.path, exc)
-            else:
-                current = latest.version
-                report(current)
-                if on_loaded is not None:
-                    on_loaded(latest)
+                except EngineError as exc:
+                    logger.warning("could not load weights %s: %s", latest.path, exc)
+                else:
+                    current = latest.version
+                    report(current)
+                    if on_loaded is not None:
+                        on_loaded(latest)
+                    if evals is not None and evals.wants(current):
+                        # still under the load's pin: no publication comes in between, so a
+                        # stop mid-eval resumes at this version and can redo the eval
+                        await evals.evaluate(current, held=True)
         await trio.sleep(poll_interval)
