@@ -95,24 +95,31 @@ class RunEvals:
                 await self._drop(PendingEval(v, v, self.config.k))
 
     async def evaluate(
-        self, version: PolicyVersion, *, deadline: float | None = None
+        self, version: PolicyVersion, *, deadline: float | None = None, held: bool = False
     ) -> EvalResult:
         """Evaluate the served ``version`` under the pin and record it; the eval is cut after
-        the config's ``timeout`` (or ``deadline`` seconds, if sooner). Cancelled, it records
+        the config's ``timeout`` (or ``deadline`` seconds, if sooner). ``held``: the caller
+        holds the pin already (the loader that just loaded ``version``, so that nothing, not
+        even a publication, comes between the load and the eval). Cancelled, it records
         nothing and leaves its marker: a resumed run redoes or drops it."""
-        limit = self.config.timeout if deadline is None else min(deadline, self.config.timeout)
+        if held:
+            return await self._evaluate(version, deadline)
         async with self.pin.pinned(f"the eval of step {version}"):
-            await trio.to_thread.run_sync(
-                self.journal.begin, PendingEval(version, version, self.config.k)
-            )
-            result = await self.runner.run(
-                self.prompts,
-                step=version,
-                deadline=limit,
-                policy_version=version,
-                progress=self.progress,
-            )
-            await self._record(result)
+            return await self._evaluate(version, deadline)
+
+    async def _evaluate(self, version: PolicyVersion, deadline: float | None) -> EvalResult:
+        limit = self.config.timeout if deadline is None else min(deadline, self.config.timeout)
+        await trio.to_thread.run_sync(
+            self.journal.begin, PendingEval(version, version, self.config.k)
+        )
+        result = await self.runner.run(
+            self.prompts,
+            step=version,
+            deadline=limit,
+            policy_version=version,
+            progress=self.progress,
+        )
+        await self._record(result)
         return result
 
     async def cut(self, version: PolicyVersion) -> None:
