@@ -30,3 +30,20 @@ def test_an_unknown_task_is_refused() -> None:
 def test_an_unknown_task_is_an_invalid_argument_naming_it() -> None:
     with pytest.raises(InvalidArgumentError, match="unknown task 'sort'; known: "):
         tasks.expected("sort", "ab=")
+
+
+def test_the_built_in_tasks_hold_out_an_eighth_never_trained() -> None:
+    for name in ("copy", "repeat", "reverse"):
+        held = tasks.task_records(name, 64, seed=1, split="held_out")
+        trained = tasks.task_records(name, 2_000, seed=1)
+        held_texts = {r["prompt"] for r in held}
+        assert len(held_texts) == len(held)  # distinct
+        assert all(tasks.held_out(p.removesuffix("=")) for p in held_texts)
+        assert not held_texts & {r["prompt"] for r in trained}
+        assert len(trained) == 2_000
+    # the repeat task has 18 prompts; these three are its held-out part
+    assert {r["prompt"] for r in tasks.task_records("repeat", 64, 0, "held_out")} == {
+        "a6=",
+        "b1=",
+        "c5=",
+    }
