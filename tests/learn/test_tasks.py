@@ -1,5 +1,6 @@
-"""The built-in tasks are record rewards like any other: the same prompts as before, the same
-reward as before, through ``fn(record, completion)``."""
+"""The built-in tasks are record rewards like any other: the same prompts as before (less
+their held-out part, which is evaluated, never trained on), the same reward as before, through
+``fn(record, completion)``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ from trio_rl.learn import TASKS, char_reward, make_prompts, tasks
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_a_task_reward_scores_its_records_as_the_task_did(name: str) -> None:
     records = tasks.task_records(name, 200, seed=3)
-    prompts = make_prompts(TASKS[name], 200, seed=3)
+    tokenizer = TASKS[name].tokenizer
+    drawn = make_prompts(TASKS[name], 600, seed=3)
+    trained = [p for p in drawn if not tasks.held_out(tokenizer.decode(p.tokens)[:-1])]
+    assert len(trained) < len(drawn)  # the held-out prompts were drawn, and left out
+    prompts = trained[:200]
     fn = getattr(tasks, name)
     for record, prompt in zip(records, prompts, strict=True):
         assert TASKS[name].tokenizer.encode(record["prompt"]) == prompt.tokens
