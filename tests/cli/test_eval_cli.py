@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ def _eval(*args: str) -> list[str]:
     return [sys.executable, "-m", "trio_rl", "eval", QUICK, "--set", "eval.k=4", *args]
 
 
-def _records(out: Path) -> list[dict[str, object]]:
+def _records(out: Path) -> list[dict[str, Any]]:
     lines = (out / "eval.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line]
 
@@ -60,8 +61,8 @@ def test_six_steps_every_two_give_four_evals_and_trio_rl_eval_reproduces_one(
     (rec,) = [json.loads(line) for line in offline.read_text().splitlines()]
     assert (rec["step"], rec["policy_version"], rec["prompts"]) == (6, 6, records[-1]["prompts"])
     # the same seed, the same weights: the in-run figures within sampling noise
-    assert abs(rec["avg@4"] - records[-1]["avg@4"]) <= 0.15  # type: ignore[operator]
-    assert abs(rec["pass@1"] - records[-1]["pass@1"]) <= 0.25  # type: ignore[operator]
+    assert abs(rec["avg@4"] - records[-1]["avg@4"]) <= 0.15
+    assert abs(rec["pass@1"] - records[-1]["pass@1"]) <= 0.25
 
 
 def _kill_mid_eval(out: Path, cmd: list[str]) -> bool:
