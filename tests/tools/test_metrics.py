@@ -288,7 +288,8 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
 
 def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> None:
     """`trio-rl run` with `[metrics]` tensorboard, wandb_project and prometheus_port: every
-    step of metrics.jsonl reaches TensorBoard and the offline W&B run too."""
+    step of metrics.jsonl reaches TensorBoard and the offline W&B run too, and so does the
+    held-out eval of the initial policy."""
     extra("tensorboardX")
     extra("wandb")
     extra("prometheus_client")
@@ -318,7 +319,18 @@ def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> N
     }
     assert tb_steps == set(steps)
     (run_file,) = (out / "wandb").glob("offline-run-*/*.wandb")
-    assert sorted(wandb_history(run_file)) == steps
+    history = wandb_history(run_file)
+    # the held-out eval before training (step 0) reaches the sinks too, under eval/
+    assert sorted(history) == [0, *steps]
+    assert "eval/avg@8" in history[0]
+    eval_tags = {
+        v.tag: event.step
+        for raw in tf_events(out / "tensorboard")
+        for event in [Event.FromString(raw)]
+        for v in event.summary.value
+        if v.tag.startswith("eval/")
+    }
+    assert eval_tags["eval/pass_at_8"] == 0
 
 
 def _eval_record() -> dict[str, object]:
