@@ -24,7 +24,7 @@ import trio
 
 from ._flags import RUN_FLAGS, layers, overrides
 from ._jobs import STARTUP, RunLog, Stop, check_out, resume_command, stop_on_signals, trio_run
-from .config import STORED_FILE, ConfigError, LearnRunConfig, check_resume, load, store
+from .config import ConfigError, LearnRunConfig, check_resume, load, store
 from .errors import TrioRLError
 from .rundir import RunDirectory
 
@@ -296,14 +296,14 @@ async def _run_learning(config: _Run, file_config: LearnRunConfig, resume: str) 
     hint = _resume_hint(config, resume)
     if result.checkpoint is not None and config.trainer_mode != "inprocess":
         saved = (
-            f"saved {result.checkpoint} and {out / STORED_FILE} (the {config.trainer_mode} "
+            f"saved {result.checkpoint} and {RunDirectory(out).config} (the {config.trainer_mode} "
             f"trainer job keeps its own state in {RunDirectory(out).trainer}); resume with: "
             f"{hint}"
         )
     elif result.checkpoint is not None:
         saved = (
             f"saved {result.checkpoint}, the trainer's state of step {result.trained_through} "
-            f"and {out / STORED_FILE}; resume with: {hint}"
+            f"and {RunDirectory(out).config}; resume with: {hint}"
         )
     else:  # the signal came after the last step: its checkpoint is the run's last
         saved = (
@@ -354,7 +354,7 @@ def _resume_hint(config: _Run, resume: str) -> str:
     after the last shipped step: it is started again by hand beside the resumed run."""
     if config.trainer_mode != "external":
         return resume
-    stored = Path(config.out) / STORED_FILE
+    stored = RunDirectory(config.out).config
     return (
         f"{resume}  (and start the trainer job again, as before: "
         f"{shlex.join(['trio-rl', 'trainer', str(stored)])}, under torchrun for several ranks)"

@@ -10,7 +10,7 @@ import pytest
 
 from trio_rl.errors import EvalError
 from trio_rl.evals import (
-    EVAL_FILE,
+    EVAL_LOG,
     EVAL_PENDING_FILE,
     EvalConfig,
     EvalJournal,
@@ -32,7 +32,7 @@ def test_a_finished_eval_is_one_record_and_no_marker(tmp_path: Path) -> None:
     assert journal.interrupted() is None
     # the same step again (a resumed run redoing what it already wrote) is not appended
     assert not journal.finish(_result(2))
-    lines = (tmp_path / EVAL_FILE).read_text().splitlines()
+    lines = (tmp_path / EVAL_LOG).read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2]
     assert journal.results() == [_result(2)]
 
@@ -45,7 +45,7 @@ def test_a_kill_mid_eval_leaves_the_marker_and_resume_redoes_or_drops(tmp_path: 
     resumed = EvalJournal(tmp_path)
     assert resumed.interrupted() == PendingEval(2, 2, 4)
     assert resumed.drop(PendingEval(2, 2, 4))
-    records = [json.loads(line) for line in (tmp_path / EVAL_FILE).read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / EVAL_LOG).read_text().splitlines()]
     assert [(r["step"], r["status"], r["k"]) for r in records] == [
         (0, "done", 4),
         (2, "dropped", 4),
@@ -65,11 +65,11 @@ def test_a_kill_between_the_record_and_the_marker_removal_is_no_duplicate(tmp_pa
 
 
 def test_damaged_files_name_the_file_and_line(tmp_path: Path) -> None:
-    (tmp_path / EVAL_FILE).write_text(json.dumps(_result(0).record()) + "\n{not json\n")
-    with pytest.raises(EvalError, match=rf"{EVAL_FILE}:2: not valid JSON"):
+    (tmp_path / EVAL_LOG).write_text(json.dumps(_result(0).record()) + "\n{not json\n")
+    with pytest.raises(EvalError, match=rf"{EVAL_LOG}:2: not valid JSON"):
         EvalJournal(tmp_path).results()
-    (tmp_path / EVAL_FILE).write_text('{"step": 1}\n')
-    with pytest.raises(EvalError, match=rf"{EVAL_FILE}:1: not an eval record"):
+    (tmp_path / EVAL_LOG).write_text('{"step": 1}\n')
+    with pytest.raises(EvalError, match=rf"{EVAL_LOG}:1: not an eval record"):
         EvalJournal(tmp_path).results()
     (tmp_path / EVAL_PENDING_FILE).write_text("[]")
     with pytest.raises(EvalError, match="damaged eval marker"):

@@ -34,7 +34,7 @@ from trio_rl.train import (
 )
 from trio_rl.wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 
-#: 2,000 examples under ``thorough`` (the issue's bar), fewer in the quicker profiles.
+#: 2,000 examples under ``thorough`` (the format's robustness bar), fewer in the quicker profiles.
 _EXAMPLES = {"dev": 100, "ci": 400, "thorough": 2000}[os.environ.get("HYPOTHESIS_PROFILE", "dev")]
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6)

@@ -1,4 +1,4 @@
-"""Issue 9 item 3: which version a sample is judged stale by.
+"""Which version a sample is judged stale by.
 
 Batch ``S`` drops a sample judged at ``v < (S - 1) - max_off_policy_steps``. By default
 (``"group_start"``, prime-rl's rule) ``v`` is the version its group started with; with

@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from .._validation import at_least, between, positive
+from .._validation import at_least, between, optional_positive_finite, positive_finite
 from ._errors import ConfigError
 
 __all__ = [
@@ -37,7 +37,8 @@ __all__ = [
     "flatten",
     "load",
     "option",
-    "positive",
+    "optional_positive_finite",
+    "positive_finite",
     "reference_markdown",
     "to_toml",
 ]

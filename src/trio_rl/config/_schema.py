@@ -32,8 +32,14 @@ from ..train import CheckpointConfig, SinkConfig
 from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
-from ._load import at_least, between, option, positive
-from ._sections import SIZED_ELSEWHERE, ConfigSection, EngineSection, config_section, engine_section
+from ._load import at_least, between, option, optional_positive_finite, positive_finite
+from ._sections import (
+    SIZED_ELSEWHERE,
+    ConfigSection,
+    EngineSection,
+    config_section,
+    engine_section,
+)
 
 __all__ = ["Inference", "InferenceKeys", "LearnRunConfig", "SimulateConfig", "StepShape"]
 
@@ -94,7 +100,7 @@ class LearnRun:
     time_limit: float | None = option(
         None,
         "stop after this many seconds even if not every step shipped",
-        validator=positive,
+        validator=optional_positive_finite,
         may_change=True,
     )
     stop_at_reward: float | None = option(
@@ -146,13 +152,6 @@ class LearnRolloutKeys(StepShape):
     )
     temperature: float = option(1.0, "sampling temperature (0: greedy)", validator=at_least(0))
 
-    def __attrs_post_init__(self) -> None:
-        if self.group_size < 2:
-            raise InvalidArgumentError(
-                f"group_size must be >= 2, got {self.group_size}: GRPO scores a sample against "
-                "the other samples of its group"
-            )
-
 
 #: ``[rollout]`` of the learning run: its own keys and the knobs of
 #: :class:`~trio_rl.rollout.RolloutConfig`. An unset rollout budget is one step's groups
@@ -168,6 +167,8 @@ LearnRollout = config_section(
         "max_groups_in_flight": "rollout concurrency in groups, the budget B (unset: "
         "`batch_groups`)"
     },
+    # GRPO scores a sample against the other samples of its group: two at least
+    checks={"group_size": at_least(2)},
     group_size=16,
 )
 
@@ -230,7 +231,7 @@ class LearnTrainerKeys(ConfigSection[TrainerConfig]):
         300.0,
         "seconds the run waits for a torchrun or external trainer job to start (its "
         "`trainer/ready` file in `run.out`) before it fails; logged while it waits",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )
     ranks: int = option(1, "data-parallel ranks (torchrun, external)", validator=at_least(1))

@@ -129,6 +129,7 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[S]: ...
 
@@ -142,6 +143,7 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[C]]: ...
 
@@ -155,6 +157,7 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[Any]]:
     """A section class named ``name`` with one key per knob of ``config``: the library's
@@ -163,7 +166,8 @@ def config_section(
     that are no key, each with where its value comes
     from. ``derived``: the keys that are optional and unset by default, each with the key
     whose value they then take (`ConfigSection.to_config` is given it). ``base``: an attrs
-    subclass of `ConfigSection` holding the command's own keys."""
+    subclass of `ConfigSection` holding the command's own keys. ``checks``: a command's
+    stricter check of a key of ``base``, run after the key's own."""
     omit = {} if omit is None else dict(omit)
     meaning = {} if meaning is None else dict(meaning)
     derived = {} if derived is None else dict(derived)
@@ -183,11 +187,22 @@ def config_section(
             f"{name}: {sorted(set(inherited) & keys)} are keys of {config.__name__} already"
         )
     these: dict[str, Any] = {}
-    for key in set(defaults) & set(inherited):
-        # a base key (declared once, e.g. the step's shape) with this command's default
+    checks = {} if checks is None else dict(checks)
+    if set(checks) - set(inherited):
+        raise TypeError(f"{name}: a check for no key of {base.__name__}: {sorted(checks)}")
+    for key in (set(defaults) | set(checks)) & set(inherited):
+        # a base key (declared once, e.g. the step's shape) with this command's default/check
         f = inherited[key]
+        validator = f.validator
+        if key in checks:
+            validator = (
+                checks[key] if validator is None else attrs.validators.and_(validator, checks[key])
+            )
         these[key] = attrs.field(
-            default=defaults[key], validator=f.validator, metadata=dict(f.metadata), type=f.type
+            default=defaults.get(key, f.default),
+            validator=validator,
+            metadata=dict(f.metadata),
+            type=f.type,
         )
     for knob in knobs:
         default: Any = knob.field.default
@@ -214,7 +229,11 @@ def config_section(
         "type[ConfigSection[Any]]",
         # a base key given another default is set on the instance: no slot of its own
         attrs.make_class(
-            name, these, bases=(base,), frozen=True, slots=not set(defaults) & set(inherited)
+            name,
+            these,
+            bases=(base,),
+            frozen=True,
+            slots=not (set(defaults) | set(checks)) & set(inherited),
         ),
     )
     cls.__doc__ = doc

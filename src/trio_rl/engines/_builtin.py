@@ -11,7 +11,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from .._validation import at_least, positive
+from .._validation import at_least, positive_finite
 from ..errors import InvalidArgumentError
 from ._fleet import EngineFleet
 from ._fleet_config import InferenceConfig
@@ -42,7 +42,7 @@ class SimulatedConfig:
         2e6,
         "simulated decode speed per slot; simulated time runs tokens_per_second/30 times "
         "faster than real time",
-        positive,
+        positive_finite,
         may_change=True,
     )
 
@@ -78,7 +78,10 @@ class OpenAIConfig:
     url: str = _knob("http://127.0.0.1:8000", "the server's base URL (openai)")
     model: str = _knob("default", "the served model's name (openai)")
     timeout: float = _knob(
-        600.0, "seconds a request may take, retries included (openai)", positive, may_change=True
+        600.0,
+        "seconds a request may take, retries included (openai)",
+        positive_finite,
+        may_change=True,
     )
     max_attempts: int = _knob(
         4,

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from .._validation import at_least, positive
+from .._validation import at_least, positive_finite
 from ..errors import InvalidArgumentError
 
 __all__ = ["ADMIN_TIMEOUT", "InferenceConfig", "fleet_default"]
@@ -69,7 +69,7 @@ class InferenceConfig:
         600.0,
         "seconds every server may take to answer /health at the start (a vLLM-CPU server "
         "takes about 40 s)",
-        positive,
+        positive_finite,
     )
     min_servers: int | None = _knob(
         None,
@@ -78,21 +78,23 @@ class InferenceConfig:
         at_least(1),
     )
     timeout: float = _knob(
-        600.0, "seconds a request may take, retries on other servers included", positive
+        600.0, "seconds a request may take, retries on other servers included", positive_finite
     )
     max_attempts: int = _knob(3, "servers a request is tried on", at_least(1))
     wait_for_server: float = _knob(
-        600.0, "seconds a request waits for a live server when none is", positive
+        600.0, "seconds a request waits for a live server when none is", positive_finite
     )
-    probe_interval: float = _knob(2.0, "seconds between health probes of each server", positive)
-    probe_timeout: float = _knob(10.0, "seconds a health probe may take", positive)
+    probe_interval: float = _knob(
+        2.0, "seconds between health probes of each server", positive_finite
+    )
+    probe_timeout: float = _knob(10.0, "seconds a health probe may take", positive_finite)
     probe_failures: int = _knob(
         2,
         "failed probes in a row that take a server out (a refused connection takes it out at once)",
         at_least(1),
     )
     admin_timeout: float = _knob(
-        ADMIN_TIMEOUT, "seconds a weight reload of one server may take", positive
+        ADMIN_TIMEOUT, "seconds a weight reload of one server may take", positive_finite
     )
     restarts: int = _knob(3, "restarts of each launched server that exits", at_least(0))
 

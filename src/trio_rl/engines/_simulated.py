@@ -9,13 +9,13 @@ from collections import Counter
 import attrs
 import trio
 
+from .._validation import an_int, positive_finite, positive_int, probability
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
 from ._errors import SimulatedEngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
-from ._validate import an_int, positive_finite, positive_int, probability
 
 __all__ = ["EngineStatistics", "SimulatedEngine"]
 

@@ -18,7 +18,7 @@ See docs/evaluation.md.
 
 from ..errors import EvalConfigError as EvalConfigError
 from ..errors import EvalError as EvalError
-from ..rundir import EVAL_FILE as EVAL_FILE
+from ..rundir import EVAL_LOG as EVAL_LOG
 from ..rundir import EVAL_PENDING_FILE as EVAL_PENDING_FILE
 from ._config import BUILTIN_HELD_OUT as BUILTIN_HELD_OUT
 from ._config import EvalConfig as EvalConfig

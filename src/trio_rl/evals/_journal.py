@@ -49,7 +49,7 @@ class EvalJournal:
 
     @property
     def path(self) -> Path:
-        return RunDirectory(self.directory).evals
+        return RunDirectory(self.directory).eval_log
 
     @property
     def pending_path(self) -> Path:

@@ -137,7 +137,7 @@ class Records:
         run = RunDirectory(run_directory(self.config))
         if self.config.metrics.plot and self.metrics:
             await trio.to_thread.run_sync(
-                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task, run.evals
+                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task, run.eval_log
             )
         if self.config.metrics.console:
             print(f"done in {wall:.1f} s; metrics: {run.metrics}", flush=True)

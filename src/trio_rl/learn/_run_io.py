@@ -16,12 +16,6 @@ import torch
 import trio_util
 
 from ..rundir import (
-    METRICS_FILE,
-    RUN_FILE,
-    STOP_FILE,
-    TRAINED_LOG,
-    TRAINER_LOG,
-    TRAINER_STATE,
     RunDirectory,
 )
 from ..train import CheckpointError
@@ -81,7 +75,7 @@ def trainer_record(stats: StepStats) -> dict[str, Any]:
 
 def append_trainer_record(out: Path, stats: StepStats) -> dict[str, Any]:
     record = trainer_record(stats)
-    path = out / TRAINER_LOG
+    path = RunDirectory(out).trainer_stats
     path.parent.mkdir(parents=True, exist_ok=True)
     append_line(path, json.dumps(record) + "\n")
     return record
@@ -89,12 +83,14 @@ def append_trainer_record(out: Path, stats: StepStats) -> dict[str, Any]:
 
 def read_trainer_log(out: Path) -> list[dict[str, Any]]:
     """The trainer's records (a torn last line is dropped)."""
-    return [r for r in _read_jsonl(out / TRAINER_LOG) if isinstance(r.get("step"), int)]
+    return [
+        r for r in _read_jsonl(RunDirectory(out).trainer_stats) if isinstance(r.get("step"), int)
+    ]
 
 
 def earlier_metrics(out: Path) -> list[dict[str, Any]]:
     """The records of the run being resumed (a torn last line is dropped)."""
-    return _read_jsonl(out / METRICS_FILE)
+    return _read_jsonl(RunDirectory(out).metrics)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -130,7 +126,7 @@ def save_trainer_state(out: Path, step: int, trainer: GRPOTrainer, log: str | No
     """Save the trainer's state after ``step`` (model, optimizer; ``log``: the step's line of
     the trainer job's log, for a job killed before it logged it), fsynced, then replaced: a
     crash leaves the previous state or this one."""
-    path = out / TRAINER_STATE
+    path = RunDirectory(out).trainer_state
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     state: dict[str, Any] = {
@@ -149,7 +145,7 @@ def save_trainer_state(out: Path, step: int, trainer: GRPOTrainer, log: str | No
 def load_trainer_state(out: Path) -> dict[str, Any] | None:
     """The trainer's last saved state, or None; a damaged file is a `CheckpointError` naming
     it."""
-    path = out / TRAINER_STATE
+    path = RunDirectory(out).trainer_state
     if not path.exists():
         return None
     try:
@@ -170,15 +166,15 @@ def prepare_run_directory(out: Path, run_json: dict[str, Any], resuming: bool) -
     steps, and sets its trainer state and log aside (its checkpoints the orchestrator sets
     aside: nothing is deleted that a run cannot make again)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / STOP_FILE).unlink(missing_ok=True)
-    (out / RUN_FILE).write_text(json.dumps(run_json, indent=1))
+    run = RunDirectory(out)
+    run.stop.unlink(missing_ok=True)
+    run.run_file.write_text(json.dumps(run_json, indent=1))
     if resuming:
         return
-    run = RunDirectory(out)
     for directory in (run.weights, run.batches):
         shutil.rmtree(directory, ignore_errors=True)
-    for name in (TRAINER_STATE, TRAINED_LOG):
-        if (out / name).exists():
-            (out / name).replace(out / f"{name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-    (out / TRAINER_LOG).unlink(missing_ok=True)
-    (out / METRICS_FILE).write_text("")
+    for path in (run.trainer_state, run.trained_log):
+        if path.exists():
+            path.replace(path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+    run.trainer_stats.unlink(missing_ok=True)
+    run.metrics.write_text("")

@@ -19,7 +19,7 @@ from ..config import LearnRunConfig
 from ..errors import InvalidArgumentError
 from ..evals import VersionPin
 from ..orchestrator import Orchestrator
-from ..rundir import HEARTBEAT_FILE, ORCHESTRATOR_HEARTBEAT
+from ..rundir import RunDirectory
 from ..transport import free_port_pair
 from ._heartbeat import Heartbeat, beat, watch_heartbeat
 from ._inprocess import InProcessTrainer
@@ -46,7 +46,7 @@ async def _poll_trainer_log(out: Path, log: TrainerLog, interval: float = 0.05) 
 def trainer_heartbeat(config: LearnRunConfig) -> Heartbeat:
     """The trainer job's heartbeat, as the orchestrator watches it."""
     return Heartbeat(
-        run_directory(config) / HEARTBEAT_FILE,
+        RunDirectory(run_directory(config)).trainer_heartbeat,
         config.trainer.connect_timeout,
         name="the trainer job",
         waiting=f"waiting for the trainer job (mode {config.trainer.mode})",
@@ -108,7 +108,7 @@ class TrainerSide:
         if self.mode == "torchrun":
             nursery.start_soon(self._run_torchrun)
         nursery.start_soon(watch_heartbeat, trainer_heartbeat(config))
-        nursery.start_soon(beat, out / ORCHESTRATOR_HEARTBEAT)
+        nursery.start_soon(beat, RunDirectory(out).orchestrator_heartbeat)
 
     async def _run_torchrun(self) -> None:
         cmd = [

@@ -28,7 +28,7 @@ from ..evals import RunEvals
 from ..orchestrator import Orchestrator, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource, RecordReward, import_reward
-from ..rundir import STOP_FILE, RunDirectory
+from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
@@ -156,7 +156,7 @@ async def run_learning(
         # lockstep trainer may train up to the last shipped step; an external trainer job
         # trains up to it, then exits by itself
         orch.final_step = last_shipped
-        await trio.to_thread.run_sync((out / STOP_FILE).write_text, str(last_shipped))
+        await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
         normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
         await trainer.finish(last_shipped, wait=normal_end)
         if ending.stopped != "signal":

@@ -56,9 +56,6 @@ from ..config import LearnRunConfig
 from ..errors import TrainError, collapse_single
 from ..rundir import (
     HEARTBEAT_FILE,
-    ORCHESTRATOR_HEARTBEAT,
-    RUN_FILE,
-    STOP_FILE,
     TRAINED_LOG,
     RunDirectory,
 )
@@ -77,7 +74,7 @@ logger = logging.getLogger("trio_rl.learn")
 
 def load_run_config(out: Path, timeout: float = 60.0) -> LearnRunConfig:
     """The configuration the orchestrator wrote to ``out/run.json`` (waits for it)."""
-    path = out / RUN_FILE
+    path = RunDirectory(out).run_file
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
@@ -161,7 +158,7 @@ class _Job:
         self.trained: trio_util.AsyncValue[int] = trio_util.AsyncValue(self.start - 1)
 
     def _reconcile(self, state: dict[str, Any]) -> None:
-        log = self.out / TRAINED_LOG
+        log = RunDirectory(self.out).trained_log
         _drop_torn_line(log)
         # killed between saving the state and logging its step: the log gets the saved line
         logged = _logged_steps(log)
@@ -177,7 +174,7 @@ class _Job:
         if self.rank == 0:
             line = _log_line(stats, int(sequences.item()), self.trainer.world_size)
             save_trainer_state(self.out, stats.step, self.trainer, log=line)
-            _fsync_append(self.out / TRAINED_LOG, line)
+            _fsync_append(RunDirectory(self.out).trained_log, line)
         if self.trainer.distributed:
             # no rank deletes its batch file before the state that covers it is saved
             dist.barrier()
@@ -207,7 +204,7 @@ class _Job:
         )
         async with trio.open_nursery() as nursery:
             if self.rank == 0:
-                nursery.start_soon(beat, self.out / HEARTBEAT_FILE)
+                nursery.start_soon(beat, RunDirectory(self.out).trainer_heartbeat)
             nursery.start_soon(watch_heartbeat, _orchestrator_heartbeat(self.config))
 
             async def train() -> None:
@@ -233,7 +230,7 @@ class _Job:
                 print(f"trainer job: resumed after step {self.start - 1}", flush=True)
             # Every rank stops after the same step (a rank leaving early would hang the others
             # in an all-reduce): the one the orchestrator names in the stop file, once trained.
-            last = await _wait_for_stop(self.out / STOP_FILE)
+            last = await _wait_for_stop(RunDirectory(self.out).stop)
             await _wait_trained(
                 self.trained,
                 last,
@@ -290,13 +287,13 @@ def _orchestrator_heartbeat(config: LearnRunConfig) -> Heartbeat:
     its last step (``STOP``), its silence is expected."""
     out = run_directory(config)
     return Heartbeat(
-        out / ORCHESTRATOR_HEARTBEAT,
+        RunDirectory(out).orchestrator_heartbeat,
         config.trainer.connect_timeout,
         name="trainer job: the orchestrator",
         waiting="trainer job: waiting for the orchestrator",
         lost=lambda _: "trainer job: no orchestrator heartbeat",
         start="`trio-rl run CONFIG.toml`",
-        ended=(out / STOP_FILE).exists,
+        ended=RunDirectory(out).stop.exists,
     )
 
 
@@ -357,8 +354,8 @@ def run_job(config: LearnRunConfig, steps: int | None = None, where: str = "") -
     out = run_directory(config)
     if world != config.trainer.ranks:
         raise ValueError(
-            f"{where or out / RUN_FILE}: trainer.ranks = {config.trainer.ranks} but the job has "
-            f"{world} rank(s) (torchrun --nproc-per-node x --nnodes)"
+            f"{where or RunDirectory(out).run_file}: trainer.ranks = {config.trainer.ranks} but "
+            f"the job has {world} rank(s) (torchrun --nproc-per-node x --nnodes)"
         )
     if distributed:
         dist.init_process_group("gloo")

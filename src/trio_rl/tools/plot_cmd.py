@@ -296,7 +296,7 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not records:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
     target = Path(out) if out is not None else RunDirectory(metrics.parent).plot
-    evals = read_evals(RunDirectory(metrics.parent).evals)
+    evals = read_evals(RunDirectory(metrics.parent).eval_log)
     fig = build_figure(records, title=metrics.parent.name, evals=evals)
     try:
         fig.savefig(target)

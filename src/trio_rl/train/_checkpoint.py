@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from .._validation import at_least, check_at_least, positive
+from .._durable import fsync_dir
+from .._validation import at_least, check_at_least, positive_finite
 from ..errors import InvalidArgumentError
 from ._checkpoint_chain import CheckpointChain, IncrementalSnapshot, read_checkpoint
 from ._checkpoint_format import (
@@ -34,7 +35,7 @@ from ._checkpoint_format import (
 )
 from ._checkpoint_schema import RunBounds, run_bound_problem
 from ._errors import CheckpointError
-from ._outbox import OUTBOX_NAME, fsync_dir, outbox_name, read_outbox_file, write_outbox_file
+from ._outbox import OUTBOX_NAME, outbox_name, read_outbox_file, write_outbox_file
 from ._sink import TrainSink, finish_restore, finish_restore_async
 from ._sink_state import RestoreReport, check_restorable, payload_files_of_state
 
@@ -132,7 +133,7 @@ class CheckpointConfig:
     )
     compact_ratio: float = attrs.field(
         default=1.0,
-        validator=positive,
+        validator=positive_finite,
         metadata={
             "help": "incremental: compact once the deltas since the last full file exceed this "
             "times its size"

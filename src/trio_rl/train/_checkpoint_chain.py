@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from .._durable import atomic_write, fsync_dir, write_synced
 from ..samples import OpenGroup
 from ._checkpoint_compaction import Compaction
 from ._checkpoint_format import (
@@ -27,7 +28,6 @@ from ._checkpoint_format import (
     Checkpoint,
     CheckpointSnapshot,
     Part,
-    atomic_write,
     checkpoint_name,
     encode_meta,
     list_checkpoints,
@@ -40,7 +40,6 @@ from ._checkpoint_format import (
 from ._checkpoint_schema import check_state
 from ._codec import CodecError
 from ._errors import CheckpointError
-from ._outbox import fsync_dir
 from ._sink import TrainSink, restoring, snapshot_changes
 from ._sink_state import RestoreReport, SinkDelta, SinkState
 from ._types import TrainingSample
@@ -428,17 +427,16 @@ class CheckpointChain:
         full = attrs.evolve(snap, sink=state)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.compact")
         try:
-            with open(tmp, "wb") as f:
-                write_stream(
+            size = write_synced(
+                tmp,
+                lambda f: write_stream(
                     f,
                     full,
                     str(path),
                     link={"chain": chain, "seq": seq},
                     abort=self.compaction.abort,
-                )
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
+                ),
+            )
             with self.lock:
                 link = self.links.get(path)
                 if path not in self.written or link is None or link[1:3] != (chain, seq):

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, TypeVar
 import attrs
 import msgpack
 
+from .._durable import atomic_write
 from ..samples import OpenGroup
 from ._checkpoint_schema import (
     Link,
@@ -54,7 +55,6 @@ from ._codec import (
     encode_training_sample,
 )
 from ._errors import CheckpointError, TrainError
-from ._outbox import fsync_dir
 from ._sink_state import SinkDelta, SinkState
 from ._types import TrainingSample
 
@@ -289,24 +289,6 @@ def _check_training_sample(obj: object, what: str) -> object:
 def _judge_meta(obj: object, version: int) -> None:
     meta = decode_meta(obj, 2**62)
     decode_link(obj, delta=version == DELTA_SCHEMA_VERSION, step=meta.step)
-
-
-def atomic_write(target: Path, write: Callable[[BinaryIO], None], suffix: str = "tmp") -> int:
-    """``write`` into ``<target>.<pid>.<suffix>``, fsync, rename over ``target``, fsync the
-    directory; returns the file's size. On any error the temporary file is removed."""
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.{suffix}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-    return size
 
 
 def encode_checkpoint(snap: CheckpointSnapshot) -> bytes:

@@ -13,16 +13,17 @@ fsync of the directory); a truncated or corrupt file raises :class:`CheckpointEr
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
+from .._durable import atomic_write
 from ._errors import CheckpointError
 
-__all__ = ["fsync_dir", "read_outbox_file", "write_outbox_file"]
+__all__ = ["read_outbox_file", "write_outbox_file"]
 
 #: The first bytes of every outbox file, and the name of step N's.
 OUTBOX_MAGIC = b"TRIORLOB"
@@ -41,38 +42,23 @@ _TRAILER = struct.Struct("<I8s")
 _U64 = struct.Struct("<Q")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_outbox_file(
     target: Path, step: int, payloads: Sequence[bytes | bytearray | memoryview]
 ) -> Path:
     """Blocking: write step ``step``'s payloads (one per rank) to ``target`` atomically."""
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    crc = 0
-    try:
-        with open(tmp, "wb") as f:
-            head = _HEADER.pack(OUTBOX_MAGIC, _VERSION, len(payloads), step)
-            f.write(head)
-            crc = zlib.crc32(head, crc)
-            for payload in payloads:
-                size = _U64.pack(memoryview(payload).nbytes)
-                f.write(size)
-                f.write(payload)
-                crc = zlib.crc32(payload, zlib.crc32(size, crc))
-            f.write(_TRAILER.pack(crc, _END))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+
+    def write(f: BinaryIO) -> None:
+        head = _HEADER.pack(OUTBOX_MAGIC, _VERSION, len(payloads), step)
+        f.write(head)
+        crc = zlib.crc32(head)
+        for payload in payloads:
+            size = _U64.pack(memoryview(payload).nbytes)
+            f.write(size)
+            f.write(payload)
+            crc = zlib.crc32(payload, zlib.crc32(size, crc))
+        f.write(_TRAILER.pack(crc, _END))
+
+    atomic_write(target, write)
     return target
 
 

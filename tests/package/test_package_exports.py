@@ -87,7 +87,14 @@ def test_the_transport_facade_exports_one_sender_and_one_receiver_per_transport(
         "unregister_transport",
         "transport_kind",
         "transport_kinds",
+        # the file transport's layout, which the run directory and `trio-rl inspect` read
         "held_steps",
+        "batches_dir",
+        "end_marker_path",
+        "consumed_dir",
+        "STEP_DIR",
+        "RANK_FILE",
+        "CONSUMED_FILE",
     }
     for sender in (transport.FileSender, transport.ZmqSender, transport.MemorySender):
         assert issubclass(sender, transport.Sender)

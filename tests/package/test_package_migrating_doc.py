@@ -6,7 +6,7 @@ configuration key, written ``[section] key``, ``--set section.key=...``, in a ``
 (or a backticked ``section.key`` whose section is a configuration section), must be a field of
 ``trio-rl run``'s or ``trio-rl simulate``'s configuration. A rename anywhere then fails here
 instead of leaving the page wrong. The page must also keep covering the reference knobs and
-behaviours issue 9 asks it to map.
+behaviours a user coming from miles or prime-rl looks for.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ _CODE = re.compile(r"`([^`\n]+)`")
 _DOT_KEY = re.compile(r"([a-z_]+)\.([a-z_]+)")
 _TOML_BLOCK = re.compile(r"^```toml\n(.*?)^```", re.S | re.M)
 
-# What the page must keep mapping (issue 9: every reference knob and behaviour a migrating user
-# would look for).
+# What the page must keep mapping: every reference knob and behaviour a migrating user would
+# look for.
 REQUIRED = [
     "--rollout-batch-size",
     "--n-samples-per-prompt",

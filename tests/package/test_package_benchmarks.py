@@ -1,6 +1,6 @@
 """The benchmark scripts run: ``run_all.py --quick`` (tiny sizes, one repetition) in a subprocess.
 
-The figures of issue 12 come from ``nox -s bench``; this only pins that every script still runs
+The recorded figures come from ``nox -s bench``; this only pins that every script still runs
 to its end and prints its goal lines, so a broken benchmark fails CI instead of the next
 recorded run.
 """

@@ -22,7 +22,7 @@ def test_the_quickstart_has_a_complete_program_with_a_trainer() -> None:
     blocks = _blocks()
     assert blocks, "docs/quickstart.md has no python block"
     program = blocks[0]
-    # the snippet the issue found broken: it must open an in-process engine and a trainer
+    # a snippet that once skipped them: it must open an in-process engine and a trainer
     assert "TorchEngine.open" in program
     assert "BatchReceiver" in program
     assert "set_policy_version" in program
