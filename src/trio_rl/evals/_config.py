@@ -6,7 +6,7 @@ from typing import Literal
 
 import attrs
 
-from .._validation import at_least, one_of, positive
+from .._validation import at_least, one_of, positive_finite
 
 __all__ = ["BUILTIN_HELD_OUT", "EvalConfig", "OnResume"]
 
@@ -102,7 +102,7 @@ class EvalConfig:
     )
     timeout: float = attrs.field(
         default=600.0,
-        validator=positive,
+        validator=positive_finite,
         metadata={
             "may_change": True,
             "help": "seconds one eval may take; past them it is cut and recorded as cut "

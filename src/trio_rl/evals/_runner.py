@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from .._validation import at_least, positive
+from .._validation import at_least, optional_positive_finite
 from ..errors import EvalError
 from ..rollout import (
     GenerateFn,
@@ -95,7 +95,7 @@ class EvalRunner:
     success_threshold: float = 1.0
     lane: PriorityLane | None = None
     max_samples_in_flight: int = attrs.field(default=256, validator=at_least(1))
-    sample_timeout: float | None = attrs.field(default=None, validator=positive)
+    sample_timeout: float | None = attrs.field(default=None, validator=optional_positive_finite)
     seed: int | None = None
     temperature: float | None = None
     #: Failures logged with their error (the rest are only counted).
