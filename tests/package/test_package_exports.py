@@ -19,7 +19,7 @@ FACADES = [
     "trio_rl.policy",
     "trio_rl.engines",
     "trio_rl.rollout",
-    "trio_rl.train",
+    "trio_rl.sink",
     "trio_rl.publish",
     "trio_rl.transport",
     "trio_rl.trainer",
@@ -136,7 +136,7 @@ PINNED: dict[str, set[str]] = {
         # a scheduler's ``policy`` is while one is attached)
         *("PriorityLane", "LanePolicy", "LaneStatistics"),
     },
-    "trio_rl.train": {
+    "trio_rl.sink": {
         *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),
         "CheckpointManager",
         "CheckpointSnapshot",

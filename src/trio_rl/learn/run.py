@@ -33,6 +33,7 @@ from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
 from ._evals import finish_evals, open_run_evals
+from ._grpo import StepStats
 from ._policy import Policy
 from ._records import Records, write_plot
 from ._run_io import TrainerLog, earlier_metrics, load_trainer_state, prepare_run_directory
@@ -46,7 +47,6 @@ from ._settings import (
     run_json,
 )
 from ._steps import Display, converged, watch_convergence
-from ._trainer import StepStats
 from ._trainer_jobs import TrainerSide
 from ._watcher import watch_weights
 
