@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from .._validation import at_least
-from ._credits import CreditView, SubmissionPolicy
+from ._credits import CreditView, SubmissionPolicy, replace_policy
 from ._errors import RolloutConfigError
 
 if TYPE_CHECKING:
@@ -264,14 +264,14 @@ class _Attached:
         lane._scheduler = scheduler
         if self.budget is not None:
             lane._budget = self.budget
-        scheduler.policy = LanePolicy(scheduler.policy, lane)
+        replace_policy(scheduler, LanePolicy(scheduler.policy, lane))
         lane._grant(None)
         return lane
 
     def __exit__(self, *exc: object) -> None:
         lane, scheduler = self.lane, self.scheduler
         if isinstance(scheduler.policy, LanePolicy) and scheduler.policy.lane is lane:
-            scheduler.policy = scheduler.policy.inner
+            replace_policy(scheduler, scheduler.policy.inner)
         lane._wake_driver("priority lane detached")
         lane._scheduler = None
         lane._budget = None
