@@ -29,6 +29,9 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
     "rollout": {"payloads", "samples", "policy", "engines"},
+    # multi-turn episodes: an environment drives the engine turn by turn; its runner is the
+    # rollout layer's generate function
+    "envs": {"payloads", "samples", "policy", "engines", "rollout"},
     "train": {"payloads", "samples", "wire"},
     "transport": {"wire"},
     # the run directory's layout: it asks the checkpoint manager and the file transport
@@ -43,6 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
     "tools": {"payloads", "samples", "wire", "train", "transport", "publish", "rundir"},
     "learn": {
+        "envs",
         # the run's plot is the figure of `trio-rl plot` (tools reads records, never learns)
         "tools",
         "config",
@@ -68,7 +72,7 @@ ALLOWED: dict[str, set[str]] = {
         "payloads",
         "policy",
         *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
-        *("orchestrator", "learn", "config", "tools", "rundir"),
+        *("orchestrator", "learn", "config", "tools", "rundir", "envs"),
     },
     "__main__": {"cli"},
 }
