@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import trio
+from envs_helpers import CODEC, EOS, RecordingEngine, ScriptedPolicy
 
 from trio_rl.engines import SamplingParams
 from trio_rl.envs import (
@@ -24,8 +25,6 @@ from trio_rl.envs import (
 from trio_rl.errors import EnvConfigError
 from trio_rl.rollout import GroupRunner, run_group
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-
-from envs_helpers import CODEC, EOS, RecordingEngine, ScriptedPolicy
 
 
 def lookup_reply(prompt: str) -> str:
@@ -65,7 +64,8 @@ async def test_the_sample_is_the_episodes_exact_tokens_with_the_exact_mask() -> 
     assert sample.completion_tokens == [*call, *reply, *answer]
     assert sample.loss_mask == [True] * 3 + [False] * 3 + [True] * 3
     assert sample.logprobs == [-0.01, -0.02, -0.03, 0.0, 0.0, 0.0, -0.01, -0.02, -0.03]
-    assert sample.status is SampleStatus.COMPLETED and sample.reward == 1.0
+    assert sample.status is SampleStatus.COMPLETED
+    assert sample.reward == 1.0
     assert sample.policy_versions == [4, 4]
     assert sample.metadata[EPISODE_KEY] == {
         "turns": 2,
@@ -80,7 +80,8 @@ async def test_the_sample_is_the_episodes_exact_tokens_with_the_exact_mask() -> 
     assert engine.requests[1].prompt_tokens == sample.prompt_tokens + tuple(call) + reply
     # every turn of the episode is routed alike
     assert len({r.routing_key for r in engine.requests}) == 1
-    assert runner.stats.stops["done"] == 1 and runner.stats.tool_calls == 1
+    assert runner.stats.stops["done"] == 1
+    assert runner.stats.tool_calls == 1
 
 
 async def test_a_single_turn_run_is_an_environment_with_one_generate() -> None:
@@ -95,7 +96,8 @@ async def test_a_single_turn_run_is_an_environment_with_one_generate() -> None:
     await runner(sample)
     assert sample.completion_tokens == [*CODEC.encode("ab"), EOS]
     assert sample.loss_mask == [True] * 3
-    assert sample.reward == 1.0 and sample.status is SampleStatus.COMPLETED
+    assert sample.reward == 1.0
+    assert sample.status is SampleStatus.COMPLETED
     # the request is the single-turn one: the prompt and the sample's seed
     assert engine.requests[0].prompt_tokens == sample.prompt_tokens
     assert engine.requests[0].params.seed == 7
@@ -113,7 +115,8 @@ async def test_one_credit_per_episode_through_the_group_runner() -> None:
     )
     assert sorted(done) == [0, 1, 2, 3]  # one report (one credit) per episode, not per turn
     assert all(s.reward == 1.0 for s in samples)
-    assert runner.stats.turns == 8 and runner.stats.episodes == 4
+    assert runner.stats.turns == 8
+    assert runner.stats.episodes == 4
 
 
 async def test_observed_tokens_are_never_re_encoded_and_generate_returns_only_the_turn() -> None:
@@ -133,7 +136,8 @@ async def test_observed_tokens_are_never_re_encoded_and_generate_returns_only_th
     await runner(sample)
     assert seen == ["abc", "ab"]
     assert sample.loss_mask == [True] * 4 + [False] * 3 + [True] * 2
-    assert sample.status is SampleStatus.COMPLETED and sample.reward == 0.5
+    assert sample.status is SampleStatus.COMPLETED
+    assert sample.reward == 0.5
 
 
 async def test_generate_refuses_a_bad_max_tokens_as_an_error_of_the_episode() -> None:
@@ -148,7 +152,7 @@ async def test_generate_refuses_a_bad_max_tokens_as_an_error_of_the_episode() ->
 
 
 def test_the_config_refuses_bad_values_naming_them() -> None:
-    with pytest.raises(ValueError, match="EnvConfig.max_turns must be >= 1"):
+    with pytest.raises(ValueError, match=r"EnvConfig\.max_turns must be >= 1"):
         EnvConfig(max_turns=0)
-    with pytest.raises(ValueError, match="EnvConfig.on_mismatch must be one of"):
+    with pytest.raises(ValueError, match=r"EnvConfig\.on_mismatch must be one of"):
         EnvConfig(on_mismatch="ignore")  # type: ignore[arg-type]

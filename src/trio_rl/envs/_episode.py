@@ -84,6 +84,8 @@ class Episode:
     turns: int = 0
     #: set once the episode ended (by a budget, a tool, or :meth:`stop`)
     stop_reason: StopReason | None = None
+    #: the reward :meth:`stop` was given (0.0 for the budgets' stops)
+    stop_reward: float = 0.0
     #: the finish reason of the last turn (``stop``, ``length``)
     last_finish: str | None = None
     #: the conversation so far, when every part of it is a chat message (for the template check)
@@ -118,12 +120,14 @@ class Episode:
                 f"Episode.stop: reason must be one of {list(STOP_REASONS)}, got {reason!r}"
             )
         if self.stop_reason is None:
-            self.stop_reason = reason
-        raise EpisodeStoppedError(self.stop_reason, reward, detail)
+            self.stop_reason, self.stop_reward = reason, reward
+        raise EpisodeStoppedError(self.stop_reason, self.stop_reward, detail)
 
     def _check_open(self) -> None:
         if self.stop_reason is not None:
-            raise EpisodeStoppedError(self.stop_reason, 0.0, "the episode had ended already")
+            raise EpisodeStoppedError(
+                self.stop_reason, self.stop_reward, "the episode had ended already"
+            )
 
     # ---------------------------------------------------------------------------- turns
 

@@ -166,9 +166,9 @@ class EpisodeRunner:
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
             try:
                 reward = await self._play(episode, record)
-            except EpisodeStoppedError as stop:
+            except EpisodeStoppedError:
                 reason = episode.stop_reason or "error"
-                reward = stop.reward
+                reward = episode.stop_reward
             except EpisodeAbortedError:
                 sample.status = SampleStatus.ABORTED
                 self.stats.aborted += 1
@@ -180,7 +180,7 @@ class EpisodeRunner:
                 self._log(sample, exc)
             else:
                 if episode.stop_reason is not None:  # the environment swallowed its stop
-                    reason, reward = episode.stop_reason, 0.0
+                    reason, reward = episode.stop_reason, episode.stop_reward
         if scope.cancelled_caught:
             reason, reward = "episode_timeout", 0.0
         self._finish(sample, episode, reason, reward)

@@ -48,8 +48,13 @@ class CallSyntax(Protocol):
         :class:`~trio_rl.errors.ToolCallSyntaxError` for a call that does not parse."""
         ...
 
-    def show(self, episode: Episode, call: ToolCall | None, result: str) -> None:
-        """Append a call's result (or, with ``call`` None, an error message) to ``episode``."""
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        """Append a call's result to ``episode``."""
+        ...
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        """Append the message of a call that could not run (it did not parse, names no tool,
+        or has arguments the tool does not take) to ``episode``."""
         ...
 
 
@@ -78,30 +83,38 @@ class HermesCalls:
             calls.append(ToolCall(value["name"], (), arguments))
         return calls
 
-    def show(self, episode: Episode, call: ToolCall | None, result: str) -> None:
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
         if episode.chat is not None:
             episode.observe_message("tool", result)
         else:
             episode.observe(f"<tool_response>\n{result}\n</tool_response>\n")
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        self.show(episode, ToolCall("error"), f"error: {message}")
 
 
 @attrs.frozen
 class CompactCalls:
     """A call syntax for tiny character models: a turn that starts with ``marker`` calls the
     tool ``tool`` (default: the environment's only tool) with the rest of the text as its one
-    argument; the result is shown as its text followed by ``end``."""
+    argument; the result is shown as its text followed by ``end``, a call that cannot run as
+    ``error`` followed by ``end`` (a character model's vocabulary has no room for messages)."""
 
     marker: str = "?"
     tool: str | None = None
     end: str = "="
+    error: str = ""
 
     def parse(self, text: str) -> list[ToolCall]:
         if not text.startswith(self.marker):
             return []
         return [ToolCall(self.tool or "", (text[len(self.marker) :],))]
 
-    def show(self, episode: Episode, call: ToolCall | None, result: str) -> None:
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
         episode.observe(result + self.end)
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        episode.observe(self.error + self.end)
 
 
 def _tool_name(fn: Callable[..., Any]) -> str:
@@ -157,13 +170,13 @@ class ToolEnv:
             try:
                 calls = self.syntax.parse(text)
             except ToolCallSyntaxError as exc:
-                self.syntax.show(episode, None, f"error: {exc}")
+                self.syntax.show_error(episode, str(exc))
                 continue
             if not calls:
                 return await self._score(episode, record, text, made)
             for call in calls:
                 made.append(call)
-                self.syntax.show(episode, call, await self._run(episode, box, call))
+                await self._run(episode, box, call)
 
     async def _score(
         self, episode: Episode, record: Mapping[str, Any], text: str, made: list[ToolCall]
@@ -174,15 +187,18 @@ class ToolEnv:
 
     async def _run(
         self, episode: Episode, box: Mapping[str, Callable[..., Any]], call: ToolCall
-    ) -> str:
+    ) -> None:
+        """Run ``call`` and show its result (or why it could not run) to the policy."""
         fn = box.get(call.name)
         if fn is None:
             known = ", ".join(sorted(n for n in box if n))
-            return f"error: unknown tool {call.name!r} (tools: {known})"
+            self.syntax.show_error(episode, f"unknown tool {call.name!r} (tools: {known})")
+            return
         try:
             inspect.signature(fn).bind(*call.args, **call.kwargs)
         except TypeError as exc:
-            return f"error: {call.name}: {exc}"
+            self.syntax.show_error(episode, f"{call.name}: {exc}")
+            return
         except ValueError:
             pass  # no signature to check (a builtin): the call itself will say
         episode.stats.tool_calls += 1
@@ -197,4 +213,4 @@ class ToolEnv:
             episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
         except Exception as exc:
             episode.stop("error", detail=f"tool {call.name!r} raised {type(exc).__name__}: {exc}")
-        return str(result)
+        self.syntax.show(episode, call, str(result))
