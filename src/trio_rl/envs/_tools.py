@@ -95,20 +95,31 @@ class HermesCalls:
 
 @attrs.frozen
 class CompactCalls:
-    """A call syntax for tiny character models: a turn that starts with ``marker`` calls the
-    tool ``tool`` (default: the environment's only tool) with the rest of the text as its one
-    argument; the result is shown as its text followed by ``end``, a call that cannot run as
-    ``error`` followed by ``end`` (a character model's vocabulary has no room for messages)."""
+    """A call syntax for tiny character models: a turn whose text starts with a match of
+    ``pattern`` (a regular expression) calls the tool ``tool`` (default: the environment's only
+    tool) with the pattern's groups as arguments; the rest of the turn is ignored. The default,
+    ``?`` then anything, passes the rest of the text as the one argument. A result is shown as
+    its text followed by ``end``, a call that cannot run as ``error`` followed by ``end`` (a
+    character model's vocabulary has no room for messages)."""
 
-    marker: str = "?"
+    pattern: str = r"\?(.*)"
     tool: str | None = None
     end: str = "="
     error: str = ""
+    _compiled: re.Pattern[str] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            compiled = re.compile(self.pattern, re.DOTALL)
+        except re.error as exc:
+            raise EnvConfigError(f"CompactCalls.pattern {self.pattern!r}: {exc}") from None
+        object.__setattr__(self, "_compiled", compiled)
 
     def parse(self, text: str) -> list[ToolCall]:
-        if not text.startswith(self.marker):
+        match = self._compiled.match(text)
+        if match is None:
             return []
-        return [ToolCall(self.tool or "", (text[len(self.marker) :],))]
+        return [ToolCall(self.tool or "", match.groups())]
 
     def show(self, episode: Episode, call: ToolCall, result: str) -> None:
         episode.observe(result + self.end)

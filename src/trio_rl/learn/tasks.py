@@ -9,13 +9,24 @@ complete data set for it. The reward is :func:`char_reward`: partial credit per 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from ..envs import CompactCalls, ToolCall, ToolEnv
 from ..errors import InvalidArgumentError
-from ._task import TASKS, char_reward
+from ._task import LOOKUP_KEYS, TASKS, char_reward
 
-__all__ = ["copy", "expected", "repeat", "reverse", "task_records"]
+__all__ = [
+    "copy",
+    "expected",
+    "lookup",
+    "lookup_blind",
+    "lookup_reward",
+    "repeat",
+    "reverse",
+    "task_records",
+]
 
 
 def expected(task: str, prompt: str) -> str:
@@ -46,14 +57,62 @@ def reverse(record: Mapping[str, Any], completion: str) -> float:
     return char_reward(completion, expected("reverse", str(record["prompt"])))
 
 
+def lookup_reward(record: Mapping[str, Any], answer: str, calls: Sequence[ToolCall]) -> float:
+    """The lookup task's reward: nothing without a tool call (the task is to look the value
+    up); with one, 0.05, 0.1 more when it named the prompt's key, plus 0.85 x
+    :func:`char_reward` of the answer and the key's value in the record's table. The value
+    is drawn per record: only the tool's reply tells it (a policy that calls right and
+    guesses the answer gets about 0.25)."""
+    if not calls:
+        return 0.0
+    key = str(record["key"])
+    right = any(call.args == (key,) for call in calls)
+    return 0.05 + 0.1 * right + 0.85 * char_reward(answer, str(record["table"][key]))
+
+
+def _table_tool(
+    blank: bool,
+) -> Callable[[Mapping[str, Any]], list[Callable[[str], Awaitable[str]]]]:
+    def tools(record: Mapping[str, Any]) -> list[Callable[[str], Awaitable[str]]]:
+        table = record["table"]
+
+        async def lookup(key: str) -> str:  # a dict lookup: on the loop, no worker thread
+            return "" if blank else str(table.get(key, ""))
+
+        return [lookup]
+
+    return tools
+
+
+#: The lookup task's call syntax: a turn that is one key looks it up; the reply is the
+#: value, then ``=``.
+LOOKUP_CALLS = CompactCalls(pattern=f"([{LOOKUP_KEYS}])$")
+
+#: The built-in multi-turn task (``[env] function = "trio_rl.learn.tasks:lookup"``): the
+#: prompt names a key (``'3='``); the policy calls the lookup tool with it (``'3'``), reads the
+#: reply (``'fa='``) and answers the value (``'fa'``).
+lookup = ToolEnv(
+    [], lookup_reward, max_turns=2, syntax=LOOKUP_CALLS, record_tools=_table_tool(blank=False)
+)
+#: The control of :data:`lookup`: the same task with the tool's reply blanked (``'='``).
+lookup_blind = ToolEnv(
+    [], lookup_reward, max_turns=2, syntax=LOOKUP_CALLS, record_tools=_table_tool(blank=True)
+)
+
+
 def task_records(task: str, n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` records ``{"prompt": ..., "answer": ...}`` of built-in ``task`` drawn with
-    ``seed`` (the answer is for a reader: the rewards recompute it from the prompt)."""
-    import random
-
+    ``seed`` (the answer is for a reader: the rewards recompute it from the prompt). The
+    lookup task's records also hold the ``key`` and the ``table`` its tool reads (a value per
+    key, drawn per record)."""
     rng = random.Random(seed)
-    out = []
+    out: list[dict[str, Any]] = []
     for _ in range(n):
         text, target = TASKS[task].draw(rng)
-        out.append({"prompt": text + "=", "answer": target})
+        if task == "lookup":
+            table = {k: TASKS[task].draw(rng)[1] for k in LOOKUP_KEYS}
+            table[text] = target
+            out.append({"prompt": text + "=", "answer": target, "key": text, "table": table})
+        else:
+            out.append({"prompt": text + "=", "answer": target})
     return out
