@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import EnvConfigError
+from ..errors import EnvConfigError, TemplateMismatchError
 
 __all__ = ["ChatTemplate", "Message"]
 
@@ -95,9 +95,20 @@ class ChatTemplate:
         return after[len(before) :]
 
     def message(self, role: str, content: str) -> tuple[int, ...]:
-        """The tokens of one new message (no generation prompt)."""
+        """The tokens of one new message (no generation prompt), rendered after a user and an
+        assistant message, or after a user message alone for a template that renders an
+        assistant message differently once another follows it (the episode's check reports
+        such a template when it changed the episode's own turns). Raises
+        :class:`~trio_rl.errors.TemplateMismatchError` when neither renders it by appending."""
         new = {"role": role, "content": content}
-        return self.encode(self._after(self.render(_BASE), self.render([*_BASE, new])))
+        for base in (_BASE, _BASE[:1]):
+            before, after = self.render(base), self.render([*base, new])
+            if after.startswith(before):
+                return self.encode(after[len(before) :])
+        raise TemplateMismatchError(
+            f"ChatTemplate: a {role!r} message cannot be rendered alone: the template changes "
+            "the text of the messages before it"
+        )
 
     @property
     def generation_prompt(self) -> tuple[int, ...]:

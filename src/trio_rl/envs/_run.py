@@ -162,6 +162,7 @@ class EpisodeRunner:
         )
         reason: StopReason = "done"
         reward = 0.0
+        drop = False
         timeout = self.config.episode_timeout
         with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
             try:
@@ -173,8 +174,13 @@ class EpisodeRunner:
                 sample.status = SampleStatus.ABORTED
                 self.stats.aborted += 1
                 return
-            except (EngineError, TemplateMismatchError):
+            except EngineError:
                 raise  # the engine gave up on the turn: the group fails, as a sample would
+            except TemplateMismatchError:
+                self.stats.mismatches += 1
+                if self.config.on_mismatch == "fail":
+                    raise
+                reason, drop = "error", True
             except Exception as exc:
                 reason = "error"
                 self._log(sample, exc)
@@ -184,6 +190,8 @@ class EpisodeRunner:
         if scope.cancelled_caught:
             reason, reward = "episode_timeout", 0.0
         self._finish(sample, episode, reason, reward)
+        if drop:
+            sample.loss_mask = [False] * len(sample.loss_mask)
 
     async def _play(self, episode: Episode, record: Mapping[str, Any]) -> float:
         value = await self.env(episode, record)
@@ -204,7 +212,13 @@ class EpisodeRunner:
         }
         self.stats.ended(reason)
         chat, messages = self.chat, episode.messages
-        if chat is not None and messages is not None and not chat.matches(messages, episode.tokens):
+        checked = reason != "error"  # an episode that failed is not trained anyway
+        if (
+            checked
+            and chat is not None
+            and messages is not None
+            and not chat.matches(messages, episode.tokens)
+        ):
             self.stats.mismatches += 1
             if self.config.on_mismatch == "fail":
                 raise TemplateMismatchError(
