@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from trio_rl.engines import Completion, Engine, GenerateRequest
+from trio_rl.engines import Completion, Engine, FinishReason, GenerateRequest
 
 CHARS = "abcdefgh12345?="
 EOS = 1
@@ -45,9 +45,9 @@ class ScriptedPolicy:
 
     async def generate(self, request: GenerateRequest) -> Completion:
         await trio.sleep(self.delay)
-        text = self.reply(CODEC.decode(t for t in request.prompt_tokens if t != EOS))
+        text = self.reply(CODEC.decode([t for t in request.prompt_tokens if t != EOS]))
         tokens = [*CODEC.encode(text), EOS][: request.params.max_tokens]
-        finish = "stop" if tokens and tokens[-1] == EOS else "length"
+        finish: FinishReason = "stop" if tokens and tokens[-1] == EOS else "length"
         logprobs = [-0.01 * (i + 1) for i in range(len(tokens))]
         return Completion(tokens, logprobs, finish, self.version)
 

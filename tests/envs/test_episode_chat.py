@@ -5,7 +5,7 @@ turns is detected: fail or drop, counted."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -89,7 +89,7 @@ def add(a: int, b: int) -> str:
     return json.dumps(a + b)
 
 
-def reward(record: Mapping[str, Any], answer: str, calls: list[ToolCall]) -> float:
+def reward(record: Mapping[str, Any], answer: str, calls: Sequence[ToolCall]) -> float:
     return float(answer.strip() == "it is 5")
 
 

@@ -23,14 +23,14 @@ from ..engines import (
     GenerateRequest,
     SamplingParams,
 )
-from ..errors import EnvConfigError, EpisodeStoppedError
+from ..errors import EnvConfigError, EnvError, EpisodeStoppedError
 from ..rollout import current_abort
 from ..samples import Sample
 from ._chat import ChatTemplate
 from ._config import STOP_REASONS, EnvConfig, StopReason
 from ._stats import EpisodeStats
 
-__all__ = ["Codec", "Episode", "EpisodeAbortedError"]
+__all__ = ["Codec", "Episode"]
 
 _T = TypeVar("_T")
 
@@ -43,7 +43,7 @@ class Codec(Protocol):
     def decode(self, tokens: Sequence[int]) -> str: ...
 
 
-class EpisodeAbortedError(Exception):
+class _AbortedEpisodeError(EnvError):
     """An engine answered a turn with finish reason ``abort`` (a soft stop of the driver):
     the episode is given up and regenerated (never continued)."""
 
@@ -160,7 +160,7 @@ class Episode:
         sample.logprobs.extend(completion.logprobs)
         sample.loss_mask.extend([True] * len(completion.tokens))
         if completion.finish_reason == "abort":
-            raise EpisodeAbortedError
+            raise _AbortedEpisodeError
         sample.policy_versions.append(completion.policy_version)
         self.spans.append((start, len(sample.completion_tokens), completion.policy_version))
         self.turns += 1

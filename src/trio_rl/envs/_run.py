@@ -24,7 +24,7 @@ from ..errors import EnvConfigError, EpisodeStoppedError, TemplateMismatchError
 from ..samples import Sample, SampleStatus
 from ._chat import ChatTemplate
 from ._config import EnvConfig, StopReason
-from ._episode import Codec, Episode, EpisodeAbortedError
+from ._episode import Codec, Episode, _AbortedEpisodeError
 from ._stats import EpisodeStats
 
 __all__ = ["EnvFn", "EpisodeRunner", "RecordRewardFn", "import_env", "single_turn"]
@@ -62,7 +62,8 @@ def single_turn(reward: RecordRewardFn) -> EnvFn:
         text = await episode.generate()
         if is_async:
             return float(await reward(record, text))  # type: ignore[misc]
-        return float(await episode.run_sync(reward, record, text))
+        value: Any = await episode.run_sync(reward, record, text)
+        return float(value)
 
     return play
 
@@ -170,7 +171,7 @@ class EpisodeRunner:
             except EpisodeStoppedError:
                 reason = episode.stop_reason or "error"
                 reward = episode.stop_reward
-            except EpisodeAbortedError:
+            except _AbortedEpisodeError:
                 sample.status = SampleStatus.ABORTED
                 self.stats.aborted += 1
                 return

@@ -194,7 +194,8 @@ class ToolEnv:
     ) -> float:
         if _is_async(self.reward):
             return float(await self.reward(record, text, made))  # type: ignore[misc]
-        return float(await episode.run_sync(self.reward, record, text, made))
+        value: Any = await episode.run_sync(self.reward, record, text, made)
+        return float(value)
 
     async def _run(
         self, episode: Episode, box: Mapping[str, Callable[..., Any]], call: ToolCall
