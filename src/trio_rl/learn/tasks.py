@@ -90,7 +90,7 @@ LOOKUP_CALLS = CompactCalls(pattern=f"([{LOOKUP_KEYS}])$")
 
 #: The built-in multi-turn task (``[env] function = "trio_rl.learn.tasks:lookup"``): the
 #: prompt names a key (``'3='``); the policy calls the lookup tool with it (``'3'``), reads the
-#: reply (``'fa='``) and answers the value (``'fa'``).
+#: reply (``'f='``) and answers the value (``'f'``).
 lookup = ToolEnv(
     [], lookup_reward, max_turns=2, syntax=LOOKUP_CALLS, record_tools=_table_tool(blank=False)
 )
