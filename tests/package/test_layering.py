@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers
-    "config": {"rollout", "train", "trainer", "transport", "rundir"},
+    "config": {"rollout", "train", "trainer", "transport", "rundir", "envs"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ..envs import EnvConfig
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
 from ..train import CheckpointConfig, SinkConfig
@@ -25,7 +26,7 @@ from ._sections import SIZED_ELSEWHERE, ConfigSection, config_section
 
 __all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
 
-Task = Literal["copy", "repeat", "reverse"]
+Task = Literal["copy", "repeat", "reverse", "lookup"]
 
 
 def _check_port(port: int | None, allowed: bool, name: str) -> None:
@@ -114,7 +115,9 @@ class LearnRolloutKeys(ConfigSection[RolloutConfig]):
     """``[rollout]``'s keys of the learning run that are no knob of ``RolloutConfig``: the
     task's prompts, the step's shape and the sampling temperature."""
 
-    task: Task = option("repeat", "the verifiable task (copy, repeat, reverse)")  # noqa: RUF009
+    task: Task = option(  # noqa: RUF009
+        "repeat", "the verifiable task (copy, repeat, reverse; lookup: a tool, two turns)"
+    )
     prompts: int = option(4096, "prompts drawn from the task (cycled)", validator=at_least(1))
     batch_groups: int = option(8, "groups per step", validator=at_least(1))
     group_size: int = option(16, "samples per group", validator=at_least(2))
@@ -237,6 +240,15 @@ LearnCheckpoint = config_section(
     "What is kept on disk: the orchestrator's checkpoints (trio_rl.train.CheckpointConfig) "
     "and the published weights.",
     base=LearnCheckpointKeys,
+)
+
+
+#: ``[env]``: multi-turn episodes (trio_rl.envs.EnvConfig): the environment and its budgets.
+LearnEnv = config_section(
+    EnvConfig,
+    "LearnEnv",
+    "Multi-turn episodes (trio_rl.envs.EnvConfig): the environment the policy plays each "
+    "record with, and the episode's budgets (docs/environments.md).",
 )
 
 
@@ -443,6 +455,7 @@ class LearnRunConfig:
     data: DataSection = attrs.field(factory=DataSection)
     reward: RewardSection = attrs.field(factory=RewardSection)
     inference: Inference = attrs.field(factory=Inference)
+    env: ConfigSection[EnvConfig] = attrs.field(factory=LearnEnv)
 
 
 # ------------------------------------------------------------------ trio-rl simulate

@@ -87,4 +87,5 @@ def config_from_file(config: LearnRunConfig) -> LearnConfig:
         reward=config.reward,
         connect_timeout=trainer.connect_timeout,
         deterministic=run.deterministic,
+        env=config.env.to_config(),
     )

@@ -38,6 +38,7 @@ from .._validation import at_least, one_of
 from ..config._deploy import DataSection, ModelSection, RewardSection
 from ..config._schema import Inference, LearnSink
 from ..engines import EngineFleet, SamplingParams, TorchEngine, open_inference
+from ..envs import EnvConfig, EpisodeRunner
 from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..orchestrator._config import check_sink_fits_step
@@ -72,6 +73,7 @@ from ..transport import (
     free_port_pair,
 )
 from ..wire import decode
+from ._episodes import env_function, episode_runner
 from ._logprob_check import LogprobCheck
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
@@ -220,6 +222,8 @@ class LearnConfig:
     #: ``[inference]``: an inference fleet (servers at ``urls``, or ``launch`` vLLM servers of
     #: ``model.path``) instead of the in-process engine.
     inference: Inference = attrs.field(factory=Inference)
+    #: ``[env]``: the environment every sample is an episode of (docs/environments.md).
+    env: EnvConfig = attrs.field(factory=EnvConfig)
     #: Seconds to wait for a torchrun or external trainer job's ready file before failing.
     connect_timeout: float = 300.0
     #: Reproducible by seed: the in-process trainer in lockstep with the rollouts (one group at
@@ -279,6 +283,7 @@ class LearnConfig:
             ("data", DataSection),
             ("reward", RewardSection),
             ("inference", Inference),
+            ("env", EnvConfig),
         ):
             if name in raw:
                 raw[name] = section(**raw[name])
@@ -294,6 +299,12 @@ class LearnConfig:
     def reward_function(self) -> str:
         """``[reward] function``, or the built-in task's (``trio_rl.learn.tasks:<task>``)."""
         return self.reward.function or f"trio_rl.learn.tasks:{self.task}"
+
+    @property
+    def env_function(self) -> str | None:
+        """The environment the run plays (``[env] function``, or the built-in task's when the
+        task is one); None: single-turn samples scored by :attr:`reward_function`."""
+        return env_function(self.env, self.task, self.model.path)
 
 
 def check_stamped_temperature(owner: str, temperature: float, sink: SinkConfig) -> None:
@@ -724,6 +735,7 @@ def _weight_loader(
 async def _open_engine(
     config: LearnConfig, engine_model: torch.nn.Module, policy: Policy, trained: int
 ) -> AsyncIterator[TorchEngine | EngineFleet]:
+    # an episode's later turns each have a prompt of their own: batched by length
     """The run's engine: the inference fleet ``[inference]`` describes (it serves
     ``[model] path``; a resumed run's servers first load the trainer's last published
     weights), or the policy served in-process by :class:`TorchEngine`."""
@@ -737,6 +749,7 @@ async def _open_engine(
             policy_version=trained,
             # deterministic: a group's rows must always decode as one batch (one generator)
             gather_window=0.02 if config.deterministic else 0.002,
+            batch_by="prompt" if config.env_function is None else "length",
         ) as engine:
             yield engine
         return
@@ -831,6 +844,8 @@ async def run_learning(
 
     drained = trio.Event()
     written = trio.Event()
+    # the episodes' generate function, made once the engine is open
+    runner: EpisodeRunner | None = None
     trainer_log = TrainerLog()
     records_send, records_receive = trio.open_memory_channel[dict[str, Any]](math.inf)
 
@@ -849,6 +864,8 @@ async def run_learning(
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["counters/reward_failures"] = record_reward.failed
+                if runner is not None:  # the episodes' stop reasons and turns, run totals
+                    rec.update(runner.stats.record())
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = len(orch.held_groups())
                 rec["cancelled_stale"] = orch.driver.statistics().cancelled_stale_samples
@@ -907,7 +924,19 @@ async def run_learning(
             source,
             sender,
             config=orch_config,
-            sample_reward=record_reward,
+            # an episode's environment returns its reward
+            sample_reward=record_reward if config.env_function is None else None,
+            generate=(
+                runner := episode_runner(
+                    config.env,
+                    config.env_function,
+                    engine,
+                    policy,
+                    orch_config.sampling,
+                    orch_config.seq_len,
+                    limiter,
+                )
+            ),
             monitor=send,
             limiter=limiter,
             checkpoint_dir=RunDirectory(out).checkpoints,
@@ -977,10 +1006,14 @@ async def run_learning(
                     flush=True,
                 )
         if config.verbose:
+            scored_by = (
+                f"reward {config.reward_function}"
+                if config.env_function is None
+                else f"environment {config.env_function}"
+            )
             print(
                 f"learning run: {policy.description}, "
-                f"prompts {config.data.prompts or 'of the task'}, "
-                f"reward {config.reward_function}, "
+                f"prompts {config.data.prompts or 'of the task'}, {scored_by}, "
                 f"{sum(p.numel() for p in model.parameters())} parameters, "
                 f"{config.batch_groups} groups x {config.group_size} samples per step, "
                 f"trainer {config.trainer_mode} x{config.ranks}, run directory {out}",
