@@ -24,7 +24,7 @@ millisecond by epoll (``--rt-engine`` for the other engines).
 Part B then prints the machinery-only ratio: the asyncio side builds its groups from
 trio-rl's ``GroupFactory`` too, so only tasks, nurseries and credits are compared.
 
-Part C2 (real time, issue 19): both sides side by side at several offered loads (``--rt-loads``,
+Part C2 (real time): both sides side by side at several offered loads (``--rt-loads``,
 median latencies in ms; one saturates a core on a quiet 2-core machine): samples/s, CPU per
 sample, occupancy and the share of a core each loop used.
 
@@ -613,7 +613,7 @@ def _collector_line(collected: dict[str, list[_Collector]]) -> str:
 
 
 def _goal_1(rows: list[dict[str, Any]]) -> None:
-    """Goal 1 (issue 12) from this run's medians: ratio <= 1.0x at every size, steady and whole
+    """Goal 1 from this run's medians: ratio <= 1.0x at every size, steady and whole
     run (GC on, python's thresholds unless changed on the command line), growth from the
     smallest to the largest size <= 1.5x, memory per in-flight sample <= the reference's."""
     for granularity in dict.fromkeys(r["policy"] for r in rows):
@@ -737,7 +737,7 @@ class _IoReplies(trio.abc.Instrument):
     place, and ``after_io_wait`` (which runs before trio expires deadlines) moves it on to the
     next due time once it delivered the due ones, so the scope never expires: no task wakes and
     no ``Cancelled`` is thrown per timer (trio's deadline expiry costs ~50 us of loop time per
-    wake, the lead issue 19 names). Only the deadline heap is touched."""
+    wake, the largest cost the real-time comparison found). Only the deadline heap is touched."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, list[trio.lowlevel.Task | None]]] = []

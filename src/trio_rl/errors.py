@@ -11,7 +11,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     ├── WireEncodeError (ValueError)
     ├── PolicyVersionError (ValueError)
     ├── EngineError
-    │   ├── EngineConfigError (ValueError)
+    │   ├── EngineConfigError (InvalidArgumentError)
     │   ├── EngineTransportError
     │   ├── EngineRequestError
     │   ├── EngineResponseError
@@ -24,7 +24,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── ToolCallSyntaxError (ValueError)
     │   └── TemplateMismatchError
     ├── RolloutError
-    │   ├── RolloutConfigError (ValueError)
+    │   ├── RolloutConfigError (InvalidArgumentError)
     │   ├── CreditError
     │   ├── DataSourceError
     │   ├── SourceExhaustedError
@@ -208,7 +208,7 @@ class EngineError(TrioRLError):
     """
 
 
-class EngineConfigError(EngineError, ValueError):
+class EngineConfigError(EngineError, InvalidArgumentError):
     """A bad setting, refused when the object is built (not a request failure).
 
     The message names the class, the field and the bad value, e.g.
@@ -293,7 +293,7 @@ class RolloutError(TrioRLError):
     """Base class of every error raised by :mod:`trio_rl.rollout`."""
 
 
-class RolloutConfigError(RolloutError, ValueError):
+class RolloutConfigError(RolloutError, InvalidArgumentError):
     """A bad setting, refused when the object is built (names the class, field and value)."""
 
 

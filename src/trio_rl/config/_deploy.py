@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 
 from ..errors import InvalidArgumentError
-from ._load import at_least, option, positive
+from ._load import at_least, option, positive_finite
 
 __all__ = ["DataSection", "ModelSection", "RewardSection"]
 
@@ -64,6 +64,6 @@ class RewardSection:
     timeout: float = option(
         60.0,
         "seconds one reward call may take; a slower one fails its sample",
-        validator=positive,
+        validator=positive_finite,
         may_change=True,
     )

@@ -6,7 +6,13 @@ from typing import Literal
 
 import attrs
 
-from .._validation import at_least, one_of, positive
+from .._validation import (
+    non_negative_int,
+    one_of,
+    optional_positive_finite,
+    optional_positive_int,
+    positive_finite,
+)
 
 __all__ = ["EnvConfig", "MismatchPolicy", "STOP_REASONS", "StopReason"]
 
@@ -39,7 +45,7 @@ class EnvConfig:
     )
     max_turns: int | None = attrs.field(
         default=None,
-        validator=at_least(1),
+        validator=optional_positive_int,
         metadata={
             "help": "policy turns (generate calls) an episode may take; one more ends it as "
             "max_turns (unset: only the token budget)"
@@ -47,14 +53,14 @@ class EnvConfig:
     )
     tool_timeout: float = attrs.field(
         default=30.0,
-        validator=positive,
+        validator=positive_finite,
         metadata={
             "help": "seconds one tool call may take; expiry ends the episode as tool_timeout"
         },
     )
     episode_timeout: float | None = attrs.field(
         default=600.0,
-        validator=positive,
+        validator=optional_positive_finite,
         metadata={
             "help": "seconds one episode may take, turns and tools included; expiry ends it "
             "as episode_timeout (unset: no limit of its own)"
@@ -70,7 +76,7 @@ class EnvConfig:
     )
     turn_retries: int = attrs.field(
         default=1,
-        validator=at_least(0),
+        validator=non_negative_int,
         metadata={
             "help": "times a turn whose engine request failed (transport error, timeout) is "
             "sent again with the episode's whole prefix, counted; then the group fails"

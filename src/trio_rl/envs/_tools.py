@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .._validation import at_least, positive
+from .._validation import optional_positive_finite, optional_positive_int
 from ..errors import EnvConfigError, ToolCallSyntaxError
 from ._episode import Episode
 
@@ -157,8 +157,8 @@ class ToolEnv:
 
     tools: Sequence[Callable[..., Any]]
     reward: ToolRewardFn
-    max_turns: int | None = attrs.field(default=None, validator=at_least(1))
-    tool_timeout: float | None = attrs.field(default=None, validator=positive)
+    max_turns: int | None = attrs.field(default=None, validator=optional_positive_int)
+    tool_timeout: float | None = attrs.field(default=None, validator=optional_positive_finite)
     syntax: CallSyntax = attrs.field(factory=HermesCalls)
     record_tools: Callable[[Mapping[str, Any]], Sequence[Callable[..., Any]]] | None = None
 

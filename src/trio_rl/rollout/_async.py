@@ -15,6 +15,7 @@ from typing import Protocol
 
 import trio
 
+from .._validation import check_choice, check_int, check_optional_int
 from ..policy import PolicyVersionCell, as_cell
 from ..samples import Group, GroupBook, OpenGroup, PolicyVersion
 from ._buffer import GroupBuffer, run_booked
@@ -43,7 +44,6 @@ from ._triage import (
     GroupTriage,
     UnusedPolicy,
 )
-from ._validate import check_choice, check_int, check_optional_int
 
 __all__ = ["Admission", "AsyncRolloutDriver", "Expiry", "open_async_rollout"]
 

@@ -33,10 +33,9 @@ from typing import Protocol, runtime_checkable
 import attrs
 import trio
 
-from .._validation import at_least
+from .._validation import at_least, check_int
 from ..samples import Group
 from ._errors import CreditError, GroupFailedError
-from ._validate import check_int
 
 __all__ = [
     "CreditEvent",
