@@ -20,6 +20,7 @@ from typing import Any
 #: the control never has a 3-step mean above CONTROL.
 FIRST, GOAL, LIMIT, CONTROL = 0.1, 0.6, 600.0, 0.3
 CONTROL_ENV = "trio_rl.learn.tasks:lookup_blind"
+CONTROL_SECONDS = 240
 
 
 def _records(run: Path) -> list[dict[str, Any]]:
@@ -87,10 +88,21 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2, 3, 4])
     parser.add_argument("--summarise", action="store_true")
+    parser.add_argument("--no-control", action="store_true")
     args, extra = parser.parse_known_args()
     trio_rl = str(Path(sys.executable).with_name("trio-rl"))
     runs = [(f"seed{s}", ["--seed", str(s)]) for s in args.seeds]
-    runs.append(("control", ["--seed", "0", "--set", f"env.function={CONTROL_ENV}"]))
+    # the control never reaches the goal: it runs for CONTROL_SECONDS, about as long as a run
+    # takes to reach it
+    runs.append(
+        (
+            "control",
+            ["--seed", "0", "--set", f"env.function={CONTROL_ENV}",
+             "--set", f"run.time_limit={CONTROL_SECONDS}"],
+        )
+    )  # fmt: skip
+    if args.no_control:
+        runs = runs[:-1]
     if not args.summarise:
         for name, flags in runs:
             out = args.out / name

@@ -46,6 +46,10 @@ class Recording:
 async def recorded(episode, record):
     """Two turns around an observation, every request recorded."""
     episode.engine = Recording(episode.engine, os.environ["REQUESTS_LOG"])
+    return await two_turns(episode, record)
+
+
+async def two_turns(episode, record):
     first = await episode.generate()
     episode.observe("f=")
     second = await episode.generate()
@@ -235,7 +239,8 @@ def test_kill_9_and_resume_keep_exactly_once_at_the_trainer(tmp_path: Path) -> N
         out,
         """
         [env]
-        max_turns = 2
+        # two turns around an observation in every episode, rewards that differ in a group
+        function = "envmod:two_turns"
 
         [trainer]
         mode = "external"

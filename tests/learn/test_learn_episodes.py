@@ -13,8 +13,8 @@ import trio
 from trio_rl.engines import SamplingParams, TorchEngine
 from trio_rl.envs import EnvConfig, EnvFn, Episode, EpisodeRunner
 from trio_rl.learn import TASKS, CharTransformer, ModelConfig
-from trio_rl.learn._model import sequence_logprobs
 from trio_rl.learn._grpo import grpo_token_terms
+from trio_rl.learn._model import sequence_logprobs
 from trio_rl.learn.tasks import lookup, task_records
 from trio_rl.publish import pack_samples
 from trio_rl.samples import Sample
