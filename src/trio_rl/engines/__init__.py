@@ -39,6 +39,7 @@ from ._occupancy import CountsSlots as CountsSlots
 from ._occupancy import SlotOccupancy as SlotOccupancy
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
 from ._openai_answers import parse_completion_response as parse_completion_response
+from ._protocol import AbortsAll as AbortsAll
 from ._protocol import Completion as Completion
 from ._protocol import Engine as Engine
 from ._protocol import FinishReason as FinishReason

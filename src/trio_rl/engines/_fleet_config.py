@@ -13,13 +13,37 @@ import attrs
 from .._validation import at_least, positive_finite
 from ..errors import InvalidArgumentError
 
-__all__ = ["ADMIN_TIMEOUT", "InferenceConfig", "fleet_default"]
+__all__ = [
+    "ABORT_PATH_HELP",
+    "ADMIN_TIMEOUT",
+    "InferenceConfig",
+    "abort_path_check",
+    "fleet_default",
+]
 
 
 def _knob(default: Any, help: str, validator: Any = None, *, may_change: bool = True) -> Any:
     return attrs.field(
         default=default, validator=validator, metadata={"help": help, "may_change": may_change}
     )
+
+
+#: What the ``abort_path`` knobs say (the fleet's and the simulated run's single server's).
+ABORT_PATH_HELP = (
+    "the servers' abort endpoint: `/abort_request` for SGLang (a cancelled request posts "
+    '`{"rid": ...}` there, and aborting every request, as the sync driver does with its '
+    'leftovers, posts `{"abort_all": true}`); unset for vLLM, which aborts a request whose '
+    "client disconnects"
+)
+
+
+def abort_path_check(_: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """An abort path is unset or a path on the server (``/...``)."""
+    if value is not None and not (isinstance(value, str) and value.startswith("/")):
+        raise InvalidArgumentError(
+            f"{attribute.name} must be unset or a path starting with '/' (SGLang: "
+            f"'/abort_request'), got {value!r}"
+        )
 
 
 def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
@@ -97,6 +121,7 @@ class InferenceConfig:
         ADMIN_TIMEOUT, "seconds a weight reload of one server may take", positive_finite
     )
     restarts: int = _knob(3, "restarts of each launched server that exits", at_least(0))
+    abort_path: str | None = _knob(None, ABORT_PATH_HELP, abort_path_check)
 
     def __attrs_post_init__(self) -> None:
         if self.urls and self.launch:
