@@ -23,6 +23,7 @@ import trio
 
 from ..config import LearnRunConfig
 from ..engines import Engine
+from ..envs import EpisodeRunner
 from ..errors import InvalidArgumentError
 from ..evals import RunEvals
 from ..orchestrator import Orchestrator, open_orchestrator
@@ -32,6 +33,7 @@ from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
+from ._episodes import env_function, episode_runner
 from ._evals import finish_evals, open_run_evals
 from ._grpo import StepStats
 from ._policy import Policy
@@ -122,6 +124,10 @@ async def run_learning(
         patience=trainer_timeout,
     )
     shipments_send, shipments = trio.open_memory_channel[Shipment](64)
+    orch_config = orchestrator_config(
+        config, completion_cap(config, start.policy), stale_admission=stale_admission
+    )
+    runner: EpisodeRunner | None = None  # the episodes' generate function, with [env]
     async with (
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
         open_engine(config, start.policy, start.trained) as engine,
@@ -129,10 +135,20 @@ async def run_learning(
             engine,
             InMemorySource(start.prompts, epochs=None),
             sender,
-            config=orchestrator_config(
-                config, completion_cap(config, start.policy), stale_admission=stale_admission
+            config=orch_config,
+            # an episode's environment returns its reward
+            sample_reward=start.reward if start.env is None else None,
+            generate=(
+                runner := episode_runner(
+                    config.env.to_config(),
+                    start.env,
+                    engine,
+                    start.policy,
+                    orch_config.sampling,
+                    orch_config.seq_len,
+                    start.limiter,
+                )
             ),
-            sample_reward=start.reward,
             monitor=shipments_send,
             limiter=start.limiter,
             checkpoint_dir=RunDirectory(out).checkpoints,
@@ -144,7 +160,15 @@ async def run_learning(
         trio.open_nursery() as nursery,
     ):
         records = Records(
-            config, orch, engine, start.reward, trainer.log, start.limiter, display, sinks
+            config,
+            orch,
+            engine,
+            start.reward,
+            trainer.log,
+            start.limiter,
+            display,
+            sinks,
+            episodes=None if runner is None else runner.stats,
         )
         records.start(nursery, shipments, begun, start.earlier, start.trained)
         resumed_at = _begin(config, orch, start)
@@ -195,6 +219,8 @@ class _Start:
     prompts: list[Prompt]
     limiter: trio.CapacityLimiter
     reward: RecordReward
+    #: the environment the run plays (None: single-turn samples scored by ``reward``)
+    env: str | None = None
 
     @property
     def trained(self) -> int:
@@ -218,7 +244,8 @@ class _Start:
             timeout=config.reward.timeout,
             name=f"reward {spec}",
         )
-        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward)
+        env = env_function(config.env.to_config(), config.rollout.task, config.model.path)
+        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward, env)
 
     async def watch_weights(
         self, engine: Engine, set_version: Any, evals: RunEvals | None = None
@@ -289,7 +316,7 @@ def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | N
         print(
             f"learning run: {policy.description}, "
             f"prompts {config.data.prompts or 'of the task'}, "
-            f"reward {reward_function(config)}, "
+            f"{_scored_by(config, start)}, "
             f"{sum(p.numel() for p in policy.model.parameters())} parameters, "
             f"{config.rollout.batch_groups} groups x {config.rollout.group_size} samples per "
             f"step, trainer {config.trainer.mode} x{config.trainer.ranks}, run directory "
@@ -297,6 +324,12 @@ def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | N
             flush=True,
         )
     return orch.step if start.resuming else None
+
+
+def _scored_by(config: LearnRunConfig, start: _Start) -> str:
+    if start.env is None:
+        return f"reward {reward_function(config)}"
+    return f"environment {start.env}"
 
 
 async def _ship_steps(
