@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "rundir": {"sink", "transport"},
     "publish": {"payloads", "samples", "wire", "sink", "transport"},
     "trainer": {"payloads", "wire", "transport"},
-    "testing": {"payloads", "samples", "policy", "engines", "rollout"},
+    # the harness also drives multi-turn episodes (an EpisodeRunner over its scripted engine)
+    "testing": {"payloads", "samples", "policy", "engines", "rollout", "envs"},
     "orchestrator": {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "sink", "publish"),
         "transport",
