@@ -134,7 +134,7 @@ def part_a(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int)
             f"x{n}: {st_sample:7.1f} us per sample ({per_episode:.2f} s)"
         )
         print(
-            f"goal 1: per-turn overhead at {n} episodes: {ep_turn / st_turn:.2f}x the CPU of a "
+            f"goal 7: per-turn overhead at {n} episodes: {ep_turn / st_turn:.2f}x the CPU of a "
             f"single-turn sample of the same tokens (goal <= 1.3x); an episode costs "
             f"{episodes / per_episode:.2f}x one sample of all its tokens"
         )
@@ -161,7 +161,7 @@ def part_b(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int)
         print(f"  {n:>6} episodes: peak {peak / 2**20:8.1f} MiB, {peak / n:8.0f} bytes per episode")
     if len(per) > 1:
         print(
-            f"goal 2: bytes per episode from {sizes[0]} to {sizes[-1]} episodes: "
+            f"goal 8: bytes per episode from {sizes[0]} to {sizes[-1]} episodes: "
             f"{per[-1] / per[0]:.2f}x (linear growth: ~1.0x)"
         )
 
