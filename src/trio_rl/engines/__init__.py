@@ -16,6 +16,7 @@ from ._distributions import LogNormalSeconds as LogNormalSeconds
 from ._distributions import LogNormalTokens as LogNormalTokens
 from ._distributions import ParetoSeconds as ParetoSeconds
 from ._distributions import get_distribution as get_distribution
+from ._errors import EngineAuthError as EngineAuthError
 from ._errors import EngineConfigError as EngineConfigError
 from ._errors import EngineError as EngineError
 from ._errors import EngineRequestError as EngineRequestError

@@ -156,8 +156,9 @@ class EngineFleet:
     abort_path: str | None = attrs.field(default=_d("abort_path"), validator=abort_path_check)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
-    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``); not
+    #: in the repr. A 401 or 403 (``EngineAuthError``) at opening fails it at once.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: The header that carries the routing key (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
     #: Routing keys remembered (least recently used forgotten first).

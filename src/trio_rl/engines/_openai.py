@@ -18,6 +18,7 @@ from .._validation import a_bool, http_urls, non_negative_or_inf, positive_or_in
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
+from ._auth import refused
 from ._backoff import retry_delay
 from ._errors import (
     EngineRequestError,
@@ -134,7 +135,8 @@ class OpenAICompatibleEngine:
     that, ... (at most ``max_backoff``) in between, each pause jittered (between half and all
     of it: many clients do not retry a restarted server at the same instant); then
     :class:`EngineTransportError`. A 4xx
-    answer raises :class:`EngineRequestError` at once, a malformed body
+    answer raises :class:`EngineRequestError` at once (401 and 403:
+    :class:`~trio_rl.errors.EngineAuthError`), a malformed body
     :class:`EngineResponseError`.
 
     **Policy version**, in this order: ``version_source()`` if given, read when the request
@@ -184,8 +186,9 @@ class OpenAICompatibleEngine:
     version_source: Callable[[], PolicyVersion] | None = None
     #: Merged into every request body (e.g. ``{"skip_special_tokens": False}``).
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
-    #: Sent with every request (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Sent with every request (e.g. ``{"Authorization": "Bearer ..."}``); kept out of the repr,
+    #: as values may be secret. A 401 or 403 answer raises :class:`EngineAuthError`.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: httpx connection-pool size; None means unbounded.
     max_connections: int | None = None
     #: Seconds an idle pooled connection is kept for reuse. Below the servers' own idle limit
@@ -513,8 +516,4 @@ def _failure(base: str, exc: httpx.TransportError, answered: bool) -> str:
 
 
 def _refused(response: httpx.Response, where: str) -> EngineRequestError:
-    return EngineRequestError(
-        f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
-        status_code=response.status_code,
-        body=response.text[:2000],
-    )
+    return refused(response, where)
