@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "rundir": {"sink", "transport"},
     "publish": {"payloads", "samples", "wire", "sink", "transport"},
     "trainer": {"payloads", "wire", "transport"},
-    "testing": {"payloads", "samples", "policy", "engines", "rollout"},
+    # the harness also drives multi-turn episodes (an EpisodeRunner over its scripted engine)
+    "testing": {"payloads", "samples", "policy", "engines", "rollout", "envs"},
     # evaluation: its runner generates through the engines and the rollout layer's group
     # nursery and priority lane; its journal keeps the run directory's eval files
     "evals": {"payloads", "samples", "policy", "engines", "rollout", "rundir"},
