@@ -25,6 +25,7 @@ FACADES = [
     "trio_rl.trainer",
     "trio_rl.testing",
     "trio_rl.orchestrator",
+    "trio_rl.workers",
     "trio_rl.learn",  # imports torch (the optional extra); nothing else imports it
 ]
 
@@ -122,8 +123,15 @@ PINNED: dict[str, set[str]] = {
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
         *("RoutingKeys", "RolloutConfig"),
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
+        # a record reward in killable workers of its own, and how a record is named
+        *("describe_record", "open_record_reward"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
+    },
+    "trio_rl.workers": {
+        *("WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"),
+        *("WorkerCallError", "WorkerDiedError", "WorkerError", "WorkerStartError"),
+        "WorkerTimeoutError",
     },
     "trio_rl.train": {
         *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),

@@ -28,7 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
-    "rollout": {"payloads", "samples", "policy", "engines"},
+    # user code in killable workers of its own: it knows nothing above the errors
+    "workers": set(),
+    "rollout": {"payloads", "samples", "policy", "engines", "workers"},
     "train": {"payloads", "samples", "wire"},
     "transport": {"wire"},
     # the run directory's layout: it asks the checkpoint manager and the file transport

@@ -45,9 +45,9 @@ from ..publish import Shipment, release_containers, step_record
 from ..rollout import (
     FailurePolicy,
     InMemorySource,
-    RecordReward,
     RolloutConfig,
     import_reward,
+    open_record_reward,
     read_records,
 )
 from ..rundir import (
@@ -890,16 +890,17 @@ async def run_learning(
     # sender, checkpoints) and the in-process trainer (reads, decoding, training) borrow it.
     # The engine keeps its own limiter of 1: it serializes the model's forward passes.
     limiter = trio.CapacityLimiter(config.threads)
-    # the reward of every sample, the built-in tasks' as any other: fn(record, completion)
-    record_reward = RecordReward(
-        import_reward(config.reward_function),
-        policy.decode,
-        limiter=limiter,
-        timeout=config.reward.timeout,
-        name=f"reward {config.reward_function}",
-    )
     sender = FileSender(out, config.ranks, fsync=config.fsync)
     async with (
+        # the reward of every sample, the built-in tasks' as any other: fn(record, completion),
+        # in worker processes of its own (a hung call is killed, never holds the run's limiter)
+        open_record_reward(
+            import_reward(config.reward_function),
+            policy.decode,
+            call_timeout=config.reward.timeout,
+            failure_budget=config.batch_groups * config.group_size,
+            name=f"reward {config.reward_function}",
+        ) as record_reward,
         sender,
         _open_engine(config, engine_model, policy, trained) as engine,
         open_orchestrator(
