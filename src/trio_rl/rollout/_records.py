@@ -29,7 +29,14 @@ import trio
 
 from ..errors import RewardFailuresError, collapse_single
 from ..samples import Sample, SampleStatus
-from ..workers import WorkerCallError, WorkerMode, WorkerPool, open_worker_pool
+from ..workers import (
+    WorkerCallError,
+    WorkerDiedError,
+    WorkerMode,
+    WorkerPool,
+    WorkerTimeoutError,
+    open_worker_pool,
+)
 from ._errors import DataSourceError, RolloutConfigError
 
 __all__ = [
@@ -215,6 +222,12 @@ class RecordReward:
         self.failed_in_a_row += 1
         if isinstance(exc, WorkerCallError):
             what = exc.line + (f" ({exc.where})" if exc.where else "")
+        elif isinstance(exc, WorkerTimeoutError):
+            killed = self.pool is not None and self.pool.mode == "process"
+            limit = self.pool.timeout if self.pool is not None else self.timeout
+            what = f"took longer than {limit:g} s, {'killed' if killed else 'abandoned'}"
+        elif isinstance(exc, WorkerDiedError):
+            what = "its worker process died"
         elif isinstance(exc, trio.TooSlowError):
             what = f"took longer than {self.timeout:g} s"
         else:
