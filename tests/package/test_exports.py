@@ -129,7 +129,7 @@ PINNED: dict[str, set[str]] = {
         *("Admission", "Expiry"),
     },
     "trio_rl.workers": {
-        *("WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"),
+        *("DEFAULT_WORKERS", "WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"),
         *("WorkerCallError", "WorkerDiedError", "WorkerError", "WorkerStartError"),
         "WorkerTimeoutError",
     },

@@ -108,6 +108,27 @@ async def test_a_hung_call_is_killed_at_its_timeout_and_the_pool_goes_on(
     assert children() == before
 
 
+async def test_calls_that_hang_make_the_pool_grow_around_them(user: ModuleType) -> None:
+    async with open_worker_pool(user.sleep, size=4) as pool:
+        for _ in range(5):  # quick calls one at a time share the first workers
+            await pool.run(0)
+        first = set(pool.processes)
+        assert len(first) == 2
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(pool.run, 3600)
+            with trio.fail_after(60):
+                while pool.running < 2:  # noqa: ASYNC110 - the pool signals no event for it
+                    await trio.sleep(0.01)
+            # both first workers hang: the next call gets a new one
+            pid = await pool.run(0)
+            assert pid in pool.processes
+            assert len(pool.processes) == 3
+            nursery.cancel_scope.cancel()
+        assert not any(_alive(p) for p in first)  # the hung ones were killed (and replaced)
+        assert pid in pool.processes
+
+
 async def test_cancelling_a_call_kills_its_process(user: ModuleType) -> None:
     async with open_worker_pool(user.sleep, size=1) as pool:
         first = await pool.run(0)

@@ -30,6 +30,7 @@ import trio
 from ..errors import RewardFailuresError, collapse_single
 from ..samples import Sample, SampleStatus
 from ..workers import (
+    DEFAULT_WORKERS,
     WorkerCallError,
     WorkerDiedError,
     WorkerMode,
@@ -236,11 +237,11 @@ class RecordReward:
             self._first_in_a_row = f"{what} on {describe_record(record)}"
         if self.failed <= self.log_first:
             logger.warning(
-                "%s failed sample %d (%s) on %s; the sample is failed, the run goes on%s",
+                "%s failed sample %d on %s: %s; the sample is failed, the run goes on%s",
                 self.name,
                 sample.index,
-                what,
                 describe_record(record),
+                what,
                 "; further failures are only counted" if self.failed == self.log_first else "",
             )
         budget = self.failure_budget
@@ -263,7 +264,7 @@ async def open_record_reward(
     decode: Callable[[Sequence[int]], str],
     *,
     mode: WorkerMode = "process",
-    workers: int = 2,
+    workers: int = DEFAULT_WORKERS,
     call_timeout: float | None = 60.0,
     failure_budget: int | None = None,
     name: str = "reward",

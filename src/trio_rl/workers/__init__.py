@@ -6,6 +6,7 @@ from ..errors import WorkerDiedError as WorkerDiedError
 from ..errors import WorkerError as WorkerError
 from ..errors import WorkerStartError as WorkerStartError
 from ..errors import WorkerTimeoutError as WorkerTimeoutError
+from ._pool import DEFAULT_WORKERS as DEFAULT_WORKERS
 from ._pool import WORKER_MODES as WORKER_MODES
 from ._pool import WorkerMode as WorkerMode
 from ._pool import WorkerPool as WorkerPool

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ._child import failure
 
-__all__ = ["WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"]
+__all__ = ["DEFAULT_WORKERS", "WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"]
 
 logger = logging.getLogger("trio_rl.workers")
 
@@ -52,8 +52,18 @@ _CHILD = Path(__file__).with_name("_child.py")
 _HEADER = struct.Struct(">I")
 #: Seconds a new worker process may take to start and import the function's module.
 START_TIMEOUT = 120.0
+#: Worker processes started with the pool; more start only when calls wait (``grow_after``).
+FIRST_WORKERS = 2
+#: Calls at a time (worker processes at most): more than a group of samples, so that a group
+#: whose record makes the function hang leaves workers to the others.
+DEFAULT_WORKERS = 8
 #: Seconds an idle worker gets to exit on its own at the pool's close before it is killed.
 _GRACE = 1.0
+#: Seconds a cancelled call's answer is awaited before its worker is killed: a call cancelled
+#: with its group (a stale one, say) mostly ends in a moment, and a worker kept saves a start.
+_CANCEL_GRACE = 0.1
+#: What a worker being started is called in the log while it starts.
+_STARTING = "starting a worker process"
 #: Seconds to wait for a killed process to be reaped (SIGKILL cannot be refused; this only
 #: bounds a wait the kernel could in theory stretch).
 _REAP_TIMEOUT = 5.0
@@ -133,7 +143,10 @@ def _describe(fn: Callable[..., Any]) -> str:
 @attrs.define(eq=False)
 class WorkerPool:
     """Runs ``fn(*args)`` in killable worker processes (``mode="process"``) or in threads
-    under its own limiter (``mode="thread"``), at most ``size`` calls at a time.
+    under its own limiter (``mode="thread"``), at most ``size`` calls at a time. Process
+    mode starts ``FIRST_WORKERS`` processes with the pool and more, up to ``size``, only when a
+    call waited ``grow_after`` seconds for a busy one: fast calls share a few workers, a call
+    that hangs makes the pool grow around it.
 
     In process mode ``fn`` is sent by reference (``module:name``, imported again in each
     worker, with the working directory and this process's ``sys.path``): it must be a
@@ -141,25 +154,35 @@ class WorkerPool:
     is raised here, naming it. ``timeout`` (seconds, None: none) bounds one call: an overrun
     raises :class:`~trio_rl.errors.WorkerTimeoutError` after killing the worker. What the
     function raises comes back as :class:`~trio_rl.errors.WorkerCallError`, a process that
-    died as :class:`~trio_rl.errors.WorkerDiedError`. Cancellation kills the call's process.
+    died as :class:`~trio_rl.errors.WorkerDiedError`. Cancellation kills the call's process
+    unless it answers within a moment.
 
-    Make one with :func:`open_worker_pool`, which owns its processes.
+    Make one with :func:`open_worker_pool`, which owns its processes (workers start in its
+    nursery, in the background: a call waits for whichever worker is free first).
     """
 
     fn: Callable[..., Any]
     mode: WorkerMode = attrs.field(default="process", validator=attrs.validators.in_(WORKER_MODES))
-    size: int = attrs.field(default=2, validator=_size)
+    size: int = attrs.field(default=DEFAULT_WORKERS, validator=_size)
     timeout: float | None = attrs.field(default=None, validator=_positive_or_none)
     #: Names the pool in messages (``"reward examples.rewards:score"``).
     name: str = "worker"
     #: Seconds between the log lines naming a call still running.
     report_every: float = attrs.field(default=10.0, validator=_positive)
+    #: Seconds a call waits for a busy worker before the pool starts another (up to
+    #: ``size``): fast calls share the first few workers, calls that hang make it grow.
+    grow_after: float = attrs.field(default=0.25, validator=_positive)
     _limiter: trio.CapacityLimiter = attrs.field(init=False)
     _idle: list[_Worker] = attrs.field(init=False, factory=list)
+    _freed: trio.lowlevel.ParkingLot = attrs.field(init=False, factory=trio.lowlevel.ParkingLot)
     _workers: set[_Worker] = attrs.field(init=False, factory=set)
     #: The calls in progress: what each is called on, and when it started.
     _running: dict[object, tuple[str, float]] = attrs.field(init=False, factory=dict)
     _fn_bytes: bytes = attrs.field(init=False, default=b"")
+    #: Workers being started (not yet in ``_workers``).
+    _starting: int = attrs.field(init=False, default=0)
+    #: Where workers start; set by :func:`open_worker_pool`.
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -181,18 +204,20 @@ class WorkerPool:
 
     @property
     def running(self) -> int:
-        """Calls in progress."""
-        return len(self._running)
+        """Calls in progress (not counting workers being started)."""
+        return sum(1 for label, _ in self._running.values() if label != _STARTING)
 
     async def run(self, *args: Any, label: str = "") -> Any:
         """``fn(*args)`` in a worker; ``label`` names the call in the log and in errors
         (``record id 'r3'``)."""
-        if self._closed:
-            raise trio.ClosedResourceError(f"{self.name}: the worker pool is closed")
+        if self._closed or (self.mode == "process" and self._nursery is None):
+            raise trio.ClosedResourceError(
+                f"{self.name}: the worker pool is not open (use open_worker_pool)"
+            )
         if self.mode == "thread":
             return await self._run_in_thread(args, label)
         async with self._limiter:
-            worker = self._idle.pop() if self._idle else await self._start()
+            worker = await self._worker()
             key = object()
             self._running[key] = (label, trio.current_time())
             try:
@@ -200,23 +225,24 @@ class WorkerPool:
                     await worker.send(args)
                     reply = await worker.receive()
             except trio.TooSlowError:
-                await self._discard(worker)
+                await self._discard(worker, replace=True)
                 raise WorkerTimeoutError(
                     f"{self.name} took longer than {self.timeout:g} s on {label or 'a call'}; "
                     "its worker process was killed"
                 ) from None
             except (EOFError, trio.BrokenResourceError, OSError):
-                await self._discard(worker)
+                await self._discard(worker, replace=True)
                 raise WorkerDiedError(
                     f"{self.name}: the worker process ended during the call on "
                     f"{label or 'a call'} (exit status {worker.process.returncode})"
                 ) from None
             except BaseException:  # cancelled: the call's process is killed, not abandoned
-                await self._discard(worker)
+                await self._settle(worker)
                 raise
             finally:
                 del self._running[key]
             self._idle.append(worker)
+            self._freed.unpark()
         return self._answer(reply, label)
 
     def _answer(self, reply: tuple[Any, ...], label: str) -> Any:
@@ -249,6 +275,50 @@ class WorkerPool:
         except Exception as exc:  # the user's code: its failure is the call's answer
             return failure(exc)
 
+    async def _worker(self) -> _Worker:
+        """An idle worker: the first free one. A worker is started (in the background) at
+        once while fewer than ``FIRST_WORKERS`` run, and whenever a call waited
+        ``grow_after`` seconds without one being freed, up to ``size``."""
+        while not self._idle:
+            if self._count() < min(self.size, FIRST_WORKERS):
+                self._start_soon()
+            with trio.move_on_after(self.grow_after) as waited:
+                await self._freed.park()
+            if waited.cancelled_caught and not self._idle and self._count() < self.size:
+                self._start_soon()
+        return self._idle.pop()
+
+    def _count(self) -> int:
+        return len(self._workers) + self._starting
+
+    def _start_soon(self) -> None:
+        assert self._nursery is not None
+        self._starting += 1
+        self._nursery.start_soon(self._start_idle)
+
+    async def _start_idle(self) -> None:
+        try:
+            worker = await self._start()
+        finally:
+            self._starting -= 1
+        self._idle.append(worker)
+        self._freed.unpark()
+
+    async def _settle(self, worker: _Worker) -> None:
+        """After a cancelled call: keep the worker if it answers within ``_CANCEL_GRACE``
+        seconds, else kill it."""
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_CANCEL_GRACE):
+                try:
+                    await worker.receive()
+                except (EOFError, trio.BrokenResourceError, OSError):
+                    pass
+                else:
+                    self._idle.append(worker)
+                    self._freed.unpark()
+                    return
+            await self._discard(worker, replace=True)
+
     async def _start(self) -> _Worker:
         """A new worker process that has loaded ``fn``."""
         job_read, job_write = os.pipe()
@@ -269,9 +339,8 @@ class WorkerPool:
         worker = _Worker(
             process, trio.lowlevel.FdStream(job_write), trio.lowlevel.FdStream(result_read)
         )
-        self._workers.add(worker)
         key = object()
-        self._running[key] = ("starting a worker process", trio.current_time())
+        self._running[key] = (_STARTING, trio.current_time())
         try:
             cwd = os.getcwd()
             path = sys.path if cwd in sys.path else [cwd, *sys.path]
@@ -302,19 +371,17 @@ class WorkerPool:
             raise WorkerStartError(
                 f"{self.name}: cannot load {_describe(self.fn)} in a worker process: {line}{at}"
             )
+        self._workers.add(worker)
         return worker
 
-    async def _discard(self, worker: _Worker) -> None:
+    async def _discard(self, worker: _Worker, *, replace: bool = False) -> None:
+        """End ``worker``; with ``replace``, start another in its place at once (a worker
+        killed with its call was one the pool had grown to need)."""
         self._workers.discard(worker)
+        if replace and not self._closed and self._nursery is not None:
+            self._start_soon()
+        self._freed.unpark()  # a waiting call may start a worker in its place
         await worker.close()
-
-    async def _warm(self) -> None:
-        """Start one worker ahead of the first call (and find out early that ``fn`` does not
-        load in a worker)."""
-        async with self._limiter:
-            # a token holder starts a worker only when none is idle: at most `size` workers
-            if not self._idle:
-                self._idle.append(await self._start())
 
     async def _report_stuck(self) -> None:
         """Name every call running longer than ``report_every``, every ``report_every`` s."""
@@ -352,12 +419,12 @@ async def open_worker_pool(
     fn: Callable[..., Any],
     *,
     mode: WorkerMode = "process",
-    size: int = 2,
+    size: int = DEFAULT_WORKERS,
     call_timeout: float | None = None,
     name: str = "worker",
     report_every: float = 10.0,
 ) -> AsyncIterator[WorkerPool]:
-    """A :class:`WorkerPool` for ``fn``; in process mode its ``size`` workers start in the
+    """A :class:`WorkerPool` for ``fn``; in process mode its first workers start in the
     background at once (a function that does not load in a worker fails the block with
     :class:`~trio_rl.errors.WorkerStartError`). On exit, however the block ended, every worker
     process is ended and reaped. ``call_timeout`` is the pool's ``timeout``."""
@@ -366,9 +433,10 @@ async def open_worker_pool(
         with collapse_single():
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pool._report_stuck)
+                pool._nursery = nursery
                 if mode == "process":
-                    for _ in range(size):
-                        nursery.start_soon(pool._warm)
+                    for _ in range(min(size, FIRST_WORKERS)):
+                        pool._start_soon()
                 yield pool
                 nursery.cancel_scope.cancel()
     finally:
