@@ -29,7 +29,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ALL = ["scheduler", "publish", "encode", "transport", "checkpoint", "checkpoint_incremental"]
+ALL = [
+    *("scheduler", "publish", "encode", "transport", "checkpoint", "checkpoint_incremental"),
+    "reward_workers",
+]
 
 PROFILES: dict[str, dict[str, list[str]]] = {
     "default": {
@@ -39,6 +42,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
+        "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "full": {
         "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3", "--factor", "2"],
@@ -47,6 +51,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
+        "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "quick": {
         "scheduler": [
@@ -58,6 +63,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--size-mib", "4", "--messages", "4", "--repeat", "1"],
         "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
         "checkpoint_incremental": ["--sizes", "200", "--tokens", "256", "--steps", "3"],
+        "reward_workers": ["--calls", "64", "--callers", "4", "--repeat", "1"],
     },
 }  # fmt: skip
 

@@ -54,9 +54,12 @@ _HEADER = struct.Struct(">I")
 START_TIMEOUT = 120.0
 #: Worker processes started with the pool; more start only when calls wait (``grow_after``).
 FIRST_WORKERS = 2
+#: Worker processes starting at a time: many interpreters starting at once on a busy machine
+#: each take seconds, and the calls waiting for them with them.
+_STARTING_AT_ONCE = 2
 #: Calls at a time (worker processes at most): more than a group of samples, so that a group
 #: whose record makes the function hang leaves workers to the others.
-DEFAULT_WORKERS = 8
+DEFAULT_WORKERS = 16
 #: Seconds an idle worker gets to exit on its own at the pool's close before it is killed.
 _GRACE = 1.0
 #: Seconds a cancelled call's answer is awaited before its worker is killed: a call cancelled
@@ -281,20 +284,24 @@ class WorkerPool:
         ``grow_after`` seconds without one being freed, up to ``size``."""
         while not self._idle:
             if self._count() < min(self.size, FIRST_WORKERS):
-                self._start_soon()
+                self._grow()
             with trio.move_on_after(self.grow_after) as waited:
                 await self._freed.park()
-            if waited.cancelled_caught and not self._idle and self._count() < self.size:
-                self._start_soon()
+            if waited.cancelled_caught and not self._idle:
+                self._grow()
         return self._idle.pop()
 
     def _count(self) -> int:
         return len(self._workers) + self._starting
 
-    def _start_soon(self) -> None:
-        assert self._nursery is not None
-        self._starting += 1
-        self._nursery.start_soon(self._start_idle)
+    def _grow(self) -> None:
+        """Start a worker in the background, unless ``size`` run or ``_STARTING_AT_ONCE``
+        are starting already (a call still waiting asks again ``grow_after`` later)."""
+        if self._closed or self._nursery is None:
+            return
+        if self._count() < self.size and self._starting < _STARTING_AT_ONCE:
+            self._starting += 1
+            self._nursery.start_soon(self._start_idle)
 
     async def _start_idle(self) -> None:
         try:
@@ -378,8 +385,8 @@ class WorkerPool:
         """End ``worker``; with ``replace``, start another in its place at once (a worker
         killed with its call was one the pool had grown to need)."""
         self._workers.discard(worker)
-        if replace and not self._closed and self._nursery is not None:
-            self._start_soon()
+        if replace:
+            self._grow()
         self._freed.unpark()  # a waiting call may start a worker in its place
         await worker.close()
 
@@ -436,7 +443,7 @@ async def open_worker_pool(
                 pool._nursery = nursery
                 if mode == "process":
                     for _ in range(min(size, FIRST_WORKERS)):
-                        pool._start_soon()
+                        pool._grow()
                 yield pool
                 nursery.cancel_scope.cancel()
     finally:
