@@ -62,9 +62,10 @@ _STARTING_AT_ONCE = 2
 DEFAULT_WORKERS = 16
 #: Seconds an idle worker gets to exit on its own at the pool's close before it is killed.
 _GRACE = 1.0
-#: Seconds a cancelled call's answer is awaited before its worker is killed: a call cancelled
-#: with its group (a stale one, say) mostly ends in a moment, and a worker kept saves a start.
-_CANCEL_GRACE = 0.1
+#: Seconds a cancelled call's answer is awaited (in the background) before its worker is
+#: killed: a call cancelled with its group (a stale one, say) mostly ends in a moment, and a
+#: worker kept saves a start (seconds, for a function whose module imports torch).
+_CANCEL_GRACE = 1.0
 #: What a worker being started is called in the log while it starts.
 _STARTING = "starting a worker process"
 #: Seconds to wait for a killed process to be reaped (SIGKILL cannot be refused; this only
@@ -240,7 +241,7 @@ class WorkerPool:
                     f"{label or 'a call'} (exit status {worker.process.returncode})"
                 ) from None
             except BaseException:  # cancelled: the call's process is killed, not abandoned
-                await self._settle(worker)
+                self._after_cancel(worker)
                 raise
             finally:
                 del self._running[key]
@@ -311,20 +312,27 @@ class WorkerPool:
         self._idle.append(worker)
         self._freed.unpark()
 
+    def _after_cancel(self, worker: _Worker) -> None:
+        """A cancelled call's worker: settled in the background (the cancelled caller goes
+        on at once), or killed at once when the pool is closing."""
+        if self._closed or self._nursery is None:
+            worker.process.kill()  # reaped by the pool's close
+            return
+        self._nursery.start_soon(self._settle, worker)
+
     async def _settle(self, worker: _Worker) -> None:
-        """After a cancelled call: keep the worker if it answers within ``_CANCEL_GRACE``
-        seconds, else kill it."""
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(_CANCEL_GRACE):
-                try:
-                    await worker.receive()
-                except (EOFError, trio.BrokenResourceError, OSError):
-                    pass
-                else:
-                    self._idle.append(worker)
-                    self._freed.unpark()
-                    return
-            await self._discard(worker, replace=True)
+        """Keep the worker if the cancelled call answers within ``_CANCEL_GRACE`` seconds,
+        else kill it (and start another in its place)."""
+        with trio.move_on_after(_CANCEL_GRACE):
+            try:
+                await worker.receive()
+            except (EOFError, trio.BrokenResourceError, OSError):
+                pass
+            else:
+                self._idle.append(worker)
+                self._freed.unpark()
+                return
+        await self._discard(worker, replace=True)
 
     async def _start(self) -> _Worker:
         """A new worker process that has loaded ``fn``."""
