@@ -13,7 +13,7 @@ snapshot's own (on-loop) time is reported separately.
     python benchmarks/bench_checkpoint.py --sizes 1000,10000,100000 --repeat 3
 
 Each figure is the median [min-max] over ``--repeat`` repetitions (modes interleaved). The lines
-starting ``goal 4:`` check issue 12's goal 4 at each size: loop pause p95 <= 20 ms and max <= 50 ms
+starting ``goal 4:`` check the checkpoint goal at each size: loop pause p95 <= 20 ms and max <= 50 ms
 for the library's (threaded) save, and whether the write cost follows what changed since the last
 checkpoint (today every save is a full save, so it follows the queue's size: not reached).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     SinkConfig,
     SinkCounters,

@@ -14,7 +14,7 @@ deferred memory release) two ways, side by side in one run:
   5 ms heartbeat as an asyncio task. The reference's own figures (p95 5.3 ms, worst 1.1 s) were
   measured on its own batches; this variant is the same design on this batch in this run.
 
-The lines starting ``goal 3:`` check issue 12's goal 3 for the publisher: loop lag p95 <= 2 ms
+The lines starting ``goal 3:`` check the publisher's goal: loop lag p95 <= 2 ms
 and worst pause <= 50 ms (median of the repetitions, and the worst over them).
 
 Both variants ship the same samples and write byte-identical files. The encoder packs one
@@ -52,7 +52,7 @@ from trio_rl.publish import (
     release_containers,
 )
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 from trio_rl.transport import FileSender
 from trio_rl.wire import encode
 

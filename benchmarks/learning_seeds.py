@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# The goals of the learning issue, per run: how a row is judged.
+# The learning goals, per run: how a row is judged.
 FIRST_AT_MOST, BEST_AT_LEAST, FINAL_AT_LEAST, WASTE_AT_MOST = 0.1, 0.85, 0.8, 0.10
 
 

@@ -5,7 +5,7 @@
 
 Three profiles (the options each script gets are printed before it runs):
 
-* default (~16 min on 2 cores): every goal of issue 12 with >= 3 repetitions, median and
+* default (~16 min on 2 cores): every benchmark goal with >= 3 repetitions, median and
   spread: scheduler part A (virtual time), part B at 1k / 10k / 100k in flight x 3, 3N
   finished per run (GC on and off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
   scale, scales 1.25x apart, loop lag at the reference's highest >= 0.95 rate); publication x 3
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
         print(f"----- bench_{name}.py: {took[name] / 60:.1f} min, exit {proc.returncode}")
         if proc.returncode:
             failed.append(name)
-    print(f"\n===== summary ({profile}): issue 12 goals, from this run =====")
+    print(f"\n===== summary ({profile}): the benchmark goals, from this run =====")
     for line in goals:
         print(line)
     print(

@@ -11,7 +11,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     ├── WireEncodeError (ValueError)
     ├── PolicyVersionError (ValueError)
     ├── EngineError
-    │   ├── EngineConfigError (ValueError)
+    │   ├── EngineConfigError (InvalidArgumentError)
     │   ├── EngineTransportError
     │   ├── EngineRequestError
     │   ├── EngineResponseError
@@ -19,7 +19,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── SimulatedEngineError
     │   └── ScriptedEngineError
     ├── RolloutError
-    │   ├── RolloutConfigError (ValueError)
+    │   ├── RolloutConfigError (InvalidArgumentError)
     │   ├── CreditError
     │   ├── DataSourceError
     │   ├── SourceExhaustedError
@@ -210,7 +210,7 @@ class EngineError(TrioRLError):
     """
 
 
-class EngineConfigError(EngineError, ValueError):
+class EngineConfigError(EngineError, InvalidArgumentError):
     """A bad setting, refused when the object is built (not a request failure).
 
     The message names the class, the field and the bad value, e.g.
@@ -259,7 +259,7 @@ class RolloutError(TrioRLError):
     """Base class of every error raised by :mod:`trio_rl.rollout`."""
 
 
-class RolloutConfigError(RolloutError, ValueError):
+class RolloutConfigError(RolloutError, InvalidArgumentError):
     """A bad setting, refused when the object is built (names the class, field and value)."""
 
 

@@ -9,13 +9,27 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
         plot.png             the run's figure (`plot`)
         logs/run.log         the run's log (`run_log`)
         checkpoints/         the orchestrator's checkpoints (`checkpoints`, `has_checkpoints`)
-        batches/             the file transport's batches (`batches`)
+        batches/             the file transport's batches (`batches`, `held_batches`)
         weights/             the published policy versions (`weights`)
-        trainer/             the trainer's state and logs (`trainer`, `trainer_log`, ...)
+        trainer/             the trainer's state and logs:
+            state.pt             the in-process trainer's model and optimizer (`trainer_state`)
+            stats.jsonl          one record per trained step (`trainer_stats`)
+            trained.jsonl        the trainer job's trained steps (`trained_log`)
+            heartbeat            the trainer job's heartbeat (`trainer_heartbeat`)
+            rank_<R>.jsonl       ``trio-rl simulate``'s rank R (`trainer_log`)
+            rank_<R>.lock        the lock of the trainer job's rank R (`trainer_lock`)
+        orchestrator/heartbeat   the orchestrator's heartbeat (`orchestrator_heartbeat`)
+        STOP                 the last shipped step, for the trainer job (`stop`)
         run.json             the learning run's configuration, for its trainer job (`run_file`)
+        eval.jsonl           one record per evaluation (`eval_log`)
+        envs/                what the environments write, one directory each (`env_outputs`)
+        tensorboard/         the TensorBoard sink's files (`tensorboard`)
+        inference/           the inference servers' logs (`inference_logs`)
 
 What lies inside ``checkpoints/`` and ``batches/`` belongs to their owners (the checkpoint
-manager of `trio_rl.train`, the file transport of `trio_rl.transport`), which this asks.
+manager of `trio_rl.sink`, the file transport of `trio_rl.transport`, which also names its
+directory), which this asks. Every other module takes its paths from here instead of joining a
+name to the run directory (``tests/package/test_package_rundir.py`` greps for such joins).
 """
 
 from __future__ import annotations
@@ -25,11 +39,12 @@ from pathlib import Path
 
 import attrs
 
-from .train import CheckpointManager
-from .transport import held_steps
-from .transport._files import batch_path
+from .sink import CheckpointManager
+from .transport import batches_dir, held_steps
 
 __all__ = [
+    "ENV_OUTPUTS",
+    "EVAL_LOG",
     "HEARTBEAT_FILE",
     "ORCHESTRATOR_HEARTBEAT",
     "RUN_FILE",
@@ -54,13 +69,17 @@ RUN_FILE = "run.json"
 STOP_FILE = "STOP"
 #: The in-process trainer's model and optimizer after its last step (``torch.save``).
 TRAINER_STATE = "trainer/state.pt"
-#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
+#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_job`).
 TRAINED_LOG = "trainer/trained.jsonl"
 HEARTBEAT_FILE = "trainer/heartbeat"
 #: The orchestrator's heartbeat, which a trainer job watches the same way.
 ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
 #: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics).
 TRAINER_LOG = "trainer/stats.jsonl"
+#: One record per evaluation of the policy.
+EVAL_LOG = "eval.jsonl"
+#: What the environments write, one directory per environment.
+ENV_OUTPUTS = "envs"
 
 
 @attrs.frozen
@@ -95,8 +114,7 @@ class RunDirectory:
 
     @property
     def batches(self) -> Path:
-        # the file transport's directory: the parent of every step's directory
-        return batch_path(self.root, 0, 0).parent.parent
+        return batches_dir(self.root)
 
     @property
     def weights(self) -> Path:
@@ -107,8 +125,40 @@ class RunDirectory:
         return self.root / "trainer"
 
     @property
+    def trainer_state(self) -> Path:
+        return self.root / TRAINER_STATE
+
+    @property
+    def trainer_stats(self) -> Path:
+        return self.root / TRAINER_LOG
+
+    @property
+    def trained_log(self) -> Path:
+        return self.root / TRAINED_LOG
+
+    @property
+    def trainer_heartbeat(self) -> Path:
+        return self.root / HEARTBEAT_FILE
+
+    @property
+    def orchestrator_heartbeat(self) -> Path:
+        return self.root / ORCHESTRATOR_HEARTBEAT
+
+    @property
+    def stop(self) -> Path:
+        return self.root / STOP_FILE
+
+    @property
     def run_file(self) -> Path:
         return self.root / RUN_FILE
+
+    @property
+    def eval_log(self) -> Path:
+        return self.root / EVAL_LOG
+
+    @property
+    def env_outputs(self) -> Path:
+        return self.root / ENV_OUTPUTS
 
     @property
     def tensorboard(self) -> Path:
@@ -121,6 +171,10 @@ class RunDirectory:
     def trainer_log(self, rank: int) -> Path:
         """``trio-rl simulate``'s trainer rank ``rank``: one line per trained step."""
         return self.trainer / f"rank_{rank}.jsonl"
+
+    def trainer_lock(self, rank: int) -> Path:
+        """The lock a trainer job's rank ``rank`` holds while it runs."""
+        return self.trainer / f"rank_{rank}.lock"
 
     def has_checkpoints(self) -> bool:
         """Whether ``checkpoints/`` holds a checkpoint (a run to resume)."""

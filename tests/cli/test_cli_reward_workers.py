@@ -42,6 +42,7 @@ max_tokens = 6
 [reward]
 function = "{function}"
 timeout = {timeout}
+{reward_keys}
 [rollout]
 task = "reverse"
 batch_groups = 4
@@ -61,7 +62,9 @@ def _script() -> str:
     return str(script)
 
 
-def _project(tmp_path: Path, *, steps: int, function: str, timeout: float = 60) -> Path:
+def _project(
+    tmp_path: Path, *, steps: int, function: str, timeout: float = 60, reward_keys: str = ""
+) -> Path:
     """A user's directory: the reward module, 32 records (ids r0..r31), a configuration."""
     (tmp_path / "user_rewards.py").write_text(REWARDS)
     with (tmp_path / "data.jsonl").open("w") as f:
@@ -70,7 +73,9 @@ def _project(tmp_path: Path, *, steps: int, function: str, timeout: float = 60) 
             f.write(json.dumps({"id": f"r{i}", "prompt": text + "=", "answer": text[::-1]}))
             f.write("\n")
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(steps=steps, function=function, timeout=timeout))
+    config.write_text(
+        CONFIG.format(steps=steps, function=function, timeout=timeout, reward_keys=reward_keys)
+    )
     return config
 
 
@@ -208,7 +213,10 @@ def test_the_first_sigterm_during_a_hung_reward_ends_the_run_with_a_checkpoint_t
 
 
 def test_a_reward_raising_on_every_record_ends_the_run_with_one_line(tmp_path: Path) -> None:
-    config = _project(tmp_path, steps=1000, function="user_rewards:misspelled")
+    # the budget is a key (unset: a step's worth, 16 samples here)
+    config = _project(
+        tmp_path, steps=1000, function="user_rewards:misspelled", reward_keys="failure_budget = 5"
+    )
     proc = subprocess.Popen(
         [_script(), "run", str(config), "--out", "run"],
         cwd=tmp_path,
@@ -235,8 +243,8 @@ def test_a_reward_raising_on_every_record_ends_the_run_with_one_line(tmp_path: P
     errors = [line for line in rest.splitlines() if line.startswith("trio-rl: error:")]
     assert len(errors) == 1, rest
     assert re.fullmatch(
-        r"trio-rl: error: reward user_rewards:misspelled failed on 16 samples in a row \(the "
-        r"failure budget: 16\); the first: KeyError: 'answr' \(user_rewards\.py:11 in "
+        r"trio-rl: error: reward user_rewards:misspelled failed on 5 samples in a row \(the "
+        r"failure budget: 5\); the first: KeyError: 'answr' \(user_rewards\.py:11 in "
         r"misspelled\) on record id 'r\d+'; nothing can train: fix the reward",
         errors[0],
     ), errors[0]

@@ -11,7 +11,6 @@ import trio
 import trio.testing
 
 from trio_rl.engines import (
-    EngineConfigError,
     GenerateRequest,
     LogNormalSeconds,
     OpenAICompatibleEngine,
@@ -20,6 +19,7 @@ from trio_rl.engines import (
     SimulatedEngine,
     VLLMEngine,
 )
+from trio_rl.errors import InvalidArgumentError
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ from trio_rl.engines import (
     ],
 )
 def test_bad_sampling_params_are_refused(field: str, value: object, match: str) -> None:
-    with pytest.raises(EngineConfigError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
 
 
@@ -53,7 +53,7 @@ def test_bad_sampling_params_are_refused(field: str, value: object, match: str) 
     ],
 )
 def test_bad_engine_settings_are_refused(field: str, value: object) -> None:
-    with pytest.raises(EngineConfigError, match=f"SimulatedEngine.{field} must be"):
+    with pytest.raises(InvalidArgumentError, match=f"SimulatedEngine.{field} must be"):
         SimulatedEngine(**{field: value})  # type: ignore[arg-type]
 
 

@@ -23,6 +23,7 @@ from trio_rl.engines import (
     SamplingParams,
     open_engine_fleet,
 )
+from trio_rl.errors import InvalidArgumentError
 
 FAST = {"probe_interval": 0.05, "probe_timeout": 0.5, "start_timeout": 5.0}
 
@@ -330,9 +331,9 @@ async def test_outside_its_block_the_fleet_is_closed() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(InvalidArgumentError):
         EngineFleet(["ftp://x"])
-    with pytest.raises(EngineConfigError):
+    with pytest.raises(InvalidArgumentError):
         EngineFleet(["http://x"], probe_interval=0)
 
 

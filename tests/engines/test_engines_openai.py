@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from trio_rl.engines import (
     AbortSignal,
     Engine,
-    EngineConfigError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -30,6 +29,7 @@ from trio_rl.engines import (
     SamplingParams,
     parse_completion_response,
 )
+from trio_rl.errors import InvalidArgumentError
 
 
 @attrs.define(eq=False)
@@ -296,8 +296,8 @@ def test_satisfies_engine_protocol() -> None:
     ],
 )
 def test_bad_configuration_is_rejected(kwargs: dict[str, Any], match: str) -> None:
-    # the shared engine validators: EngineConfigError (a ValueError) naming class and field
-    with pytest.raises(EngineConfigError, match=match):
+    # the shared validators: InvalidArgumentError (a ValueError) naming class and field
+    with pytest.raises(InvalidArgumentError, match=match):
         OpenAICompatibleEngine(**kwargs)
 
 

@@ -14,7 +14,6 @@ from vllm_stand_in import EOS, StandIn, serve
 
 from trio_rl.engines import (
     AbortSignal,
-    EngineConfigError,
     EngineRequestError,
     EngineResponseError,
     EngineTimeoutError,
@@ -23,6 +22,7 @@ from trio_rl.engines import (
     SamplingParams,
 )
 from trio_rl.engines._vllm import VLLMAdmin, open_vllm_engine
+from trio_rl.errors import InvalidArgumentError
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ async def test_admin_unreachable_and_closed() -> None:
         async with admin:
             with pytest.raises(EngineTransportError, match=r"127\.0\.0\.1:9/collective_rpc"):
                 await admin.reload_weights("/w")
-    with pytest.raises(EngineConfigError, match=r"VLLMAdmin\.base_url"):
+    with pytest.raises(InvalidArgumentError, match=r"VLLMAdmin\.base_url"):
         VLLMAdmin("localhost:8000")
 
 

@@ -1,4 +1,4 @@
-"""One DDP trainer rank for test_ddp.py, launched by torchrun: trains one step, rank 0 saves."""
+"""One DDP trainer rank for test_learn_ddp.py, launched by torchrun: one step, rank 0 saves."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
 from trio_rl.rollout import FailurePolicy, InMemorySource, RolloutConfig, engine_generate
 from trio_rl.samples import Group, OpenGroup, Prompt, Sample
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
 
@@ -377,7 +377,7 @@ async def test_by_handle_payloads_are_read_by_the_trainer_and_orphans_swept(
 
 
 async def test_every_retried_attempt_settles_once_in_the_books(tmp_path: Path) -> None:
-    """Issue 9 item 8: a group that fails and is retried books each attempt's samples, members
+    """A group that fails and is retried books each attempt's samples, members
     that had already finished included, as failed, once; the successful attempt ships."""
     inner = engine_generate(_engine(), SamplingParams(max_tokens=64))
     calls: dict[int, int] = {}

@@ -13,6 +13,7 @@ import trio.testing
 from rollout_helpers import prompts
 
 from trio_rl.engines import SamplingParams, SimulatedEngine, SimulatedEngineError
+from trio_rl.errors import InvalidArgumentError
 from trio_rl.rollout import (
     DriverFailedError,
     FailureBudgetExceededError,
@@ -22,7 +23,6 @@ from trio_rl.rollout import (
     GroupGranularity,
     GroupRunner,
     InMemorySource,
-    RolloutConfigError,
     SyncRolloutDriver,
     engine_generate,
     open_async_rollout,
@@ -53,7 +53,7 @@ def _run(fn: Callable[[Unpack[Args]], Awaitable[T]], *args: *Args) -> T:
     ],
 )
 def test_bad_settings_are_refused(make, match: str) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(RolloutConfigError, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         make()
 
 
@@ -70,7 +70,7 @@ def test_bad_settings_are_refused(make, match: str) -> None:  # type: ignore[no-
 def test_bad_async_driver_settings_are_refused(kwargs: dict[str, object], match: str) -> None:
     async def main() -> None:
         runner = GroupRunner(engine_generate(SimulatedEngine()))
-        with pytest.raises(RolloutConfigError, match=match):
+        with pytest.raises(InvalidArgumentError, match=match):
             async with open_async_rollout(
                 InMemorySource(prompts(4)),
                 GroupFactory(2),
@@ -84,7 +84,7 @@ def test_bad_async_driver_settings_are_refused(kwargs: dict[str, object], match:
 
 def test_sync_driver_settings_are_refused() -> None:
     runner = GroupRunner(engine_generate(SimulatedEngine()))
-    with pytest.raises(RolloutConfigError, match=r"SyncRolloutDriver\.max_failures"):
+    with pytest.raises(InvalidArgumentError, match=r"SyncRolloutDriver\.max_failures"):
         SyncRolloutDriver(InMemorySource(prompts(2)), GroupFactory(2), runner, max_failures=-1)
 
 

@@ -18,11 +18,9 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from .._validation import positive_finite, positive_int, probability
 from ._errors import EngineConfigError
 from ._protocol import FinishReason
-from ._validate import positive_finite as _positive
-from ._validate import positive_int as _positive_int
-from ._validate import probability as _probability
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -83,9 +81,9 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 class LogNormalTokens:
     """``tokens ~ min(LN(median, sigma), cap)``; the default is ``long-cot``."""
 
-    median: float = attrs.field(default=4000.0, validator=_positive)
-    sigma: float = attrs.field(default=1.1, validator=_positive)
-    cap: int = attrs.field(default=32768, validator=_positive_int)
+    median: float = attrs.field(default=4000.0, validator=positive_finite)
+    sigma: float = attrs.field(default=1.1, validator=positive_finite)
+    cap: int = attrs.field(default=32768, validator=positive_int)
     name: str = "long-cot"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
@@ -103,10 +101,10 @@ class CorrelatedTokens:
     all samples of one prompt share it (within-group max/median is about 2.8 for groups of 8).
     """
 
-    prompt_median: float = attrs.field(default=2000.0, validator=_positive)
-    prompt_sigma: float = attrs.field(default=0.7, validator=_positive)
-    sample_sigma: float = attrs.field(default=0.6, validator=_positive)
-    cap: int = attrs.field(default=32768, validator=_positive_int)
+    prompt_median: float = attrs.field(default=2000.0, validator=positive_finite)
+    prompt_sigma: float = attrs.field(default=0.7, validator=positive_finite)
+    sample_sigma: float = attrs.field(default=0.6, validator=positive_finite)
+    cap: int = attrs.field(default=32768, validator=positive_int)
     name: str = "correlated"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
@@ -122,9 +120,9 @@ class LogNormalSeconds:
     """``seconds ~ min(LN(median, sigma), cap)``; the default is ``swe`` (about 2.5% hit the
     2 h cap, which ends them as ``length``: the episode ran out of time)."""
 
-    median: float = attrs.field(default=1500.0, validator=_positive)
-    sigma: float = attrs.field(default=0.8, validator=_positive)
-    cap: float = attrs.field(default=7200.0, validator=_positive)
+    median: float = attrs.field(default=1500.0, validator=positive_finite)
+    sigma: float = attrs.field(default=0.8, validator=positive_finite)
+    cap: float = attrs.field(default=7200.0, validator=positive_finite)
     name: str = "swe"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:
@@ -142,10 +140,10 @@ class ParetoSeconds:
     The default is ``heavy-tail``: median about 103 s, an infinite-variance tail, 0.5% hangs.
     """
 
-    scale: float = attrs.field(default=60.0, validator=_positive)
-    alpha: float = attrs.field(default=1.3, validator=_positive)
-    hang_probability: float = attrs.field(default=0.005, validator=_probability)
-    kill_after: float = attrs.field(default=3600.0, validator=_positive)
+    scale: float = attrs.field(default=60.0, validator=positive_finite)
+    alpha: float = attrs.field(default=1.3, validator=positive_finite)
+    hang_probability: float = attrs.field(default=0.005, validator=probability)
+    kill_after: float = attrs.field(default=3600.0, validator=positive_finite)
     name: str = "heavy-tail"
 
     def draw(self, rng: random.Random, prompt_rng: random.Random) -> Draw:

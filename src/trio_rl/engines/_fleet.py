@@ -22,6 +22,7 @@ import httpx
 import trio
 import trio_util
 
+from .._validation import a_bool, http_urls, positive_or_inf, url_tuple
 from ..errors import collapse_single
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
@@ -32,10 +33,10 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import fleet_default as _d
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
-from ._validate import a_bool, http_urls, positive, url_tuple
 
 __all__ = ["EngineFleet", "open_engine_fleet"]
 
@@ -141,14 +142,14 @@ class EngineFleet:
 
     urls: tuple[str, ...] = attrs.field(converter=url_tuple, validator=http_urls, kw_only=False)
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=positive)
-    max_attempts: int = attrs.field(default=3, validator=positive)
-    wait_for_server: float = attrs.field(default=60.0, validator=positive)
-    start_timeout: float = attrs.field(default=60.0, validator=positive)
-    admin_timeout: float = attrs.field(default=120.0, validator=positive)
-    probe_interval: float = attrs.field(default=1.0, validator=positive)
-    probe_timeout: float = attrs.field(default=10.0, validator=positive)
-    probe_failures: int = attrs.field(default=2, validator=positive)
+    timeout: float = attrs.field(default=_d("timeout"), validator=positive_or_inf)
+    max_attempts: int = attrs.field(default=_d("max_attempts"), validator=positive_or_inf)
+    wait_for_server: float = attrs.field(default=_d("wait_for_server"), validator=positive_or_inf)
+    start_timeout: float = attrs.field(default=_d("start_timeout"), validator=positive_or_inf)
+    admin_timeout: float = attrs.field(default=_d("admin_timeout"), validator=positive_or_inf)
+    probe_interval: float = attrs.field(default=_d("probe_interval"), validator=positive_or_inf)
+    probe_timeout: float = attrs.field(default=_d("probe_timeout"), validator=positive_or_inf)
+    probe_failures: int = attrs.field(default=_d("probe_failures"), validator=positive_or_inf)
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
     #: Posted on cancellation (SGLang's ``/abort_request``); None for vLLM, which aborts a
@@ -161,7 +162,7 @@ class EngineFleet:
     #: The header that carries the routing key (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
     #: Routing keys remembered (least recently used forgotten first).
-    max_keys: int = attrs.field(default=65536, validator=positive)
+    max_keys: int = attrs.field(default=65536, validator=positive_or_inf)
     #: Check at opening that every server serves the same models (``GET /v1/models``), and
     #: ``model`` among them; ``"default"`` becomes the first model they list.
     check_models: bool = attrs.field(default=True, validator=a_bool)

@@ -14,6 +14,7 @@ import attrs
 import httpx
 import trio
 
+from .._validation import a_bool, http_urls, non_negative_or_inf, positive_or_inf, url_tuple
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
@@ -32,7 +33,6 @@ from ._openai_answers import (
 )
 from ._protocol import Completion, FinishReason, GenerateRequest
 from ._sse import event_json, read_events
-from ._validate import a_bool, http_urls, non_negative, positive, url_tuple
 
 __all__ = ["OpenAICompatibleEngine"]
 
@@ -123,16 +123,16 @@ class OpenAICompatibleEngine:
         converter=url_tuple, validator=http_urls, kw_only=False
     )
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=positive)
-    max_attempts: int = attrs.field(default=4, validator=positive)
-    backoff: float = attrs.field(default=0.25, validator=non_negative)
-    max_backoff: float = attrs.field(default=8.0, validator=non_negative)
+    timeout: float = attrs.field(default=600.0, validator=positive_or_inf)
+    max_attempts: int = attrs.field(default=4, validator=positive_or_inf)
+    backoff: float = attrs.field(default=0.25, validator=non_negative_or_inf)
+    max_backoff: float = attrs.field(default=8.0, validator=non_negative_or_inf)
     completions_path: str = "/v1/completions"
     #: Ask for a streamed answer (server-sent events), so that an abort keeps the tokens
     #: generated so far; False posts ``"stream": false`` and reads one JSON body.
     stream: bool = attrs.field(default=True, validator=a_bool)
     abort_path: str | None = "/abort_request"
-    abort_timeout: float = attrs.field(default=2.0, validator=positive)
+    abort_timeout: float = attrs.field(default=2.0, validator=positive_or_inf)
     request_id_field: str | None = "rid"
     version_field: str | None = "policy_version"
     version_header: str | None = "x-policy-version"
@@ -146,7 +146,7 @@ class OpenAICompatibleEngine:
     #: Seconds an idle pooled connection is kept for reuse. Below the servers' own idle limit
     #: (uvicorn closes after 5 s), so the pool drops a connection before the server does;
     #: at the same limit a request races the server's close on every connection in the pool.
-    keepalive_expiry: float = attrs.field(default=2.0, validator=non_negative)
+    keepalive_expiry: float = attrs.field(default=2.0, validator=non_negative_or_inf)
     #: The header that carries :attr:`GenerateRequest.routing_key` (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import httpx
 
+from .._validation import is_number
 from ..samples import PolicyVersion
 from ._errors import EngineResponseError
 from ._protocol import FinishReason
-from ._validate import _is_number
 
 __all__ = ["parse_completion_chunk", "parse_completion_response"]
 
@@ -132,7 +132,7 @@ def _parse_choice(
             f"{where}: field 'choices[0].logprobs.token_logprobs' is missing or not a list"
         )
     for i, v in enumerate(raw_logprobs):
-        if not _is_number(v):
+        if not is_number(v):
             raise EngineResponseError(
                 f"{where}: field 'choices[0].logprobs.token_logprobs[{i}]' = {v!r} is not a number"
             )

@@ -6,9 +6,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import attrs
 
+from .._validation import non_negative_finite, open_unit, optional_int, positive_int
 from ..samples import PolicyVersion
 from ._abort import AbortSignal
-from ._validate import non_negative_finite, open_unit, optional_int, positive_int
 
 __all__ = ["Completion", "Engine", "FinishReason", "GenerateRequest", "SamplingParams"]
 

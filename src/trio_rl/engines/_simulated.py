@@ -9,13 +9,13 @@ from collections import Counter
 import attrs
 import trio
 
+from .._validation import an_int, positive_finite, positive_int, probability
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
 from ._distributions import LatencyDistribution, LogNormalTokens, get_distribution
 from ._errors import SimulatedEngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
-from ._validate import an_int, positive_finite, positive_int, probability
 
 __all__ = ["EngineStatistics", "SimulatedEngine"]
 
@@ -113,7 +113,7 @@ class SimulatedEngine:
     distribution: LatencyDistribution = attrs.field(
         default=LogNormalTokens(), converter=_to_distribution, kw_only=False
     )
-    slots: int = attrs.field(default=256, validator=positive_int)
+    slots: int = attrs.field(default=64, validator=positive_int)
     seed: int = attrs.field(default=0, validator=an_int)
     #: Per-sequence decode time; the default is 30 tokens/s.
     seconds_per_token: float = attrs.field(default=1.0 / 30.0, validator=positive_finite)

@@ -22,6 +22,7 @@ import attrs
 import httpx
 import trio
 
+from .._validation import a_bool, http_urls, non_negative_or_inf, positive_or_inf
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._backoff import retry_delay
@@ -34,12 +35,10 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import ADMIN_TIMEOUT
 from ._openai_answers import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
 from ._sse import event_json, read_events
-from ._validate import a_bool, http_urls
-from ._validate import non_negative as _non_negative
-from ._validate import positive as _positive
 
 __all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
 
@@ -60,7 +59,7 @@ class VLLMAdmin:
     """
 
     base_url: str = attrs.field(converter=_url, validator=http_urls)
-    timeout: float = attrs.field(default=60.0, validator=_positive)
+    timeout: float = attrs.field(default=60.0, validator=positive_or_inf)
     headers: Mapping[str, str] = attrs.field(factory=dict)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
 
@@ -273,12 +272,12 @@ class VLLMEngine:
 
     base_url: str = attrs.field(converter=_url, validator=http_urls, kw_only=False)
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=_positive)
-    admin_timeout: float = attrs.field(default=60.0, validator=_positive)
-    gather_window: float = attrs.field(default=0.002, validator=_non_negative)
-    max_n: int = attrs.field(default=64, validator=_positive)
-    max_attempts: int = attrs.field(default=3, validator=_positive)
-    backoff: float = attrs.field(default=0.25, validator=_non_negative)
+    timeout: float = attrs.field(default=600.0, validator=positive_or_inf)
+    admin_timeout: float = attrs.field(default=ADMIN_TIMEOUT, validator=positive_or_inf)
+    gather_window: float = attrs.field(default=0.002, validator=non_negative_or_inf)
+    max_n: int = attrs.field(default=64, validator=positive_or_inf)
+    max_attempts: int = attrs.field(default=3, validator=positive_or_inf)
+    backoff: float = attrs.field(default=0.25, validator=non_negative_or_inf)
     #: Ask for a streamed answer (server-sent events, one chunk per choice and step), so that
     #: an abort keeps the tokens generated so far; False posts ``"stream": false``.
     stream: bool = attrs.field(default=True, validator=a_bool)

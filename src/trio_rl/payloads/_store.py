@@ -22,13 +22,14 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 import trio
 
+from .._durable import atomic_write
 from ..errors import PayloadError, PayloadFileMissingError
 from ._segment import PayloadSegment, clip_segments, row_bytes
 
@@ -299,8 +300,9 @@ class PayloadStore:
         where = positions or {}
         segments: list[PayloadSegment] = []
         offset = 0
-        tmp = target.with_name(f".{name}.tmp")
-        with open(tmp, "wb") as f:
+
+        def write(f: BinaryIO) -> None:
+            nonlocal offset
             for field, value in fields.items():
                 arr = np.ascontiguousarray(np.asarray(value))
                 if arr.ndim < 1:
@@ -353,7 +355,8 @@ class PayloadStore:
                     )
                 )
                 offset += len(index)
-        os.replace(tmp, target)
+
+        atomic_write(target, write, fsync=False)
         return segments
 
     # -- reading --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from .._validation import at_least, one_of, positive
+from .._validation import at_least, one_of, optional_positive_finite
 from ._credits import GroupGranularity, SampleBackfill, SubmissionPolicy
 from ._factory import RoutingKeys
 from ._triage import FailurePolicy
@@ -48,7 +48,7 @@ class RolloutConfig:
     )
     sample_timeout: float | None = attrs.field(
         default=None,
-        validator=positive,
+        validator=optional_positive_finite,
         metadata={
             "help": "seconds each sample (generation and reward) may take; expiry fails the "
             "sample and so its group, which then follows the failure policy (unset: only the "

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from .._validation import non_negative_int, optional_int, positive_int
 from ..errors import InvalidArgumentError
 from ..samples import (
     RESUMED_AT,
@@ -20,7 +21,6 @@ from ..samples import (
     new_group_id,
 )
 from ._errors import DataSourceError
-from ._validate import non_negative_int, optional_int, positive_int
 
 __all__ = ["GroupFactory", "RoutingKeys"]
 

@@ -17,11 +17,11 @@ from typing import TypeVar
 import attrs
 import trio
 
+from .._validation import check_optional_positive_finite, optional_positive_finite
 from ..engines import AbortSignal, Engine, GenerateRequest, SamplingParams
 from ..samples import Group, GroupBook, Sample, SampleStatus
 from ._credits import CreditScheduler, GroupOutcome, GroupStatus
 from ._errors import GroupFailedError
-from ._validate import check_timeout, timeout
 
 __all__ = [
     "GenerateFn",
@@ -100,7 +100,7 @@ def engine_generate(
     in production. On cancellation the engine call is abandoned and the sample is left
     untouched.
     """
-    check_timeout("engine_generate", "timeout", timeout)
+    check_optional_positive_finite("engine_generate", "timeout", timeout)
     base = params if params is not None else SamplingParams()
     # Request ids: a random prefix per generate function and a counter (no uuid4 per call).
     request_prefix = uuid.uuid4().hex[:12]
@@ -167,7 +167,9 @@ class _GroupRun:
     sample_reward: SampleRewardFn | None
     sample_timeout: float | None
     scope: trio.CancelScope | None = None
-    failures: list[tuple[int | None, Exception]] = attrs.field(factory=list)
+    #: Made at the first failure: most groups never fail, and an empty list per group is
+    #: one more object for the collector to walk while the group runs.
+    failures: list[tuple[int | None, Exception]] | None = None
     cancelled: bool = False
 
     async def sample_task(self, sample: Sample) -> None:
@@ -184,6 +186,8 @@ class _GroupRun:
                     if self.sample_reward is not None and sample.status.is_finished:
                         sample.reward = float(await _call(self.sample_reward, sample))
         except Exception as exc:  # a real failure
+            if self.failures is None:
+                self.failures = []
             self.failures.append((sample.index, exc))
             if self.scope is not None:
                 self.scope.cancel()
@@ -310,7 +314,7 @@ class GroupRunner:
     sample_reward: SampleRewardFn | None = None
     group_reward: GroupRewardFn | None = None
     #: Deadline in seconds for each sample task (None: no deadline of its own).
-    sample_timeout: float | None = attrs.field(default=None, validator=timeout)
+    sample_timeout: float | None = attrs.field(default=None, validator=optional_positive_finite)
 
     async def run(
         self, group: Group, on_sample_done: Callable[[Sample], None] | None = None

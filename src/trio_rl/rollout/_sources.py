@@ -15,9 +15,9 @@ from os import PathLike
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from .._validation import check_optional_int
 from ..samples import Prompt
 from ._errors import DataSourceError, RolloutConfigError, SourceExhaustedError
-from ._validate import check_optional_int
 
 __all__ = [
     "DataSource",

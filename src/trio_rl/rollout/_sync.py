@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 import trio
 
+from .._validation import check_int, check_optional_int, check_optional_positive_finite
 from ..engines import AbortSignal
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, SampleStatus
 from ._credits import (
@@ -22,7 +23,6 @@ from ._errors import FailureBudgetExceededError, RolloutError, SourceExhaustedEr
 from ._factory import GroupFactory
 from ._group import GroupRunner, pending_samples, reopen_aborted, run_reporting
 from ._sources import DataSource
-from ._validate import check_int, check_optional_int, check_timeout
 
 __all__ = [
     "DynamicFilter",
@@ -159,7 +159,7 @@ class SyncRolloutDriver:
         where = "SyncRolloutDriver"
         check_optional_int(where, "groups_per_admission", groups_per_admission, minimum=1)
         check_optional_int(where, "max_failures", max_failures, minimum=0)
-        check_timeout(where, "abort_timeout", abort_timeout)
+        check_optional_positive_finite(where, "abort_timeout", abort_timeout)
         self.source = source
         self.factory = factory
         self.runner = runner

@@ -15,11 +15,11 @@ from typing import Literal
 
 import attrs
 
+from .._validation import check_choice, non_negative_int, optional_positive_int
 from ..samples import Group, GroupBook, PolicyVersion
 from ._credits import GroupOutcome, GroupStatus
 from ._errors import FailureBudgetExceededError, GroupFailedError, RolloutError
 from ._sync import DynamicFilter
-from ._validate import check_choice, non_negative_int, optional_positive_int
 
 __all__ = [
     "AsyncDriverStatistics",

@@ -33,12 +33,11 @@ import attrs
 from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ..samples import Sample
-from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint_format import CHECKPOINT_MAGIC, CHECKPOINT_NAME, file_schema_version
-from ..train._outbox import OUTBOX_MAGIC, OUTBOX_NAME
-from ..train._sink_state import payload_files_of_state
-from ..transport._file_layout import RANK_FILE, STEP_DIR
-from ..transport._files import end_marker_path
+from ..sink import CheckpointManager, TrainingSample, read_checkpoint
+from ..sink._checkpoint_format import CHECKPOINT_MAGIC, CHECKPOINT_NAME, file_schema_version
+from ..sink._outbox import OUTBOX_MAGIC, OUTBOX_NAME
+from ..sink._sink_state import payload_files_of_state
+from ..transport import CONSUMED_FILE, RANK_FILE, STEP_DIR, consumed_dir, end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError
 from ._main import tool_main
@@ -348,7 +347,7 @@ def _batches(run: Path, damage: list[TrioRLError]) -> dict[str, Any]:
     end = end_marker_path(run)
     if end.is_file():
         out["end_of_stream"] = _read(end).decode(errors="replace").strip()
-    consumed = _steps_in(root / ".consumed", re.compile(r"^rank_(\d+)$"))
+    consumed = _steps_in(consumed_dir(run), CONSUMED_FILE)
     if consumed:
         out["consumed"] = {
             f"rank {r}": _read(p).decode(errors="replace").strip() for r, p in consumed

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from .._durable import atomic_write
 from ..publish import step_record
 from ..rundir import RunDirectory
 from ._errors import MetricsFileError, MissingExtraError
@@ -280,9 +281,7 @@ class WandbSink:
         self._run.define_metric("*", step_metric="step")
         if self.id_file is not None:
             self.id_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.id_file.with_name(self.id_file.name + ".tmp")
-            tmp.write_text(str(self._run.id) + "\n", encoding="utf-8")
-            tmp.replace(self.id_file)
+            atomic_write(self.id_file, str(self._run.id) + "\n")
 
     @property
     def run(self) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from .._validation import at_least, positive
+from .._validation import at_least, optional_positive_finite, positive_finite
 
 
 @attrs.frozen
@@ -28,7 +28,7 @@ class TrainerConfig:
     """
 
     lr: float = attrs.field(
-        default=1e-3, validator=positive, metadata={"help": "AdamW learning rate"}
+        default=1e-3, validator=positive_finite, metadata={"help": "AdamW learning rate"}
     )
     weight_decay: float = attrs.field(
         default=0.0, validator=at_least(0), metadata={"help": "AdamW weight decay"}
@@ -37,13 +37,15 @@ class TrainerConfig:
         default=(0.9, 0.99), metadata={"help": "AdamW's betas"}
     )
     clip: float = attrs.field(
-        default=0.2, validator=positive, metadata={"help": "importance-ratio clip"}
+        default=0.2, validator=positive_finite, metadata={"help": "importance-ratio clip"}
     )
     epochs: int = attrs.field(
         default=4, validator=at_least(1), metadata={"help": "AdamW updates per batch"}
     )
     max_grad_norm: float | None = attrs.field(
-        default=1.0, validator=positive, metadata={"help": "gradient-norm clip (unset: none)"}
+        default=1.0,
+        validator=optional_positive_finite,
+        metadata={"help": "gradient-norm clip (unset: none)"},
     )
     entropy_coef: float = attrs.field(
         default=0.01,

@@ -20,9 +20,15 @@ from ._errors import EndOfStreamError as EndOfStreamError
 from ._errors import TransportError as TransportError
 from ._errors import TransportIOError as TransportIOError
 from ._errors import TransportTimeoutError as TransportTimeoutError
+from ._file_layout import CONSUMED_FILE as CONSUMED_FILE
+from ._file_layout import RANK_FILE as RANK_FILE
+from ._file_layout import STEP_DIR as STEP_DIR
 from ._files import FileReceiver as FileReceiver
 from ._files import FileSender as FileSender
 from ._files import batch_path as batch_path
+from ._files import batches_dir as batches_dir
+from ._files import consumed_dir as consumed_dir
+from ._files import end_marker_path as end_marker_path
 from ._files import held_steps as held_steps
 from ._memory import MemoryReceiver as MemoryReceiver
 from ._memory import MemorySender as MemorySender

@@ -174,6 +174,23 @@ class Receiver(trio.abc.AsyncResource):
         """
 
 
+class SteppedReceiver(Receiver):
+    """A receiver that knows its step from the start: it keeps its rank and the step of its
+    next receive, which `receive` advances (``self._next_step = step + 1``)."""
+
+    def __init__(self, rank: int, next_step: int) -> None:
+        self._rank = rank
+        self._next_step = next_step
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def next_step(self) -> int:
+        return self._next_step
+
+
 @runtime_checkable
 class StagingSender(Protocol):
     """A sender that can take a step one rank at a time (`FileSender` is one).

@@ -11,34 +11,55 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .._durable import atomic_write
 from ._base import Payload
 from ._errors import EndOfStreamError, TransportError, TransportIOError
 
 #: The names :func:`batch_path` gives a step's directory and a rank's file.
 STEP_DIR = re.compile(r"^step_(\d+)$")
 RANK_FILE = re.compile(r"^rank_(\d+)\.bin$")
+#: The name of each receiver's marker file in :func:`consumed_dir`.
+CONSUMED_FILE = re.compile(r"^rank_(\d+)$")
+#: The transport's directory under the directory a sender or receiver is given.
+_BATCHES = "batches"
+
+
+def batches_dir(directory: str | os.PathLike[str]) -> Path:
+    """The file transport's own directory under ``directory``: every step's directory and
+    the markers live in it."""
+    return Path(directory) / _BATCHES
 
 
 def batch_path(directory: str | os.PathLike[str], step: int, rank: int) -> Path:
     """The path of rank ``rank``'s payload for ``step`` under ``directory``."""
-    return Path(directory) / "batches" / f"step_{step}" / f"rank_{rank}.bin"
+    return batches_dir(directory) / f"step_{step}" / f"rank_{rank}.bin"
 
 
 def end_marker_path(directory: str | os.PathLike[str]) -> Path:
     """The end-of-stream marker under ``directory``: it holds the step the stream ended at."""
-    return Path(directory) / "batches" / "END"
+    return batches_dir(directory) / "END"
+
+
+def consumed_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where the receivers record the last step each acknowledged, one file per rank."""
+    return batches_dir(directory) / ".consumed"
 
 
 def consumed_marker_path(directory: str | os.PathLike[str], rank: int) -> Path:
     """Where rank ``rank``'s receiver records the last step it acknowledged."""
-    return Path(directory) / "batches" / ".consumed" / f"rank_{rank}"
+    return consumed_dir(directory) / f"rank_{rank}"
+
+
+def staging_dir(directory: str | os.PathLike[str]) -> Path:
+    """Where a sender writes its files before it renames them into their step's directory."""
+    return batches_dir(directory) / ".staging"
 
 
 def held_steps(directory: str | os.PathLike[str], rank: int) -> list[int]:
     """The steps whose payload file for rank ``rank`` is still under ``directory``, in order
     (what a deleting receiver of that rank has not consumed yet; blocking);
     `TransportIOError` if ``batches/`` cannot be listed."""
-    batches = Path(directory) / "batches"
+    batches = batches_dir(directory)
     try:
         names = os.listdir(batches)
     except FileNotFoundError:
@@ -62,25 +83,6 @@ _RENAME_ATTEMPTS = 1000
 
 def io_error(what: str, path: Path, exc: OSError) -> TransportIOError:
     return TransportIOError(f"{what} {path}: {exc.strerror or exc}", str(path))
-
-
-def write_file(path: Path, data: Payload, fsync: bool) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return  # readers consumed every file and removed the directory: nothing to persist
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_step_marker(path: Path) -> int | None:
@@ -127,15 +129,10 @@ def rename_into_step_dir(tmp: Path, final: Path) -> None:
 
 def write_end_marker(directory: Path, staging: Callable[[], Path], step: int, fsync: bool) -> None:
     end = end_marker_path(directory)
-    tmp = staging() / f"END.{os.getpid()}.tmp"
     try:
-        write_file(tmp, str(step).encode("ascii"), fsync)
-        os.replace(tmp, end)
+        atomic_write(end, str(step).encode("ascii"), staging=staging(), fsync=fsync)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise io_error("cannot write the end marker", end, exc) from exc
-    if fsync:
-        fsync_dir(end.parent)
 
 
 class RankFiles:
@@ -184,7 +181,7 @@ class RankFiles:
         raise TransportError(
             f"rank {self.rank}: start_step=None, but there is no consumer marker "
             f"{self.consumed_marker}, no batch file for this rank and no end marker under "
-            f"{self.directory / 'batches'}: nothing to resume from, pass start_step"
+            f"{batches_dir(self.directory)}: nothing to resume from, pass start_step"
         )
 
     def read(self, step: int) -> Payload | None:
@@ -221,11 +218,9 @@ class RankFiles:
 
     def ack(self, step: int) -> None:
         marker = self.consumed_marker
-        tmp = marker.with_name(marker.name + ".tmp")
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(str(step).encode("ascii"))
-            os.replace(tmp, marker)
+            atomic_write(marker, str(step).encode("ascii"), fsync=False)
         except OSError as exc:
             raise io_error("cannot record the consumed step in", marker, exc) from exc
         # Recorded before the deletion, so a crash in between never makes a restart wait for

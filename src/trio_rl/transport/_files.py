@@ -29,20 +29,23 @@ from typing import Any, BinaryIO, TypeVar
 
 import trio
 
+from .._durable import fsync_dir, write_synced
 from ..errors import InvalidArgumentError
 from ._base import Payload, ReceivedPayload, Receiver, Sender
 from ._errors import EndOfStreamError, TransportIOError
 from ._file_layout import (
     RankFiles,
-    fsync_dir,
     io_error,
     read_step_marker,
     rename_into_step_dir,
+    staging_dir,
     write_end_marker,
 )
 
 # The layout's paths are imported from here by the package and its tools: re-exported.
 from ._file_layout import batch_path as batch_path
+from ._file_layout import batches_dir as batches_dir
+from ._file_layout import consumed_dir as consumed_dir
 from ._file_layout import consumed_marker_path as consumed_marker_path
 from ._file_layout import end_marker_path as end_marker_path
 from ._file_layout import held_steps as held_steps
@@ -150,7 +153,7 @@ class FileSender(Sender):
         self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def _staging(self) -> Path:
-        staging = self._directory / "batches" / ".staging"
+        staging = staging_dir(self._directory)
         try:
             staging.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -172,8 +175,7 @@ class FileSender(Sender):
 
     def staged_path(self, step: int, rank: int) -> Path:
         """Where `stage` writes rank ``rank``'s file of ``step`` before `commit` renames it."""
-        staging = self._directory / "batches" / ".staging"
-        return staging / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
+        return staging_dir(self._directory) / f"step_{step}.rank_{rank}.{os.getpid()}.tmp"
 
     def stage(self, step: int, rank: int, write: Callable[[BinaryIO], object]) -> int:
         """Blocking (call it in a worker thread): write rank ``rank``'s file of ``step`` into
@@ -190,12 +192,7 @@ class FileSender(Sender):
         self._staging()
         tmp = self.staged_path(step, rank)
         try:
-            with open(tmp, "wb") as f:
-                write(f)
-                if self._fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-                return f.tell()
+            return write_synced(tmp, write, fsync=self._fsync)
         except BaseException as exc:
             try:
                 tmp.unlink(missing_ok=True)
@@ -259,7 +256,7 @@ class FileSender(Sender):
                 )
             rename_into_step_dir(tmp, final)
         if self._fsync:
-            fsync_dir(step_dir)
+            fsync_dir(step_dir, missing_ok=True)
 
     def _write_step(self, step: int, payloads: Sequence[Payload]) -> None:
         try:

@@ -19,7 +19,7 @@ import attrs
 import trio
 
 from ..errors import InvalidArgumentError
-from ._base import Payload, ReceivedPayload, Receiver, Sender
+from ._base import Payload, ReceivedPayload, Sender, SteppedReceiver
 from ._errors import EndOfStreamError, TransportError
 from ._wait import Wait, timeout_seconds
 
@@ -154,7 +154,7 @@ class MemorySender(Sender):
         await trio.lowlevel.checkpoint()
 
 
-class MemoryReceiver(Receiver):
+class MemoryReceiver(SteppedReceiver):
     """Receives one rank's payloads from a `MemorySender` (made by `MemorySender.receiver`).
 
     A returned payload is held until acknowledged: by `ack`, or implicitly by the next
@@ -166,19 +166,10 @@ class MemoryReceiver(Receiver):
     """
 
     def __init__(self, line: _RankLine, rank: int, start_step: int, timeout: float) -> None:
+        super().__init__(rank, max(start_step, line.acked + 1))
         self._line = line
-        self._rank = rank
         self._timeout = timeout
-        self._next_step = max(start_step, line.acked + 1)
         self._closed = False
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def next_step(self) -> int:
-        return self._next_step
 
     async def __aenter__(self) -> MemoryReceiver:
         """Nothing to open (the receiver is ready when made).

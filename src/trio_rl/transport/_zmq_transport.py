@@ -38,7 +38,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import InvalidArgumentError
-from ._base import Payload, ReceivedPayload, Receiver, Sender
+from ._base import Payload, ReceivedPayload, Sender, SteppedReceiver
 from ._errors import EndOfStreamError, TransportError, TransportTimeoutError
 from ._wait import Wait, timeout_seconds
 from ._zmq import ZmqSocket
@@ -300,7 +300,7 @@ class ZmqSender(Sender):
             await trio.lowlevel.checkpoint()
 
 
-class ZmqReceiver(Receiver):
+class ZmqReceiver(SteppedReceiver):
     """Receives one rank's payloads from a `ZmqSender`.
 
     Entering ``async with`` subscribes and connects the SUB socket (the sender may come up
@@ -340,14 +340,13 @@ class ZmqReceiver(Receiver):
         if start_step < 0:
             raise InvalidArgumentError(f"start_step must be >= 0, got {start_step}")
         _check_port(port)
-        self._rank = rank
+        super().__init__(rank, start_step)
         self._host = host
         self._port = port
         self._hwm = hwm
         self._topic = rank_topic(rank)
         self._end_topic = end_topic(rank)
         self._ended_at: int | None = None
-        self._next_step = start_step
         self._timeout = timeout_seconds(timeout)
         self._ctx: zmq.Context[Any] | None = None
         self._sub: ZmqSocket | None = None
@@ -357,14 +356,6 @@ class ZmqReceiver(Receiver):
         self._tasks = AsyncExitStack()
         self._nursery: trio.Nursery | None = None
         self._closed = False
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def next_step(self) -> int:
-        return self._next_step
 
     @property
     def data_endpoint(self) -> str:

@@ -247,14 +247,7 @@ class WorkerPool:
                 del self._running[key]
             self._idle.append(worker)
             self._freed.unpark()
-        return self._answer(reply, label)
-
-    def _answer(self, reply: tuple[Any, ...], label: str) -> Any:
-        if reply[0] == "ok":
-            return reply[1]
-        _, line, where = reply
-        at = f" ({where})" if where else ""
-        raise WorkerCallError(f"{self.name} raised {line}{at} on {label or 'a call'}", line, where)
+        return _answer(self.name, reply, label)
 
     async def _run_in_thread(self, args: tuple[Any, ...], label: str) -> Any:
         key = object()
@@ -271,7 +264,7 @@ class WorkerPool:
             ) from None
         finally:
             del self._running[key]
-        return self._answer(reply, label)
+        return _answer(self.name, reply, label)
 
     def _call_here(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         try:
@@ -335,57 +328,7 @@ class WorkerPool:
         await self._discard(worker, replace=True)
 
     async def _start(self) -> _Worker:
-        """A new worker process that has loaded ``fn``."""
-        job_read, job_write = os.pipe()
-        result_read, result_write = os.pipe()
-        try:
-            process = await trio.lowlevel.open_process(
-                [sys.executable, str(_CHILD), str(job_read), str(result_write), str(os.getpid())],
-                pass_fds=(job_read, result_write),
-                stdin=subprocess.DEVNULL,
-            )
-        except BaseException:
-            for fd in (job_write, result_read):
-                os.close(fd)
-            raise
-        finally:
-            os.close(job_read)
-            os.close(result_write)
-        worker = _Worker(
-            process, trio.lowlevel.FdStream(job_write), trio.lowlevel.FdStream(result_read)
-        )
-        key = object()
-        self._running[key] = (_STARTING, trio.current_time())
-        try:
-            cwd = os.getcwd()
-            path = sys.path if cwd in sys.path else [cwd, *sys.path]
-            with trio.fail_after(START_TIMEOUT):
-                await worker.send((path, self._fn_bytes))
-                reply = await worker.receive()
-        except trio.TooSlowError:
-            await self._discard(worker)
-            raise WorkerStartError(
-                f"{self.name}: a worker process did not load {_describe(self.fn)} within "
-                f"{START_TIMEOUT:g} s"
-            ) from None
-        except (EOFError, trio.BrokenResourceError, OSError):
-            await self._discard(worker)
-            raise WorkerStartError(
-                f"{self.name}: a worker process exited while starting (exit status "
-                f"{worker.process.returncode})"
-            ) from None
-        except BaseException:
-            await self._discard(worker)
-            raise
-        finally:
-            del self._running[key]
-        if reply[0] != "ready":
-            await self._discard(worker)
-            _, line, where = reply
-            at = f" ({where})" if where else ""
-            raise WorkerStartError(
-                f"{self.name}: cannot load {_describe(self.fn)} in a worker process: {line}{at}"
-            )
+        worker = await _start_worker(self.name, self.fn, self._fn_bytes, self._running)
         self._workers.add(worker)
         return worker
 
@@ -427,6 +370,74 @@ class WorkerPool:
             async with trio.open_nursery() as nursery:
                 for worker in list(self._workers):
                     nursery.start_soon(self._discard, worker)
+
+
+async def _start_worker(
+    name: str,
+    fn: Callable[..., Any],
+    fn_bytes: bytes,
+    running: dict[object, tuple[str, float]],
+) -> _Worker:
+    """A new worker process that has loaded ``fn`` (named in ``running`` while it starts)."""
+    job_read, job_write = os.pipe()
+    result_read, result_write = os.pipe()
+    try:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(_CHILD), str(job_read), str(result_write), str(os.getpid())],
+            pass_fds=(job_read, result_write),
+            stdin=subprocess.DEVNULL,
+        )
+    except BaseException:
+        for fd in (job_write, result_read):
+            os.close(fd)
+        raise
+    finally:
+        os.close(job_read)
+        os.close(result_write)
+    worker = _Worker(
+        process, trio.lowlevel.FdStream(job_write), trio.lowlevel.FdStream(result_read)
+    )
+    key = object()
+    running[key] = (_STARTING, trio.current_time())
+    try:
+        cwd = os.getcwd()
+        path = sys.path if cwd in sys.path else [cwd, *sys.path]
+        with trio.fail_after(START_TIMEOUT):
+            await worker.send((path, fn_bytes))
+            reply = await worker.receive()
+    except trio.TooSlowError:
+        await worker.close()
+        raise WorkerStartError(
+            f"{name}: a worker process did not load {_describe(fn)} within {START_TIMEOUT:g} s"
+        ) from None
+    except (EOFError, trio.BrokenResourceError, OSError):
+        await worker.close()
+        raise WorkerStartError(
+            f"{name}: a worker process exited while starting (exit status "
+            f"{worker.process.returncode})"
+        ) from None
+    except BaseException:
+        await worker.close()
+        raise
+    finally:
+        del running[key]
+    if reply[0] != "ready":
+        await worker.close()
+        _, line, where = reply
+        at = f" ({where})" if where else ""
+        raise WorkerStartError(
+            f"{name}: cannot load {_describe(fn)} in a worker process: {line}{at}"
+        )
+    return worker
+
+
+def _answer(name: str, reply: tuple[Any, ...], label: str) -> Any:
+    """A worker's reply: the value, or the function's failure raised."""
+    if reply[0] == "ok":
+        return reply[1]
+    _, line, where = reply
+    at = f" ({where})" if where else ""
+    raise WorkerCallError(f"{name} raised {line}{at} on {label or 'a call'}", line, where)
 
 
 @contextlib.asynccontextmanager
