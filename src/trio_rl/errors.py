@@ -14,6 +14,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── EngineConfigError (InvalidArgumentError)
     │   ├── EngineTransportError
     │   ├── EngineRequestError
+    │   │   └── EngineAuthError
     │   ├── EngineResponseError
     │   ├── EngineTimeoutError
     │   ├── SimulatedEngineError
@@ -90,6 +91,7 @@ __all__ = [
     "DataSourceError",
     "DriverFailedError",
     "EndOfStreamError",
+    "EngineAuthError",
     "EngineConfigError",
     "EngineError",
     "EngineRequestError",
@@ -232,6 +234,14 @@ class EngineRequestError(EngineError):
         super().__init__(message)
         self.status_code = status_code
         self.body = body
+
+
+class EngineAuthError(EngineRequestError):
+    """The server refused the credentials sent (HTTP 401 or 403): a missing or wrong API key.
+
+    Raised at once, by a health probe as by a request: waiting or retrying would not help. The
+    message names the URL and the status, never the headers sent.
+    """
 
 
 class EngineResponseError(EngineError):

@@ -156,6 +156,8 @@ PINNED: dict[str, set[str]] = {
         *("DEFAULT_STALENESS", "STALENESS_RULES", "StalenessRule"),
         # a checkpoint checked against the run that restores it
         *("RunBounds", "check_run_bounds"),
+        # TrainSink.zero_output: #3806's zero-output budget
+        "ZeroOutputBudget",
     },
     "trio_rl.publish": {
         *("AttemptStats", "BatchSource", "Checkpointer", "CohortStats", "DeferredRelease"),

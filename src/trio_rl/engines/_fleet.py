@@ -33,6 +33,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import abort_path_check
 from ._fleet_config import fleet_default as _d
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
@@ -126,8 +127,7 @@ class EngineFleet:
 
     **Deadlines.** Each request, retries included, runs under ``trio.fail_after(timeout)``
     (:class:`EngineTimeoutError`); every admin call under ``admin_timeout``; opening waits at
-    most ``start_timeout`` for every server (or ``min_servers`` of them) to answer
-    ``/health``.
+    most ``start_timeout`` for every server (or ``min_servers`` of them) to answer ``/health``.
 
     **Starting with a quorum.** With ``min_servers``, the fleet opens once that many servers
     answer; the others start taken out and are probed in like a server that came back. With
@@ -152,13 +152,13 @@ class EngineFleet:
     probe_failures: int = attrs.field(default=_d("probe_failures"), validator=positive_or_inf)
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
-    #: Posted on cancellation (SGLang's ``/abort_request``); None for vLLM, which aborts a
-    #: request whose client disconnects.
-    abort_path: str | None = None
+    #: SGLang's ``/abort_request`` (a cancelled request's, and :meth:`abort_all`'s); None: vLLM.
+    abort_path: str | None = attrs.field(default=_d("abort_path"), validator=abort_path_check)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
-    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``); not
+    #: in the repr. A 401 or 403 (``EngineAuthError``) at opening fails it at once.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: The header that carries the routing key (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
     #: Routing keys remembered (least recently used forgotten first).
@@ -339,6 +339,21 @@ class EngineFleet:
                 _take_out(self, server, reason)
                 return
         raise EngineConfigError(f"{url} is not a server of this fleet ({list(self.urls)})")
+
+    async def abort_all(self) -> None:
+        """Abort every request running on the live servers at once (see `_abort_all`)."""
+        await _abort_all(self)
+
+
+async def _abort_all(fleet: EngineFleet) -> None:
+    """`EngineFleet.abort_all`: miles' ``abort_all`` of every worker, i.e.
+    :meth:`OpenAICompatibleEngine.abort_all` of each live server (SGLang: ``{"abort_all":
+    true}`` posted to ``abort_path``; vLLM: nothing, its requests abort as they disconnect)."""
+    if not fleet._open:
+        raise trio.ClosedResourceError("EngineFleet used outside open_engine_fleet()")
+    async with trio.open_nursery() as nursery:
+        for server in (s for s in fleet._servers if s.state == "live"):
+            nursery.start_soon(server.engine.abort_all)
 
 
 async def _pick(

@@ -183,8 +183,10 @@ class CreditLedger:
     """Credits in flight and, per pending group, its number of unfinished samples.
 
     Invariant (checked by :meth:`check`): ``in_flight == sum(pending().values())``, so no
-    pending group means no credit in flight. Mutated on the event loop only: by the driver, and
-    by reporting tasks through :class:`CreditScheduler` (synchronously, never across an await).
+    pending group means no credit in flight. Mutated by the driver only, on the event loop:
+    reporting tasks never touch it. They put their reports on the :class:`CreditScheduler`'s
+    channel, and the driver applies them here when it reads the channel (``poll``,
+    ``wait_for_progress``), all of them before each decision.
     """
 
     in_flight: int = 0
