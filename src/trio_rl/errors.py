@@ -33,6 +33,8 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── WorkerCallError
     │   ├── WorkerTimeoutError
     │   └── WorkerDiedError
+    ├── EvalError
+    │   └── EvalConfigError (ValueError)
     ├── PayloadError (OSError)
     │   └── PayloadFileMissingError (FileNotFoundError)
     ├── TrainError
@@ -98,6 +100,8 @@ __all__ = [
     "EngineResponseError",
     "EngineTimeoutError",
     "EngineTransportError",
+    "EvalConfigError",
+    "EvalError",
     "FailureBudgetExceededError",
     "InspectError",
     "InvalidArgumentError",
@@ -309,6 +313,19 @@ class DriverFailedError(RolloutError):
 
     Once a driver has failed, every later ``next_batch`` raises this again.
     """
+
+
+# Evaluation ----------------------------------------------------------------------------------
+
+
+class EvalError(TrioRLError):
+    """An evaluation could not give one honest figure: its samples came from more than one
+    policy version, or its run directory's eval files are damaged (names the file and line)."""
+
+
+class EvalConfigError(EvalError, ValueError):
+    """A bad evaluation setting or input (an ``[eval]`` key, a held-out prompt file, weights
+    that are not there), refused before anything runs; names what and where."""
 
 
 # Payloads ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
         STOP                 the last shipped step, for the trainer job (`stop`)
         run.json             the learning run's configuration, for its trainer job (`run_file`)
         eval.jsonl           one record per evaluation (`eval_log`)
+        eval.pending         the evaluation in progress, if any (`eval_pending`)
         envs/                what the environments write, one directory each (`env_outputs`)
         tensorboard/         the TensorBoard sink's files (`tensorboard`)
         inference/           the inference servers' logs (`inference_logs`)
@@ -45,6 +46,7 @@ from .transport import batches_dir, held_steps
 __all__ = [
     "ENV_OUTPUTS",
     "EVAL_LOG",
+    "EVAL_PENDING_FILE",
     "HEARTBEAT_FILE",
     "ORCHESTRATOR_HEARTBEAT",
     "RUN_FILE",
@@ -76,8 +78,10 @@ HEARTBEAT_FILE = "trainer/heartbeat"
 ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
 #: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics).
 TRAINER_LOG = "trainer/stats.jsonl"
-#: One record per evaluation of the policy.
+#: One record per evaluation of the policy (`trio_rl.evals`), and the marker of an evaluation
+#: in progress.
 EVAL_LOG = "eval.jsonl"
+EVAL_PENDING_FILE = "eval.pending"
 #: What the environments write, one directory per environment.
 ENV_OUTPUTS = "envs"
 
@@ -155,6 +159,10 @@ class RunDirectory:
     @property
     def eval_log(self) -> Path:
         return self.root / EVAL_LOG
+
+    @property
+    def eval_pending(self) -> Path:
+        return self.root / EVAL_PENDING_FILE
 
     @property
     def env_outputs(self) -> Path:

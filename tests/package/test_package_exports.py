@@ -24,6 +24,7 @@ FACADES = [
     "trio_rl.transport",
     "trio_rl.trainer",
     "trio_rl.testing",
+    "trio_rl.evals",
     "trio_rl.orchestrator",
     "trio_rl.workers",
     "trio_rl.learn",  # imports torch (the optional extra); nothing else imports it
@@ -134,6 +135,9 @@ PINNED: dict[str, set[str]] = {
         *("describe_record", "open_record_reward"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
+        # the priority lane an eval shares a driver's credits through (and the policy wrapper
+        # a scheduler's ``policy`` is while one is attached)
+        *("PriorityLane", "LanePolicy", "LaneStatistics"),
     },
     "trio_rl.workers": {
         *("DEFAULT_WORKERS", "WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"),

@@ -35,7 +35,8 @@ from ._errors import (
 )
 from ._fleet_config import abort_path_check
 from ._fleet_config import fleet_default as _d
-from ._fleet_status import FleetEvent, FleetServer, ServerState
+from ._fleet_member import Member as _Server
+from ._fleet_status import FleetEvent, FleetServer
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
 
@@ -45,39 +46,6 @@ logger = logging.getLogger("trio_rl.engines")
 
 
 _COUNTS = ("requests", "retried", "failed", "taken_out", "taken_in", "weight_loads")
-
-
-@attrs.define(slots=True, eq=False)
-class _Server:
-    url: str
-    engine: OpenAICompatibleEngine
-    admin: Any  # VLLMAdmin (imported late: _vllm imports this package's modules)
-    state: ServerState = "live"
-    in_flight: int = 0
-    loaded: PolicyVersion | None = None
-    requests: int = 0
-    failures: int = 0
-    taken_out: int = 0
-    taken_in: int = 0
-    probe_failures: int = 0
-    #: its models were compared with the fleet's (at opening, or when it first joined)
-    checked: bool = False
-    #: what it served when it was last refused for serving other models (reported once)
-    refused: list[str] | None = None
-    #: one cancel scope per request on it: taking the server out cancels them
-    scopes: set[trio.CancelScope] = attrs.field(factory=set)
-
-    def status(self) -> FleetServer:
-        return FleetServer(
-            self.url,
-            self.state,
-            self.in_flight,
-            self.loaded,
-            self.requests,
-            self.failures,
-            self.taken_out,
-            self.taken_in,
-        )
 
 
 def _quorum(fleet: EngineFleet, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -186,8 +154,6 @@ class EngineFleet:
     #: what the servers checked at opening serve (with ``check_models``)
     _models: list[str] | None = attrs.field(init=False, default=None)
 
-    # ------------------------------------------------------------------ reading
-
     @property
     def policy_version(self) -> PolicyVersion:
         return self.version.value
@@ -225,8 +191,6 @@ class EngineFleet:
         after theirs failed or was taken out); ``failed`` (requests that gave up: no server
         left, or ``max_attempts`` tried); ``taken_out``, ``taken_in``; ``weight_loads``."""
         return dict(self._counts)
-
-    # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """One completion from one of the servers; see the class docstring for balancing,
@@ -288,8 +252,6 @@ class EngineFleet:
         _take_out(self, server, reason)
         return reason
 
-    # ------------------------------------------------------------------ weights
-
     async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None:
         """Reload every live server from the safetensors directory ``path`` (readable by the
         servers) as policy ``version``, reset their prefix caches, then make ``version``
@@ -328,8 +290,6 @@ class EngineFleet:
             self._weights = (where, version)
             self.version.advance(version)
             self._counts["weight_loads"] += 1
-
-    # ------------------------------------------------------------------ probes
 
     def take_out(self, url: str, reason: str) -> None:
         """Take the server at ``url`` out now (e.g. its process exited: a launcher knows before

@@ -137,15 +137,19 @@ class Records:
         run = RunDirectory(run_directory(self.config))
         if self.config.metrics.plot and self.metrics:
             await trio.to_thread.run_sync(
-                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task
+                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task, run.eval_log
             )
         if self.config.metrics.console:
             print(f"done in {wall:.1f} s; metrics: {run.metrics}", flush=True)
 
 
-def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> None:
+def write_plot(
+    metrics: list[dict[str, Any]], path: Path, title: str = "", evals: Path | None = None
+) -> None:
     """The run's standard figure as a PNG: the panels ``trio-rl plot`` draws
-    (:func:`trio_rl.tools.plot_cmd.build_figure`), one figure family for both."""
-    from ..tools.plot_cmd import build_figure
+    (:func:`trio_rl.tools.plot_cmd.build_figure`), one figure family for both; with the
+    run's ``eval.jsonl`` (``evals``), the held-out curve on the reward panel."""
+    from ..tools.plot_cmd import build_figure, read_evals
 
-    build_figure(metrics, title=f"learning run {title}".strip()).savefig(path)
+    held_out = read_evals(evals) if evals is not None else []
+    build_figure(metrics, title=f"learning run {title}".strip(), evals=held_out).savefig(path)

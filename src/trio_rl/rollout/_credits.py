@@ -287,6 +287,13 @@ _FAST_POLICIES: dict[type, _Decide] = {
 }
 
 
+def replace_policy(scheduler: CreditScheduler, policy: SubmissionPolicy) -> None:
+    """Give ``scheduler`` another submission policy from its next decision on (a priority
+    lane's wrapper, `trio_rl.rollout.PriorityLane.attach`); its fast decision path follows."""
+    scheduler.policy = policy
+    scheduler._decide = _FAST_POLICIES.get(type(policy), _by_view)
+
+
 @attrs.frozen
 class SchedulerStatistics:
     """A snapshot of a :class:`CreditScheduler`: credits and groups in flight (as of the last

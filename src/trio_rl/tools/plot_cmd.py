@@ -8,14 +8,17 @@ versions), loop lag (the event loop's p95, ms), and the trainer's loss, KL and e
 (``trainer/...``, from the trainer's reports). Each y range is robust: it spans the bulk of the
 values (quartiles +- 3 interquartile ranges), so one outlier (a 950 ms first step) does not
 squash a panel; points beyond it are drawn on the edge as triangles and counted in the panel.
-A panel whose fields no record has says so instead of drawing an empty line. Needs
-matplotlib (``trio-rl[learn]``); without it the command fails with one line naming the extra.
+A panel whose fields no record has says so instead of drawing an empty line. With the run's
+held-out evals (``eval.jsonl``), the reward panel also draws their ``avg@k`` and ``pass@1``
+against the eval's step. Needs matplotlib (``trio-rl[learn]``); without it the command fails
+with one line naming the extra.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,7 +29,15 @@ from ._errors import InspectError, MissingExtraError
 from ._main import tool_main
 from .metrics import read_metrics
 
-__all__ = ["PANELS", "add_arguments", "build_figure", "main", "run", "write_figure"]
+__all__ = [
+    "PANELS",
+    "add_arguments",
+    "build_figure",
+    "main",
+    "read_evals",
+    "run",
+    "write_figure",
+]
 
 #: Panel titles, in order (the figure's axes carry exactly these titles).
 PANELS = (
@@ -156,8 +167,63 @@ def _draw(ax: Any, steps: list[int], values: list[float], color: str, floor: flo
         )
 
 
-def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
-    """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`)."""
+def read_evals(path: Path) -> list[dict[str, Any]]:
+    """The records of an ``eval.jsonl`` (none if there is no file); a line that is not a JSON
+    object with an int ``step`` raises :class:`InspectError` naming the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InspectError(f"{path}:{number}", f"not JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise InspectError(f"{path}:{number}", "not an eval record (no int step)")
+        out.append(rec)
+    return out
+
+
+def _eval_series(evals: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """``key`` (``avg@k`` or ``pass@1``; ``k`` is each record's own) of the evals that have it."""
+    steps, values = [], []
+    for r in evals:
+        v = r.get(key.replace("@k", f"@{r.get('k')}"))
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def _draw_evals(ax: Any, evals: Sequence[Mapping[str, Any]]) -> None:
+    k = next((r.get("k") for r in evals if r.get("k")), "k")
+    for key, color, label in (
+        ("avg@k", "tab:green", f"held-out avg@{k}"),
+        ("pass@1", "tab:red", "held-out pass@1"),
+    ):
+        steps, values = _eval_series(evals, key)
+        if steps:
+            ax.plot(steps, values, color=color, marker="o", label=label)
+    cut = [r for r in evals if r.get("status") == "cut"]
+    steps, values = _eval_series(cut, "avg@k")
+    if steps:
+        ax.plot(steps, values, "o", color="white", markeredgecolor="tab:green", label="cut")
+    if evals:
+        ax.plot([], [], color="tab:blue", label="training mean reward")
+        ax.legend(loc="lower right", fontsize="small")
+
+
+def build_figure(
+    records: Sequence[Mapping[str, Any]],
+    title: str = "",
+    evals: Sequence[Mapping[str, Any]] = (),
+) -> Any:
+    """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`);
+    ``evals`` (``eval.jsonl`` records) add the held-out curve to the reward panel."""
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError:
@@ -184,6 +250,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], title: str = "") -> Any:
         reward.set_ylim(min(low, 0.0), max(high, 1.0) if high <= 1.05 else high)
     else:
         _missing(reward, "reward_mean")
+    _draw_evals(reward, evals)
     reward.set_ylabel("mean reward")
 
     thru = panel["throughput"]
@@ -229,7 +296,8 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not records:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
     target = Path(out) if out is not None else RunDirectory(metrics.parent).plot
-    fig = build_figure(records, title=metrics.parent.name)
+    evals = read_evals(RunDirectory(metrics.parent).eval_log)
+    fig = build_figure(records, title=metrics.parent.name, evals=evals)
     try:
         fig.savefig(target)
     except OSError as exc:
