@@ -146,7 +146,7 @@ async def test_a_reward_that_raises_fails_its_sample_only_and_is_counted(
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2  # the first two, then only counted
     assert messages[0].startswith(
-        "reward t:score failed sample 1 on record {\"prompt\": \"p\", \"bad\": true}: "
+        'reward t:score failed sample 1 on record {"prompt": "p", "bad": true}: '
         "KeyError: 'answer'; the sample is failed"
     )
     assert messages[1].endswith("further failures are only counted")
