@@ -39,6 +39,7 @@ ALL = [
     "checkpoint",
     "checkpoint_incremental",
     "episodes",
+    "reward_workers",
 ]
 
 PROFILES: dict[str, dict[str, list[str]]] = {
@@ -50,6 +51,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
         "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000"],
+        "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "full": {
         "scheduler": ["--sizes", "1000,10000,100000,1000000", "--repeat", "3", "--factor", "2"],
@@ -59,6 +61,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
         "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000"],
+        "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "quick": {
         "scheduler": [
@@ -71,6 +74,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
         "checkpoint_incremental": ["--sizes", "200", "--tokens", "256", "--steps", "3"],
         "episodes": ["--sizes", "100", "--memory", "100,200", "--delay", "0.01"],
+        "reward_workers": ["--calls", "64", "--callers", "4", "--repeat", "1"],
     },
 }  # fmt: skip
 

@@ -1,9 +1,11 @@
 """Reward functions for ``[reward] function``: each is ``fn(record, completion) -> float``.
 
 ``record`` is the JSONL line as a dict (every field of it), ``completion`` the decoded text.
-A plain function runs in a worker thread under the run's capacity limiter; an ``async def``
-one is awaited on the event loop (for a reward that calls a service). A reward that raises
-fails that one sample: the run counts it, shows the first few, and goes on.
+A plain function runs in a worker process of the run's reward pool (imported there again by
+its name, so it must live at the top level of a module); an ``async def`` one is awaited on the
+event loop (for a reward that calls a service). A reward that raises or overruns
+``[reward] timeout`` fails that one sample: the run counts it, shows the first few, and goes
+on.
 
 ``trio-rl run examples/own_data.toml`` (from the repository root) names
 ``examples.rewards:partial_match``; the built-in tasks' rewards are in ``trio_rl.learn.tasks``.

@@ -19,11 +19,12 @@ ORIGINAL_MASK = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.
 
 def main() -> int:
     try:
+        from trio_rl.cli import leave
         from trio_rl.cli import main as cli_main
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, ORIGINAL_MASK)
         raise
-    return cli_main()
+    return leave(cli_main())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from .cli import leave, main
 
-sys.exit(main())
+sys.exit(leave(main()))

@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -239,5 +240,18 @@ def _main(args: argparse.Namespace) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
+def leave(code: int) -> int:
+    """The command's exit status, as the console script and ``python -m trio_rl`` end with it.
+    A command stopped by SIGINT or SIGTERM (130 / 143) has saved and closed everything by
+    then; it leaves at once, without the interpreter's teardown, which takes seconds once
+    torch is loaded (the first signal ends the run within seconds, whatever it held)."""
+    if code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(leave(main()))

@@ -31,7 +31,13 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── SourceExhaustedError
     │   ├── GroupFailedError
     │   ├── FailureBudgetExceededError
+    │   │   └── RewardFailuresError
     │   └── DriverFailedError
+    ├── WorkerError
+    │   ├── WorkerStartError
+    │   ├── WorkerCallError
+    │   ├── WorkerTimeoutError
+    │   └── WorkerDiedError
     ├── EvalError
     │   └── EvalConfigError (ValueError)
     ├── PayloadError (OSError)
@@ -116,6 +122,7 @@ __all__ = [
     "PolicyVersionError",
     "PublishError",
     "ReleaseTimeoutError",
+    "RewardFailuresError",
     "RolloutConfigError",
     "RolloutError",
     "ScriptedEngineError",
@@ -133,6 +140,11 @@ __all__ = [
     "TrioRLError",
     "WireEncodeError",
     "WireFormatError",
+    "WorkerCallError",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerStartError",
+    "WorkerTimeoutError",
 ]
 
 
@@ -336,6 +348,12 @@ class FailureBudgetExceededError(RolloutError):
     """
 
 
+class RewardFailuresError(FailureBudgetExceededError):
+    """A reward failed on every sample of its failure budget in a row (a step's worth by
+    default): nothing can train, so the run stops. The message names the reward, the first
+    failure's exception (the last line of its traceback), its record and the count."""
+
+
 class DriverFailedError(RolloutError):
     """A fully-async driver stopped because its worker failed; ``__cause__`` says why.
 
@@ -357,6 +375,35 @@ class EvalConfigError(EvalError, ValueError):
 
 
 # Payloads ------------------------------------------------------------------------------------
+
+
+class WorkerError(TrioRLError):
+    """Base class of the errors of :mod:`trio_rl.workers` (user code in worker processes or
+    threads)."""
+
+
+class WorkerStartError(WorkerError):
+    """A worker could not be started, or could not load the function it runs (its module
+    does not import there, or the function cannot be sent: a lambda, a closure)."""
+
+
+class WorkerCallError(WorkerError):
+    """The function raised in its worker. :attr:`line` is the last line of its traceback
+    (``KeyError: 'answer'``), :attr:`where` the innermost frame (``rewards.py:12 in score``)."""
+
+    def __init__(self, message: str, line: str, where: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.where = where
+
+
+class WorkerTimeoutError(WorkerError):
+    """A call overran the pool's timeout: its worker process was killed (in thread mode the
+    thread is abandoned and still runs)."""
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process ended during a call (a crash, ``os._exit``, a signal)."""
 
 
 class PayloadError(TrioRLError, OSError):

@@ -22,6 +22,7 @@ GOALS = {
     "checkpoint": ("goal 4:",),
     "checkpoint_incremental": ("goal 4:",),
     "episodes": ("goal 7:", "goal 8:"),
+    "reward_workers": ("goal 9:",),
 }
 
 

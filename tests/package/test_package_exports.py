@@ -27,6 +27,7 @@ FACADES = [
     "trio_rl.testing",
     "trio_rl.evals",
     "trio_rl.orchestrator",
+    "trio_rl.workers",
     "trio_rl.learn",  # imports torch (the optional extra); nothing else imports it
 ]
 
@@ -140,11 +141,18 @@ PINNED: dict[str, set[str]] = {
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
         # the soft stop a custom generate function (an episode's turns) hands its engine
         "current_abort",
+        # a record reward in killable workers of its own, and how a record is named
+        *("describe_record", "open_record_reward"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
         # the priority lane an eval shares a driver's credits through (and the policy wrapper
         # a scheduler's ``policy`` is while one is attached)
         *("PriorityLane", "LanePolicy", "LaneStatistics"),
+    },
+    "trio_rl.workers": {
+        *("DEFAULT_WORKERS", "WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"),
+        *("WorkerCallError", "WorkerDiedError", "WorkerError", "WorkerStartError"),
+        "WorkerTimeoutError",
     },
     "trio_rl.sink": {
         *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),

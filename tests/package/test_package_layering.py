@@ -26,12 +26,18 @@ ALLOWED: dict[str, set[str]] = {
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers; its engine sections are generated from the registered
-    # engines' configs, [eval] from the evals' config and [env] from the environments'
-    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines", "evals", "envs"},
+    # engines' configs, [eval] from the evals' config, [env] from the environments', and
+    # [reward] the workers' modes and size
+    "config": {
+        *("rollout", "sink", "trainer", "transport", "rundir", "engines", "evals", "envs"),
+        "workers",
+    },
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
-    "rollout": {"payloads", "samples", "policy", "engines"},
+    # user code in killable workers of its own: it knows nothing above the errors
+    "workers": set(),
+    "rollout": {"payloads", "samples", "policy", "engines", "workers"},
     # multi-turn episodes: an environment drives the engine turn by turn; its runner is the
     # rollout layer's generate function
     "envs": {"payloads", "samples", "policy", "engines", "rollout"},

@@ -1,6 +1,8 @@
 """Records and record rewards: the JSONL reader names the bad line, a reward is imported from
 the working directory, and `RecordReward` runs a plain reward in a worker thread under the
-run's limiter, awaits an async one, and fails only the sample of a reward that raises."""
+run's limiter or in killable worker processes of its own (`open_record_reward`), awaits an
+async one, fails only the sample of a reward that raises or hangs, and stops the block once a
+failure budget of samples failed in a row."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from typing import Any
 import pytest
 import trio
 
+from trio_rl.errors import RewardFailuresError
 from trio_rl.rollout import (
     DataSourceError,
     RecordReward,
     RolloutConfigError,
     import_reward,
+    open_record_reward,
     read_records,
 )
 from trio_rl.samples import Sample, SampleStatus
@@ -141,7 +145,10 @@ async def test_a_reward_that_raises_fails_its_sample_only_and_is_counted(
     assert reward.failed == 4
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2  # the first two, then only counted
-    assert messages[0].startswith("reward t:score failed sample 1 (KeyError: 'answer')")
+    assert messages[0].startswith(
+        'reward t:score failed sample 1 on record {"prompt": "p", "bad": true}: '
+        "KeyError: 'answer'; the sample is failed"
+    )
     assert messages[1].endswith("further failures are only counted")
 
 
@@ -174,3 +181,81 @@ async def test_cancellation_propagates_through_an_async_reward() -> None:
     assert scope.cancelled_caught
     assert sample.status is SampleStatus.COMPLETED
     assert reward.failed == 0
+
+
+USER_REWARDS = """
+import time
+
+def score(record, completion):
+    if record.get("hang"):
+        time.sleep(3600)
+    return float(len(completion))
+
+def misspelled(record, completion):
+    return float(record["answr"] == completion)
+"""
+
+
+@pytest.fixture
+def rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A user's reward module on sys.path (worker processes import it again)."""
+    name = f"user_rewards_{abs(hash(tmp_path)) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return __import__(name)
+
+
+async def test_a_hung_reward_is_killed_and_fails_its_sample_only(rewards: Any) -> None:
+    async with open_record_reward(
+        rewards.score, _decode, workers=2, call_timeout=0.5, name="reward u:score"
+    ) as reward:
+        hung = _sample({"id": "r3", "hang": True}, [0])
+        fine = [_sample({"id": f"r{i}"}, [0, 1], index=i) for i in range(1, 4)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reward, hung)
+            for s in fine:  # served by the other worker meanwhile
+                assert await reward(s) == 2.0
+        assert hung.status is SampleStatus.FAILED
+        assert reward.failed == 1
+        assert reward.pool is not None
+        assert len(reward.pool.processes) <= 2
+
+
+async def test_a_reward_failing_a_budget_of_samples_in_a_row_stops_the_block(
+    rewards: Any,
+) -> None:
+    seen: list[RecordReward] = []
+
+    async def score_until_stopped() -> None:
+        async with open_record_reward(
+            rewards.misspelled, _decode, workers=1, failure_budget=3, name="reward u:misspelled"
+        ) as reward:
+            seen.append(reward)
+            for i in range(10):
+                await reward(_sample({"id": f"r{i}", "answer": "a"}, [0]))
+            raise AssertionError("the budget did not stop the block")
+
+    with pytest.raises(RewardFailuresError) as caught:
+        await score_until_stopped()
+    (reward,) = seen
+    assert reward.failed == 3
+    message = str(caught.value)
+    assert message.startswith(
+        "reward u:misspelled failed on 3 samples in a row (the failure budget: 3); the first: "
+        "KeyError: 'answr' (user_rewards_"
+    )
+    assert message.endswith(" in misspelled) on record id 'r0'; nothing can train: fix the reward")
+
+
+async def test_a_success_restarts_the_count_of_failures_in_a_row() -> None:
+    def flaky(record: Mapping[str, Any], completion: str) -> float:
+        if record["ok"]:
+            return 1.0
+        raise ValueError("no")
+
+    async with open_record_reward(flaky, _decode, mode="thread", failure_budget=3) as reward:
+        for ok in (False, False, True, False, False, True, False, False):
+            await reward(_sample({"ok": ok}, [0]))
+        assert reward.failed == 6
+        assert reward.failed_in_a_row == 2
+        assert not reward.budget_spent.is_set()

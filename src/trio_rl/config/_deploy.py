@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from ..errors import InvalidArgumentError
+from ..workers import DEFAULT_WORKERS, WorkerMode
 from ._load import at_least, option, positive_finite
 
 __all__ = ["DataSection", "ModelSection", "RewardSection"]
@@ -56,14 +57,38 @@ class RewardSection:
         None,
         '"package.module:name", imported from the working directory or sys.path and called as '
         "`fn(record, completion)` (the JSONL line as a dict, the decoded completion); a plain "
-        "function runs in worker threads under the run's one capacity limiter; a reward that "
-        "raises fails its sample (counted, shown) and the run goes on; unset: "
-        "`trio_rl.learn.tasks:<rollout.task>`",
+        "function runs in workers of its own (`mode`); a reward that raises fails its sample "
+        "(counted, shown) and the run goes on; unset: `trio_rl.learn.tasks:<rollout.task>`",
         validator=_spec,
     )
     timeout: float = option(
         60.0,
-        "seconds one reward call may take; a slower one fails its sample",
+        "seconds one reward call may take; a slower one is killed (its worker process; in "
+        "thread mode its thread is abandoned) and fails its sample",
         validator=positive_finite,
+        may_change=True,
+    )
+    mode: WorkerMode = option(  # noqa: RUF009 - a Literal alias, not a mutable default
+        "process",
+        "where a plain reward runs: `process`, worker processes of its own, killed when a call "
+        "overruns (the function must be importable by name); `thread`, threads under the "
+        "reward's own limiter, for a reward that cannot be pickled or is known to be fast (a "
+        "call that hangs cannot be killed: its thread keeps a token)",
+        may_change=True,
+    )
+    workers: int = option(
+        DEFAULT_WORKERS,
+        "calls of a plain reward at a time (worker processes at most: two start with the run, "
+        "more while calls wait); more than a group of samples, so that a group whose record "
+        "hangs leaves workers to the others",
+        validator=at_least(1),
+        may_change=True,
+    )
+    failure_budget: int | None = option(
+        None,
+        "samples failed by the reward in a row that stop the run (exit 1, one line naming the "
+        "reward, the exception and the record); unset: a step's worth "
+        "(`rollout.batch_groups` x `rollout.group_size`)",
+        validator=at_least(1),
         may_change=True,
     )

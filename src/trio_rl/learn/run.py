@@ -28,7 +28,7 @@ from ..errors import InvalidArgumentError
 from ..evals import RunEvals
 from ..orchestrator import Orchestrator, open_orchestrator
 from ..publish import Shipment
-from ..rollout import InMemorySource, RecordReward, import_reward
+from ..rollout import InMemorySource, RecordRewardFn, import_reward, open_record_reward
 from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
@@ -128,7 +128,19 @@ async def run_learning(
         config, completion_cap(config, start.policy), stale_admission=stale_admission
     )
     runner: EpisodeRunner | None = None  # the episodes' generate function, with [env]
+    shape = config.rollout
     async with (
+        # the reward of every sample, the built-in tasks' as any other, in workers of its own:
+        # a call that hangs is killed, and never holds what the run needs to go on or to stop
+        open_record_reward(
+            start.reward_fn,
+            start.policy.decode,
+            mode=config.reward.mode,
+            workers=config.reward.workers,
+            call_timeout=config.reward.timeout,
+            failure_budget=config.reward.failure_budget or shape.batch_groups * shape.group_size,
+            name=f"reward {reward_function(config)}",
+        ) as reward,
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
         open_engine(config, start.policy, start.trained) as engine,
         open_orchestrator(
@@ -137,7 +149,7 @@ async def run_learning(
             sender,
             config=orch_config,
             # an episode's environment returns its reward
-            sample_reward=start.reward if start.env is None else None,
+            sample_reward=reward if start.env is None else None,
             generate=(
                 runner := episode_runner(
                     config.env.to_config(),
@@ -163,7 +175,7 @@ async def run_learning(
             config,
             orch,
             engine,
-            start.reward,
+            reward,
             trainer.log,
             start.limiter,
             display,
@@ -209,7 +221,7 @@ async def run_learning(
 class _Start:
     """What the run starts from: whether it resumes, the in-process trainer's saved state
     (``trained``: its step), the earlier records, the policy and its prompts, the run's one
-    capacity limiter and the reward."""
+    capacity limiter and the reward function."""
 
     config: LearnRunConfig
     resuming: bool
@@ -218,8 +230,8 @@ class _Start:
     policy: Policy
     prompts: list[Prompt]
     limiter: trio.CapacityLimiter
-    reward: RecordReward
-    #: the environment the run plays (None: single-turn samples scored by ``reward``)
+    reward_fn: RecordRewardFn
+    #: the environment the run plays (None: single-turn samples scored by the reward)
     env: str | None = None
 
     @property
@@ -236,16 +248,9 @@ class _Start:
         # the run's one capacity limiter: the orchestrator (publisher, sender, checkpoints)
         # and the in-process trainer (reads, decoding, training) borrow it
         limiter = trio.CapacityLimiter(config.publish.threads)
-        spec = reward_function(config)
-        reward = RecordReward(
-            import_reward(spec),
-            policy.decode,
-            limiter=limiter,
-            timeout=config.reward.timeout,
-            name=f"reward {spec}",
-        )
+        reward_fn = import_reward(reward_function(config))
         env = env_function(config.env.to_config(), config.rollout.task, config.model.path)
-        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward, env)
+        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward_fn, env)
 
     async def watch_weights(
         self, engine: Engine, set_version: Any, evals: RunEvals | None = None

@@ -40,7 +40,9 @@ from ._lanes import LaneStatistics as LaneStatistics
 from ._lanes import PriorityLane as PriorityLane
 from ._records import RecordReward as RecordReward
 from ._records import RecordRewardFn as RecordRewardFn
+from ._records import describe_record as describe_record
 from ._records import import_reward as import_reward
+from ._records import open_record_reward as open_record_reward
 from ._records import read_records as read_records
 from ._sources import DataSource as DataSource
 from ._sources import InMemorySource as InMemorySource
