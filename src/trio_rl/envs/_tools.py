@@ -208,7 +208,8 @@ class ToolEnv:
     """An environment (``await env(episode, record) -> reward``) where the policy may call
     ``tools`` before it answers.
 
-    ``tools`` are plain or async callables, named by ``__name__``; ``record_tools(record)``
+    ``tools`` are plain or async callables, named by ``__name__`` (read once, when the
+    environment is made); ``record_tools(record)``
     adds tools made for each record (a tool that reads the record). ``reward(record, answer,
     calls)`` scores the last turn's text. ``max_turns`` bounds the policy turns (a turn past it
     ends the episode as ``max_turns``; unset: the run's ``[env] max_turns``); ``tool_timeout``
