@@ -27,12 +27,26 @@ logger = logging.getLogger("trio_rl.engines")
 LOG_EVERY = 10.0
 
 
+def _refused(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether a ``ConnectionRefusedError`` is among the causes of ``exc`` (httpx under trio
+    wraps it in an exception group of connection attempts)."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if isinstance(exc, BaseExceptionGroup) and any(
+        _refused(e, depth + 1) for e in exc.exceptions
+    ):
+        return True
+    return _refused(exc.__cause__ or exc.__context__, depth + 1)
+
+
 def transport_reason(exc: BaseException) -> str:
     """A transport failure in a few words: ``connection refused`` for a port nothing listens
     on, else the exception's class and text."""
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    if isinstance(cause, httpx.ConnectError) and "refused" in str(cause).lower():
+    if _refused(exc):
         return "connection refused"
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
     if isinstance(cause, httpx.TimeoutException):
         return f"{type(cause).__name__}: no answer"
     return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
