@@ -161,7 +161,7 @@ def test_an_unreachable_engine_ends_in_one_error_line_exit_1(tmp_path: Path) -> 
 def test_help_shows_what_an_unset_key_does() -> None:
     text = " ".join(_trio_rl("run", "--help").stdout.split())
     assert (
-        "--out DIR shorthand for --set run.out=... (default unset: runs/<YYYYmmdd-HHMMSS> under the current directory)"
-        in text
+        "--out DIR shorthand for --set run.out=... (default unset: "
+        "runs/<YYYYmmdd-HHMMSS> under the current directory)" in text
     )
     assert "run.max_steps=... (default unset: no limit)" in text
