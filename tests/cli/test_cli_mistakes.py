@@ -110,3 +110,60 @@ def test_an_unreachable_server_is_reported_at_once_and_a_signal_stops_the_wait(
     # the run's log has the wait too
     log = (tmp_path / "run" / "logs" / "run.log").read_text()
     assert "connection refused" in log
+
+
+def test_all_zero_rewards_are_nothing_to_learn_from_not_a_collapse(tmp_path: Path) -> None:
+    # an exact-match reward on an untrained model: every reward is 0, the samples all differ
+    (tmp_path / "zero_reward.py").write_text(
+        "def score(record, completion):\n    return float(completion == record['answer'] * 9)\n"
+    )
+    (tmp_path / "data.jsonl").write_text(
+        "".join(f'{{"prompt": "{c}=", "answer": "{c}"}}\n' for c in "abcde")
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(
+        textwrap.dedent(
+            f"""\
+            [run]
+            out = "{tmp_path / "run"}"
+            steps = 20
+            converged_after = 2
+
+            [engine]
+            d_model = 16
+            n_layers = 1
+
+            [rollout]
+            task = "reverse"
+            batch_groups = 2
+            group_size = 4
+
+            [data]
+            prompts = "{tmp_path / "data.jsonl"}"
+            max_tokens = 6
+
+            [reward]
+            function = "zero_reward:score"
+
+            [metrics]
+            plot = false
+            display = "plain"
+            """
+        )
+    )
+    done = subprocess.run(
+        [TRIO_RL, "run", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    both = done.stdout + done.stderr
+    assert "collapsed" not in both
+    assert "deterministic" not in both
+    assert "entropy_coef" not in both
+    # one line, once, saying what is wrong, and no step could be trained: a failure
+    assert both.count("nothing to learn from from the first step") == 1, both
+    assert "rewards are all 0" in both
+    assert "check the reward (zero_reward:score" in both
+    assert done.returncode == 1, both
