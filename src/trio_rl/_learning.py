@@ -88,13 +88,11 @@ def run_command(args: argparse.Namespace) -> int:
         )
     import torch  # seconds to import: before the event loop starts, never inside it
 
-    from . import learn
-
     # the per-step line already shows the stale counter; the sink's warning would repeat it
     logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
     torch.set_num_threads(1 if learn_cfg.run.deterministic else learn_cfg.run.threads)
     check_run_inputs(learn_cfg, origin)
-    config = attrs.evolve(learn.config_from_file(learn_cfg), resume=not args.fresh)
+    config = _Run(learn_cfg, resume=not args.fresh)
     if learn_cfg.run.max_steps is not None:
         shipped = _last_shipped(config.out) if _resuming(config) else 0
         # the run caps its steps itself (from the step it resumes at, its checkpoint's:
@@ -165,13 +163,30 @@ def trainer_command(args: argparse.Namespace) -> int:
             f"{cfg.trainer.ranks}, but the job has {world} rank(s) (torchrun's --nnodes x "
             "--nproc-per-node)",
         )
-    code = trainer_main.run_job(learn.config_from_file(cfg))
+    code = trainer_main.run_job(cfg)
     if "WORLD_SIZE" in os.environ:
         trainer_main.exit_hard(code)
     return code
 
 
-async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -> int:
+@attrs.frozen
+class _Run:
+    """One invocation of ``trio-rl run``: its configuration (``run.out`` set) and whether it
+    continues the run in that directory (no ``--fresh``)."""
+
+    config: LearnRunConfig
+    resume: bool
+
+    @property
+    def out(self) -> Path:
+        return Path(str(self.config.run.out))
+
+    @property
+    def trainer_mode(self) -> str:
+        return str(self.config.trainer.mode)
+
+
+async def _run_learning(config: _Run, file_config: LearnRunConfig, resume: str) -> int:
     """The learning run under the signal watcher: the first SIGINT or SIGTERM ends the step in
     progress (its accounting settles as the orchestrator closes), then the run finishes as
     after its last step (metrics, plot, transports closed)."""
@@ -191,7 +206,8 @@ async def _run_learning(config: Any, file_config: LearnRunConfig, resume: str) -
             )
             try:
                 result = await learn.run_learning(
-                    config,
+                    config.config,
+                    resume=config.resume,
                     stop=stop.event,
                     display=_open_display(
                         file_config.metrics.display,
@@ -256,7 +272,7 @@ def _default_run_directory() -> Path:
     return path
 
 
-def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> None:
+def _closing_lines(config: _Run, file_config: LearnRunConfig, resume: str) -> None:
     """The last lines of a run: where everything it wrote is, and how to go on."""
     out = Path(config.out)
     print(f"run directory: {out}", flush=True)
@@ -267,7 +283,7 @@ def _closing_lines(config: Any, file_config: LearnRunConfig, resume: str) -> Non
     print(f"  resume:  {_resume_hint(config, resume)}", flush=True)
 
 
-def _resume_hint(config: Any, resume: str) -> str:
+def _resume_hint(config: _Run, resume: str) -> str:
     """How the run goes on, whichever the trainer mode: the orchestrator resumes from its
     checkpoint, and the trainer from its saved state (the in-process one; a torchrun job the
     command starts again, which resumes after its saved step). An external trainer job exited
@@ -300,16 +316,17 @@ def _open_display(
     return ConsoleDisplay(out, plain=plain, total=total, log=log)
 
 
-def _steps_to_ship(config: Any) -> int:
+def _steps_to_ship(config: _Run) -> int:
     """The steps this invocation ships, as the progress display counts them: ``steps``, or
     fewer up to ``max_steps`` (an estimate from ``metrics.jsonl``; the run caps itself)."""
-    if config.max_steps is None:
-        return int(config.steps)
-    shipped = _last_shipped(Path(config.out)) if _resuming(config) else 0
-    return max(1, min(int(config.steps), int(config.max_steps) - shipped))
+    run = config.config.run
+    if run.max_steps is None:
+        return run.steps
+    shipped = _last_shipped(config.out) if _resuming(config) else 0
+    return max(1, min(run.steps, run.max_steps - shipped))
 
 
-def _resuming(config: Any) -> bool:
+def _resuming(config: _Run) -> bool:
     """Whether the learning run continues the run in its directory (as `trio_rl.learn` decides:
     checkpoints there, no ``--fresh``; whichever the trainer mode, since a torchrun or external
     trainer job resumes by itself beside the resumed orchestrator)."""

@@ -134,7 +134,7 @@ def test_a_damaged_trainer_state_is_one_line_and_nothing_is_lost(tmp_path: Path)
     ("args", "needle"),
     [
         (["--steps", "0"], "--steps: run.steps: must be >= 1, got 0"),
-        (["--lr", "-1"], "--lr: trainer.lr: must be a finite number > 0"),
+        (["--lr", "-1"], "--lr: trainer.lr: must be finite and > 0, got -1.0"),
         (["--ranks", "2"], "--ranks: trainer.ranks: the in-process trainer has one rank"),
         (["--set", "rollout.group_size=1"], "--set: rollout.group_size: must be >= 2"),
     ],

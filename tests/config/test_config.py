@@ -25,7 +25,6 @@ from trio_rl.config import (
     store,
     to_toml,
 )
-from trio_rl.learn import LearnConfig
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.train import DEFAULT_STALENESS, STALENESS_RULES, SinkConfig
 from trio_rl.train._scoring import sample_version, score_group
@@ -119,20 +118,10 @@ def test_simulate_defaults_are_the_orchestrators() -> None:
     assert sim.sink.staleness == orch.sink.staleness == LearnRunConfig().sink.staleness
 
 
-def test_the_learning_run_defaults_are_learn_configs(tmp_path: Path) -> None:
-    """``trio-rl run``'s defaults are ``LearnConfig``'s (the schema cannot read them: the
-    learning run sits above the configuration, and imports torch), field for field."""
-    from trio_rl.learn import config_from_file
-
-    default = LearnRunConfig()
-    default = attrs.evolve(default, run=attrs.evolve(default.run, out=str(tmp_path)))
-    assert config_from_file(default) == LearnConfig(out=tmp_path)
-
-
 @pytest.mark.parametrize("rule", ["oldest_token", "group_start"])
 def test_the_sink_staleness_key_reaches_both_commands_configs(tmp_path: Path, rule: str) -> None:
     from trio_rl.cli import orchestrator_config
-    from trio_rl.learn import config_from_file
+    from trio_rl.learn import sink_config
 
     path = _write(
         tmp_path / "c.toml", f'[run]\nout = "{tmp_path}"\n\n[sink]\nstaleness = "{rule}"\n'
@@ -140,7 +129,7 @@ def test_the_sink_staleness_key_reaches_both_commands_configs(tmp_path: Path, ru
     sim, _ = load(SimulateConfig, [path])
     assert orchestrator_config(sim).sink.staleness == rule
     learn, _ = load(LearnRunConfig, [path])
-    assert config_from_file(learn).sink.staleness == rule
+    assert sink_config(learn).staleness == rule
     bad = _write(tmp_path / "bad.toml", '[sink]\nstaleness = "newest_token"\n')
     with pytest.raises(ConfigError) as info:
         load(SimulateConfig, [bad])
@@ -256,7 +245,6 @@ def test_the_staleness_rule_has_one_default_and_one_spelling() -> None:
     assert typing.get_args(key_type) == STALENESS_RULES
     assert SinkConfig(batch_size=1).staleness == DEFAULT_STALENESS
     assert OrchestratorConfig().sink.staleness == DEFAULT_STALENESS
-    assert LearnConfig(out=Path("x")).sink.staleness == DEFAULT_STALENESS
     assert SimulateConfig().sink.staleness == LearnRunConfig().sink.staleness == DEFAULT_STALENESS
     assert attrs.fields(SinkConfig).staleness.default == DEFAULT_STALENESS
     assert inspect.signature(score_group).parameters["rule"].default == DEFAULT_STALENESS

@@ -26,7 +26,6 @@ from trio_rl.config import LearnRunConfig, SimulateConfig, load
 from trio_rl.config._load import _toml_value
 from trio_rl.config._sections import ConfigSection
 from trio_rl.errors import ConfigError
-from trio_rl.learn import config_from_file
 from trio_rl.learn import orchestrator_config as learn_orchestrator_config
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.rollout import RolloutConfig
@@ -44,7 +43,7 @@ def _orchestrator_of(schema: type[Any], config: Any, tmp_path: Path) -> Orchestr
     if schema is SimulateConfig:
         return cli.orchestrator_config(config)
     config = attrs.evolve(config, run=attrs.evolve(config.run, out=str(tmp_path / "run")))
-    return learn_orchestrator_config(config_from_file(config), max_tokens=16)
+    return learn_orchestrator_config(config, max_tokens=16)
 
 
 KNOBS = [
@@ -115,7 +114,7 @@ def test_every_trainer_knob_reaches_the_learning_runs_trainer(
 ) -> None:
     def trainer_of(config: LearnRunConfig) -> TrainerConfig:
         config = attrs.evolve(config, run=attrs.evolve(config.run, out=str(tmp_path / "run")))
-        return config_from_file(config).trainer
+        return config.trainer.to_config()
 
     key = "_".join(path)
     value = other_value(value_at(trainer_of(LearnRunConfig()), path), tp)
@@ -177,24 +176,30 @@ def test_a_bad_knob_is_refused_by_the_library_configs_check(tmp_path: Path) -> N
         assert "must be" in str(info.value) or "expected one of" in str(info.value)
 
 
-def test_a_trainer_job_reads_the_rollout_and_checkpoint_configs_back(tmp_path: Path) -> None:
-    # a torchrun or external trainer job reads the run's LearnConfig from run.json
+def test_a_trainer_job_reads_the_configuration_back(tmp_path: Path) -> None:
+    # a torchrun or external trainer job reads the run's configuration from run.json
     import json
 
-    from trio_rl.learn import LearnConfig
-    from trio_rl.rollout import FailurePolicy
+    from trio_rl.config import configure
+    from trio_rl.learn._settings import from_run_json, run_json
 
-    config = LearnConfig(
-        out=tmp_path,
-        rollout=RolloutConfig(
-            max_groups_in_flight=5, sample_timeout=3.0, failure=FailurePolicy("retry")
-        ),
-        checkpoint=CheckpointConfig(keep=2, incremental=False),
-        trainer=TrainerConfig(lr=3e-4, betas=(0.8, 0.9)),
+    config = configure(
+        LearnRunConfig,
+        {
+            "run.out": str(tmp_path),
+            "rollout.max_groups_in_flight": 5,
+            "rollout.sample_timeout": 3.0,
+            "rollout.failure_action": "retry",
+            "checkpoint.keep": 2,
+            "checkpoint.incremental": False,
+            "trainer.lr": 3e-4,
+            "inference.vllm_args": ("--dtype", "float32"),
+            "sink.scoring_env_temperatures": {"math": 1.0},
+        },
     )
-    again = LearnConfig.from_json(json.loads(json.dumps(config.to_json())))
+    again = from_run_json(json.loads(json.dumps(run_json(config))), "run.json")
     assert again == config
-    assert again.rollout.failure == FailurePolicy("retry")
+    assert again.rollout.to_config().failure.action == "retry"
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["simulate", "run"])
@@ -220,10 +225,10 @@ def test_inference_min_servers_reaches_the_fleet_and_is_checked(tmp_path: Path) 
     urls = '[inference]\nurls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]\n'
     toml.write_text(urls)
     config, _ = load(LearnRunConfig, [toml])
-    assert config.inference.inference_kwargs()["min_servers"] is None
+    assert config.inference.fleet_config().min_servers is None
     toml.write_text(urls + "min_servers = 1\n")
     config, _ = load(LearnRunConfig, [toml])
-    assert config.inference.inference_kwargs()["min_servers"] == 1
+    assert config.inference.fleet_config().min_servers == 1
     for bad, match in [("3", r"min_servers = 3 is more than the 2 servers"), ("0", "min_servers")]:
         toml.write_text(urls + f"min_servers = {bad}\n")
         with pytest.raises(ConfigError, match=match):

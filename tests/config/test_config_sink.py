@@ -20,7 +20,7 @@ from trio_rl import cli
 from trio_rl.config import LearnRunConfig, SimulateConfig, load
 from trio_rl.config._load import _toml_value
 from trio_rl.config._sections import SIZED_ELSEWHERE
-from trio_rl.learn import config_from_file
+from trio_rl.learn import sink_config
 from trio_rl.train import SinkConfig
 
 KNOBS = [(p, tp) for p, tp in leaf_paths(SinkConfig) if p[0] not in SIZED_ELSEWHERE]
@@ -31,7 +31,7 @@ def _sink_of(schema: type[Any], config: Any, tmp_path: Path) -> SinkConfig:
     if schema is SimulateConfig:
         return cli.orchestrator_config(config).sink
     config = attrs.evolve(config, run=attrs.evolve(config.run, out=str(tmp_path / "run")))
-    return config_from_file(config).sink
+    return sink_config(config)
 
 
 def test_the_sink_has_knobs_to_check() -> None:

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -327,7 +328,9 @@ async def test_open_inference_launches_the_servers_the_configuration_asks_for(
     assert config.inference.routing_keys == "group"
     with trio.fail_after(60):
         async with open_inference(
-            **config.inference.inference_kwargs(), model_path="/models/tiny", log_dir=tmp_path
+            **attrs.asdict(config.inference.fleet_config(), recurse=False),
+            model_path="/models/tiny",
+            log_dir=tmp_path,
         ) as fleet:
             assert len(fleet.live()) == 2
             assert fleet.model == "tiny"  # the servers were started with that name

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 import trio
+from learn_helpers import learn_config
 
-from trio_rl.learn import TASKS, LearnConfig
-from trio_rl.learn.run import _train_inprocess, build_model
+from trio_rl.learn import TASKS, build_model
+from trio_rl.learn._inprocess import InProcessTrainer
 from trio_rl.publish import pack_samples
 from trio_rl.train import TrainingSample
 from trio_rl.transport import FileSender
@@ -43,11 +44,12 @@ def _samples(n: int) -> list[TrainingSample]:
 
 
 async def test_the_in_process_trainer_waits_for_the_limiter_it_is_given(tmp_path: Path) -> None:
-    config = LearnConfig(out=tmp_path, steps=1, verbose=False, plot=False, threads=1)
+    config = learn_config(
+        tmp_path, run__steps=1, metrics__console=False, metrics__plot=False, publish__threads=1
+    )
     model, _ = build_model(config)
     (rank,) = pack_samples(_samples(4), seq_len=64)
-    limiter = trio.CapacityLimiter(config.threads)
-    stats: list[object] = []
+    limiter = trio.CapacityLimiter(config.publish.threads)
     async with FileSender(tmp_path, 1, fsync=False) as sender:
         await sender.send(1, [encode(rank)])
         await sender.end_stream(2)  # the trainer returns after step 1
@@ -55,9 +57,9 @@ async def test_the_in_process_trainer_waits_for_the_limiter_it_is_given(tmp_path
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
             await limiter.acquire()  # the run's only token, held here
-            nursery.start_soon(
-                lambda: _train_inprocess(config, model, stats, limiter=limiter)  # type: ignore[arg-type]
-            )
+            trainer = InProcessTrainer(config, model, limiter)
+            stats = trainer.stats
+            nursery.start_soon(trainer.run)
             with trio.fail_after(30):  # the trainer queues for the run's token ...
                 while limiter.statistics().tasks_waiting == 0:  # noqa: ASYNC110
                     await trio.sleep(0.01)

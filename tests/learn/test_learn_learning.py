@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 import trio
+from learn_helpers import learn_config
 
-from trio_rl.learn import LearnConfig, run_learning
-from trio_rl.train import SinkConfig
+from trio_rl.learn import run_learning
 
 torch.set_num_threads(1)
 
@@ -38,7 +38,9 @@ def _gain(rewards: list[float]) -> float:
 
 
 async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> None:
-    config = LearnConfig(out=tmp_path, steps=80, seed=0, stop_at_reward=0.4, verbose=False)
+    config = learn_config(
+        tmp_path, run__steps=80, run__seed=0, run__stop_at_reward=0.4, metrics__console=False
+    )
     with trio.fail_after(900):  # ~40 s on an idle 2-core machine; generous for a loaded one
         result = await run_learning(config)
     rewards = _rewards(result.metrics)
@@ -54,20 +56,20 @@ async def test_a_short_learning_run_improves_beyond_noise(tmp_path: Path) -> Non
     assert lines[-1]["policy_version"] >= len(lines) - 3
     assert max(m["off_policy_max"] for m in lines) <= config.sink.max_off_policy_steps
     published = sorted((tmp_path / "weights").iterdir())
-    assert len(published) == config.weights_keep
+    assert len(published) == config.checkpoint.weights_keep
     assert all((p / "model.safetensors").exists() and (p / "meta.json").exists() for p in published)
 
 
 async def test_forced_staleness_is_held_back_at_admission_and_still_learns(tmp_path: Path) -> None:
-    config = LearnConfig(
-        out=tmp_path,
-        steps=40,
-        seed=1,
-        sink=SinkConfig(batch_size=8 * 16, max_off_policy_steps=0),  # the default 8 x 16 step
-        trainer_delay=0.3,  # a deliberately slow trainer: rollouts would outrun it
-        stop_at_reward=0.4,
-        verbose=False,
-        plot=False,
+    config = learn_config(
+        tmp_path,
+        run__steps=40,
+        run__seed=1,
+        sink__max_off_policy_steps=0,
+        trainer__delay=0.3,  # a deliberately slow trainer: rollouts would outrun it
+        run__stop_at_reward=0.4,
+        metrics__console=False,
+        metrics__plot=False,
     )
     with trio.fail_after(900):
         result = await run_learning(config)
@@ -82,18 +84,17 @@ async def test_forced_staleness_is_held_back_at_admission_and_still_learns(tmp_p
 
 
 async def test_without_stale_admission_the_sink_drops_what_went_stale(tmp_path: Path) -> None:
-    config = LearnConfig(
-        out=tmp_path,
-        steps=6,
-        seed=1,
-        sink=SinkConfig(batch_size=8 * 16, max_off_policy_steps=0),  # the default 8 x 16 step
-        trainer_delay=0.3,
-        stale_admission=False,
-        verbose=False,
-        plot=False,
+    config = learn_config(
+        tmp_path,
+        run__steps=6,
+        run__seed=1,
+        sink__max_off_policy_steps=0,
+        trainer__delay=0.3,
+        metrics__console=False,
+        metrics__plot=False,
     )
     with trio.fail_after(600):
-        result = await run_learning(config)
+        result = await run_learning(config, stale_admission=False)
     assert result.counters["stale"] > 0
     assert result.metrics[-1]["waste_total"] > 0
     assert all(m["off_policy_max"] == 0 for m in result.metrics)
@@ -105,7 +106,13 @@ async def test_a_deterministic_wrong_policy_ends_the_run_as_a_collapse(
     # Greedy decoding: the 16 samples of a group are identical, so every group has equal
     # rewards, zero advantage, and is pruned; no batch can ever fill. The untrained policy is
     # wrong, so that is a collapse, not convergence, and the run says so with the reward.
-    config = LearnConfig(out=tmp_path, steps=5, temperature=0.0, verbose=False, plot=False)
+    config = learn_config(
+        tmp_path,
+        run__steps=5,
+        rollout__temperature=0.0,
+        metrics__console=False,
+        metrics__plot=False,
+    )
     with trio.fail_after(120):
         result = await run_learning(config)
     assert result.stopped == "collapsed"
@@ -121,8 +128,13 @@ async def test_a_deterministic_wrong_policy_ends_the_run_as_a_collapse(
 
 async def test_a_deterministic_policy_at_the_target_reward_has_converged(tmp_path: Path) -> None:
     # the same greedy policy, judged against a target it meets (stop_at_reward 0): converged
-    config = LearnConfig(
-        out=tmp_path, steps=5, temperature=0.0, stop_at_reward=0.0, verbose=False, plot=False
+    config = learn_config(
+        tmp_path,
+        run__steps=5,
+        rollout__temperature=0.0,
+        run__stop_at_reward=0.0,
+        metrics__console=False,
+        metrics__plot=False,
     )
     with trio.fail_after(120):
         result = await run_learning(config)
@@ -138,8 +150,8 @@ async def test_a_deterministic_policy_at_the_target_reward_has_converged(tmp_pat
 def test_a_collapse_just_below_the_target_does_not_print_as_the_target(
     tmp_path: Path, reward: float, shown: str, verdict: str
 ) -> None:
-    from trio_rl.learn.run import _converged
+    from trio_rl.learn._steps import converged
 
-    stopped, line = _converged(reward, LearnConfig(out=tmp_path))
+    stopped, line = converged(reward, learn_config(tmp_path))
     assert stopped == verdict
     assert line.startswith(f"stopping: {verdict} at reward {shown}:"), line

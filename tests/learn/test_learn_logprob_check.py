@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from learn_helpers import learn_config
 
 from trio_rl.engines import Completion, GenerateRequest, TorchEngine
-from trio_rl.learn import LearnConfig, build_model
+from trio_rl.learn import build_model
 from trio_rl.learn._logprob_check import GAP_LIMIT, LogprobCheck
 from trio_rl.learn._weights import publish_weights
 from trio_rl.samples import PolicyVersion
@@ -48,7 +49,9 @@ def _trained(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 async def test_the_gap_after_a_reload_is_float_noise_only_when_the_engine_loaded_the_weights(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, reloads: bool
 ) -> None:
-    config = LearnConfig(out=tmp_path, task="repeat", seed=0, verbose=False, plot=False)
+    config = learn_config(
+        tmp_path, rollout__task="repeat", run__seed=0, metrics__console=False, metrics__plot=False
+    )
     model, tokenizer = build_model(config)
     published = publish_weights(tmp_path / "weights", 1, _trained(model))
     prompts = [tuple(tokenizer.encode(text)) for text in ("a3=", "b5=")]

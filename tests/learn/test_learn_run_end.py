@@ -12,13 +12,19 @@ from typing import Any
 import pytest
 import torch
 import trio
+from learn_helpers import learn_config
 
-from trio_rl.learn import TRAINER_KEYS, LearnConfig, latest_weights, run_learning
+from trio_rl.learn import TRAINER_KEYS, latest_weights, run_learning
 
 torch.set_num_threads(1)
 
 #: A small, fast shape: the end of a run is what is tested here, not learning.
-SMALL: dict[str, Any] = {"batch_groups": 2, "group_size": 4, "d_model": 32, "n_layers": 1}
+SMALL: dict[str, Any] = {
+    "rollout__batch_groups": 2,
+    "rollout__group_size": 4,
+    "engine__d_model": 32,
+    "engine__n_layers": 1,
+}
 
 
 def _trainer_log(out: Path) -> list[dict[str, Any]]:
@@ -30,8 +36,14 @@ async def test_every_shipped_step_is_trained_before_the_run_reports_done(
     tmp_path: Path, steps: int
 ) -> None:
     # a trainer slower than the rollouts: when the last step ships, it is still behind
-    config = LearnConfig(
-        out=tmp_path, steps=steps, seed=steps, trainer_delay=0.3, verbose=False, plot=False, **SMALL
+    config = learn_config(
+        tmp_path,
+        run__steps=steps,
+        run__seed=steps,
+        trainer__delay=0.3,
+        metrics__console=False,
+        metrics__plot=False,
+        **SMALL,
     )
     with trio.fail_after(300):
         result = await run_learning(config)
@@ -62,17 +74,16 @@ async def test_every_shipped_step_is_trained_before_the_run_reports_done(
 async def test_a_trainer_that_misses_the_deadline_is_reported_loudly(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = LearnConfig(
-        out=tmp_path,
-        steps=3,
-        trainer_delay=2.0,  # far slower than the deadline below
-        trainer_timeout=0.05,
-        verbose=False,
-        plot=False,
+    config = learn_config(
+        tmp_path,
+        run__steps=3,
+        trainer__delay=2.0,  # far slower than the deadline below
+        metrics__console=False,
+        metrics__plot=False,
         **SMALL,
     )
     with trio.fail_after(300):
-        result = await run_learning(config)
+        result = await run_learning(config, trainer_timeout=0.05)
     assert result.trained_through < 3
     message = "the trainer did not report step 3, the last shipped step"
     assert any(message in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
@@ -92,8 +103,13 @@ def _reward_columns(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def test_a_deterministic_run_repeats_its_rewards_bit_for_bit(tmp_path: Path) -> None:
     runs = []
     for name in ("a", "b"):
-        config = LearnConfig(
-            out=tmp_path / name, steps=6, seed=7, deterministic=True, verbose=False, plot=False
+        config = learn_config(
+            tmp_path / name,
+            run__steps=6,
+            run__seed=7,
+            run__deterministic=True,
+            metrics__console=False,
+            metrics__plot=False,
         )
         with trio.fail_after(600):
             result = await run_learning(config)

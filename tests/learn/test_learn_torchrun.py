@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 import trio
+from learn_helpers import learn_config
 
-from trio_rl.learn import TRAINER_KEYS, LearnConfig, latest_weights, run_learning
+from trio_rl.learn import TRAINER_KEYS, latest_weights, run_learning
 
 torch.set_num_threads(1)
 
@@ -16,8 +17,14 @@ torch.set_num_threads(1)
 async def test_a_run_with_two_torchrun_ranks_trains_publishes_and_ends_cleanly(
     tmp_path: Path,
 ) -> None:
-    config = LearnConfig(
-        out=tmp_path, steps=6, seed=0, trainer_mode="torchrun", ranks=2, verbose=False, plot=False
+    config = learn_config(
+        tmp_path,
+        run__steps=6,
+        run__seed=0,
+        trainer__mode="torchrun",
+        trainer__ranks=2,
+        metrics__console=False,
+        metrics__plot=False,
     )
     with trio.fail_after(600):  # torchrun and three torch imports take a while on a busy machine
         result = await run_learning(config)

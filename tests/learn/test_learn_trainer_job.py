@@ -13,9 +13,9 @@ import pytest
 import torch
 import trio
 import trio_util
+from learn_helpers import learn_config
 
 from trio_rl.errors import TrainError, TransportTimeoutError
-from trio_rl.learn import LearnConfig
 from trio_rl.learn.trainer_main import _wait_trained, hold_rank, run_job
 
 torch.set_num_threads(1)
@@ -27,8 +27,12 @@ def test_a_last_step_whose_batch_never_arrives_fails_the_job_loudly(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     # the orchestrator named step 2 its last, but no batch file of step 1 or 2 ever comes
     (tmp_path / "STOP").write_text("2")
-    config = LearnConfig(
-        out=tmp_path, trainer_mode="external", connect_timeout=1.0, verbose=False, plot=False
+    config = learn_config(
+        tmp_path,
+        trainer__mode="external",
+        trainer__connect_timeout=1.0,
+        metrics__console=False,
+        metrics__plot=False,
     )
     caplog.set_level(logging.WARNING, logger="trio_rl.learn")
     started = time.monotonic()
@@ -78,8 +82,12 @@ def test_a_second_trainer_job_on_the_same_run_directory_is_refused_naming_the_fi
 ) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     (tmp_path / "STOP").write_text("1")
-    config = LearnConfig(
-        out=tmp_path, trainer_mode="external", connect_timeout=1.0, verbose=False, plot=False
+    config = learn_config(
+        tmp_path,
+        trainer__mode="external",
+        trainer__connect_timeout=1.0,
+        metrics__console=False,
+        metrics__plot=False,
     )
     first = hold_rank(tmp_path, 0)  # the job already running (a separate open file: flock)
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import trio
+from learn_helpers import learn_config
 
 from trio_rl.engines import TorchEngine
 from trio_rl.learn import (
@@ -97,13 +98,13 @@ async def test_the_watcher_loads_every_engine_before_the_version_counts(tmp_path
 
 
 async def test_a_previous_runs_weights_and_batches_are_cleared(tmp_path: Path) -> None:
-    from trio_rl.learn import LearnConfig, run_learning
+    from trio_rl.learn import run_learning
 
     # leftovers of an earlier run: a far newer version the watcher would otherwise load
     publish_weights(tmp_path / "weights", 500, _model(3).state_dict())
     (tmp_path / "batches" / "step_1").mkdir(parents=True)
     (tmp_path / "batches" / "step_1" / "rank_0.bin").write_bytes(b"not a batch")
-    config = LearnConfig(out=tmp_path, steps=2, verbose=False, plot=False)
+    config = learn_config(tmp_path, run__steps=2, metrics__console=False, metrics__plot=False)
     with trio.fail_after(300):
         result = await run_learning(config)
     assert [m["step"] for m in result.metrics] == [1, 2]
@@ -112,7 +113,7 @@ async def test_a_previous_runs_weights_and_batches_are_cleared(tmp_path: Path) -
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == result.metrics
     for m in lines:
-        assert m["threads/limit"] == float(config.threads)
+        assert m["threads/limit"] == float(config.publish.threads)
         assert m["threads/busy_max"] >= 1.0
         assert m["train/selected/samples"] >= m["samples"]
         assert m["train/all/completion_length/count"] >= m["samples"]

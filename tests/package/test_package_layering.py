@@ -25,8 +25,9 @@ ALLOWED: dict[str, set[str]] = {
     # the configuration schema is attrs classes of values; its [rollout], [sink] and
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
-    # transport, so it sees those layers
-    "config": {"rollout", "train", "trainer", "transport", "rundir"},
+    # transport, so it sees those layers; its engine sections are generated from the registered
+    # engines' configs
+    "config": {"rollout", "train", "trainer", "transport", "rundir", "engines"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},

@@ -14,9 +14,11 @@ import pytest
 
 _LEARN = (
     "import sys, torch, trio; torch.set_num_threads(1); "
-    "from trio_rl.learn import LearnConfig, run_learning; "
-    "trio.run(run_learning, LearnConfig(out=sys.argv[1], steps=4, batch_groups=2, "
-    "group_size=8, verbose=False, plot=False))"
+    "from trio_rl.config import LearnRunConfig, configure; "
+    "from trio_rl.learn import run_learning; "
+    "trio.run(run_learning, configure(LearnRunConfig, {'run.out': sys.argv[1], 'run.steps': 4, "
+    "'rollout.batch_groups': 2, 'rollout.group_size': 8, 'metrics.console': False, "
+    "'metrics.plot': False}))"
 )
 
 

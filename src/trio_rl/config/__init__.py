@@ -26,6 +26,7 @@ from ._load import (
     ENV_PREFIX,
     Override,
     choices,
+    configure,
     env_overrides,
     flatten,
     key_line,
@@ -34,18 +35,21 @@ from ._load import (
     reference_markdown,
     to_toml,
 )
-from ._schema import LearnRunConfig, SimulateConfig
+from ._schema import InferenceKeys, LearnRunConfig, SimulateConfig, StepShape
 
 __all__ = [
     "ENV_PREFIX",
     "STORED_FILE",
     "ConfigChangedError",
     "ConfigError",
+    "InferenceKeys",
     "LearnRunConfig",
     "Override",
     "SimulateConfig",
+    "StepShape",
     "check_resume",
     "choices",
+    "configure",
     "env_overrides",
     "flatten",
     "key_line",

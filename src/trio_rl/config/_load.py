@@ -32,6 +32,7 @@ __all__ = [
     "at_least",
     "between",
     "choices",
+    "configure",
     "env_overrides",
     "flatten",
     "load",
@@ -108,9 +109,10 @@ def _optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _is_table(tp: Any) -> bool:
-    """``Mapping[str, float]``: the one table type an option may have (names to numbers)."""
+    """``Mapping[str, float]`` (names to numbers) or ``Mapping[str, Any]`` (a plug-in's knobs,
+    checked by the plug-in): the table types an option may have."""
     origin = typing.get_origin(tp)
-    return origin in (Mapping, dict) and typing.get_args(tp) == (str, float)
+    return origin in (Mapping, dict) and typing.get_args(tp) in ((str, float), (str, Any))
 
 
 def _is_list(tp: Any) -> bool:
@@ -123,7 +125,7 @@ def _type_name(tp: Any) -> str:
     if _is_list(base):
         name = "list of str"
     elif _is_table(base):
-        name = "table of str to float"
+        name = f"table of str to {getattr(typing.get_args(base)[1], '__name__', 'value')}"
     elif typing.get_origin(base) is Literal:
         name = " | ".join(json.dumps(a) for a in typing.get_args(base))
     else:
@@ -147,6 +149,9 @@ def _coerce(value: Any, tp: Any) -> Any:
     if _is_list(base):
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
+    elif _is_table(base) and typing.get_args(base)[1] is Any:
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
     elif _is_table(base):
         if isinstance(value, Mapping) and all(
             isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
@@ -339,6 +344,14 @@ def load(
             where = ", ".join(sorted({origin[f"{name}.{k}"] for k in kwargs})) or "defaults"
             raise ConfigError(where, name, str(exc)) from None
     return schema(**built), origin
+
+
+def configure(schema: type[T], values: Mapping[str, Any], where: str = "code") -> T:
+    """The configuration of ``schema`` with ``values`` (``{"section.key": value}``, typed
+    values as a flag gives them) over its defaults, checked as a file's are: a bad one is a
+    `ConfigError` naming the key and ``where``. ``configure(LearnRunConfig, flatten(c))`` is
+    ``c`` again (lists read back as tuples)."""
+    return load(schema, [], [Override(key, value, where) for key, value in values.items()])[0]
 
 
 def _checked(cls: type[Any], name: str, key: str, got: _Value) -> Any:

@@ -10,10 +10,21 @@ commands' own; a test pins those the library's configs also hold to them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
 
+from ..engines import (
+    FLEET,
+    OPENAI,
+    SIMULATED,
+    TORCH,
+    Command,
+    EngineKind,
+    InferenceConfig,
+    engine_kind,
+)
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
 from ..train import CheckpointConfig, SinkConfig
@@ -21,9 +32,15 @@ from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
 from ._load import at_least, between, option, optional_positive_finite, positive_finite
-from ._sections import SIZED_ELSEWHERE, ConfigSection, config_section
+from ._sections import (
+    SIZED_ELSEWHERE,
+    ConfigSection,
+    EngineSection,
+    config_section,
+    engine_section,
+)
 
-__all__ = ["Inference", "LearnRunConfig", "SimulateConfig"]
+__all__ = ["Inference", "InferenceKeys", "LearnRunConfig", "SimulateConfig", "StepShape"]
 
 Task = Literal["copy", "repeat", "reverse"]
 
@@ -40,6 +57,17 @@ def _check_port(port: int | None, allowed: bool, name: str) -> None:
 
 def _registered_transport(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
     transport_kind(value)  # an unknown name is an InvalidArgumentError listing the known ones
+
+
+# no slots: a command's section gives a key of the step's shape its own default, which attrs
+# sets on the instance (a slot of this base would shadow it)
+@attrs.frozen(slots=False)
+class StepShape(ConfigSection[RolloutConfig]):
+    """``[rollout]``'s keys of both commands that are no knob of ``RolloutConfig``: the step's
+    shape, ``batch_groups`` groups of ``group_size`` samples (the sink cuts batches of that)."""
+
+    batch_groups: int = option(8, "groups per step", validator=at_least(1))
+    group_size: int = option(8, "samples per group", validator=at_least(1))
 
 
 # ------------------------------------------------------------------ trio-rl run (learning)
@@ -109,15 +137,13 @@ class LearnEngine:
     n_layers: int = option(3, "transformer layers", validator=at_least(1))
 
 
-@attrs.frozen
-class LearnRolloutKeys(ConfigSection[RolloutConfig]):
+@attrs.frozen(slots=False)
+class LearnRolloutKeys(StepShape):
     """``[rollout]``'s keys of the learning run that are no knob of ``RolloutConfig``: the
     task's prompts, the step's shape and the sampling temperature."""
 
     task: Task = option("repeat", "the verifiable task (copy, repeat, reverse)")  # noqa: RUF009
     prompts: int = option(4096, "prompts drawn from the task (cycled)", validator=at_least(1))
-    batch_groups: int = option(8, "groups per step", validator=at_least(1))
-    group_size: int = option(16, "samples per group", validator=at_least(2))
     max_async_level: int = option(
         1,
         "ship gate: step S ships once the policy version is >= S - 1 - this",
@@ -140,6 +166,9 @@ LearnRollout = config_section(
         "max_groups_in_flight": "rollout concurrency in groups, the budget B (unset: "
         "`batch_groups`)"
     },
+    # GRPO scores a sample against the other samples of its group: two at least
+    checks={"group_size": at_least(2)},
+    group_size=16,
 )
 
 #: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.train.SinkConfig`. The learning
@@ -295,109 +324,36 @@ class Metrics:
         _check_port(self.prometheus_port, self.allow_privileged_port, "prometheus_port")
 
 
-def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
-    for url in value:
-        if not url.startswith(("http://", "https://")):
-            raise InvalidArgumentError(f"{url!r} is not an http:// or https:// URL")
-    if len(set(value)) != len(value):
-        raise InvalidArgumentError(f"a server is listed twice in {list(value)}")
+def _engine_of(command: Command) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+        if value is not None:  # an unknown name is an InvalidArgumentError listing the known
+            engine_kind(value, command)
+
+    return check
+
+
+_OPTIONS = (
+    "a plug-in engine's knobs (the fields of its config class), e.g. {reply = 3}; the "
+    "built-in engines' knobs are keys of this section"
+)
 
 
 @attrs.frozen
-class Inference:
-    """The inference fleet (:class:`~trio_rl.engines.EngineFleet`): OpenAI-compatible servers
-    already running (``urls``), or ``launch`` vLLM servers started as child processes of the
-    run; unset both for the in-process engine."""
+class InferenceKeys(EngineSection):
+    """``[inference]``'s keys that are no knob of the fleet: which engine, the routing, the
+    logprob check."""
 
-    urls: tuple[str, ...] = option(
-        (),
-        "OpenAI-compatible servers already running (vLLM with VLLM_SERVER_DEV_MODE=1), e.g. "
-        '["http://10.0.0.2:8000"]; they serve the model and read the weights the trainer '
-        "publishes from the shared path",
-        validator=_urls,
-        may_change=True,
-    )
-    launch: int = option(
-        0,
-        "start this many vLLM servers serving [model] path as child processes the run owns, on "
-        "free "
-        "loopback ports: health-checked, restarted if they die, stopped with the run",
-        validator=at_least(0),
-        may_change=True,
-    )
-    vllm: str = option(
-        "",
-        "the command that starts a launched server, before `--model PATH --host --port` "
-        "(empty: `python -m vllm.entrypoints.openai.api_server` with this Python)",
-        may_change=True,
-    )
-    vllm_args: tuple[str, ...] = option(
-        (),
-        'extra arguments of launched servers, e.g. ["--dtype", "float32", "--enforce-eager"]',
-        may_change=True,
-    )
-    served_name: str | None = option(
+    engine: str | None = option(
         None,
-        "the model name requests ask for (unset: what the servers list at `/v1/models`)",
-        may_change=True,
+        "the engine, by its registered name (trio_rl.engines.register_engine): torch (the "
+        'policy in-process), fleet, or a plug-in\'s "package.module:NAME" (unset: fleet with '
+        "`urls` or `launch`, else torch)",
+        validator=_engine_of("run"),
     )
     routing_keys: Literal["none", "sample", "group"] = option(
         "group",
         "group: every sample of a group goes to one server (its prompt in that server's "
         "prefix cache; sent as X-SMG-Routing-Key); sample: a key per sample; none",
-    )
-    start_timeout: float = option(
-        600.0,
-        "seconds every server may take to answer /health at the start (a vLLM-CPU server "
-        "takes about 40 s)",
-        validator=positive_finite,
-        may_change=True,
-    )
-    min_servers: int | None = option(
-        None,
-        "start once this many of the servers answer /health (unset: all of them); the others "
-        "join when they answer (same model, after loading the current weights)",
-        validator=at_least(1),
-        may_change=True,
-    )
-    timeout: float = option(
-        600.0,
-        "seconds a request may take, retries on other servers included",
-        validator=positive_finite,
-        may_change=True,
-    )
-    max_attempts: int = option(
-        3, "servers a request is tried on", validator=at_least(1), may_change=True
-    )
-    wait_for_server: float = option(
-        600.0,
-        "seconds a request waits for a live server when none is",
-        validator=positive_finite,
-        may_change=True,
-    )
-    probe_interval: float = option(
-        2.0,
-        "seconds between health probes of each server",
-        validator=positive_finite,
-        may_change=True,
-    )
-    probe_timeout: float = option(
-        10.0, "seconds a health probe may take", validator=positive_finite, may_change=True
-    )
-    probe_failures: int = option(
-        2,
-        "failed probes in a row that take a server out (a refused connection takes it out at once)",
-        validator=at_least(1),
-        may_change=True,
-    )
-    admin_timeout: float = option(
-        300.0,
-        "seconds a weight reload of one server may take",
-        validator=positive_finite,
-        may_change=True,
-    )
-    restarts: int = option(
-        3, "restarts of each launched server that exits", validator=at_least(0), may_change=True
     )
     check_logprobs: int = option(
         0,
@@ -408,25 +364,36 @@ class Inference:
         validator=at_least(0),
         may_change=True,
     )
-
-    def inference_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`trio_rl.engines.open_inference` this section sets
-        (all but ``routing_keys``, which is the orchestrator's, and ``check_logprobs``, the
-        learning run's)."""
-        kwargs = attrs.asdict(self, recurse=False)
-        del kwargs["routing_keys"]
-        del kwargs["check_logprobs"]
-        return kwargs
+    options: Mapping[str, Any] = option({}, _OPTIONS, may_change=True)
 
     def __attrs_post_init__(self) -> None:
-        if self.urls and self.launch:
-            raise InvalidArgumentError("set `urls` (servers already running) or `launch`, not both")
-        servers = len(self.urls) or self.launch
-        if self.min_servers is not None and servers and self.min_servers > servers:
-            raise InvalidArgumentError(
-                f"min_servers = {self.min_servers} is more than the {servers} servers of "
-                "[inference]"
-            )
+        self.engine_config(FLEET, "inference")  # the fleet's checks across its knobs
+        self.engine_config(self.kind, "inference")  # a plug-in's options, checked by its class
+
+    def fleet_config(self) -> InferenceConfig:
+        """The fleet's knobs of this section (what :func:`~trio_rl.engines.open_inference`
+        takes, as ``attrs.asdict(...)``)."""
+        config: InferenceConfig = self.engine_config(FLEET, "inference")
+        return config
+
+    @property
+    def kind(self) -> EngineKind:
+        """The engine this section names (unset: the fleet with servers, else torch)."""
+        if self.engine is not None:
+            return engine_kind(self.engine, "run")
+        return FLEET if self.urls or self.launch else TORCH
+
+
+#: ``[inference]`` of the learning run: which engine, and the knobs of the built-in ones (the
+#: fleet's :class:`~trio_rl.engines.InferenceConfig`; the torch engine has none).
+Inference = engine_section(
+    "Inference",
+    "The engine: the policy in-process (torch), an inference fleet "
+    "(trio_rl.engines.InferenceConfig: OpenAI-compatible servers already running at `urls`, "
+    "or `launch` vLLM servers started as child processes of the run), or a plug-in.",
+    base=InferenceKeys,
+    kinds=(FLEET, TORCH),
+)
 
 
 @attrs.frozen
@@ -445,7 +412,7 @@ class LearnRunConfig:
     model: ModelSection = attrs.field(factory=ModelSection)
     data: DataSection = attrs.field(factory=DataSection)
     reward: RewardSection = attrs.field(factory=RewardSection)
-    inference: Inference = attrs.field(factory=Inference)
+    inference: InferenceKeys = attrs.field(factory=Inference)
 
 
 # ------------------------------------------------------------------ trio-rl simulate
@@ -468,55 +435,39 @@ class SimRun:
 
 
 @attrs.frozen
-class SimEngine:
-    """The engine: simulated (straggler latencies, no model) or an OpenAI-compatible server."""
+class SimEngineKeys(EngineSection):
+    """``[engine]``'s keys of ``trio-rl simulate`` that are no knob of an engine."""
 
-    kind: Literal["simulated", "openai"] = option(
-        "simulated", "simulated, or openai: an OpenAI-compatible server at `url` (vLLM, SGLang)"
-    )
-    url: str = option("http://127.0.0.1:8000", "the server's base URL (openai)")
-    model: str = option("default", "the served model's name (openai)")
-    timeout: float = option(
-        600.0,
-        "seconds a request may take, retries included (openai)",
-        validator=positive_finite,
-        may_change=True,
-    )
-    max_attempts: int = option(
-        4,
-        "attempts of a request on connection errors and 5xx answers (openai)",
-        validator=at_least(1),
-        may_change=True,
-    )
-
-    distribution: Literal["correlated", "heavy-tail", "long-cot", "swe"] = option(
-        "long-cot", "completion-length distribution"
-    )
-    slots: int = option(64, "decode slots", validator=at_least(1))
-    tokens_per_second: float = option(
-        2e6,
-        "simulated decode speed per slot; simulated time runs tokens_per_second/30 times "
-        "faster than real time",
-        validator=positive_finite,
-        may_change=True,
+    kind: str = option(
+        "simulated",
+        "the engine, by its registered name (trio_rl.engines.register_engine): simulated, "
+        "openai (an OpenAI-compatible server at `url`: vLLM, SGLang), or a plug-in's "
+        '"package.module:NAME"',
+        validator=_engine_of("simulate"),
     )
     max_tokens: int = option(2048, "completion cap", validator=at_least(1))
+    options: Mapping[str, Any] = option({}, _OPTIONS, may_change=True)
+
+    def __attrs_post_init__(self) -> None:
+        # the engine's config, built to check it (a plug-in's options, by its own class)
+        self.engine_config(engine_kind(self.kind, "simulate"), "engine")
 
 
-@attrs.frozen
-class SimRolloutKeys(ConfigSection[RolloutConfig]):
-    """``[rollout]``'s keys of ``trio-rl simulate`` that are no knob of ``RolloutConfig``: the
-    step's shape."""
-
-    batch_groups: int = option(8, "groups per step", validator=at_least(1))
-    group_size: int = option(8, "samples per group", validator=at_least(1))
+#: ``[engine]`` of ``trio-rl simulate``: which engine, and the knobs of the built-in ones.
+SimEngine = engine_section(
+    "SimEngine",
+    "The engine: simulated (straggler latencies, no model), an OpenAI-compatible server, or a "
+    "plug-in.",
+    base=SimEngineKeys,
+    kinds=(SIMULATED, OPENAI),
+)
 
 
 SimRollout = config_section(
     RolloutConfig,
     "SimRollout",
     "The rollout driver (trio_rl.rollout.RolloutConfig).",
-    base=SimRolloutKeys,
+    base=StepShape,
     omit={
         "routing_keys": "group with engine.kind = openai (one prefix cache per group), else none"
     },
@@ -575,8 +526,8 @@ class SimulateConfig:
     """``trio-rl simulate``: the pipeline on a simulated engine."""
 
     run: SimRun = attrs.field(factory=SimRun)
-    engine: SimEngine = attrs.field(factory=SimEngine)
-    rollout: SimRolloutKeys = attrs.field(factory=SimRollout)
+    engine: SimEngineKeys = attrs.field(factory=SimEngine)
+    rollout: StepShape = attrs.field(factory=SimRollout)
     sink: ConfigSection[SinkConfig] = attrs.field(factory=SimSink)
     publish: Publish = attrs.field(factory=Publish)
     transport: SimTransport = attrs.field(factory=SimTransport)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 import attrs
 
+from ..engines import EngineKind
+
 C = TypeVar("C")
 S = TypeVar("S", bound="ConfigSection[Any]")
 
@@ -127,6 +129,7 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[S]: ...
 
@@ -140,6 +143,7 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[C]]: ...
 
@@ -153,27 +157,53 @@ def config_section(
     omit: Mapping[str, str] | None = None,
     meaning: Mapping[str, str] | None = None,
     derived: Mapping[str, str] | None = None,
+    checks: Mapping[str, Any] | None = None,
     **defaults: Any,
 ) -> type[ConfigSection[Any]]:
     """A section class named ``name`` with one key per knob of ``config``: the library's
     defaults except those in ``defaults`` (a command's own choice), its meanings except those
-    in ``meaning``. ``omit``: the fields that are no key, each with where its value comes
+    in ``meaning`` (a default may also be one of a key of ``base``). ``omit``: the fields
+    that are no key, each with where its value comes
     from. ``derived``: the keys that are optional and unset by default, each with the key
     whose value they then take (`ConfigSection.to_config` is given it). ``base``: an attrs
-    subclass of `ConfigSection` holding the command's own keys."""
+    subclass of `ConfigSection` holding the command's own keys. ``checks``: a command's
+    stricter check of a key of ``base``, run after the key's own."""
     omit = {} if omit is None else dict(omit)
     meaning = {} if meaning is None else dict(meaning)
     derived = {} if derived is None else dict(derived)
     knobs = _knobs(config, omit)
     keys = {k.key for k in knobs}
-    for what, given in (("default", defaults), ("meaning", meaning), ("derived key", derived)):
-        unknown = set(given) - keys
+    inherited = {f.name: f for f in attrs.fields(base)} if attrs.has(base) else {}
+    for what, given, known in (
+        ("default", defaults, keys | set(inherited)),
+        ("meaning", meaning, keys),
+        ("derived key", derived, keys),
+    ):
+        unknown = set(given) - known
         if unknown:
             raise TypeError(f"{name}: a {what} for no key of {config.__name__}: {sorted(unknown)}")
-    own = {f.name for f in attrs.fields(base)} if attrs.has(base) else set()
-    if own & keys:
-        raise TypeError(f"{name}: {sorted(own & keys)} are keys of {config.__name__} already")
+    if set(inherited) & keys:
+        raise TypeError(
+            f"{name}: {sorted(set(inherited) & keys)} are keys of {config.__name__} already"
+        )
     these: dict[str, Any] = {}
+    checks = {} if checks is None else dict(checks)
+    if set(checks) - set(inherited):
+        raise TypeError(f"{name}: a check for no key of {base.__name__}: {sorted(checks)}")
+    for key in (set(defaults) | set(checks)) & set(inherited):
+        # a base key (declared once, e.g. the step's shape) with this command's default/check
+        f = inherited[key]
+        validator = f.validator
+        if key in checks:
+            validator = (
+                checks[key] if validator is None else attrs.validators.and_(validator, checks[key])
+            )
+        these[key] = attrs.field(
+            default=defaults.get(key, f.default),
+            validator=validator,
+            metadata=dict(f.metadata),
+            type=f.type,
+        )
     for knob in knobs:
         default: Any = knob.field.default
         if knob.key in defaults:
@@ -196,11 +226,66 @@ def config_section(
             default=default, validator=validator, metadata=metadata, type=tp
         )
     cls = cast(
-        "type[ConfigSection[Any]]", attrs.make_class(name, these, bases=(base,), frozen=True)
+        "type[ConfigSection[Any]]",
+        # a base key given another default is set on the instance: no slot of its own
+        attrs.make_class(
+            name,
+            these,
+            bases=(base,),
+            frozen=True,
+            slots=not (set(defaults) | set(checks)) & set(inherited),
+        ),
     )
     cls.__doc__ = doc
     cls.__module__ = __name__
     cls.config = config
     cls.omitted = omit
     cls.derived = derived
+    return cls
+
+
+class EngineSection:
+    """The base of a command's engine section (`engine_section`): its own keys (which engine,
+    a plug-in's ``options``) and the knobs of its built-in engines."""
+
+    #: The engines whose knobs are keys of the section (generated from their config classes).
+    kinds: ClassVar[tuple[EngineKind, ...]]
+
+    if TYPE_CHECKING:  # the generated fields, one per knob, are known at run time only
+
+        def __getattr__(self, name: str) -> Any: ...
+
+    def engine_config(self, kind: EngineKind, where: str) -> Any:
+        """``kind``'s config: of this section's keys for a built-in engine, else of its
+        ``options`` table (``where`` names the section in errors)."""
+        if any(k.name == kind.name for k in self.kinds):
+            return kind.config(**{f.name: getattr(self, f.name) for f in attrs.fields(kind.config)})
+        return kind.configure(getattr(self, "options", {}), f"{where}.options")
+
+
+def engine_section(
+    name: str, doc: str, *, base: type[EngineSection], kinds: tuple[EngineKind, ...]
+) -> type[Any]:
+    """A section class named ``name``: the keys of ``base`` (an attrs subclass of
+    `EngineSection`: which engine, and the command's own keys), then one key per knob of each
+    engine of ``kinds``, taken from its config class (type, default, check, meaning)."""
+    these: dict[str, Any] = {}
+    own = {f.name for f in attrs.fields(cast("type[Any]", base))}
+    for kind in kinds:
+        hints = typing.get_type_hints(kind.config)
+        for f in attrs.fields(kind.config):
+            if f.name in these or f.name in own:
+                raise TypeError(f"{name}: {f.name!r} is a knob of two engines, or a key of {name}")
+            if "help" not in f.metadata:
+                raise TypeError(f"{kind.config.__name__}.{f.name} has no metadata['help']")
+            these[f.name] = attrs.field(
+                default=f.default,
+                validator=f.validator,
+                metadata=dict(f.metadata),
+                type=hints[f.name],
+            )
+    cls = cast("type[EngineSection]", attrs.make_class(name, these, bases=(base,), frozen=True))
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    cls.kinds = kinds
     return cls

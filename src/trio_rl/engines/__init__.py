@@ -1,6 +1,13 @@
 """Inference engines: the ``Engine`` protocol and its implementations."""
 
 from ._abort import AbortSignal as AbortSignal
+from ._builtin import FLEET as FLEET
+from ._builtin import OPENAI as OPENAI
+from ._builtin import SIMULATED as SIMULATED
+from ._builtin import TORCH as TORCH
+from ._builtin import OpenAIConfig as OpenAIConfig
+from ._builtin import SimulatedConfig as SimulatedConfig
+from ._builtin import TorchConfig as TorchConfig
 from ._distributions import DISTRIBUTIONS as DISTRIBUTIONS
 from ._distributions import CorrelatedTokens as CorrelatedTokens
 from ._distributions import Draw as Draw
@@ -18,6 +25,7 @@ from ._errors import EngineTransportError as EngineTransportError
 from ._errors import SimulatedEngineError as SimulatedEngineError
 from ._fleet import EngineFleet as EngineFleet
 from ._fleet import open_engine_fleet as open_engine_fleet
+from ._fleet_config import InferenceConfig as InferenceConfig
 from ._fleet_status import FleetEvent as FleetEvent
 from ._fleet_status import FleetServer as FleetServer
 from ._fleet_status import ServerState as ServerState
@@ -27,6 +35,8 @@ from ._launch import VLLMServers as VLLMServers
 from ._launch import launch_vllm_servers as launch_vllm_servers
 from ._launch import run_vllm_server as run_vllm_server
 from ._launch import vllm_command as vllm_command
+from ._occupancy import CountsSlots as CountsSlots
+from ._occupancy import SlotOccupancy as SlotOccupancy
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
 from ._openai_answers import parse_completion_response as parse_completion_response
 from ._protocol import Completion as Completion
@@ -34,8 +44,18 @@ from ._protocol import Engine as Engine
 from ._protocol import FinishReason as FinishReason
 from ._protocol import GenerateRequest as GenerateRequest
 from ._protocol import SamplingParams as SamplingParams
+from ._registry import Command as Command
+from ._registry import EngineKind as EngineKind
+from ._registry import EngineSetup as EngineSetup
+from ._registry import FollowsVersion as FollowsVersion
+from ._registry import WeightLoader as WeightLoader
+from ._registry import engine_kind as engine_kind
+from ._registry import engine_kinds as engine_kinds
+from ._registry import register_engine as register_engine
+from ._registry import unregister_engine as unregister_engine
 from ._simulated import EngineStatistics as EngineStatistics
 from ._simulated import SimulatedEngine as SimulatedEngine
+from ._torch import WEIGHTS_FILE as WEIGHTS_FILE
 from ._torch import TorchEngine as TorchEngine
 from ._vllm import VLLMAdmin as VLLMAdmin
 from ._vllm import VLLMEngine as VLLMEngine

@@ -33,6 +33,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import fleet_default as _d
 from ._fleet_status import FleetEvent, FleetServer, ServerState
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
@@ -142,14 +143,14 @@ class EngineFleet:
 
     urls: tuple[str, ...] = attrs.field(converter=url_tuple, validator=http_urls, kw_only=False)
     model: str = "default"
-    timeout: float = attrs.field(default=600.0, validator=positive_or_inf)
-    max_attempts: int = attrs.field(default=3, validator=positive_or_inf)
-    wait_for_server: float = attrs.field(default=60.0, validator=positive_or_inf)
-    start_timeout: float = attrs.field(default=60.0, validator=positive_or_inf)
-    admin_timeout: float = attrs.field(default=120.0, validator=positive_or_inf)
-    probe_interval: float = attrs.field(default=1.0, validator=positive_or_inf)
-    probe_timeout: float = attrs.field(default=10.0, validator=positive_or_inf)
-    probe_failures: int = attrs.field(default=2, validator=positive_or_inf)
+    timeout: float = attrs.field(default=_d("timeout"), validator=positive_or_inf)
+    max_attempts: int = attrs.field(default=_d("max_attempts"), validator=positive_or_inf)
+    wait_for_server: float = attrs.field(default=_d("wait_for_server"), validator=positive_or_inf)
+    start_timeout: float = attrs.field(default=_d("start_timeout"), validator=positive_or_inf)
+    admin_timeout: float = attrs.field(default=_d("admin_timeout"), validator=positive_or_inf)
+    probe_interval: float = attrs.field(default=_d("probe_interval"), validator=positive_or_inf)
+    probe_timeout: float = attrs.field(default=_d("probe_timeout"), validator=positive_or_inf)
+    probe_failures: int = attrs.field(default=_d("probe_failures"), validator=positive_or_inf)
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
     #: Posted on cancellation (SGLang's ``/abort_request``); None for vLLM, which aborts a

@@ -28,8 +28,9 @@ async def open_inference(
     log_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
 ) -> AsyncIterator[EngineFleet]:
-    """The inference fleet of a run, as ``[inference]`` describes it
-    (``config.inference.inference_kwargs()``): the servers at ``urls``, already running, or
+    """The inference fleet of a run, as ``[inference]`` describes it (the fields of its
+    :class:`InferenceConfig`, ``config.inference.fleet_config()``): the servers at ``urls``,
+    already running, or
     ``launch`` vLLM servers serving ``model_path``, started by
     :func:`~trio_rl.engines.launch_vllm_servers` (``vllm`` the command before ``--model``,
     default :data:`~trio_rl.engines.DEFAULT_VLLM`, ``vllm_args`` extra

@@ -113,7 +113,7 @@ class SimulatedEngine:
     distribution: LatencyDistribution = attrs.field(
         default=LogNormalTokens(), converter=_to_distribution, kw_only=False
     )
-    slots: int = attrs.field(default=256, validator=positive_int)
+    slots: int = attrs.field(default=64, validator=positive_int)
     seed: int = attrs.field(default=0, validator=an_int)
     #: Per-sequence decode time; the default is 30 tokens/s.
     seconds_per_token: float = attrs.field(default=1.0 / 30.0, validator=positive_finite)

@@ -54,6 +54,11 @@ class TorchEngineStatistics:
     elapsed: float = 0.0
 
     @property
+    def busy_slot_seconds(self) -> float:
+        """``busy_row_seconds``: a row is the engine's slot."""
+        return self.busy_row_seconds
+
+    @property
     def occupancy(self) -> float:
         """Busy row-seconds over available row-seconds (0.0 before any batch)."""
         if self.elapsed <= 0 or self.slots <= 0:

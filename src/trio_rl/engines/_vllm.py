@@ -35,6 +35,7 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import ADMIN_TIMEOUT
 from ._openai_answers import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
 from ._sse import event_json, read_events
@@ -284,7 +285,7 @@ class VLLMEngine:
     base_url: str = attrs.field(converter=_url, validator=http_urls, kw_only=False)
     model: str = "default"
     timeout: float = attrs.field(default=600.0, validator=positive_or_inf)
-    admin_timeout: float = attrs.field(default=60.0, validator=positive_or_inf)
+    admin_timeout: float = attrs.field(default=ADMIN_TIMEOUT, validator=positive_or_inf)
     gather_window: float = attrs.field(default=0.002, validator=non_negative_or_inf)
     max_n: int = attrs.field(default=64, validator=positive_or_inf)
     max_attempts: int = attrs.field(default=3, validator=positive_or_inf)

@@ -22,9 +22,8 @@ import trio
 from safetensors.torch import load_file
 from torch import nn
 
-from ..engines import Completion, GenerateRequest, SamplingParams
+from ..engines import Completion, GenerateRequest, SamplingParams, WeightLoader
 from ..samples import PolicyVersion
-from ._watcher import WeightLoader
 from ._weights import WEIGHTS_FILE
 
 __all__ = ["LogprobCheck", "ReloadGap"]

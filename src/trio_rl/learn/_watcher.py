@@ -6,24 +6,17 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import trio
 
-from ..engines import EngineError
+from ..engines import EngineError, WeightLoader
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._weights import PublishedWeights, latest_weights
 
-__all__ = ["WeightLoader", "watch_weights"]
+__all__ = ["watch_weights"]
 
 logger = logging.getLogger("trio_rl.learn")
-
-
-class WeightLoader(Protocol):
-    """An engine that can load published weights (e.g. :class:`~trio_rl.engines.TorchEngine`)."""
-
-    async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None: ...
 
 
 async def watch_weights(

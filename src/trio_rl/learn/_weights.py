@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from .._validation import check_at_least
-from ..engines._torch import WEIGHTS_FILE
+from ..engines import WEIGHTS_FILE
 
 __all__ = ["META_FILE", "WEIGHTS_FILE", "PublishedWeights", "latest_weights", "publish_weights"]
 

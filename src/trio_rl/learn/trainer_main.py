@@ -52,42 +52,35 @@ import torch.distributed as dist
 import trio
 import trio_util
 
+from ..config import LearnRunConfig
 from ..errors import TrainError, collapse_single
 from ..rundir import (
     HEARTBEAT_FILE,
-    ORCHESTRATOR_HEARTBEAT,
-    RUN_FILE,
-    STOP_FILE,
     TRAINED_LOG,
-    TRAINER_STATE,
     RunDirectory,
 )
 from ..transport import FileReceiver, TransportTimeoutError
 from ..wire import decode
+from ._heartbeat import Heartbeat, beat, watch_heartbeat
+from ._run_io import append_trainer_record, load_trainer_state, save_trainer_state
+from ._settings import build_policy, from_run_json, run_directory
 from ._trainer import GRPOTrainer, StepStats
 from ._weights import publish_weights
-from .run import (
-    LearnConfig,
-    _load_trainer_state,
-    append_trainer_record,
-    beat,
-    build_policy,
-)
 
 __all__ = ["HEARTBEAT_FILE", "TRAINED_LOG", "load_run_config", "main", "run_job"]
 
 logger = logging.getLogger("trio_rl.learn")
 
 
-def load_run_config(out: Path, timeout: float = 60.0) -> LearnConfig:
-    """The :class:`LearnConfig` the orchestrator wrote to ``out/run.json`` (waits for it)."""
-    path = out / RUN_FILE
+def load_run_config(out: Path, timeout: float = 60.0) -> LearnRunConfig:
+    """The configuration the orchestrator wrote to ``out/run.json`` (waits for it)."""
+    path = RunDirectory(out).run_file
     deadline = time.monotonic() + timeout
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear within {timeout} s")
         time.sleep(0.05)
-    return LearnConfig.from_json(json.loads(path.read_text()))
+    return from_run_json(json.loads(path.read_text()), str(path))
 
 
 def _fsync_append(path: Path, line: str) -> None:
@@ -144,33 +137,17 @@ def _log_line(stats: StepStats, sequences: int, world_size: int, **extra: Any) -
     )
 
 
-def _save_state(out: Path, stats: StepStats, sequences: int, trainer: GRPOTrainer) -> None:
-    path = out / TRAINER_STATE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    state = {
-        "step": stats.step,
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "log": _log_line(stats, sequences, trainer.world_size),
-    }
-    torch.save(state, tmp)
-    with tmp.open("rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class _Job:
     """One rank's trainer loop (see the module docstring for the order of its effects)."""
 
-    def __init__(self, config: LearnConfig, rank: int, steps: int | None) -> None:
+    def __init__(self, config: LearnRunConfig, rank: int, steps: int | None) -> None:
         self.config, self.rank, self.steps = config, rank, steps
-        self.out = config.out
+        self.out = run_directory(config)
         policy = build_policy(config)
-        state = _load_trainer_state(self.out)
+        state = load_trainer_state(self.out)
         if state is not None:
             policy.model.load_state_dict(state["model"])
-        self.trainer = GRPOTrainer(policy.model, config.trainer)
+        self.trainer = GRPOTrainer(policy.model, config.trainer.to_config())
         self.start = 1
         if state is not None:
             self.trainer.optimizer.load_state_dict(state["optimizer"])
@@ -181,7 +158,7 @@ class _Job:
         self.trained: trio_util.AsyncValue[int] = trio_util.AsyncValue(self.start - 1)
 
     def _reconcile(self, state: dict[str, Any]) -> None:
-        log = self.out / TRAINED_LOG
+        log = RunDirectory(self.out).trained_log
         _drop_torn_line(log)
         # killed between saving the state and logging its step: the log gets the saved line
         logged = _logged_steps(log)
@@ -195,11 +172,9 @@ class _Job:
         if self.trainer.distributed:
             dist.all_reduce(sequences)
         if self.rank == 0:
-            _save_state(self.out, stats, int(sequences.item()), self.trainer)
-            _fsync_append(
-                self.out / TRAINED_LOG,
-                _log_line(stats, int(sequences.item()), self.trainer.world_size),
-            )
+            line = _log_line(stats, int(sequences.item()), self.trainer.world_size)
+            save_trainer_state(self.out, stats.step, self.trainer, log=line)
+            _fsync_append(RunDirectory(self.out).trained_log, line)
         if self.trainer.distributed:
             # no rank deletes its batch file before the state that covers it is saved
             dist.barrier()
@@ -208,7 +183,7 @@ class _Job:
                 RunDirectory(self.out).weights,
                 step,
                 self.trainer.model.state_dict(),
-                keep=self.config.weights_keep,
+                keep=self.config.checkpoint.weights_keep,
                 meta={"step": step, "world_size": self.trainer.world_size},
             )
             # the trainer's metrics, after the weights: the orchestrator merges them into the
@@ -229,8 +204,8 @@ class _Job:
         )
         async with trio.open_nursery() as nursery:
             if self.rank == 0:
-                nursery.start_soon(beat, self.out / HEARTBEAT_FILE)
-            nursery.start_soon(_watch_orchestrator, self.config)
+                nursery.start_soon(beat, RunDirectory(self.out).trainer_heartbeat)
+            nursery.start_soon(watch_heartbeat, _orchestrator_heartbeat(self.config))
 
             async def train() -> None:
                 async with transport:
@@ -255,11 +230,11 @@ class _Job:
                 print(f"trainer job: resumed after step {self.start - 1}", flush=True)
             # Every rank stops after the same step (a rank leaving early would hang the others
             # in an all-reduce): the one the orchestrator names in the stop file, once trained.
-            last = await _wait_for_stop(self.out / STOP_FILE)
+            last = await _wait_for_stop(RunDirectory(self.out).stop)
             await _wait_trained(
                 self.trained,
                 last,
-                self.config.connect_timeout,
+                self.config.trainer.connect_timeout,
                 f"{RunDirectory(self.out).batches} (rank {self.rank})",
             )
             nursery.cancel_scope.cancel()
@@ -307,48 +282,19 @@ async def _wait_trained(
         )
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        return None
-
-
-async def _watch_orchestrator(config: LearnConfig, log_every: float = 10.0) -> None:
-    """Fail the job when the orchestrator has not beaten its heartbeat for
-    ``config.connect_timeout`` seconds (never started, or stopped and not resumed), logging
-    what it waits for meanwhile; once the orchestrator named its last step (``STOP``), its
-    silence is expected."""
-    path = config.out / ORCHESTRATOR_HEARTBEAT
-    last = await trio.to_thread.run_sync(_read, path)
-    changed = trio.current_time()
-    # logged every `log_every` s, and at least once before a short deadline
-    log_every = min(log_every, config.connect_timeout / 2)
-    next_log = changed + log_every
-    while True:
-        await trio.sleep(0.25)
-        if await trio.to_thread.run_sync((config.out / STOP_FILE).exists):
-            return
-        now = trio.current_time()
-        current = await trio.to_thread.run_sync(_read, path)
-        if current is not None and current != last:
-            last, changed, next_log = current, now, now + log_every
-            continue
-        if now - changed >= config.connect_timeout:
-            raise TransportTimeoutError(
-                f"trainer job: no orchestrator heartbeat in {path} for "
-                f"{config.connect_timeout:g} s (trainer.connect_timeout); start it with "
-                "`trio-rl run CONFIG.toml` on a machine that sees the run directory"
-            )
-        if now >= next_log:
-            logger.warning(
-                "trainer job: waiting for the orchestrator: no heartbeat in %s for %.0f s; "
-                "failing in %.0f s (trainer.connect_timeout)",
-                path,
-                now - changed,
-                config.connect_timeout - (now - changed),
-            )
-            next_log = now + log_every
+def _orchestrator_heartbeat(config: LearnRunConfig) -> Heartbeat:
+    """The orchestrator's heartbeat, as the trainer job watches it; once the orchestrator named
+    its last step (``STOP``), its silence is expected."""
+    out = run_directory(config)
+    return Heartbeat(
+        RunDirectory(out).orchestrator_heartbeat,
+        config.trainer.connect_timeout,
+        name="trainer job: the orchestrator",
+        waiting="trainer job: waiting for the orchestrator",
+        lost=lambda _: "trainer job: no orchestrator heartbeat",
+        start="`trio-rl run CONFIG.toml`",
+        ended=RunDirectory(out).stop.exists,
+    )
 
 
 async def _wait_for_stop(path: Path, log_every: float = 300.0) -> int:
@@ -398,24 +344,25 @@ def hold_rank(out: Path, rank: int) -> IO[str]:
     return held
 
 
-def run_job(config: LearnConfig, steps: int | None = None, where: str = "") -> int:
+def run_job(config: LearnRunConfig, steps: int | None = None, where: str = "") -> int:
     """Run the trainer job of ``config`` in this process: one rank of a torchrun job (the
     ``WORLD_SIZE`` / ``RANK`` of its environment), or the only rank when started without one.
     Blocks until the orchestrator's stop file (or ``steps``); returns the exit status."""
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != config.ranks:
+    out = run_directory(config)
+    if world != config.trainer.ranks:
         raise ValueError(
-            f"{where or config.out / RUN_FILE}: trainer.ranks = {config.ranks} but the job has "
-            f"{world} rank(s) (torchrun --nproc-per-node x --nnodes)"
+            f"{where or RunDirectory(out).run_file}: trainer.ranks = {config.trainer.ranks} but "
+            f"the job has {world} rank(s) (torchrun --nproc-per-node x --nnodes)"
         )
     if distributed:
         dist.init_process_group("gloo")
     held: IO[str] | None = None
     try:
         rank = dist.get_rank() if distributed else 0
-        held = _hold_all_ranks(config.out, rank, distributed)
+        held = _hold_all_ranks(out, rank, distributed)
         job = _Job(config, rank, steps)
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         with collapse_single():  # one failure of the job's tasks is raised as itself

@@ -19,6 +19,7 @@ regenerates only their missing members. Nothing is merged or patched here.
 
 from ._admission import StalenessAdmission as StalenessAdmission
 from ._config import OrchestratorConfig as OrchestratorConfig
+from ._config import check_sink_fits_step as check_sink_fits_step
 from ._handle import Orchestrator as Orchestrator
 from ._handle import RunSummary as RunSummary
 from ._open import open_orchestrator as open_orchestrator

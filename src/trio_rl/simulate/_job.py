@@ -23,7 +23,14 @@ import trio
 from .._flags import SIMULATE_FLAGS, layers
 from .._jobs import RunLog, Stop, check_out, resume_command, stop_on_signals, trio_run
 from ..config import SimulateConfig, check_resume, load, store
-from ..engines import OpenAICompatibleEngine, SamplingParams, SimulatedEngine
+from ..engines import (
+    EngineKind,
+    EngineSetup,
+    FollowsVersion,
+    SamplingParams,
+    SlotOccupancy,
+    engine_kind,
+)
 from ..orchestrator import Orchestrator, OrchestratorConfig, RunSummary, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource
@@ -59,11 +66,10 @@ class _SimulateMetrics:
     hundred bytes appended to the page cache, so it is written from the monitor, on the loop."""
 
     out: Path
-    engine: Any
+    occupancy: SlotOccupancy
     started: float
     sink: Any = None
     wall_last: float = 0.0
-    engine_last: tuple[float, float] = (0.0, 0.0)  # (elapsed, busy slot-seconds) at the last
 
     def write(self, record: Any, orch: Any) -> None:
         from ..tools.metrics import JsonlSink, step_record
@@ -72,15 +78,8 @@ class _SimulateMetrics:
             self.out.mkdir(parents=True, exist_ok=True)
             self.sink = JsonlSink(RunDirectory(self.out).metrics)
         now = time.perf_counter() - self.started
-        occupancy = None
-        if isinstance(self.engine, SimulatedEngine):
-            # over the interval, in the engine's own clock: busy slot-seconds / slot-seconds
-            stats = self.engine.statistics()
-            span = stats.elapsed - self.engine_last[0]
-            if span > 0:
-                used = stats.busy_slot_seconds - self.engine_last[1]
-                occupancy = round(min(1.0, used / (stats.slots * span)), 4)
-            self.engine_last = (stats.elapsed, stats.busy_slot_seconds)
+        # over the interval, in the engine's own clock: busy slot-seconds / slot-seconds
+        occupancy = self.occupancy.read()
         self.sink.write(
             step_record(
                 record,
@@ -107,34 +106,13 @@ def orchestrator_config(cfg: SimulateConfig) -> OrchestratorConfig:
         rollout=cfg.rollout.to_config(
             # a server behind a router (SGLang's, vLLM's) keeps a group's prompt in one prefix
             # cache: every request of a group carries the group's X-SMG-Routing-Key
-            routing_keys="group" if cfg.engine.kind == "openai" else "none",
+            routing_keys="group" if engine_kind(cfg.engine.kind).prefix_cache else "none",
         ),
         sink=cfg.sink.to_config(batch_size=cfg.rollout.batch_groups * cfg.rollout.group_size),
         checkpoint=cfg.checkpoint.to_config(),
         sampling=SamplingParams(max_tokens=cfg.engine.max_tokens),
         seed=cfg.run.seed,
         seq_len=max(8192, cfg.engine.max_tokens + 16),
-    )
-
-
-def _engine(cfg: SimulateConfig) -> SimulatedEngine | OpenAICompatibleEngine:
-    if cfg.engine.kind == "openai":
-        return OpenAICompatibleEngine(
-            [cfg.engine.url],
-            model=cfg.engine.model,
-            timeout=cfg.engine.timeout,
-            max_attempts=cfg.engine.max_attempts,
-            abort_path=None,  # vLLM aborts on disconnect; SGLang's /abort_request is optional
-        )
-    return SimulatedEngine(
-        distribution=cfg.engine.distribution,
-        slots=cfg.engine.slots,
-        seed=cfg.run.seed,
-        # Decoding at 30 tokens/s per slot, sped up so that --tokens-per-second holds; the same
-        # factor shrinks the wall-time distributions (swe, heavy-tail), whose episodes are
-        # minutes long in real time.
-        seconds_per_token=1.0 / 30.0,
-        time_scale=30.0 / cfg.engine.tokens_per_second,
     )
 
 
@@ -185,13 +163,11 @@ class _Job:
 
     async def run(self) -> int:
         cfg, out = self.cfg, self.out
-        engine = _engine(cfg)
+        engines = engine_kind(cfg.engine.kind, "simulate")
         kind = transport_kind(cfg.transport.kind)
         options = attrs.asdict(cfg.transport)
         setup = kind.resolve(TransportSetup(out, cfg.trainer.ranks, cfg.transport.port, options))
         sender = kind.sender(setup)
-        # metrics.jsonl, as the learning run writes it: what inspect, watch and plot read
-        metrics = _SimulateMetrics(out, engine, self.started)
 
         def show(shipment: Shipment) -> None:
             metrics.write(shipment.record, orch)
@@ -200,9 +176,14 @@ class _Job:
         if self.fresh:
             set_aside(out)
         async with contextlib.AsyncExitStack() as stack:
+            engine = await stack.enter_async_context(
+                engines.open(
+                    EngineSetup(out, seed=cfg.run.seed), cfg.engine.engine_config(engines, "engine")
+                )
+            )
+            # metrics.jsonl, as the learning run writes it: what inspect, watch and plot read
+            metrics = _SimulateMetrics(out, SlotOccupancy(engine), self.started)
             stack.callback(metrics.close)
-            if isinstance(engine, OpenAICompatibleEngine):
-                await stack.enter_async_context(engine)
             await stack.enter_async_context(sender)
             orch = await stack.enter_async_context(
                 open_orchestrator(
@@ -215,14 +196,16 @@ class _Job:
                     limiter=trio.CapacityLimiter(cfg.publish.threads),
                     sample_reward=_parity_reward,
                     monitor=show,
-                    on_policy_version=engine.set_policy_version,
+                    on_policy_version=(
+                        engine.set_policy_version if isinstance(engine, FollowsVersion) else None
+                    ),
                 )
             )
             self._opened(orch, kind.describe(setup))
             summary = await self._ship(orch, kind, setup, sender)
             if summary is None:
                 return await self._stopped(orch)
-        self._summary(summary, engine)
+        self._summary(summary, engines, engine)
         return 0
 
     def _opened(self, orch: Orchestrator, where: str) -> None:
@@ -278,7 +261,7 @@ class _Job:
         self.stop.report(f"after step {orch.step - 1}: {saved}")
         return self.stop.status
 
-    def _summary(self, summary: RunSummary, engine: Any) -> None:
+    def _summary(self, summary: RunSummary, kind: EngineKind, engine: Any) -> None:
         c, rows = summary.counters, self.trained.rows
         tokens = sum(t for _, _, t, _ in rows)
         print(
@@ -286,12 +269,9 @@ class _Job:
             f"steps {summary.first_step}..{summary.last_step}, "
             f"trainer ranks read {len(rows)} payloads ({tokens} tokens incl. padding)"
         )
-        if isinstance(engine, SimulatedEngine):
-            stats = engine.statistics()
-            print(
-                f"engine: {stats.requests_done} requests, {stats.tokens} tokens, "
-                f"slot occupancy {stats.occupancy:.2f}"
-            )
+        line = None if kind.summary is None else kind.summary(engine)
+        if line is not None:
+            print(line)
         print(
             f"accounting: dispatched {c.dispatched} = shipped {c.shipped} + pruned {c.pruned} + "
             f"stale {c.stale} + filtered {c.filtered} + failed {c.failed} + cancelled "
