@@ -78,28 +78,30 @@ def test_an_unreachable_server_is_reported_at_once_and_a_signal_stops_the_wait(
             """
         )
     )
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [TRIO_RL, "run", str(config)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        # the first attempt is refused: said at once (the command's own start-up, torch's
-        # import included, is what the bound allows for), with the time left
-        seen = _read_until(proc, "connection refused", within=60)
-        assert f"waiting for {url}/health (connection refused, 1 attempt), giving up in 6" in seen
-        proc.send_signal(sig)
-        sent = time.monotonic()
-        code = proc.wait(timeout=30)
-        waited = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.stderr is not None
-    rest = proc.stderr.read()
+    ) as proc:
+        try:
+            # the first attempt is refused: said at once (the command's own start-up, torch's
+            # import included, is what the bound allows for), with the time left
+            seen = _read_until(proc, "connection refused", within=60)
+            assert (
+                f"waiting for {url}/health (connection refused, 1 attempt), giving up in 6" in seen
+            )
+            proc.send_signal(sig)
+            sent = time.monotonic()
+            code = proc.wait(timeout=30)
+            waited = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.stderr is not None
+        rest = proc.stderr.read()
     assert code == 128 + sig, rest
     # nothing of the 600 s wait is left: the signal ends it (well within a second on an idle
     # machine; the bound leaves room for a loaded CI runner)

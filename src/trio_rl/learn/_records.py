@@ -136,16 +136,19 @@ class Records:
             self.display.close()
         run = RunDirectory(run_directory(self.config))
         if self.config.metrics.plot and self.metrics:
-            await trio.to_thread.run_sync(
-                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task
-            )
+            from ..tools.plot_cmd import write_figure
+
+            # what `trio-rl plot RUN_DIR` draws: one figure, one title, the stop marked
+            await trio.to_thread.run_sync(write_figure, run.root)
         if self.config.metrics.console:
             print(f"done in {wall:.1f} s; metrics: {run.metrics}", flush=True)
 
 
 def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """The run's standard figure as a PNG: the panels ``trio-rl plot`` draws
-    (:func:`trio_rl.tools.plot_cmd.build_figure`), one figure family for both."""
+    """A figure of ``metrics`` as a PNG: the panels ``trio-rl plot`` draws
+    (:func:`trio_rl.tools.plot_cmd.build_figure`). The run's own ``plot.png`` is
+    :func:`trio_rl.tools.plot_cmd.write_figure` of its directory, as ``trio-rl plot`` draws it
+    (the title, the seed and the stop included)."""
     from ..tools.plot_cmd import build_figure
 
-    build_figure(metrics, title=f"learning run {title}".strip()).savefig(path)
+    build_figure(metrics, title=title).savefig(path)

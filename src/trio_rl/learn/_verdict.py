@@ -20,13 +20,23 @@ import inspect
 import json
 from collections import deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..config import LearnRunConfig
+from ..rundir import RunDirectory
 
-__all__ = ["Ending", "SampleLog", "equal_rewards_verdict", "reward_stop_line", "target_line"]
+__all__ = [
+    "Ending",
+    "SampleLog",
+    "equal_rewards_verdict",
+    "read_ended",
+    "reward_stop_line",
+    "target_line",
+    "write_ended",
+]
 
 
 @attrs.define(slots=True)
@@ -178,3 +188,22 @@ def target_line(rewards: list[float], config: LearnRunConfig) -> str | None:
         f"averaged {sum(last) / len(last):.3f} (best step {max(rewards):.3f}); run again with "
         "the same --out and more --steps to go on"
     )
+
+
+def write_ended(out: Path, last_shipped: int, ending: Ending) -> None:
+    """``ended.json``: the run's last shipped step, why it stopped and the line that said so
+    (the plot marks it; a trainer job tells why it exits)."""
+    record = {"step": last_shipped, "stopped": ending.stopped, "message": ending.message}
+    path = RunDirectory(out).ended
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(path)
+
+
+def read_ended(out: Path) -> dict[str, Any] | None:
+    """The run's ``ended.json``, None without one (or a damaged one)."""
+    try:
+        record = json.loads(RunDirectory(out).ended.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
