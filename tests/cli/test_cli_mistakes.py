@@ -33,16 +33,18 @@ def _refused_url() -> str:
 def _read_until(proc: subprocess.Popen[str], needle: str, within: float) -> str:
     """What ``proc`` wrote on stderr up to the line holding ``needle``."""
     assert proc.stderr is not None
+    # raw reads: a text wrapper would buffer lines that select() then never reports
+    fd = proc.stderr.fileno()
     seen = ""
     deadline = time.monotonic() + within
     while needle not in seen:
         left = deadline - time.monotonic()
-        assert left > 0, f"no {needle!r} within {within} s; stderr so far:\n{seen}"
-        ready, _, _ = select.select([proc.stderr], [], [], left)
+        assert left > 0, f"no {needle!r} within {within} s:\n{seen}"
+        ready, _, _ = select.select([fd], [], [], left)
         if ready:
-            line = proc.stderr.readline()
-            assert line, f"trio-rl exited ({proc.wait()}) before {needle!r}:\n{seen}"
-            seen += line
+            chunk = os.read(fd, 65536)
+            assert chunk, f"exited ({proc.wait()}) before {needle!r}:\n{seen}"
+            seen += chunk.decode(errors="replace")
     return seen
 
 
