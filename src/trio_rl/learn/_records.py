@@ -97,10 +97,16 @@ class Records:
                 self.lags.clear()
                 last_wall = rec["wall_s"]
                 self._send.send_nowait(rec)  # written once the trainer reports the step
+                # the line shows the trainer's loss, KL and entropy of the last step it trained
+                # (a step trains after it ships: the record gets its own once reported)
+                shown = dict(rec)
+                trained = self.trainer_log.steps.get(self.trainer_log.last)
+                if trained is not None:
+                    shown.update({k: trained.get(k) for k in TRAINER_KEYS})
                 if self.display is not None and verbose:
-                    self.display.write(rec)
+                    self.display.write(shown)
                 elif verbose:
-                    print(plain_line(rec, self.reward.failed), flush=True)
+                    print(plain_line(shown, self.reward.failed), flush=True)
         self._send.close()
         self.drained.set()
 

@@ -188,6 +188,8 @@ async def run_learning(
         return LearnResult([], {}, [], wall, out, "signal", started=False)
     assert records is not None
     await records.close(start.earlier, wall)
+    if ending.message is not None:  # after the last step's line
+        _say(config, ending)
     return LearnResult(
         records.metrics,
         counters,
@@ -375,8 +377,6 @@ async def _ship_steps(
     else:
         # every step shipped: a run with a target says whether it got there
         ending.message = target_line(rewards, config)
-    if ending.message is not None:
-        _say(config, ending)
     if ending.stopped == "signal":
         # the groups finished since the last shipped step are saved, not regenerated
         ending.checkpoint = await orch.save_checkpoint()
