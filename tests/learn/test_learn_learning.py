@@ -171,7 +171,7 @@ def test_a_collapse_just_below_the_target_does_not_print_as_the_target(
     assert ending.stopped == ("converged" if reward == 1.0 else "collapsed")
     assert ending.message is not None
     assert ending.message.startswith(line), ending.message
-    assert ending.final_reward == reward
+    assert ending.final_reward == pytest.approx(reward)
 
 
 def test_equal_rewards_on_different_samples_are_no_signal_not_a_collapse(tmp_path: Path) -> None:
