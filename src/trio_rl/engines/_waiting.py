@@ -34,9 +34,7 @@ def _refused(exc: BaseException | None, depth: int = 0) -> bool:
         return False
     if isinstance(exc, ConnectionRefusedError):
         return True
-    if isinstance(exc, BaseExceptionGroup) and any(
-        _refused(e, depth + 1) for e in exc.exceptions
-    ):
+    if isinstance(exc, BaseExceptionGroup) and any(_refused(e, depth + 1) for e in exc.exceptions):
         return True
     return _refused(exc.__cause__ or exc.__context__, depth + 1)
 
