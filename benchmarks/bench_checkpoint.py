@@ -36,7 +36,7 @@ from pathlib import Path
 
 import trio
 
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     SinkConfig,
     SinkCounters,

@@ -32,7 +32,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_checkpoint import HEARTBEAT, build_sink, heartbeat, pct
-from trio_rl.train import CheckpointManager, TrainingSample, TrainSink
+from trio_rl.sink import CheckpointManager, TrainingSample, TrainSink
 
 
 def arrive(sink: TrainSink, template: list[TrainingSample], k: int, version: int) -> None:

@@ -52,7 +52,7 @@ from trio_rl.publish import (
     release_containers,
 )
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 from trio_rl.transport import FileSender
 from trio_rl.wire import encode
 

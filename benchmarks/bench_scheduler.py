@@ -42,6 +42,7 @@ import gc
 import heapq
 import itertools
 import math
+import os
 import random
 import statistics
 import sys
@@ -540,6 +541,9 @@ def part_b(
                     print(f"   ratio {side:<18} {row[side] / row[other]:>6.2f}x", end="")
             print()
             print("   collector, GC-on runs (medians): " + _collector_line(collected))
+            for side, key in (("trio-rl", "trio_gen2"), ("asyncio", "asyncio_gen2")):
+                row[key] = statistics.median(c.counts[2] for c in collected[side])
+            row["load"] = os.getloadavg()[0]
             if memory:
                 trio_bytes = _memory(trio_call, n, target)
                 asyncio_bytes = _memory(asyncio_call, n, target)
@@ -579,20 +583,29 @@ def _machinery_only(
             target = max(int(factor * n), minimum)
             trio_call = functools.partial(trio.run, trio_fn, policy, n, target)
             asyncio_call = functools.partial(_run_asyncio, granularity, n, target)
-            found: dict[str, list[float]] = {k: [] for k in ("t", "a", "ts", "as")}
+            found: dict[str, list[float]] = {k: [] for k in ("t", "a", "ts", "as", "tg", "ag")}
             for _ in range(repeat):
                 whole, steady = _measure(trio_call, True, target, n)
                 found["t"].append(whole)
                 found["ts"].append(steady)
+                found["tg"].append(_last_collector[0].counts[2])
                 whole, steady = _measure(asyncio_call, True, target, n)
                 found["a"].append(whole)
                 found["as"].append(steady)
+                found["ag"].append(_last_collector[0].counts[2])
             med = {k: statistics.median(v) for k, v in found.items()}
             print(
                 f"machinery only ({granularity}): N = {n:>9,}  whole trio-rl {_spread(found['t'])} "
                 f"vs asyncio {_spread(found['a'])} us ({med['t'] / med['a']:.2f}x), steady "
                 f"{_spread(found['ts'])} vs {_spread(found['as'])} us "
-                f"({med['ts'] / med['as']:.2f}x)"
+                f"({med['ts'] / med['as']:.2f}x); gen-2 collections per run {med['tg']:.0f} vs "
+                f"{med['ag']:.0f}"
+            )
+            ratio = med["t"] / med["a"]
+            print(
+                f"goal 1: machinery only, N = {n:>9,}: whole run {ratio:.2f}x (goal <= 1.0x: "
+                f"{'reached' if ratio <= 1.0 else 'not reached'}), steady "
+                f"{med['ts'] / med['as']:.2f}x; load average {os.getloadavg()[0]:.2f}"
             )
     finally:
         _asyncio_samples = saved
@@ -632,8 +645,18 @@ def _goal_1(rows: list[dict[str, Any]]) -> None:
             print(
                 f"goal 1: N = {r['n']:>9,}  whole {r['trio']:6.1f} vs {r['asyncio']:6.1f} us "
                 f"({whole:.2f}x), steady {r['trio_steady']:6.1f} vs {r['asyncio_steady']:6.1f} us "
-                f"({steady:.2f}x): <= 1.0x {verdict}{memory}"
+                f"({steady:.2f}x): <= 1.0x {verdict}{memory}; gen-2 collections per run "
+                f"{r['trio_gen2']:.0f} vs {r['asyncio_gen2']:.0f}; load average {r['load']:.2f}"
             )
+            if r["n"] >= 1_000_000:
+                gen2 = r["trio_gen2"] / max(1, r["asyncio_gen2"])
+                print(
+                    f"goal 1: at N = {r['n']:,} in flight: CPU per sample whole {whole:.2f}x, "
+                    f"steady {steady:.2f}x (goal <= 0.8x: "
+                    f"{'reached' if max(whole, steady) <= 0.8 else 'not reached'}); gen-2 "
+                    f"collections per run {r['trio_gen2']:.0f} vs {r['asyncio_gen2']:.0f} "
+                    f"({gen2:.2f}x; goal <= 2x: {'reached' if gen2 <= 2 else 'not reached'})"
+                )
         if len(mine) > 1:
             first, last = mine[0], mine[-1]
             parts = []

@@ -42,8 +42,7 @@ from trio_rl.policy import PolicyVersionCell
 from trio_rl.publish import pack_samples, release_containers
 from trio_rl.rollout import GroupFactory, InMemorySource
 from trio_rl.samples import Group, OpenGroup, Prompt, Sample, SampleStatus, new_group_id
-from trio_rl.testing import Fate, ScriptedEngine
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     CheckpointSnapshot,
     PruneMode,
@@ -54,6 +53,7 @@ from trio_rl.train import (
     TrainingSample,
     TrainSink,
 )
+from trio_rl.testing import Fate, ScriptedEngine
 from trio_rl.transport import MemorySender
 from trio_rl.wire import MicroBatch, RoutedExperts
 

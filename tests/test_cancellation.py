@@ -43,7 +43,7 @@ from builders import (
 from trio_rl.publish import open_publisher, release_containers
 from trio_rl.rollout._group import START_BATCH
 from trio_rl.samples import OpenGroup, Sample
-from trio_rl.train import PruneMode, TrainingSample
+from trio_rl.sink import PruneMode, TrainingSample
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileReceiver, FileSender, batch_path
 from trio_rl.wire import MicroBatch, encode

@@ -8,7 +8,7 @@ the data flow, and each is importable on its own:
 * :mod:`trio_rl.errors`: every exception, in one tree under :class:`TrioRLError`;
 * :mod:`trio_rl.engines`: the ``Engine`` protocol, the simulated and OpenAI-compatible engines;
 * :mod:`trio_rl.rollout`: data sources, credit scheduling, group nurseries, drivers;
-* :mod:`trio_rl.train`: scoring, the train sink, checkpoint and resume;
+* :mod:`trio_rl.sink`: scoring, the train sink, checkpoint and resume;
 * :mod:`trio_rl.publish`: packing and the publisher that finalizes batches off the loop;
 * :mod:`trio_rl.transport`: filesystem and ZeroMQ batch transports;
 * :mod:`trio_rl.trainer`: the trainer-side ``BatchReceiver`` and torch conversion;
@@ -72,13 +72,13 @@ from .samples import Prompt as Prompt
 from .samples import Sample as Sample
 from .samples import SampleStatus as SampleStatus
 from .samples import new_group_id as new_group_id
-from .train import CheckpointManager as CheckpointManager
-from .train import PruneMode as PruneMode
-from .train import ScoringConfig as ScoringConfig
-from .train import SinkConfig as SinkConfig
-from .train import TrainBatch as TrainBatch
-from .train import TrainingSample as TrainingSample
-from .train import TrainSink as TrainSink
+from .sink import CheckpointManager as CheckpointManager
+from .sink import PruneMode as PruneMode
+from .sink import ScoringConfig as ScoringConfig
+from .sink import SinkConfig as SinkConfig
+from .sink import TrainBatch as TrainBatch
+from .sink import TrainingSample as TrainingSample
+from .sink import TrainSink as TrainSink
 from .trainer import BatchReceiver as BatchReceiver
 from .trainer import TrainerTensors as TrainerTensors
 from .trainer import to_torch as to_torch

@@ -14,7 +14,7 @@ import trio
 from ._jobs import _UsageError
 from .config import ConfigError
 from .errors import EngineTransportError
-from .train import CheckpointCompactionError, CheckpointError
+from .sink import CheckpointCompactionError, CheckpointError
 
 
 def _one_failure(exc: BaseException) -> BaseException:

@@ -1,7 +1,7 @@
 """The ``trio-rl`` command: its parser and the dispatch to each command's module.
 
 - ``trio-rl run`` and ``trio-rl trainer``: the learning run and its trainer job
-  (`trio_rl._learning`, over `trio_rl.learn`);
+  (`trio_rl._learn_cmd`, over `trio_rl.learn`);
 - ``trio-rl simulate``: the pipeline on a simulated engine (`trio_rl.simulate`);
 - ``trio-rl config``: the effective configuration as TOML;
 - ``trio-rl inspect``, ``plot``, ``watch``: the operations tools (`trio_rl.tools`).
@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from ._failures import FirstFailures, Quiet, report_failure
 from ._flags import RUN_FLAGS, SIMULATE_FLAGS, add_config_arguments, layers
 from ._jobs import STARTUP, _UsageError
-from ._learning import run_command, trainer_command
+from ._learn_cmd import run_command, trainer_command
 from .config import LearnRunConfig, SimulateConfig, load, to_toml
 from .simulate import orchestrator_config as orchestrator_config
 from .simulate import simulate_command

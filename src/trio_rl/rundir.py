@@ -28,7 +28,7 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
         inference/           the inference servers' logs (`inference_logs`)
 
 What lies inside ``checkpoints/`` and ``batches/`` belongs to their owners (the checkpoint
-manager of `trio_rl.train`, the file transport of `trio_rl.transport`, which also names its
+manager of `trio_rl.sink`, the file transport of `trio_rl.transport`, which also names its
 directory), which this asks. Every other module takes its paths from here instead of joining a
 name to the run directory (``tests/package/test_package_rundir.py`` greps for such joins).
 """
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import attrs
 
-from .train import CheckpointManager
+from .sink import CheckpointManager
 from .transport import batches_dir, held_steps
 
 __all__ = [
@@ -73,7 +73,7 @@ STOP_FILE = "STOP"
 ENDED_FILE = "ended.json"
 #: The in-process trainer's model and optimizer after its last step (``torch.save``).
 TRAINER_STATE = "trainer/state.pt"
-#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_main`).
+#: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_job`).
 TRAINED_LOG = "trainer/trained.jsonl"
 HEARTBEAT_FILE = "trainer/heartbeat"
 #: The orchestrator's heartbeat, which a trainer job watches the same way.

@@ -215,7 +215,8 @@ class Sample:
     @property
     def oldest_version(self) -> PolicyVersion | None:
         """The oldest policy version that produced any token of this sample, or None."""
-        return min(self.policy_versions) if self.policy_versions else None
+        versions = self._policy_versions
+        return min(versions) if versions else None
 
     @property
     def num_tokens(self) -> int:
@@ -266,7 +267,9 @@ class Group:
     @property
     def oldest_version(self) -> PolicyVersion | None:
         """The oldest version that produced any token of any sample, or None if none did."""
-        versions = [v for s in self.samples for v in s.policy_versions]
+        # The stored lists, not the properties: reading those would make an empty list for
+        # every sample that has none (the consumer asks this of every group it takes).
+        versions = [v for s in self.samples if s._policy_versions for v in s._policy_versions]
         return min(versions) if versions else None
 
     def staleness(self, current: PolicyVersion) -> int:

@@ -16,7 +16,7 @@ import attrs
 from test_cli_kill import _cmd
 
 from trio_rl.samples import OpenGroup, Prompt
-from trio_rl.train import CheckpointSnapshot, read_checkpoint, write_checkpoint
+from trio_rl.sink import CheckpointSnapshot, read_checkpoint, write_checkpoint
 
 _TRIO_RL = str(Path(sys.executable).with_name("trio-rl"))
 

@@ -26,8 +26,8 @@ from trio_rl.config import (
     to_toml,
 )
 from trio_rl.orchestrator import OrchestratorConfig
-from trio_rl.train import DEFAULT_STALENESS, STALENESS_RULES, SinkConfig
-from trio_rl.train._scoring import sample_version, score_group
+from trio_rl.sink import DEFAULT_STALENESS, STALENESS_RULES, SinkConfig
+from trio_rl.sink._scoring import sample_version, score_group
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 _CLI = [sys.executable, "-m", "trio_rl"]
@@ -238,7 +238,7 @@ def test_python_dash_m_and_version() -> None:
 
 
 def test_the_staleness_rule_has_one_default_and_one_spelling() -> None:
-    """The allowed values and the default are defined once (`trio_rl.train`); the schema's
+    """The allowed values and the default are defined once (`trio_rl.sink`); the schema's
     ``[sink]`` section is generated from the sink's config and takes both from it."""
     assert STALENESS_RULES == ("group_start", "oldest_token")
     key_type = attrs.fields_dict(typing.cast("Any", type(SimulateConfig().sink)))["staleness"].type

@@ -169,7 +169,7 @@ def test_privileged_ports_are_refused_unless_allowed(capsys: pytest.CaptureFixtu
 def test_prometheus_host_is_where_the_endpoint_listens(capsys: pytest.CaptureFixture[str]) -> None:
     import httpx
 
-    from trio_rl._learning import open_metric_sinks
+    from trio_rl._learn_cmd import open_metric_sinks
 
     got = _config(capsys, "--set", "metrics.prometheus_host=127.0.0.2",
                   "--set", "metrics.prometheus_port=0")  # fmt: skip

@@ -2,7 +2,7 @@
 file and from ``--set``, and every knob of the trainer's reaches ``trio-rl run``'s trainer.
 
 ``[rollout]`` and ``[checkpoint]`` are generated from :class:`trio_rl.rollout.RolloutConfig`
-and :class:`trio_rl.train.CheckpointConfig` (as ``[sink]`` is from ``SinkConfig``,
+and :class:`trio_rl.sink.CheckpointConfig` (as ``[sink]`` is from ``SinkConfig``,
 ``test_config_sink.py``): this test walks their fields (a nested config's fields included),
 sets each to a value that is not the one the command runs with by default, through a TOML file
 and through ``trio-rl config --set``, and checks that the :class:`OrchestratorConfig` each
@@ -29,7 +29,7 @@ from trio_rl.errors import ConfigError
 from trio_rl.learn import orchestrator_config as learn_orchestrator_config
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.rollout import RolloutConfig
-from trio_rl.train import CheckpointConfig
+from trio_rl.sink import CheckpointConfig
 from trio_rl.trainer import TrainerConfig
 
 SCHEMAS = [SimulateConfig, LearnRunConfig]

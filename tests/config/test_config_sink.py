@@ -1,6 +1,6 @@
 """Every knob of the train sink's own config reaches it from a file and from ``--set``.
 
-The ``[sink]`` section is generated from :class:`trio_rl.train.SinkConfig`: this test walks
+The ``[sink]`` section is generated from :class:`trio_rl.sink.SinkConfig`: this test walks
 the sink's fields (a nested config's fields included), sets each to a value that is not its
 default through a TOML file and through ``trio-rl config --set``, and checks that the
 ``SinkConfig`` each command runs with carries it. A knob added to ``SinkConfig`` is covered
@@ -21,7 +21,7 @@ from trio_rl.config import LearnRunConfig, SimulateConfig, load
 from trio_rl.config._load import _toml_value
 from trio_rl.config._sections import SIZED_ELSEWHERE
 from trio_rl.learn import sink_config
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 
 KNOBS = [(p, tp) for p, tp in leaf_paths(SinkConfig) if p[0] not in SIZED_ELSEWHERE]
 

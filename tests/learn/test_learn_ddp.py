@@ -20,7 +20,7 @@ from trio_rl.learn import (
     sequence_logprobs,
 )
 from trio_rl.publish import pack_samples
-from trio_rl.train import TrainingSample
+from trio_rl.sink import TrainingSample
 from trio_rl.transport import free_port_pair
 
 HERE = Path(__file__).resolve().parent

@@ -13,7 +13,7 @@ from learn_helpers import learn_config
 from trio_rl.learn import TASKS, build_model
 from trio_rl.learn._inprocess import InProcessTrainer
 from trio_rl.publish import pack_samples
-from trio_rl.train import TrainingSample
+from trio_rl.sink import TrainingSample
 from trio_rl.transport import FileSender
 from trio_rl.wire import encode
 

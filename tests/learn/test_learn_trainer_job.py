@@ -16,7 +16,7 @@ import trio_util
 from learn_helpers import learn_config
 
 from trio_rl.errors import TrainError, TransportTimeoutError
-from trio_rl.learn.trainer_main import _wait_trained, hold_rank, run_job
+from trio_rl.learn.trainer_job import _wait_trained, hold_rank, run_job
 
 torch.set_num_threads(1)
 

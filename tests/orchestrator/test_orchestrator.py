@@ -18,7 +18,7 @@ from trio_rl.payloads import PayloadStore
 from trio_rl.publish import Shipment
 from trio_rl.rollout import FailurePolicy, InMemorySource, RolloutConfig, engine_generate
 from trio_rl.samples import Group, OpenGroup, Prompt, Sample
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import MemorySender
 

@@ -15,7 +15,7 @@ from test_orchestrator import _config, _engine, _prompts, _reward
 from trio_rl.errors import CheckpointCompactionError
 from trio_rl.orchestrator import Orchestrator, open_orchestrator
 from trio_rl.rollout import InMemorySource
-from trio_rl.train import CheckpointConfig, read_checkpoint
+from trio_rl.sink import CheckpointConfig, read_checkpoint
 from trio_rl.transport import MemorySender
 
 

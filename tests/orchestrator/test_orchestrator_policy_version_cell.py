@@ -20,7 +20,7 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.policy import PolicyVersionCell
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt, Sample
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 from trio_rl.transport import MemorySender
 
 

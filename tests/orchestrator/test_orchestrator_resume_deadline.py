@@ -23,7 +23,7 @@ from builders import (
 )
 from trio_rl.payloads import PayloadStore
 from trio_rl.samples import OpenGroup, Sample
-from trio_rl.train import CheckpointError
+from trio_rl.sink import CheckpointError
 from trio_rl.wire import PayloadSegment
 
 

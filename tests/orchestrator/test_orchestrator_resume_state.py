@@ -13,7 +13,7 @@ from trio_rl.engines import SimulatedEngine
 from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.rollout import InMemorySource
 from trio_rl.samples import Prompt
-from trio_rl.train import CheckpointError, CheckpointManager, SinkConfig, TrainSink
+from trio_rl.sink import CheckpointError, CheckpointManager, SinkConfig, TrainSink
 from trio_rl.transport import MemorySender
 
 PROMPTS = [Prompt(key="k", tokens=(1, 2))]

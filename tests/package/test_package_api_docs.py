@@ -19,7 +19,7 @@ import pytest
 API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 FACADES = [
     *("trio_rl.samples", "trio_rl.payloads", "trio_rl.wire", "trio_rl.policy"),
-    *("trio_rl.engines", "trio_rl.rollout", "trio_rl.train", "trio_rl.publish"),
+    *("trio_rl.engines", "trio_rl.rollout", "trio_rl.sink", "trio_rl.publish"),
     *("trio_rl.transport", "trio_rl.trainer", "trio_rl.testing"),
 ]
 

@@ -90,7 +90,7 @@ def test_the_walk_reaches_every_layer_and_the_private_classes() -> None:
     ):
         assert expected in names
     walked = {m.__name__ for m in _modules()}
-    assert {"trio_rl.learn", "trio_rl.learn._trainer", "trio_rl.engines._torch"} <= walked
+    assert {"trio_rl.learn", "trio_rl.learn._grpo", "trio_rl.engines._torch"} <= walked
 
 
 def test_entry_points_define_no_classes() -> None:
@@ -196,7 +196,7 @@ def test_old_builtin_bases_still_catch(cls: type[Exception], builtin: type[Excep
 
 def test_the_former_separate_roots_sit_under_their_layer() -> None:
     assert issubclass(errors.PackingError, trio_rl.PublishError)
-    assert issubclass(errors.CodecError, trio_rl.train.TrainError)
+    assert issubclass(errors.CodecError, trio_rl.sink.TrainError)
     assert issubclass(errors.SimulatedEngineError, trio_rl.EngineError)
     assert issubclass(errors.EndOfStreamError, trio_rl.TransportError)
 
@@ -248,7 +248,7 @@ LAYER_EXPORTS = {
         "FailureBudgetExceededError",
         "DriverFailedError",
     ],
-    "trio_rl.train": ["TrainError", "CheckpointError", "PayloadError", "PayloadFileMissingError"],
+    "trio_rl.sink": ["TrainError", "CheckpointError", "PayloadError", "PayloadFileMissingError"],
     "trio_rl.publish": ["PublishError", "PackingError"],
     "trio_rl.transport": ["TransportError", "EndOfStreamError", "EndOfStreamError"],
     "trio_rl.wire": ["WireFormatError", "WireEncodeError"],

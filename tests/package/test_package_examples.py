@@ -53,14 +53,14 @@ def test_an_example_imports_only_public_names(script: Path) -> None:
 def test_the_check_catches_private_imports() -> None:
     source = (
         "import trio_rl.engines._vllm\n"
-        "from trio_rl.learn._trainer import GRPOTrainer\n"
+        "from trio_rl.learn._grpo import GRPOTrainer\n"
         "from trio_rl.learn import _task\n"
         "from trio_rl.rollout import JsonlSource\n"
         "import trio\n"
     )
     assert _private_imports(source) == [
         "line 1: trio_rl.engines._vllm",
-        "line 2: trio_rl.learn._trainer",
+        "line 2: trio_rl.learn._grpo",
         "line 3: trio_rl.learn._task",
     ]
 

@@ -19,7 +19,7 @@ FACADES = [
     "trio_rl.policy",
     "trio_rl.engines",
     "trio_rl.rollout",
-    "trio_rl.train",
+    "trio_rl.sink",
     "trio_rl.publish",
     "trio_rl.transport",
     "trio_rl.trainer",
@@ -132,7 +132,7 @@ PINNED: dict[str, set[str]] = {
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
     },
-    "trio_rl.train": {
+    "trio_rl.sink": {
         *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),
         "CheckpointManager",
         "CheckpointSnapshot",

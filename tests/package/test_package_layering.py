@@ -27,50 +27,50 @@ ALLOWED: dict[str, set[str]] = {
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers; its engine sections are generated from the registered
     # engines' configs
-    "config": {"rollout", "train", "trainer", "transport", "rundir", "engines"},
+    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
     "rollout": {"payloads", "samples", "policy", "engines"},
-    "train": {"payloads", "samples", "wire"},
+    "sink": {"payloads", "samples", "wire"},
     "transport": {"wire"},
     # the run directory's layout: it asks the checkpoint manager and the file transport
-    "rundir": {"train", "transport"},
-    "publish": {"payloads", "samples", "wire", "train", "transport"},
+    "rundir": {"sink", "transport"},
+    "publish": {"payloads", "samples", "wire", "sink", "transport"},
     "trainer": {"payloads", "wire", "transport"},
     "testing": {"payloads", "samples", "policy", "engines", "rollout"},
     "orchestrator": {
-        *("payloads", "samples", "policy", "wire", "engines", "rollout", "train", "publish"),
+        *("payloads", "samples", "policy", "wire", "engines", "rollout", "sink", "publish"),
         "transport",
     },
     # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
-    "tools": {"payloads", "samples", "wire", "train", "transport", "publish", "rundir"},
+    "tools": {"payloads", "samples", "wire", "sink", "transport", "publish", "rundir"},
     "learn": {
         # the run's plot is the figure of `trio-rl plot` (tools reads records, never learns)
         "tools",
         "config",
         "payloads",
         "policy",
-        *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
+        *("samples", "wire", "engines", "rollout", "sink", "publish", "transport", "trainer"),
         "orchestrator",
         "rundir",
     },
     # what the commands share: the signal watcher, the run log, the flags, failure reporting
     "_jobs": {"rundir"},
-    "_failures": {"_jobs", "config", "train"},
+    "_failures": {"_jobs", "config", "sink"},
     "_flags": {"config", "engines", "transport"},
     # the learning run's commands: torch-free glue that imports `learn` once torch is checked
-    "_learning": {"_flags", "_jobs", "config", "rundir", "learn", "rollout", "tools"},
+    "_learn_cmd": {"_flags", "_jobs", "config", "rundir", "learn", "rollout", "tools"},
     # `trio-rl simulate`, beside `learn`: its job and its trainer ranks
     "simulate": {
         *("_flags", "_jobs", "config", "rundir", "engines", "orchestrator", "publish"),
-        *("rollout", "samples", "train", "trainer", "transport", "wire", "tools"),
+        *("rollout", "samples", "sink", "trainer", "transport", "wire", "tools"),
     },
     "cli": {
-        *("_failures", "_flags", "_jobs", "_learning", "simulate"),
+        *("_failures", "_flags", "_jobs", "_learn_cmd", "simulate"),
         "payloads",
         "policy",
-        *("samples", "wire", "engines", "rollout", "train", "publish", "transport", "trainer"),
+        *("samples", "wire", "engines", "rollout", "sink", "publish", "transport", "trainer"),
         *("orchestrator", "learn", "config", "tools", "rundir"),
     },
     "__main__": {"cli"},

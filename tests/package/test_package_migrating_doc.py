@@ -164,8 +164,8 @@ def test_every_cited_config_key_exists(page: str) -> None:
 def test_the_checks_catch_a_wrong_name_and_a_wrong_key() -> None:
     text = (
         "`trio_rl.rollout.SyncRolloutDriver` and `trio_rl.rollout.NoSuchDriver`, "
-        "`trio_rl.no_such_module.Thing`, `trio_rl.train.SinkConfig.staleness`, "
-        "`trio_rl.train.SinkConfig.no_such_field`; keys `[sink] max_off_policy_steps`, "
+        "`trio_rl.no_such_module.Thing`, `trio_rl.sink.SinkConfig.staleness`, "
+        "`trio_rl.sink.SinkConfig.no_such_field`; keys `[sink] max_off_policy_steps`, "
         "`[sink] no_such_key`, `--set rollout.no_such_knob=1`, `transport.kind`, "
         "`nosection.key`, `[nosection] key`\n"
         "```toml\n[trainer]\nranks = 2\nno_such_option = 1\n```\n"
@@ -174,7 +174,7 @@ def test_the_checks_catch_a_wrong_name_and_a_wrong_key() -> None:
     assert [message.split(":", 1)[0] for message in bad] == [
         "trio_rl.no_such_module.Thing",
         "trio_rl.rollout.NoSuchDriver",
-        "trio_rl.train.SinkConfig.no_such_field",
+        "trio_rl.sink.SinkConfig.no_such_field",
     ]
     known = _config_keys()
     keys = cited_keys(text, set(known))

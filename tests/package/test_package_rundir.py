@@ -9,7 +9,7 @@ import pytest
 
 from trio_rl import rundir
 from trio_rl.rundir import RunDirectory
-from trio_rl.train import CheckpointManager
+from trio_rl.sink import CheckpointManager
 from trio_rl.transport import batch_path, batches_dir, end_marker_path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "trio_rl"

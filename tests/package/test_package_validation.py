@@ -20,7 +20,7 @@ from trio_rl.errors import EngineConfigError, InvalidArgumentError, RolloutConfi
 from trio_rl.orchestrator import OrchestratorConfig
 from trio_rl.rollout import GroupFactory
 from trio_rl.rollout._credits import CreditView
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ from trio_rl.orchestrator import OrchestratorConfig, open_orchestrator
 from trio_rl.payloads import PayloadStore
 from trio_rl.rollout import InMemorySource, engine_generate
 from trio_rl.samples import Prompt, Sample
-from trio_rl.train import SinkConfig
+from trio_rl.sink import SinkConfig
 from trio_rl.trainer import BatchReceiver, payload_files
 from trio_rl.transport import MemorySender, ReceivedPayload, Receiver
 from trio_rl.wire import MicroBatch, decode

@@ -18,7 +18,7 @@ import trio
 
 from builders import make_sink
 from trio_rl.publish import SinkCheckpointer, open_publisher
-from trio_rl.train import CheckpointManager, TrainingSample
+from trio_rl.sink import CheckpointManager, TrainingSample
 from trio_rl.transport import FileSender
 from trio_rl.wire import MicroBatch, encode
 

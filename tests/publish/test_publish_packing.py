@@ -17,7 +17,7 @@ from conftest import scaled
 from trio_rl.errors import InvalidArgumentError
 from trio_rl.publish import PackingError, pack_lazily, pack_samples
 from trio_rl.publish._packing import bin_cost, prepare_sample
-from trio_rl.train import TrainingSample
+from trio_rl.sink import TrainingSample
 from trio_rl.wire import (
     MicroBatch,
     PayloadSegment,

@@ -22,7 +22,7 @@ from trio_rl.publish import (
     SinkCheckpointer,
     open_publisher,
 )
-from trio_rl.train import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
+from trio_rl.sink import CheckpointManager, PruneMode, TrainingSample, read_checkpoint
 from trio_rl.transport import (
     FileSender,
     ZmqReceiver,

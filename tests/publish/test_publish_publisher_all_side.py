@@ -22,7 +22,7 @@ from trio_rl.rollout import (
     open_async_rollout,
 )
 from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     SinkConfig,
     SinkWindow,

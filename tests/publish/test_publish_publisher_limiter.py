@@ -12,7 +12,7 @@ import trio
 
 from builders import make_sink, one_per_sample_packer
 from trio_rl.publish import open_publisher
-from trio_rl.train import TrainingSample
+from trio_rl.sink import TrainingSample
 from trio_rl.trainer import BatchReceiver
 from trio_rl.transport import FileReceiver, FileSender, MemorySender
 from trio_rl.wire import MicroBatch

@@ -19,7 +19,7 @@ from trio_rl.publish import (
     cohort_stats,
 )
 from trio_rl.publish._metrics import attempt_stats
-from trio_rl.train import SinkWindow
+from trio_rl.sink import SinkWindow
 
 finite = st.floats(-1e6, 1e6, allow_nan=False)
 

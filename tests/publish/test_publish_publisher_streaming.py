@@ -26,7 +26,7 @@ from trio_rl.publish import (
     pack_lazily,
     pack_samples,
 )
-from trio_rl.train import CheckpointManager
+from trio_rl.sink import CheckpointManager
 from trio_rl.transport import (
     FileSender,
     MemorySender,

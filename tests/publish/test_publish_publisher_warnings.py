@@ -12,7 +12,7 @@ import trio
 from builders import make_group, one_per_sample_packer
 from trio_rl.publish import Shipment, WarningKind, open_publisher
 from trio_rl.publish._metrics import attempt_stats, selection_stats, ship_warnings
-from trio_rl.train import PruneMode, SinkConfig, SinkWindow, TrainingSample, TrainSink
+from trio_rl.sink import PruneMode, SinkConfig, SinkWindow, TrainingSample, TrainSink
 from trio_rl.transport import FileSender
 
 

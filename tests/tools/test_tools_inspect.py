@@ -16,9 +16,9 @@ import trio
 from tools_helpers import simulate, trio_rl
 
 from trio_rl.errors import CheckpointError, TrioRLError, WireFormatError
+from trio_rl.sink import CheckpointManager, read_checkpoint
 from trio_rl.tools import JsonlSink
 from trio_rl.tools.inspect_cmd import inspect_path, render
-from trio_rl.train import CheckpointManager, read_checkpoint
 from trio_rl.transport import FileSender, batch_path
 from trio_rl.wire import MicroBatch, PayloadSegment, encode
 

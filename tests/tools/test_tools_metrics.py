@@ -195,8 +195,8 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
     from trio_rl.publish import Shipment
     from trio_rl.rollout import InMemorySource
     from trio_rl.samples import Prompt, Sample
+    from trio_rl.sink import SinkConfig
     from trio_rl.tools import open_sinks, step_record
-    from trio_rl.train import SinkConfig
     from trio_rl.trainer import BatchReceiver
     from trio_rl.transport import MemorySender
 

@@ -3,7 +3,7 @@
 
 ``[rollout]``, ``[sink]``, ``[checkpoint]`` and the learning run's ``[trainer]`` are generated
 from the library's own configs (:class:`~trio_rl.rollout.RolloutConfig`,
-:class:`~trio_rl.train.SinkConfig`, :class:`~trio_rl.train.CheckpointConfig`,
+:class:`~trio_rl.sink.SinkConfig`, :class:`~trio_rl.sink.CheckpointConfig`,
 :class:`~trio_rl.trainer.TrainerConfig`; see `config_section`), their defaults and checks
 included; a command's own keys beside them are written here. The other defaults are the
 commands' own; a test pins those the library's configs also hold to them."""
@@ -27,7 +27,7 @@ from ..engines import (
 )
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
-from ..train import CheckpointConfig, SinkConfig
+from ..sink import CheckpointConfig, SinkConfig
 from ..trainer import TrainerConfig
 from ..transport import transport_kind
 from ._deploy import DataSection, ModelSection, RewardSection
@@ -174,13 +174,13 @@ LearnRollout = config_section(
     group_size=16,
 )
 
-#: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.train.SinkConfig`. The learning
+#: ``[sink]`` of the learning run: the knobs of :class:`~trio_rl.sink.SinkConfig`. The learning
 #: run keeps at most one version of staleness by default: its tiny model moves fast, and samples
 #: older than that train it the wrong way.
 LearnSink = config_section(
     SinkConfig,
     "LearnSink",
-    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    "The train sink (trio_rl.sink.SinkConfig): scoring, pruning and the staleness filter.",
     omit=SIZED_ELSEWHERE,
     # The trainer scores every token at its stamped temperature: the stamp is the sampling
     # temperature by construction, and `trio-rl run` refuses another value (exit 2).
@@ -266,7 +266,7 @@ class LearnCheckpointKeys(ConfigSection[CheckpointConfig]):
 LearnCheckpoint = config_section(
     CheckpointConfig,
     "LearnCheckpoint",
-    "What is kept on disk: the orchestrator's checkpoints (trio_rl.train.CheckpointConfig) "
+    "What is kept on disk: the orchestrator's checkpoints (trio_rl.sink.CheckpointConfig) "
     "and the published weights.",
     base=LearnCheckpointKeys,
 )
@@ -480,7 +480,7 @@ SimRollout = config_section(
 SimSink = config_section(
     SinkConfig,
     "SimSink",
-    "The train sink (trio_rl.train.SinkConfig): scoring, pruning and the staleness filter.",
+    "The train sink (trio_rl.sink.SinkConfig): scoring, pruning and the staleness filter.",
     omit=SIZED_ELSEWHERE,
 )
 
@@ -520,7 +520,7 @@ class SimTrainer:
 SimCheckpoint = config_section(
     CheckpointConfig,
     "SimCheckpoint",
-    "The orchestrator's checkpoints (trio_rl.train.CheckpointConfig; ``checkpoints/`` in the "
+    "The orchestrator's checkpoints (trio_rl.sink.CheckpointConfig; ``checkpoints/`` in the "
     "run directory).",
 )
 

@@ -1,12 +1,12 @@
 """Sections generated from a library config: ``[rollout]`` from
-:class:`~trio_rl.rollout.RolloutConfig`, ``[sink]`` from :class:`~trio_rl.train.SinkConfig`,
-``[checkpoint]`` from :class:`~trio_rl.train.CheckpointConfig`.
+:class:`~trio_rl.rollout.RolloutConfig`, ``[sink]`` from :class:`~trio_rl.sink.SinkConfig`,
+``[checkpoint]`` from :class:`~trio_rl.sink.CheckpointConfig`.
 
 `config_section` makes a section class with one key per knob of the library config, taking the
 field's type, default, check and meaning (``metadata["help"]``) from it, so a knob is declared
 once, in its layer's own config, and reaches the files, ``--set <section>.<key>=...``, the
 environment and the reference without a second spelling. A nested config (``scoring``: a
-:class:`~trio_rl.train.ScoringConfig`) contributes its fields as ``scoring_<name>``; an enum
+:class:`~trio_rl.sink.ScoringConfig`) contributes its fields as ``scoring_<name>``; an enum
 (``prune``) is written as its value. :meth:`ConfigSection.to_config` builds the library config.
 
 A command may change a default (``max_off_policy_steps=1`` for the learning run) or a key's

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from ..trainer import TrainerConfig as TrainerConfig
 from . import tasks as tasks
+from ._grpo import TRAINER_KEYS as TRAINER_KEYS
+from ._grpo import GRPOTrainer as GRPOTrainer
+from ._grpo import StepStats as StepStats
+from ._grpo import grpo_token_losses as grpo_token_losses
+from ._grpo import grpo_token_terms as grpo_token_terms
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
 from ._model import sequence_logprobs as sequence_logprobs
@@ -27,11 +32,6 @@ from ._task import Tokenizer as Tokenizer
 from ._task import char_reward as char_reward
 from ._task import make_prompts as make_prompts
 from ._tiny import write_tiny_llama as write_tiny_llama
-from ._trainer import TRAINER_KEYS as TRAINER_KEYS
-from ._trainer import GRPOTrainer as GRPOTrainer
-from ._trainer import StepStats as StepStats
-from ._trainer import grpo_token_losses as grpo_token_losses
-from ._trainer import grpo_token_terms as grpo_token_terms
 from ._watcher import watch_weights as watch_weights
 from ._weights import PublishedWeights as PublishedWeights
 from ._weights import latest_weights as latest_weights

@@ -14,9 +14,9 @@ from ..config import LearnRunConfig
 from ..rundir import RunDirectory
 from ..transport import EndOfStreamError, FileReceiver
 from ..wire import decode
+from ._grpo import GRPOTrainer, StepStats
 from ._run_io import TrainerLog, append_trainer_record, save_trainer_state
 from ._settings import run_directory
-from ._trainer import GRPOTrainer, StepStats
 from ._weights import publish_weights
 
 __all__ = ["InProcessTrainer"]

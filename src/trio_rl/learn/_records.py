@@ -20,10 +20,10 @@ from ..publish import Shipment, release_containers
 from ..rollout import RecordReward
 from ..rundir import RunDirectory
 from ..samples import PolicyVersion
+from ._grpo import TRAINER_KEYS
 from ._run_io import TrainerLog, append_line
 from ._settings import run_directory
 from ._steps import Display, plain_line, probe_loop_lag, step_line_record
-from ._trainer import TRAINER_KEYS
 
 __all__ = ["Records", "write_plot"]
 

@@ -1,5 +1,5 @@
 """The learning run's files, shared by the orchestrator's side (`trio_rl.learn.run`) and the
-trainer job (`trio_rl.learn.trainer_main`): the trainer's log of trained steps
+trainer job (`trio_rl.learn.trainer_job`): the trainer's log of trained steps
 (``trainer/stats.jsonl``) and its reader on the loop, the trainer's saved state (one saver, which
 fsyncs), a new run's directory, and the metrics records of a run being resumed."""
 
@@ -18,8 +18,8 @@ import trio_util
 from ..rundir import (
     RunDirectory,
 )
-from ..train import CheckpointError
-from ._trainer import GRPOTrainer, StepStats
+from ..sink import CheckpointError
+from ._grpo import GRPOTrainer, StepStats
 
 __all__ = [
     "TrainerLog",

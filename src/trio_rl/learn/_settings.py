@@ -16,7 +16,7 @@ from ..errors import InvalidArgumentError
 from ..orchestrator import OrchestratorConfig, check_sink_fits_step
 from ..rollout import RolloutConfig, read_records
 from ..samples import Prompt
-from ..train import SinkConfig
+from ..sink import SinkConfig
 from ._model import CharTransformer
 from ._policy import Policy, load_policy, record_prompts
 from ._task import TASKS, Tokenizer

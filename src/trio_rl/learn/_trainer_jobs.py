@@ -1,5 +1,5 @@
 """The learning run's trainer, from the orchestrator's side (`trainer.mode`): the in-process
-trainer in this process's worker threads, or a trainer job (`trio_rl.learn.trainer_main`)
+trainer in this process's worker threads, or a trainer job (`trio_rl.learn.trainer_job`)
 that the run launches under torchrun or that is started by hand (external); the job's log is
 polled into the run's `TrainerLog` and its heartbeat watched. At the end, the run waits for
 the trainer to report the last shipped step."""
@@ -20,11 +20,11 @@ from ..errors import InvalidArgumentError
 from ..orchestrator import Orchestrator
 from ..rundir import RunDirectory
 from ..transport import free_port_pair
+from ._grpo import StepStats
 from ._heartbeat import Heartbeat, beat, watch_heartbeat
 from ._inprocess import InProcessTrainer
 from ._run_io import TrainerLog, read_trainer_log
 from ._settings import run_directory
-from ._trainer import StepStats
 
 __all__ = ["TrainerSide"]
 
@@ -114,7 +114,7 @@ class TrainerSide:
             "--master_addr=127.0.0.1",
             f"--master_port={free_port_pair()}",
             "-m",
-            "trio_rl.learn.trainer_main",
+            "trio_rl.learn.trainer_job",
             "--out",
             str(run_directory(self.config)),
         ]

@@ -31,6 +31,7 @@ from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
+from ._grpo import StepStats
 from ._policy import Policy
 from ._records import Records, write_plot
 from ._run_io import (
@@ -50,7 +51,6 @@ from ._settings import (
     run_json,
 )
 from ._steps import Display, watch_convergence
-from ._trainer import StepStats
 from ._trainer_jobs import TrainerSide
 from ._verdict import (
     Ending,

@@ -7,7 +7,7 @@ import logging
 import attrs
 
 from ..samples import PolicyVersion
-from ..train import (
+from ..sink import (
     TrainSink,
 )
 

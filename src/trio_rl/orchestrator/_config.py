@@ -11,7 +11,7 @@ from .._validation import at_least
 from ..engines import SamplingParams
 from ..errors import InvalidArgumentError
 from ..rollout import RolloutConfig
-from ..train import CheckpointConfig, SinkConfig
+from ..sink import CheckpointConfig, SinkConfig
 
 logger = logging.getLogger("trio_rl.orchestrator")
 
@@ -34,9 +34,9 @@ class OrchestratorConfig:
     The orchestrator holds the configs of the layers it wires, each the one source of its
     knobs: ``rollout`` (:class:`~trio_rl.rollout.RolloutConfig`: concurrency, submission,
     routing keys, the sample deadline, failed groups), ``sink``
-    (:class:`~trio_rl.train.SinkConfig`: the staleness limit ``max_off_policy_steps``, the
+    (:class:`~trio_rl.sink.SinkConfig`: the staleness limit ``max_off_policy_steps``, the
     ``staleness`` rule, pruning, scoring) and ``checkpoint``
-    (:class:`~trio_rl.train.CheckpointConfig`: how many are kept, incremental ones).
+    (:class:`~trio_rl.sink.CheckpointConfig`: how many are kept, incremental ones).
 
     Its own fields are the knobs that span layers, which no lower config could hold alone.
     The step's shape: a step trains on ``batch_groups`` groups of ``group_size`` samples, which

@@ -25,7 +25,7 @@ from ..rollout import (
     SourceExhaustedError,
 )
 from ..samples import OpenGroup, PolicyVersion
-from ..train import (
+from ..sink import (
     RestoreReport,
     SinkCounters,
     TrainSink,

@@ -34,7 +34,7 @@ from ..rollout import (
     open_async_rollout,
 )
 from ..samples import PolicyVersion
-from ..train import (
+from ..sink import (
     CheckpointError,
     CheckpointManager,
     RestoreReport,

@@ -18,7 +18,7 @@ from ..rollout import (
     GroupFactory,
 )
 from ..samples import PolicyVersion
-from ..train import (
+from ..sink import (
     Checkpoint,
     CheckpointError,
     CheckpointManager,

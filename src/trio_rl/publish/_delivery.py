@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import attrs
 import trio
 
-from ..train import CheckpointManager, CheckpointSnapshot, IncrementalSnapshot, TrainSink
+from ..sink import CheckpointManager, CheckpointSnapshot, IncrementalSnapshot, TrainSink
 from ..transport import Payload, Sender
 from ._encoding import Encoded, InMemory
 from ._errors import PublishError
@@ -52,7 +52,7 @@ class Outbox(Protocol):
 
 @attrs.frozen
 class SinkCheckpointer:
-    """A `Checkpointer` over `trio_rl.train.CheckpointManager`: the sink's state, plus the
+    """A `Checkpointer` over `trio_rl.sink.CheckpointManager`: the sink's state, plus the
     data-source ``cursor`` and ``progress`` read on the loop when the snapshot is taken."""
 
     manager: CheckpointManager

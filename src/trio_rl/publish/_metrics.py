@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from ..train import SinkWindow, TrainingSample
+from ..sink import SinkWindow, TrainingSample
 from ._distribution import Distribution
 from ._pacing import Pacer
 

@@ -29,7 +29,7 @@ from typing import Any, overload
 import attrs
 
 from ..errors import InvalidArgumentError
-from ..train import TrainingSample
+from ..sink import TrainingSample
 from ..wire import MicroBatch, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 from ._errors import PackingError
 from ._pacing import Pacer

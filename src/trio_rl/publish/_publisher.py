@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from .._validation import check_at_least
-from ..train import (
+from ..sink import (
     Cut,
     PruneResult,
     SinkConfig,
@@ -72,7 +72,7 @@ Packer: TypeAlias = Callable[[Sequence[TrainingSample]], Sequence[Sequence[Micro
 
 
 class BatchSource(Protocol):
-    """The train sink as the publisher uses it (`trio_rl.train.TrainSink` is one).
+    """The train sink as the publisher uses it (`trio_rl.sink.TrainSink` is one).
 
     Every method is sync and is called on the event loop.
     """
@@ -94,7 +94,7 @@ class BatchSource(Protocol):
     def cut(
         self, *, force: bool = False, limiter: trio.CapacityLimiter | None = None
     ) -> AbstractAsyncContextManager[Cut]:
-        """The sink's one cut (see `trio_rl.train.TrainSink.cut`): detach, prune after
+        """The sink's one cut (see `trio_rl.sink.TrainSink.cut`): detach, prune after
         selection in a worker, then settle, or requeue when the block is left unsettled."""
 
 

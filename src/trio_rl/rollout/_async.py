@@ -49,6 +49,8 @@ __all__ = ["Admission", "AsyncRolloutDriver", "Expiry", "open_async_rollout"]
 
 logger = logging.getLogger("trio_rl.rollout")
 
+#: The name of every group task (trio would otherwise format one per spawn).
+_GROUP_TASK = "trio_rl.rollout.group"
 #: At most this many scheduling passes for ready work when the driver closes (`_wind_down`).
 _WIND_DOWN_PASSES = 8
 #: ... ending early after this many passes in a row that settled nothing.
@@ -105,6 +107,11 @@ class Expiry:
     async def run(self, group: Group) -> None:
         """The group's task: :func:`run_booked` under a cancel scope of its own."""
         d = self._driver
+        if self.admission is None:
+            # Nothing can expire: no cancel scope and no entry per group. Speed over one code
+            # path: a scope's enter and exit measured 4.8 us (busy VM), ~0.6 us per sample.
+            await run_booked(d.runner, group, d.scheduler, d.book)
+            return
         scope = self._scopes[group.group_id] = trio.CancelScope()
         try:
             with scope:
@@ -379,7 +386,7 @@ async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
             if not outcomes:
                 outcomes.extend(_in_index_order(scheduler.poll()))
         budget = d.max_groups_in_flight
-        started = 0
+        admitted: list[Group] = []
         while not d.is_paused and scheduler.admits(budget):
             if not d._queued and d.expiry.blocks():
                 break
@@ -391,12 +398,13 @@ async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
             d._tally.submitted += 1
             if d.book is not None:
                 d.book.group_opened(group)
-            groups.start_soon(d.expiry.run, group)
-            started += 1
-            if started % START_BATCH == 0:
+            admitted.append(group)
+            if len(admitted) == START_BATCH:
+                await _start_groups(d, groups, admitted)
                 # a huge budget lets a cancellation in between batches of group starts
-                # (after a start: a group taken is always submitted and reported to the book)
+                # (after the starts: a group taken is always submitted, booked and started)
                 await trio.lowlevel.checkpoint()
+        await _start_groups(d, groups, admitted)
         dry = (
             scheduler.ledger.pending_groups == 0
             and not d._queued
@@ -407,6 +415,26 @@ async def _work(d: AsyncRolloutDriver, groups: trio.Nursery) -> None:
             d._dry = dry
             d._buffer.changed.set()
         outcomes.extend(_in_index_order(await scheduler.wait_for_progress()))
+
+
+async def _start_groups(d: AsyncRolloutDriver, groups: trio.Nursery, admitted: list[Group]) -> None:
+    """Start the admitted groups' tasks, in order, with a schedule point after each start.
+
+    Every decision was taken before the first start, on the ledger as of the last drain, as
+    if the tasks had started with it. The schedule point (shielded: an admitted group always
+    starts) lets each group start its samples before the next group's task is made: a refill
+    then allocates and frees a group at a time instead of making the whole budget's tasks,
+    contexts and coroutines first. Speed over a straight loop, measured: on the scheduler
+    benchmark's zero-latency samples (part B, GC on, 1k / 10k / 100k in flight) full
+    collections 3 / 5 / 53 -> 0 / 0 / 7 per run and CPU per sample down by 30-50 %, since
+    those samples finish before the rest of the refill is built; with every task alive at
+    once, as engine latency keeps them (``benchmarks/held_wave.py``, 100k), full collections
+    down by a quarter to a third and CPU per sample unchanged.
+    """
+    for group in admitted:
+        groups.start_soon(d.expiry.run, group, name=_GROUP_TASK)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    admitted.clear()
 
 
 async def _reap(d: AsyncRolloutDriver, outcome: GroupOutcome) -> None:

@@ -258,6 +258,33 @@ class CreditLedger:
 # --------------------------------------------------------------------------- scheduler
 
 
+_Decide = Callable[["SubmissionPolicy", "CreditLedger", int, int], bool]
+
+
+def _by_view(policy: SubmissionPolicy, ledger: CreditLedger, group_size: int, budget: int) -> bool:
+    return policy.admits(ledger.view(group_size, budget))
+
+
+def _backfill_admits(
+    _: SubmissionPolicy, ledger: CreditLedger, group_size: int, budget: int
+) -> bool:
+    return ledger.in_flight + group_size <= budget * group_size
+
+
+def _group_admits(_: SubmissionPolicy, ledger: CreditLedger, group_size: int, budget: int) -> bool:
+    return len(ledger._unfinished) < budget
+
+
+#: `CreditScheduler.admits` for the reference policies, the same rule as their ``admits``
+#: without building a validated `CreditView` (4 validators) per decision. Speed over one
+#: code path, measured (timeit, busy 2-core VM): 4.75 -> 0.30 us per decision, one or two
+#: decisions per admitted group, so ~0.5 us per sample at G = 8.
+_FAST_POLICIES: dict[type, _Decide] = {
+    SampleBackfill: _backfill_admits,
+    GroupGranularity: _group_admits,
+}
+
+
 @attrs.frozen
 class SchedulerStatistics:
     """A snapshot of a :class:`CreditScheduler`: credits and groups in flight (as of the last
@@ -317,10 +344,10 @@ class CreditScheduler:
         self.group_size = group_size
         self.ledger = ledger if ledger is not None else CreditLedger()
         self._counts_samples = bool(policy.counts_samples)
+        self._decide = _FAST_POLICIES.get(type(policy), _by_view)  # speed: see there
         # Reports: a sample's group id (no object built per sample), a GroupOutcome, a Nudge.
         send, receive = trio.open_memory_channel[_Report](math.inf)
-        self._send = send
-        self._receive = receive
+        self._send, self._receive = send, receive
         # Bound once: the reporting path is one call per finished sample.
         self._send_nowait = send.send_nowait
         self._receive_nowait = receive.receive_nowait
@@ -439,7 +466,7 @@ class CreditScheduler:
         completions wake the next :meth:`wait_for_progress`. Finished groups and nudges still do.
         """
         self._decisions += 1
-        if self.policy.admits(self.ledger.view(self.group_size, budget)):
+        if self._decide(self.policy, self.ledger, self.group_size, budget):
             return True
         self._progress = False
         return False

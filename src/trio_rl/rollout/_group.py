@@ -167,7 +167,9 @@ class _GroupRun:
     sample_reward: SampleRewardFn | None
     sample_timeout: float | None
     scope: trio.CancelScope | None = None
-    failures: list[tuple[int | None, Exception]] = attrs.field(factory=list)
+    #: Made at the first failure: most groups never fail, and an empty list per group is
+    #: one more object for the collector to walk while the group runs.
+    failures: list[tuple[int | None, Exception]] | None = None
     cancelled: bool = False
 
     async def sample_task(self, sample: Sample) -> None:
@@ -184,6 +186,8 @@ class _GroupRun:
                     if self.sample_reward is not None and sample.status.is_finished:
                         sample.reward = float(await _call(self.sample_reward, sample))
         except Exception as exc:  # a real failure
+            if self.failures is None:
+                self.failures = []
             self.failures.append((sample.index, exc))
             if self.scope is not None:
                 self.scope.cancel()

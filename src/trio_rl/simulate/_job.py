@@ -36,7 +36,7 @@ from ..publish import Shipment
 from ..rollout import InMemorySource
 from ..rundir import RunDirectory
 from ..samples import Prompt, Sample
-from ..train import CheckpointManager
+from ..sink import CheckpointManager
 from ..transport import Sender, TransportKind, TransportSetup, transport_kind
 from ._ranks import Trained, start_step, trainer_rank
 

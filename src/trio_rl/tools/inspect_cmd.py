@@ -34,10 +34,10 @@ import attrs
 from ..errors import TrioRLError
 from ..rundir import RunDirectory
 from ..samples import Sample
-from ..train import CheckpointManager, TrainingSample, read_checkpoint
-from ..train._checkpoint_format import CHECKPOINT_MAGIC, CHECKPOINT_NAME, file_schema_version
-from ..train._outbox import OUTBOX_MAGIC, OUTBOX_NAME
-from ..train._sink_state import payload_files_of_state
+from ..sink import CheckpointManager, TrainingSample, read_checkpoint
+from ..sink._checkpoint_format import CHECKPOINT_MAGIC, CHECKPOINT_NAME, file_schema_version
+from ..sink._outbox import OUTBOX_MAGIC, OUTBOX_NAME
+from ..sink._sink_state import payload_files_of_state
 from ..transport import CONSUMED_FILE, RANK_FILE, STEP_DIR, consumed_dir, end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError

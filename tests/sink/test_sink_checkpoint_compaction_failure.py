@@ -12,12 +12,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_train_checkpoint import state_dicts
+from test_sink_checkpoint import state_dicts
 
 from builders import make_group
 from trio_rl.errors import CheckpointCompactionError, CheckpointError
-from trio_rl.train import CheckpointManager, SinkConfig, SinkState, TrainSink, read_checkpoint
-from trio_rl.train._checkpoint_compaction import COMPACTION_ATTEMPTS
+from trio_rl.sink import CheckpointManager, SinkConfig, SinkState, TrainSink, read_checkpoint
+from trio_rl.sink._checkpoint_compaction import COMPACTION_ATTEMPTS
 
 
 def _block(directory: Path, steps: range) -> list[Path]:

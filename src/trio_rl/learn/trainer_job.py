@@ -7,7 +7,7 @@ Started two ways, the same job either way:
   machine that sees the run directory (``run.out``, a shared path): ``[trainer] mode =
   "external"`` in the orchestrator's configuration;
 * by the orchestrator itself with ``[trainer] mode = "torchrun"``: ``torchrun
-  --nproc_per_node=N -m trio_rl.learn.trainer_main --out DIR`` (the run's shape read from
+  --nproc_per_node=N -m trio_rl.learn.trainer_job --out DIR`` (the run's shape read from
   ``DIR/run.json``).
 
 Every rank reads its own micro-batches of every step from ``DIR/batches`` (the file
@@ -61,10 +61,10 @@ from ..rundir import (
 )
 from ..transport import FileReceiver, TransportTimeoutError
 from ..wire import decode
+from ._grpo import GRPOTrainer, StepStats
 from ._heartbeat import Heartbeat, beat, watch_heartbeat
 from ._run_io import append_trainer_record, load_trainer_state, save_trainer_state
 from ._settings import build_policy, from_run_json, run_directory
-from ._trainer import GRPOTrainer, StepStats
 from ._weights import publish_weights
 
 __all__ = ["HEARTBEAT_FILE", "TRAINED_LOG", "load_run_config", "main", "run_job"]
@@ -408,7 +408,7 @@ def _hold_all_ranks(out: Path, rank: int, distributed: bool) -> IO[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trio_rl.learn.trainer_main", description=__doc__)
+    parser = argparse.ArgumentParser(prog="trio_rl.learn.trainer_job", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="the run directory")
     parser.add_argument("--steps", type=int, default=None, help="stop after this step")
     args = parser.parse_args(argv)

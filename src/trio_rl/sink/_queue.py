@@ -42,7 +42,7 @@ __all__ = [
     "TrainBatch",
 ]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 
 class PruneMode(enum.Enum):

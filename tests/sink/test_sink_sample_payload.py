@@ -12,9 +12,9 @@ from builders import make_sample
 from trio_rl.errors import PayloadError
 from trio_rl.payloads import PayloadSegment, PayloadStore
 from trio_rl.samples import Prompt, Sample
-from trio_rl.train import CheckpointError, CheckpointManager, SinkConfig, TrainSink
-from trio_rl.train import _checkpoint_format as checkpoint_mod
-from trio_rl.train._codec import CodecError, decode_sample, enc_segment, encode_sample
+from trio_rl.sink import CheckpointError, CheckpointManager, SinkConfig, TrainSink
+from trio_rl.sink import _checkpoint_format as checkpoint_mod
+from trio_rl.sink._codec import CodecError, decode_sample, enc_segment, encode_sample
 
 
 def _seg(file: str = "/tmp/p/v1/a.bin", pos: int = 0, rows: int = 3) -> PayloadSegment:

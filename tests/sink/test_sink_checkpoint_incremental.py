@@ -21,13 +21,13 @@ from typing import Any
 
 import msgpack
 import pytest
-from test_train_checkpoint import state_dicts
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
+from test_sink_checkpoint import state_dicts
 
 from builders import make_group, make_sample
 from trio_rl.errors import CheckpointCompactionError, InvalidArgumentError
 from trio_rl.samples import Prompt
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointError,
     CheckpointManager,
     PruneMode,
@@ -37,7 +37,7 @@ from trio_rl.train import (
     encode_checkpoint,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint_format import DELTA_SCHEMA_VERSION, SCHEMA_VERSION
+from trio_rl.sink._checkpoint_format import DELTA_SCHEMA_VERSION, SCHEMA_VERSION
 
 
 def _version(path: Path) -> int:
@@ -194,7 +194,7 @@ async def test_a_torn_newest_file_falls_back_to_the_step_before(
     (tmp_path / "step_00000005.ckpt.123.tmp").write_bytes(data[:30])  # a writer died mid-save
     with pytest.raises(CheckpointError, match="truncated or incomplete"):
         read_checkpoint(newest)
-    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+    with caplog.at_level(logging.WARNING, logger="trio_rl.sink"):
         latest = CheckpointManager(tmp_path).read_latest()
     assert latest is not None
     assert latest.step == 3
@@ -238,7 +238,7 @@ async def test_a_damaged_earlier_delta_is_named_with_its_field_and_offset(
     assert damaged.name in message
     assert "sink.queued[0]" in message
     assert f"byte offset {offset}" in message
-    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+    with caplog.at_level(logging.WARNING, logger="trio_rl.sink"):
         latest = CheckpointManager(tmp_path).read_latest()
     assert latest is not None
     assert latest.cursor == 1  # 4 and 3 depend on the damaged 2: all three skipped, set aside
@@ -338,7 +338,7 @@ async def test_close_gives_up_on_a_stalled_compaction_with_an_error(
     import threading
     import time
 
-    from trio_rl.train import _checkpoint_chain, _checkpoint_format
+    from trio_rl.sink import _checkpoint_chain, _checkpoint_format
 
     stalled, release = threading.Event(), threading.Event()
     real = _checkpoint_format.write_stream

@@ -8,11 +8,11 @@ import threading
 import pytest
 import trio
 import trio.testing
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
 
 from builders import make_group, make_sample
 from trio_rl.samples import Group, Prompt, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     PruneMode,
     ScoringConfig,
     SequenceLists,
@@ -20,8 +20,8 @@ from trio_rl.train import (
     TrainSink,
     TrainSinkError,
 )
-from trio_rl.train import _sink as _sink_module
-from trio_rl.train._scoring import build_sequences
+from trio_rl.sink import _sink as _sink_module
+from trio_rl.sink._scoring import build_sequences
 
 
 def sink(**kw: object) -> TrainSink:
@@ -117,7 +117,7 @@ def test_staleness_boundary_and_once_per_step_sweep(caplog: pytest.LogCaptureFix
     assert s.counters.stale == 2
     # a queued sample goes stale when the step moves on; the sweep at the readiness check drops it
     s.queue.step = 13  # simulate a shipped batch elsewhere
-    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+    with caplog.at_level(logging.WARNING, logger="trio_rl.sink"):
         assert not s.ready()
     assert s.queued == 0
     assert s.counters.stale == 4
@@ -305,7 +305,7 @@ async def test_requeue_undoes_an_unshipped_cut() -> None:
     with pytest.raises(TrainSinkError, match="settled twice"):
         s.settle_batch(detached)
     detached = s.detach_batch()
-    from trio_rl.train import prune_detached
+    from trio_rl.sink import prune_detached
 
     s.requeue_batch(detached, prune_detached(detached.samples))  # pruned, then not shipped
     assert [x.arrival for x in s.queued_samples()] == order[2:]

@@ -14,7 +14,7 @@ import trio
 
 from trio_rl.payloads import PayloadStore
 from trio_rl.samples import OpenGroup, Prompt
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     CheckpointSnapshot,
     SinkConfig,
@@ -24,8 +24,8 @@ from trio_rl.train import (
     TrainSink,
     read_checkpoint,
 )
-from trio_rl.train._checkpoint_format import _ReadStoppedError
-from trio_rl.train._sink import RESTORE_BATCH, restoring
+from trio_rl.sink._checkpoint_format import _ReadStoppedError
+from trio_rl.sink._sink import RESTORE_BATCH, restoring
 
 
 def _many_groups(n: int) -> SinkState:

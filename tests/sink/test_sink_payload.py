@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_rl.payloads import PayloadStore, clip_segments, segment_files, shift_segments
-from trio_rl.train import PayloadError, PayloadFileMissingError
+from trio_rl.sink import PayloadError, PayloadFileMissingError
 from trio_rl.wire import PayloadSegment
 
 

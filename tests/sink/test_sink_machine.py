@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from builders import make_sample
 from trio_rl.payloads import PayloadStore, segment_files
 from trio_rl.samples import Group, OpenGroup, Prompt, Sample, SampleStatus, new_group_id
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointManager,
     PruneMode,
     SinkConfig,
@@ -27,7 +27,7 @@ from trio_rl.train import (
     encode_checkpoint,
     prune_detached,
 )
-from trio_rl.train._sink_state import payload_files_of_state
+from trio_rl.sink._sink_state import payload_files_of_state
 
 REWARDS = st.sampled_from([0.0, 0.5, 1.0])
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from ._checkpoint_format import _CompactionStoppedError
 from ._errors import CheckpointCompactionError
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 #: Compactions failed in a row after which the write that sees the last one raises.
 COMPACTION_ATTEMPTS = 3

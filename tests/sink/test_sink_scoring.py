@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_rl.samples import Sample, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     TrainingSample,
     TrainSinkError,
     grpo_advantages,
@@ -17,7 +17,7 @@ from trio_rl.train import (
     prune_zero_advantages,
     to_training_sample,
 )
-from trio_rl.train._scoring import validate_sample
+from trio_rl.sink._scoring import validate_sample
 from trio_rl.wire import PayloadSegment
 
 rewards_st = st.lists(

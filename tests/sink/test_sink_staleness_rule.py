@@ -9,13 +9,13 @@ Here batch 4 with ``max_off_policy_steps=1`` keeps versions >= 2.
 from __future__ import annotations
 
 import pytest
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
 
 from builders import make_group
 from trio_rl.errors import TrainSinkError
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import RESUMED_AT, Group, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 
 
 def _sink(**kw: object) -> TrainSink:

@@ -14,18 +14,18 @@ import time
 from pathlib import Path
 
 import pytest
-from train_helpers import crash_sink_steps
+from sink_helpers import crash_sink_steps
 
 from conftest import scaled
-from trio_rl.train import CheckpointManager, CheckpointSnapshot, encode_checkpoint
+from trio_rl.sink import CheckpointManager, CheckpointSnapshot, encode_checkpoint
 
 HERE = Path(__file__).parent
 
 WRITER = """
 import sys
 sys.path.insert(0, sys.argv[2])
-from train_helpers import crash_sink_steps
-from trio_rl.train import CheckpointManager
+from sink_helpers import crash_sink_steps
+from trio_rl.sink import CheckpointManager
 incremental = sys.argv[3] == "1"
 # incremental: deltas, compacted in the background often (a kill lands in one too)
 mgr = CheckpointManager(sys.argv[1], keep=3, incremental=incremental, compact_ratio=0.3)

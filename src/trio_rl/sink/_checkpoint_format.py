@@ -18,7 +18,7 @@ A *delta* (schema version 2, written by an incremental `CheckpointManager`) has 
 its meta map adds ``kind: "delta"``, ``chain``, ``seq``, ``parent`` (the step of the file it was
 written after) and the lists ``removed`` (arrivals) and ``closed`` (group ids); its records are
 the samples queued and the open groups changed since the parent. A full file written by an
-incremental manager carries ``chain`` and ``seq`` too. See docs/train.md.
+incremental manager carries ``chain`` and ``seq`` too. See docs/sink.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from builders import make_group
 from trio_rl.samples import Prompt
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointError,
     CheckpointManager,
     SinkConfig,

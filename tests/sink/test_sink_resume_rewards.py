@@ -13,7 +13,7 @@ import attrs
 from builders import make_group
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import OpenGroup
-from trio_rl.train import SinkConfig, TrainSink
+from trio_rl.sink import SinkConfig, TrainSink
 
 
 def test_a_full_group_without_rewards_is_resumed_not_scored() -> None:

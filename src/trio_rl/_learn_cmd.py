@@ -89,7 +89,7 @@ def run_command(args: argparse.Namespace) -> int:
     import torch  # seconds to import: before the event loop starts, never inside it
 
     # the per-step line already shows the stale counter; the sink's warning would repeat it
-    logging.getLogger("trio_rl.train").setLevel(logging.ERROR)
+    logging.getLogger("trio_rl.sink").setLevel(logging.ERROR)
     torch.set_num_threads(1 if learn_cfg.run.deterministic else learn_cfg.run.threads)
     check_run_inputs(learn_cfg, origin)
     config = _Run(learn_cfg, resume=not args.fresh)
@@ -150,7 +150,7 @@ def trainer_command(args: argparse.Namespace) -> int:
     import torch  # noqa: F401 - seconds to import: before the job starts
 
     from . import learn
-    from .learn import trainer_main
+    from .learn import trainer_job
 
     if cfg.model.path is not None:
         check = learn.check_model_dir
@@ -163,11 +163,11 @@ def trainer_command(args: argparse.Namespace) -> int:
             f"{cfg.trainer.ranks}, but the job has {world} rank(s) (torchrun's --nnodes x "
             "--nproc-per-node)",
         )
-    code = trainer_main.run_job(cfg)
+    code = trainer_job.run_job(cfg)
     if code == 0 and int(os.environ.get("RANK", "0")) == 0:
         print(_trainer_exit_line(cfg, args.argv), flush=True)
     if "WORLD_SIZE" in os.environ:
-        trainer_main.exit_hard(code)
+        trainer_job.exit_hard(code)
     return code
 
 

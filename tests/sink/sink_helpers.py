@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trio_rl.train import CheckpointManager, SinkCounters, TrainSink
+from trio_rl.sink import CheckpointManager, SinkCounters, TrainSink
 
 
 def assert_accounted(sink: TrainSink, extra_held: int = 0) -> SinkCounters:
@@ -23,7 +23,7 @@ def crash_sink_steps(last_step: int, mgr: object = None) -> object:
     ``mgr`` takes the snapshots (an incremental manager must take its own); default: a full one.
     """
     from trio_rl.samples import Group, Prompt, Sample, SampleStatus
-    from trio_rl.train import CheckpointManager, SinkConfig, TrainSink
+    from trio_rl.sink import CheckpointManager, SinkConfig, TrainSink
 
     sink = TrainSink(SinkConfig(batch_size=10**9, max_off_policy_steps=None))
     if mgr is None:

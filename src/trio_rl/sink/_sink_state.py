@@ -31,7 +31,7 @@ __all__ = [
     "state_problem",
 ]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 
 @attrs.frozen

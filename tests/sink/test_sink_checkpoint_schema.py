@@ -21,13 +21,13 @@ import pytest
 import trio
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
 
 from builders import make_group, make_sample
 from conftest import scaled
 from trio_rl.publish import pack_samples
 from trio_rl.samples import Prompt, Sample, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     Checkpoint,
     CheckpointError,
     CheckpointManager,

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-import trio_rl.train._checkpoint_format as checkpoint_mod
+import trio_rl.sink._checkpoint_format as checkpoint_mod
 from trio_rl.samples import OpenGroup, Prompt, Sample, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointError,
     CheckpointSnapshot,
     SinkCounters,

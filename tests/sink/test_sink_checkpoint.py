@@ -14,12 +14,12 @@ import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
 
 from builders import make_group, make_sample
 from trio_rl.payloads import PayloadStore, segment_files
 from trio_rl.samples import Group, OpenGroup, Prompt, SampleStatus
-from trio_rl.train import (
+from trio_rl.sink import (
     CheckpointError,
     CheckpointManager,
     PruneMode,
@@ -29,7 +29,7 @@ from trio_rl.train import (
     TrainSink,
     read_checkpoint,
 )
-from trio_rl.train._codec import decode_training_sample, encode_training_sample
+from trio_rl.sink._codec import decode_training_sample, encode_training_sample
 from trio_rl.wire import MMImageRef, MMRefs, PayloadSegment, RoutedExperts, SamplingMask
 
 
@@ -182,7 +182,7 @@ async def test_damaged_checkpoint_is_named_and_the_previous_one_loads(
         read_checkpoint(second)
     assert info.value.path == str(second)
     assert str(second) in str(info.value)
-    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+    with caplog.at_level(logging.WARNING, logger="trio_rl.sink"):
         latest = await mgr.load_latest()
     assert latest is not None
     assert latest.cursor == "first"
@@ -266,7 +266,7 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
 ) -> None:
     members = [make_sample(0, float(i % 2), version=0) for i in range(4 + extra)]
     mgr = CheckpointManager(tmp_path)
-    from trio_rl.train import CheckpointSnapshot
+    from trio_rl.sink import CheckpointSnapshot
 
     state = _open_state(members, 4)
     snap = CheckpointSnapshot(step=0, progress={}, cursor=None, sink=state)
@@ -383,7 +383,7 @@ async def test_restore_drops_work_whose_payload_files_are_gone(
     ck = await mgr.load(path)
     assert len(ck.missing_files) == 2
     restored = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
-    with caplog.at_level(logging.WARNING, logger="trio_rl.train"):
+    with caplog.at_level(logging.WARNING, logger="trio_rl.sink"):
         report = restored.load_state_dict(ck.sink, missing_files=ck.missing_files)
     assert "dropped 1 queued samples with missing payload files" in caplog.text
     assert (report.dropped_queued_missing, report.dropped_members_missing) == (1, 1)
@@ -417,7 +417,7 @@ async def test_restore_filters_stale_work(tmp_path: Path) -> None:
 
 def test_failed_member_status_roundtrips() -> None:
     s = make_sample(0, 0.0, status=SampleStatus.TRUNCATED)
-    from trio_rl.train._codec import decode_sample, encode_sample
+    from trio_rl.sink._codec import decode_sample, encode_sample
 
     back = decode_sample(encode_sample(s), "m")
     assert attrs.asdict(back) == attrs.asdict(s)

@@ -4,13 +4,13 @@ every group it opens, each finished member as it arrives, failed attempts and di
 
 from __future__ import annotations
 
-from train_helpers import assert_accounted
+from sink_helpers import assert_accounted
 
 from builders import make_group
 from trio_rl.rollout import GroupFactory
 from trio_rl.samples import GroupBook, OpenGroup, SampleStatus
-from trio_rl.train import SinkConfig, TrainSink
-from trio_rl.train._sink_state import state_problem
+from trio_rl.sink import SinkConfig, TrainSink
+from trio_rl.sink._sink_state import state_problem
 
 
 def _sink() -> TrainSink:

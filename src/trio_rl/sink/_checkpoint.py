@@ -41,7 +41,7 @@ from ._sink_state import RestoreReport, check_restorable, payload_files_of_state
 
 __all__ = ["CheckpointConfig", "CheckpointManager", "check_run_bounds"]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 _R = TypeVar("_R")
 
 

@@ -59,7 +59,7 @@ __all__ = [
     "snapshot_sink",
 ]
 
-logger = logging.getLogger("trio_rl.train")
+logger = logging.getLogger("trio_rl.sink")
 
 
 class TrainSink:
@@ -338,7 +338,7 @@ def restore_sink(
     layer continues.
 
     A state that breaks the sink's invariants (see
-    :func:`~trio_rl.train._sink_state.state_problem`) raises :class:`TrainSinkError` naming the
+    :func:`~trio_rl.sink._sink_state.state_problem`) raises :class:`TrainSinkError` naming the
     field, and the sink is left unchanged.
 
     ``track`` (an incremental checkpoint manager) starts the sink's change log at ``state`` as
@@ -387,7 +387,7 @@ def restoring(
     track: object = None,
 ) -> Generator[None, None, RestoreReport]:
     """:func:`restore_sink` without the invariant check (the caller ran
-    :func:`~trio_rl.train._sink_state.check_restorable`), as a generator that yields every
+    :func:`~trio_rl.sink._sink_state.check_restorable`), as a generator that yields every
     ``RESTORE_BATCH`` records and returns the report: an async caller checkpoints at each
     yield, so a restore of any size lets a cancellation in. Stopped part-way, the sink holds
     part of ``state``: discard it."""
