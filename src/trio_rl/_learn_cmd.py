@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -169,6 +170,69 @@ def trainer_command(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ:
         trainer_job.exit_hard(code)
     return code
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """``trio-rl eval CONFIG.toml [--weights DIR | --model DIR]``: one held-out eval, offline;
+    a table on stdout, the record appended to ``--out``, a progress bar on stderr."""
+    STARTUP.release()  # no signal watcher: Ctrl-C is a KeyboardInterrupt (exit 130)
+    cfg, origin = load(LearnRunConfig, args.configs, overrides(args, ()))
+    for flag, path in (("--weights", args.weights), ("--model", args.model)):
+        if path is not None and not path.is_dir():
+            raise ConfigError(flag, "", f"{path}: not a directory")
+    if importlib.util.find_spec("torch") is None:
+        raise RuntimeError("trio-rl eval needs torch (pip install 'trio-rl[learn]')")
+    import torch
+
+    torch.set_num_threads(cfg.run.threads)
+    check_run_inputs(cfg, origin)
+    _check_eval_inputs(cfg, origin)
+    from .learn import ProgressBar, eval_line, evaluate_offline
+
+    if args.model is not None:
+        from .learn import check_model_dir
+
+        check_model_dir(args.model, "--model")
+    result = trio.run(
+        lambda: evaluate_offline(
+            cfg, weights=args.weights, model=args.model, progress=ProgressBar()
+        )
+    )
+    print(eval_table(result))
+    line = json.dumps(result.record()) + "\n"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a", encoding="utf-8") as f:
+        f.write(line)
+    print(f"{eval_line(result)}\nrecord appended to {args.out}")
+    return 0
+
+
+def eval_table(result: Any) -> str:
+    """The figures of an `~trio_rl.evals.EvalResult` as a two-column table."""
+    rec = result.record()
+    rows = [(key, rec[key]) for key in rec if key not in ("step", "status", "k")]
+    width = max(len(k) for k, _ in rows)
+
+    def show(value: Any) -> str:
+        return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    head = f"held-out eval of step {result.step} ({result.status})"
+    return "\n".join([head, *(f"  {k:<{width}}  {show(v)}" for k, v in rows)])
+
+
+def _check_eval_inputs(cfg: LearnRunConfig, origin: dict[str, str]) -> None:
+    """``[eval] prompts`` readable and ``[eval] reward`` importable, or a `ConfigError`."""
+    from .rollout import DataSourceError, RolloutConfigError, import_reward, read_records
+
+    ev = cfg.eval
+    try:
+        if ev.prompts is not None:
+            read_records(ev.prompts)
+        if ev.reward is not None:
+            import_reward(ev.reward)
+    except (DataSourceError, RolloutConfigError) as exc:
+        key = "eval.prompts" if isinstance(exc, DataSourceError) else "eval.reward"
+        raise ConfigError(origin.get(key, key), key, str(exc)) from None
 
 
 @attrs.frozen

@@ -20,12 +20,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from ._failures import FirstFailures, Quiet, report_failure
 from ._flags import RUN_FLAGS, SIMULATE_FLAGS, add_config_arguments, layers
 from ._jobs import STARTUP, _UsageError
-from ._learn_cmd import run_command, trainer_command
+from ._learn_cmd import eval_command, run_command, trainer_command
 from .config import LearnRunConfig, SimulateConfig, load, to_toml
 from .simulate import orchestrator_config as orchestrator_config
 from .simulate import simulate_command
@@ -86,6 +87,32 @@ def _parser() -> argparse.ArgumentParser:
         "CONFIG.toml (trainer.ranks = N x M). It ends after the orchestrator's last step.",
     )
     add_config_arguments(trainer, LearnRunConfig, (), resumable=False)
+    ev = sub.add_parser(
+        "eval",
+        help="one held-out eval of the [eval] section, offline: of published weights, a model "
+        "directory or the initial policy (needs torch)",
+        description="One eval of the configuration's [eval] section (held-out prompts, k "
+        "samples each: avg@k, pass@1, pass@k, pass^k) against the engines it names "
+        "([inference]: the policy in-process, urls or launch). Prints a table and appends the "
+        "record to --out; a progress bar with an ETA on stderr. Exit status 0; 2 on bad input.",
+    )
+    add_config_arguments(ev, LearnRunConfig, (), resumable=False)
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument(
+        "--weights",
+        type=Path,
+        default=None,
+        help="published weights to evaluate, RUN_DIR/weights/step_S (the eval's step is S)",
+    )
+    which.add_argument(
+        "--model", type=Path, default=None, help="a Hugging Face model directory to evaluate"
+    )
+    ev.add_argument(
+        "--out",
+        type=Path,
+        default=Path("eval.jsonl"),
+        help="the JSONL file the record is appended to (default ./eval.jsonl)",
+    )
     run = sub.add_parser(
         "simulate",
         help="a simulated rollout run: throughput, backfill and fault injection without a model",
@@ -200,6 +227,8 @@ def _main(args: argparse.Namespace) -> int:
         return _show_config(args)
     if args.command == "trainer":
         return trainer_command(args)
+    if args.command == "eval":
+        return eval_command(args)
     if args.command == "run":
         return run_command(args)
     if args.command == "simulate":

@@ -14,6 +14,7 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── EngineConfigError (InvalidArgumentError)
     │   ├── EngineTransportError
     │   ├── EngineRequestError
+    │   │   └── EngineAuthError
     │   ├── EngineResponseError
     │   ├── EngineTimeoutError
     │   ├── SimulatedEngineError
@@ -26,6 +27,8 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── GroupFailedError
     │   ├── FailureBudgetExceededError
     │   └── DriverFailedError
+    ├── EvalError
+    │   └── EvalConfigError (ValueError)
     ├── PayloadError (OSError)
     │   └── PayloadFileMissingError (FileNotFoundError)
     ├── TrainError
@@ -84,12 +87,15 @@ __all__ = [
     "DataSourceError",
     "DriverFailedError",
     "EndOfStreamError",
+    "EngineAuthError",
     "EngineConfigError",
     "EngineError",
     "EngineRequestError",
     "EngineResponseError",
     "EngineTimeoutError",
     "EngineTransportError",
+    "EvalConfigError",
+    "EvalError",
     "FailureBudgetExceededError",
     "InspectError",
     "InvalidArgumentError",
@@ -222,6 +228,14 @@ class EngineRequestError(EngineError):
         self.body = body
 
 
+class EngineAuthError(EngineRequestError):
+    """The server refused the credentials sent (HTTP 401 or 403): a missing or wrong API key.
+
+    Raised at once, by a health probe as by a request: waiting or retrying would not help. The
+    message names the URL and the status, never the headers sent.
+    """
+
+
 class EngineResponseError(EngineError):
     """The server answered 2xx but the body is not a usable completion (bad JSON, a missing or
     ill-typed field, tokens and logprobs of different lengths). The message names the field."""
@@ -281,6 +295,19 @@ class DriverFailedError(RolloutError):
 
     Once a driver has failed, every later ``next_batch`` raises this again.
     """
+
+
+# Evaluation ----------------------------------------------------------------------------------
+
+
+class EvalError(TrioRLError):
+    """An evaluation could not give one honest figure: its samples came from more than one
+    policy version, or its run directory's eval files are damaged (names the file and line)."""
+
+
+class EvalConfigError(EvalError, ValueError):
+    """A bad evaluation setting or input (an ``[eval]`` key, a held-out prompt file, weights
+    that are not there), refused before anything runs; names what and where."""
 
 
 # Payloads ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
         ended.json           how the learning run ended: its last step, why it stopped (`ended`)
         run.json             the learning run's configuration, for its trainer job (`run_file`)
         eval.jsonl           one record per evaluation (`eval_log`)
+        eval.pending         the evaluation in progress, if any (`eval_pending`)
         envs/                what the environments write, one directory each (`env_outputs`)
         tensorboard/         the TensorBoard sink's files (`tensorboard`)
         inference/           the inference servers' logs (`inference_logs`)
@@ -47,6 +48,7 @@ __all__ = [
     "ENDED_FILE",
     "ENV_OUTPUTS",
     "EVAL_LOG",
+    "EVAL_PENDING_FILE",
     "HEARTBEAT_FILE",
     "ORCHESTRATOR_HEARTBEAT",
     "RUN_FILE",
@@ -80,8 +82,10 @@ HEARTBEAT_FILE = "trainer/heartbeat"
 ORCHESTRATOR_HEARTBEAT = "orchestrator/heartbeat"
 #: The trainer's own record: one JSON line per trained step (its ``trainer/...`` metrics).
 TRAINER_LOG = "trainer/stats.jsonl"
-#: One record per evaluation of the policy.
+#: One record per evaluation of the policy (`trio_rl.evals`), and the marker of an evaluation
+#: in progress.
 EVAL_LOG = "eval.jsonl"
+EVAL_PENDING_FILE = "eval.pending"
 #: What the environments write, one directory per environment.
 ENV_OUTPUTS = "envs"
 
@@ -163,6 +167,10 @@ class RunDirectory:
     @property
     def eval_log(self) -> Path:
         return self.root / EVAL_LOG
+
+    @property
+    def eval_pending(self) -> Path:
+        return self.root / EVAL_PENDING_FILE
 
     @property
     def env_outputs(self) -> Path:

@@ -227,7 +227,9 @@ async def test_launched_servers_are_stopped_with_their_children(tmp_path: Path) 
             2, "/models/tiny", executable=STAND_IN_VLLM, args=["--child"], log_dir=tmp_path
         ) as launched:
             urls = launched.urls
-            async with open_engine_fleet(urls, probe_interval=0.1) as fleet:
+            async with open_engine_fleet(
+                urls, probe_interval=0.1, headers=launched.headers
+            ) as fleet:
                 assert sorted(fleet.live()) == sorted(urls)
             children = [_child_pid(tmp_path / f"vllm-{i}.log") for i in range(2)]
             assert all(_alive(pid) for pid in children)
@@ -243,7 +245,9 @@ async def test_a_launched_server_that_dies_is_restarted_and_taken_back_in(
             launch_vllm_servers(
                 2, "/models/tiny", executable=STAND_IN_VLLM, args=["--child"], log_dir=tmp_path
             ) as launched,
-            open_engine_fleet(launched.urls, probe_interval=0.1) as fleet,
+            open_engine_fleet(
+                launched.urls, probe_interval=0.1, headers=launched.headers
+            ) as fleet,
         ):
             launched.on_exit = fleet.take_out
             urls = launched.urls
@@ -282,6 +286,7 @@ async def test_a_server_that_never_answers_fails_the_launch_and_is_stopped(
                     run_vllm_server,
                     "/models/tiny",
                     free_port(),
+                    api_key="k",
                     executable=STAND_IN_VLLM,
                     args=["--child", "--start-delay", "30"],
                     log=log,
@@ -304,6 +309,7 @@ async def test_a_server_that_exits_at_start_is_an_error_naming_it(tmp_path: Path
                     run_vllm_server,
                     "/models/tiny",
                     free_port(),
+                    api_key="k",
                     executable=STAND_IN_VLLM,
                     args=["--no-such-flag"],
                     log=tmp_path / "bad.log",

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from trio_rl.engines import (
     AbortSignal,
+    Completion,
     Engine,
     EngineRequestError,
     EngineResponseError,
@@ -654,6 +655,38 @@ async def test_policy_version_sources(make_server: Callable[..., FakeVLLM]) -> N
             e.set_policy_version(1)
     async with engine(field.url, version_source=lambda: 11) as e:
         assert (await e.generate(req())).policy_version == 11
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("source", ["fallback", "version_source"])
+async def test_the_client_version_is_the_one_current_when_the_request_was_sent(
+    make_server: Callable[..., FakeVLLM], stream: bool, source: str
+) -> None:
+    """Weights that changed while a request ran did not produce its tokens: without a version
+    from the server, a completion carries the version read when the request was sent."""
+    server = make_server(hang=True)
+    current = [3]
+    kwargs: dict[str, Any] = {"stream": stream}
+    if source == "version_source":
+        kwargs["version_source"] = lambda: current[0]
+    async with engine(server.url, **kwargs) as e:
+        e.set_policy_version(3)
+        got: list[Completion] = []
+
+        async def ask() -> None:
+            got.append(await e.generate(req(1)))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                for _ in range(1000):  # until the request is on the server, unanswered
+                    if server.requests:
+                        break
+                    await trio.sleep(0.01)
+                e.set_policy_version(4)  # new weights while it runs
+                current[0] = 4
+                server.release.set()
+    assert [c.policy_version for c in got] == [3]
 
 
 @pytest.mark.parametrize(

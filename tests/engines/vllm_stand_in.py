@@ -14,19 +14,25 @@ steps, the finish reason on a choice's last token, a usage event with no choices
 server keeps the connection until the client leaves (counted in ``disconnects``). ``cut_after``
 cuts the connection after that many events, once; ``raw_stream`` is sent as the whole body.
 ``GET /v1/models`` lists ``model``. Every request's headers are kept in ``headers`` (same order
-as ``requests``).
+as ``requests``). With ``api_key`` set it checks ``Authorization: Bearer <key>`` as vLLM's
+``--api-key`` does, on the ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` paths only (401
+``{"error":"Unauthorized"}``), or on every path with ``guard_all`` (an authenticating proxy).
 
-Run as a program (``python vllm_stand_in.py --port P``) it is a separate server process, as
-the fleet tests need one to kill: ``GET /stand_in/log`` then answers every request it recorded
-(method, path, body, routing header) as JSON, and ``--step-delay`` slows its streams.
+Run as a program (``python vllm_stand_in.py --port P``, or ``--uds PATH`` for a Unix socket as
+vLLM's ``--uds``; the key from ``VLLM_API_KEY``, as vLLM reads it) it is a separate server
+process, as the fleet tests need one to kill: ``GET /stand_in/log`` then answers every request
+it recorded (method, path, body, routing header, headers) as JSON, and ``--step-delay`` slows its
+streams.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +41,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 EOS = 1
+#: The path prefixes vLLM 0.32's ``--api-key`` guards (its AuthenticationMiddleware).
+GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
 
 class StandIn:
@@ -58,10 +66,23 @@ class StandIn:
         self.disconnects = 0
         self.release = threading.Event()
         self.lock = threading.Lock()
+        self.api_key: str | None = None
+        #: with a vocabulary size, every token id but EOS is folded into 2 .. vocab - 1
+        self.vocab: int | None = None
+        self.guard_all = False
+
+    def authorized(self, path: str, authorization: str | None) -> bool:
+        """vLLM's check: paths under its guarded prefixes (or all, with ``guard_all``) need
+        ``Authorization: Bearer <api_key>``."""
+        if self.api_key is None or not (self.guard_all or path.startswith(GUARDED)):
+            return True
+        return authorization == f"Bearer {self.api_key}"
 
     def choice(self, body: dict[str, Any], i: int) -> tuple[list[int], list[float], str]:
         seed, length = body.get("seed", 0), (self.lengths or [])[i : i + 1] or [2]
         tokens = [seed + i + 1000 * k for k in range(length[0] - 1)] + [EOS]
+        if self.vocab is not None:  # ids a real model can score: 2 .. vocab - 1
+            tokens = [t if t == EOS else 2 + t % (self.vocab - 2) for t in tokens]
         logprobs = [-0.5 - i - k / 8 for k in range(length[0] - 1)] + [-0.25]
         if len(tokens) > body["max_tokens"]:
             n = body["max_tokens"]
@@ -116,7 +137,11 @@ class StandIn:
 
 
 @contextmanager
-def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn, str]]:
+def serve(
+    port: int = 0, given: StandIn | None = None, uds: str | None = None
+) -> Iterator[tuple[StandIn, str]]:
+    """Serve on ``127.0.0.1:port`` (0: a free port), or on the Unix socket ``uds``; yields
+    the state and the URL (``http://127.0.0.1:PORT``, or ``unix:PATH``)."""
     state = StandIn() if given is None else given
 
     class Handler(BaseHTTPRequestHandler):
@@ -139,6 +164,9 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
                 # what a uvicorn keep-alive timeout looks like to a client reusing the connection
                 self.close_connection = True
                 return
+            if not state.authorized(self.path, self.headers.get("Authorization")):
+                self._send(401, b'{"error":"Unauthorized"}')
+                return
             if state.delay:
                 time.sleep(state.delay)
             status, payload = 200, b""
@@ -151,6 +179,9 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
                 payload = json.dumps(state.completions(body)).encode()
             elif self.path == "/v1/models":
                 payload = json.dumps({"object": "list", "data": [{"id": state.model}]}).encode()
+            self._send(status, payload)
+
+        def _send(self, status: int, payload: bytes) -> None:
             self.send_response(status)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -164,6 +195,7 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
                         "path": path,
                         "body": body,
                         "routing_key": headers.get("x-smg-routing-key"),
+                        "headers": headers,
                     }
                     for (method, path, body), headers in zip(
                         state.requests, state.headers, strict=True
@@ -237,11 +269,23 @@ def serve(port: int = 0, given: StandIn | None = None) -> Iterator[tuple[StandIn
         def handle_error(self, request: Any, client_address: Any) -> None:
             pass  # a client that went away (aborted, cancelled) is expected here
 
-    server = Server(("127.0.0.1", port), Handler)
+    class UnixServer(socketserver.ThreadingUnixStreamServer):
+        daemon_threads = True
+        request_queue_size = 256
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass
+
+    server: socketserver.BaseServer
+    if uds is None:
+        server = Server(("127.0.0.1", port), Handler)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+    else:
+        server, url = UnixServer(uds, Handler), f"unix:{uds}"
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+        yield state, url
     finally:
         state.release.set()
         server.shutdown()
@@ -254,7 +298,8 @@ def main() -> None:
     # vLLM's API server arguments are accepted, so it can stand in for the vLLM command
     parser.add_argument("--model", dest="model_path", help="ignored")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--uds", default=None, help="a Unix socket path, in place of --port")
     parser.add_argument("--served-model-name", dest="model", default="stand-in")
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--length", type=int, default=4, help="tokens per completion")
@@ -264,6 +309,7 @@ def main() -> None:
         help="start a child process, as vLLM starts its engine core (printed as 'child PID')",
     )
     parser.add_argument("--start-delay", type=float, default=0.0, help="seconds before listening")
+    parser.add_argument("--vocab", type=int, default=None, help="fold token ids into 2..vocab-1")
     args = parser.parse_args()
     if args.child:
         import subprocess
@@ -274,7 +320,9 @@ def main() -> None:
     time.sleep(args.start_delay)
     state = StandIn()
     state.model, state.step_delay, state.lengths = args.model, args.step_delay, [args.length] * 64
-    with serve(args.port, state):
+    state.api_key = os.environ.get("VLLM_API_KEY") or None
+    state.vocab = args.vocab
+    with serve(args.port, state, uds=args.uds):
         print("ready", flush=True)
         threading.Event().wait()  # until killed
 

@@ -20,7 +20,7 @@ API = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 FACADES = [
     *("trio_rl.samples", "trio_rl.payloads", "trio_rl.wire", "trio_rl.policy"),
     *("trio_rl.engines", "trio_rl.rollout", "trio_rl.sink", "trio_rl.publish"),
-    *("trio_rl.transport", "trio_rl.trainer", "trio_rl.testing"),
+    *("trio_rl.transport", "trio_rl.trainer", "trio_rl.testing", "trio_rl.evals"),
 ]
 
 

@@ -253,6 +253,7 @@ LAYER_EXPORTS = {
     "trio_rl.transport": ["TransportError", "EndOfStreamError", "EndOfStreamError"],
     "trio_rl.wire": ["WireFormatError", "WireEncodeError"],
     "trio_rl.trainer": ["TensorConversionError"],
+    "trio_rl.evals": ["EvalError", "EvalConfigError"],
     "trio_rl.testing": [
         "InvariantViolationError",
         "ScriptedEngineError",

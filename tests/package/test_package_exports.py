@@ -24,6 +24,7 @@ FACADES = [
     "trio_rl.transport",
     "trio_rl.trainer",
     "trio_rl.testing",
+    "trio_rl.evals",
     "trio_rl.orchestrator",
     "trio_rl.learn",  # imports torch (the optional extra); nothing else imports it
 ]
@@ -131,6 +132,9 @@ PINNED: dict[str, set[str]] = {
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
+        # the priority lane an eval shares a driver's credits through (and the policy wrapper
+        # a scheduler's ``policy`` is while one is attached)
+        *("PriorityLane", "LanePolicy", "LaneStatistics"),
     },
     "trio_rl.sink": {
         *("Checkpoint", "CheckpointCompactionError", "CheckpointConfig", "CheckpointError"),
@@ -148,6 +152,8 @@ PINNED: dict[str, set[str]] = {
         *("DEFAULT_STALENESS", "STALENESS_RULES", "StalenessRule"),
         # a checkpoint checked against the run that restores it
         *("RunBounds", "check_run_bounds"),
+        # TrainSink.zero_output: #3806's zero-output budget
+        "ZeroOutputBudget",
     },
     "trio_rl.publish": {
         *("AttemptStats", "BatchSource", "Checkpointer", "CohortStats", "DeferredRelease"),

@@ -26,8 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers; its engine sections are generated from the registered
-    # engines' configs
-    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines"},
+    # engines' configs, and [eval] from the evals' config
+    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines", "evals"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
@@ -39,6 +39,9 @@ ALLOWED: dict[str, set[str]] = {
     "publish": {"payloads", "samples", "wire", "sink", "transport"},
     "trainer": {"payloads", "wire", "transport"},
     "testing": {"payloads", "samples", "policy", "engines", "rollout"},
+    # evaluation: its runner generates through the engines and the rollout layer's group
+    # nursery and priority lane; its journal keeps the run directory's eval files
+    "evals": {"payloads", "samples", "policy", "engines", "rollout", "rundir"},
     "orchestrator": {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "sink", "publish"),
         "transport",
@@ -54,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
         *("samples", "wire", "engines", "rollout", "sink", "publish", "transport", "trainer"),
         "orchestrator",
         "rundir",
+        "evals",
     },
     # what the commands share: the signal watcher, the run log, the flags, failure reporting
     "_jobs": {"rundir"},

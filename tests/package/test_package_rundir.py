@@ -33,6 +33,7 @@ def test_the_layout(tmp_path: Path) -> None:
     assert run.stop == tmp_path / "STOP"
     assert run.run_file == tmp_path / "run.json"
     assert run.eval_log == tmp_path / "eval.jsonl"
+    assert run.eval_pending == tmp_path / "eval.pending"
     assert run.env_outputs == tmp_path / "envs"
     # the batches are where the file transport writes them, under the name it gives
     assert run.batches == batches_dir(tmp_path) == tmp_path / "batches"
@@ -62,7 +63,7 @@ def test_checkpoints_and_held_batches_are_asked_of_their_owners(tmp_path: Path) 
 # The names the layout spells, as strings and as rundir's constants.
 _NAMES = (
     r"checkpoints|metrics\.jsonl|config\.toml|weights|batches|trainer|logs|plot\.png|run\.json|"
-    r"tensorboard|inference|orchestrator|STOP|eval\.jsonl|envs|\.consumed|\.staging"
+    r"tensorboard|inference|orchestrator|STOP|eval\.jsonl|eval\.pending|envs|\.consumed|\.staging"
 )
 _CONSTANTS = "|".join(name for name in rundir.__all__ if name.isupper())
 # A path joined with one of the run directory's names or constants, or a glob for checkpoint

@@ -128,3 +128,55 @@ async def test_a_published_batch_carries_its_warnings_selection_and_annotations(
         0.5,
     ]
     assert all(a.trained_tokens == 4 for a in shipment.annotations)
+
+
+@pytest.mark.parametrize(
+    ("wait", "step_time", "warns"),
+    [
+        (5.0, 10.0, True),  # waited as long as it worked: the trainer is the bottleneck
+        (8.0, 10.0, True),
+        (4.99, 10.0, False),
+        (0.0, 10.0, False),
+        (0.0, 0.0, False),  # a step of no time never warns
+        (1.0, 0.0, False),
+    ],
+)
+def test_policy_wait_warns_when_it_is_at_least_the_active_step_time(
+    wait: float, step_time: float, warns: bool
+) -> None:
+    stats = attempt_stats(SinkWindow(attempts=1, shipped=1))
+    warnings = ship_warnings(7, None, stats, (wait, step_time))
+    assert (WarningKind.POLICY_WAIT in {w.kind for w in warnings}) is warns
+    if warns:
+        (w,) = warnings
+        assert "step 7" in w.message
+        assert "add trainer capacity" in w.message
+
+
+async def test_a_published_record_warns_from_its_own_policy_wait_snapshot(
+    tmp_path: Path, mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # controlled timings: the clock moves only when the test jumps it
+    sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
+    caplog.set_level(logging.WARNING, logger="trio_rl.publish")
+    records = []
+    async with (
+        FileSender(tmp_path, world_size=1, fsync=False) as sender,
+        open_publisher(sink, sender, pack=one_per_sample_packer(1)) as pub,
+    ):
+        for step, (elapsed, wait) in enumerate([(10.0, 6.0), (10.0, 4.0), (8.0, 4.0)]):
+            sink.add_group(make_group([1.0, 0.0], group_id=f"g{step}", prompt_len=2))
+            mock_clock.jump(elapsed)
+            pub.add_policy_wait(wait)
+            record = await pub.publish()
+            assert record is not None
+            records.append(record)
+    assert [(r.policy_wait, r.step_time) for r in records] == [(6.0, 10.0), (4.0, 10.0), (4.0, 8.0)]
+    kinds = [[w.kind for w in r.warnings] for r in records]
+    assert kinds == [[WarningKind.POLICY_WAIT], [], [WarningKind.POLICY_WAIT]]
+    assert records[0].as_dict()["warnings/policy_wait"] == 1.0
+    assert records[0].as_dict()["time/step"] == 10.0
+    assert records[1].as_dict()["time/wait_for_policy"] == 4.0
+    logged = [r.getMessage() for r in caplog.records if "for the policy" in r.getMessage()]
+    assert len(logged) == 2
+    assert "waited 6 s for the policy, at least as long as its 4 s of active step time" in logged[0]

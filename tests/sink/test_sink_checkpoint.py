@@ -288,7 +288,6 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
     # no resumed request at all for the full group, hence no zero-rollout request
     assert report.resumed == []
     assert report.completed_groups == ["full"]
-    assert all(r.missing > 0 for r in report.resumed)
     assert sink.open_group_ids() == []
     # scored exactly once, with exactly its members
     assert sink.window.groups == 1
@@ -298,6 +297,29 @@ async def test_defect1_full_resumed_group_dispatches_nothing_and_scores_once(
     rewards = [float(i % 2) for i in range(len(members))]
     mean = sum(rewards) / len(rewards)
     assert [s.advantages[-1] for s in queued] == [r - mean for r in rewards]  # type: ignore[index]
+    assert_accounted(sink)
+
+
+def test_defect1_only_groups_with_members_missing_are_handed_back() -> None:
+    """Beside a full group, a partial one: only the partial one is resumed, and for exactly
+    the members it lacks (never a zero-rollout request)."""
+    full = [make_sample(0, float(i % 2), version=0) for i in range(4)]
+    partial = [make_sample(1, 1.0, version=0)]
+    state = attrs.evolve(
+        _open_state(full, 4),
+        counters=attrs.evolve(
+            TrainSink(SinkConfig(batch_size=1)).counters, dispatched=len(full) + len(partial)
+        ),
+        open_groups=(
+            OpenGroup("full", Prompt("k", (1, 2)), 4, full, 0),
+            OpenGroup("partial", Prompt("j", (3, 4)), 4, partial, 0),
+        ),
+    )
+    sink = TrainSink(SinkConfig(batch_size=8, max_off_policy_steps=None))
+    report = sink.load_state_dict(state)
+    assert report.completed_groups == ["full"]
+    assert [(r.group_id, r.missing) for r in report.resumed] == [("partial", 3)]
+    assert sink.open_group_ids() == ["partial"]
     assert_accounted(sink)
 
 

@@ -288,7 +288,8 @@ async def test_a_run_feeds_every_sink_the_same_records(tmp_path: Path) -> None:
 
 def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> None:
     """`trio-rl run` with `[metrics]` tensorboard, wandb_project and prometheus_port: every
-    step of metrics.jsonl reaches TensorBoard and the offline W&B run too."""
+    step of metrics.jsonl reaches TensorBoard and the offline W&B run too, and so does the
+    held-out eval of the initial policy."""
     extra("tensorboardX")
     extra("wandb")
     extra("prometheus_client")
@@ -318,4 +319,68 @@ def test_trio_rl_run_feeds_the_adapters_its_config_asks_for(tmp_path: Path) -> N
     }
     assert tb_steps == set(steps)
     (run_file,) = (out / "wandb").glob("offline-run-*/*.wandb")
-    assert sorted(wandb_history(run_file)) == steps
+    history = wandb_history(run_file)
+    # the held-out eval before training (step 0) reaches the sinks too, under eval/
+    assert sorted(history) == [0, *steps]
+    assert "eval/avg@8" in history[0]
+    eval_tags = {
+        v.tag: event.step
+        for raw in tf_events(out / "tensorboard")
+        for event in [Event.FromString(raw)]
+        for v in event.summary.value
+        if v.tag.startswith("eval/")
+    }
+    assert eval_tags["eval/pass_at_8"] == 0
+
+
+def _eval_record() -> dict[str, object]:
+    from trio_rl.evals import EvalResult
+
+    return EvalResult(
+        step=4, policy_version=4, k=8, prompts=3, samples=24, avg_at_k=0.5, pass_at_1=0.25,
+        pass_at_k=0.75, pass_hat_k=0.125, truncated=0.0, failed=0.0, wall_s=1.5,
+    ).sink_record()  # fmt: skip
+
+
+def test_an_eval_record_reaches_every_adapter_under_eval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pass@8 and pass^8 stay two series in TensorBoard, W&B and Prometheus alike."""
+    extra("tensorboardX")
+    extra("prometheus_client")
+    extra("wandb")
+    from tensorboardX.proto.event_pb2 import Event
+
+    rec = _eval_record()
+    assert {"eval/avg@8", "eval/pass@1", "eval/pass@8", "eval/pass^8", "eval/cut"} <= set(rec)
+    tb = TensorBoardSink(tmp_path / "tb")
+    tb.write(rec)
+    tb.close()
+    scalars = {
+        v.tag: (e.step, v.simple_value)
+        for raw in tf_events(tmp_path / "tb")
+        for e in [Event.FromString(raw)]
+        for v in e.summary.value
+    }
+    assert scalars["eval/pass_at_8"] == (4, 0.75)
+    assert scalars["eval/pass_hat_8"] == (4, 0.125)
+    prom = PrometheusSink(port=0)
+    try:
+        prom.write(rec)
+        body = httpx.get(f"http://127.0.0.1:{prom.port}/metrics", timeout=10).text
+    finally:
+        prom.close()
+    assert "trio_rl_eval_pass_at_8 0.75\n" in body
+    assert "trio_rl_eval_pass_hat_8 0.125\n" in body
+    assert "trio_rl_eval_avg_at_8 0.5\n" in body
+    assert "# HELP trio_rl_eval_pass_at_1 " in body
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wb = WandbSink(project="trio-rl-test", dir=str(tmp_path))
+    run_dir = Path(wb.run.dir).parent
+    wb.write(rec)
+    wb.close()
+    (run_file,) = run_dir.glob("*.wandb")
+    row = wandb_history(run_file)[4]
+    assert row["eval/pass@8"] == pytest.approx(0.75)
+    assert row["eval/pass^8"] == pytest.approx(0.125)

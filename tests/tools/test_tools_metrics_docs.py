@@ -47,3 +47,10 @@ def test_the_plain_line_example_is_what_the_display_prints() -> None:
 def test_the_plot_panels_are_named() -> None:
     for panel in PANELS:
         assert f"**{panel}**" in DOC
+
+
+def test_the_eval_field_table_is_the_code_s() -> None:
+    from trio_rl.tools import EVAL_FIELDS
+
+    rows = re.findall(r"^\| `(eval/[\w@^]+)` \| (.+?) \|$", DOC, re.MULTILINE)
+    assert dict(rows) == dict(EVAL_FIELDS)

@@ -181,3 +181,34 @@ def test_inspect_reads_the_same_learning_run(learn_run: Path) -> None:
     )
     published = sorted(int(p.name.removeprefix("step_")) for p in (learn_run / "weights").iterdir())
     assert data["weights"]["versions"] == published
+
+
+def test_the_reward_panel_draws_the_held_out_evals(tmp_path: Path) -> None:
+    from trio_rl.evals import EvalJournal, EvalResult
+    from trio_rl.tools.plot_cmd import read_evals
+
+    records = [{"step": s, "reward_mean": 0.1 * s, "samples": 8} for s in range(1, 7)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    journal = EvalJournal(tmp_path)
+    for step, status in ((0, "done"), (2, "done"), (4, "done"), (6, "cut")):
+        journal.finish(
+            EvalResult(
+                step=step,
+                policy_version=step,
+                k=8,
+                status=status,  # type: ignore[arg-type]
+                avg_at_k=0.05 * step,
+                pass_at_1=0.04 * step,
+            )
+        )
+    evals = read_evals(tmp_path / "eval.jsonl")
+    panel = dict(zip(PANELS, build_figure(records, evals=evals).get_axes(), strict=True))
+    lines = {line.get_label(): line for line in panel["reward"].get_lines()}
+    assert list(lines["held-out avg@8"].get_xdata()) == [0, 2, 4, 6]
+    assert list(lines["held-out avg@8"].get_ydata()) == pytest.approx([0, 0.1, 0.2, 0.3])
+    assert list(lines["held-out pass@1"].get_ydata()) == pytest.approx([0, 0.08, 0.16, 0.24])
+    assert list(lines["cut"].get_xdata()) == [6]
+    assert write_figure(tmp_path) == tmp_path / "plot.png"
+    (tmp_path / "eval.jsonl").write_text('{"no": "step"}\n')
+    with pytest.raises(InspectError, match=r"eval\.jsonl:1"):
+        write_figure(tmp_path)

@@ -25,6 +25,7 @@ from trio_rl.transport import (
     _wait,
     free_port_pair,
     rank_topic,
+    step_topic,
 )
 
 SENDER = Path(__file__).with_name("zmq_restart_sender.py")
@@ -84,9 +85,10 @@ async def test_receivers_survive_a_sigkilled_and_restarted_sender_process() -> N
     assert ends == [steps] * WORLD
 
 
-async def test_the_step_travels_in_the_topic_frame_and_a_gap_is_reported() -> None:
-    """Steps from a sender are tagged ``data_rank|R|S`` (a prime-rl SUB's prefix subscription
-    still matches); an untagged frame, as a prime-rl sender sends, is numbered by arrival."""
+async def test_the_step_travels_in_a_marker_and_a_gap_is_reported() -> None:
+    """A data message is numbered by the step marker sent before it (a topic a prime-rl SUB
+    never subscribes to); an unmarked one, as a prime-rl sender sends, by arrival; an older
+    trio-rl sender's step in the topic (``data_rank|R|S``) is read too."""
     port = free_port_pair()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -98,18 +100,47 @@ async def test_the_step_travels_in_the_topic_frame_and_a_gap_is_reported() -> No
             with trio.fail_after(5):
                 assert await pull.recv_multipart() == [b"0"]
             await trio.sleep(0.1)
-            pub.send_multipart([rank_topic(0), b"untagged"])  # prime-rl's frames: step 2
-            pub.send_multipart([rank_topic(0) + b"2", b"duplicate"])
-            pub.send_multipart([rank_topic(0) + b"3", b"three"])
-            pub.send_multipart([rank_topic(0) + b"9", b"nine"])
+            pub.send_multipart([rank_topic(0), b"unmarked"])  # prime-rl's frames: step 2
+            pub.send_multipart([step_topic(0), b"2"])
+            pub.send_multipart([rank_topic(0), b"duplicate"])
+            pub.send_multipart([step_topic(0), b"3"])
+            pub.send_multipart([rank_topic(0), b"three"])
+            pub.send_multipart([rank_topic(0) + b"4", b"four"])  # an older trio-rl sender's
+            pub.send_multipart([step_topic(0), b"9"])
+            pub.send_multipart([rank_topic(0), b"nine"])
             with trio.fail_after(5):
-                assert (await rx.receive()).step == 2
+                item = await rx.receive()
+                assert (item.step, bytes(item.data)) == (2, b"unmarked")
                 item = await rx.receive()
                 assert (item.step, bytes(item.data)) == (3, b"three")
+                item = await rx.receive()
+                assert (item.step, bytes(item.data)) == (4, b"four")
                 with pytest.raises(TransportError) as info:
                     await rx.receive()
         assert "got step 9" in str(info.value)
-        assert "5 step(s) were lost" in str(info.value)
+        assert "4 step(s) were lost" in str(info.value)
+    finally:
+        pub.close(linger=0)
+        pull.close()
+        ctx.term()
+
+
+async def test_a_malformed_step_marker_is_reported() -> None:
+    port = free_port_pair()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pull = ZmqSocket(ctx.socket(zmq.PULL))
+    try:
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        pull.socket.bind(f"tcp://127.0.0.1:{port + 1}")
+        async with ZmqReceiver(0, port=port) as rx:
+            with trio.fail_after(5):
+                assert await pull.recv_multipart() == [b"0"]
+            await trio.sleep(0.1)
+            pub.send_multipart([step_topic(0), b"x1"])
+            with trio.fail_after(5), pytest.raises(TransportError) as info:
+                await rx.receive()
+        assert "step marker is malformed" in str(info.value)
     finally:
         pub.close(linger=0)
         pull.close()

@@ -109,10 +109,15 @@ def _optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _is_table(tp: Any) -> bool:
-    """``Mapping[str, float]`` (names to numbers) or ``Mapping[str, Any]`` (a plug-in's knobs,
-    checked by the plug-in): the table types an option may have."""
+    """``Mapping[str, float]`` (names to numbers), ``Mapping[str, str]`` (names to text, e.g.
+    headers) or ``Mapping[str, Any]`` (a plug-in's knobs, checked by the plug-in): the table
+    types an option may have."""
     origin = typing.get_origin(tp)
-    return origin in (Mapping, dict) and typing.get_args(tp) in ((str, float), (str, Any))
+    return origin in (Mapping, dict) and typing.get_args(tp) in (
+        (str, float),
+        (str, str),
+        (str, Any),
+    )
 
 
 def _is_list(tp: Any) -> bool:
@@ -151,6 +156,11 @@ def _coerce(value: Any, tp: Any) -> Any:
             return tuple(value)
     elif _is_table(base) and typing.get_args(base)[1] is Any:
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
+    elif _is_table(base) and typing.get_args(base)[1] is str:
+        if isinstance(value, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
             return dict(value)
     elif _is_table(base):
         if isinstance(value, Mapping) and all(

@@ -26,6 +26,7 @@ from ..engines import (
     engine_kind,
 )
 from ..errors import InvalidArgumentError
+from ..evals import EvalConfig
 from ..rollout import RolloutConfig
 from ..sink import CheckpointConfig, SinkConfig
 from ..trainer import TrainerConfig
@@ -399,6 +400,16 @@ Inference = engine_section(
 )
 
 
+#: ``[eval]`` of the learning run (and of ``trio-rl eval``): the knobs of
+#: :class:`~trio_rl.evals.EvalConfig`.
+LearnEval = config_section(
+    EvalConfig,
+    "LearnEval",
+    "Held-out evaluation (trio_rl.evals.EvalConfig): avg@k, pass@k and pass^k of one policy "
+    "version, every interval steps and by trio-rl eval.",
+)
+
+
 @attrs.frozen
 class LearnRunConfig:
     """``trio-rl run``: the learning run."""
@@ -416,6 +427,7 @@ class LearnRunConfig:
     data: DataSection = attrs.field(factory=DataSection)
     reward: RewardSection = attrs.field(factory=RewardSection)
     inference: InferenceKeys = attrs.field(factory=Inference)
+    eval: ConfigSection[EvalConfig] = attrs.field(factory=LearnEval)
 
 
 # ------------------------------------------------------------------ trio-rl simulate

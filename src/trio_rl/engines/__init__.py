@@ -16,6 +16,7 @@ from ._distributions import LogNormalSeconds as LogNormalSeconds
 from ._distributions import LogNormalTokens as LogNormalTokens
 from ._distributions import ParetoSeconds as ParetoSeconds
 from ._distributions import get_distribution as get_distribution
+from ._errors import EngineAuthError as EngineAuthError
 from ._errors import EngineConfigError as EngineConfigError
 from ._errors import EngineError as EngineError
 from ._errors import EngineRequestError as EngineRequestError
@@ -39,6 +40,7 @@ from ._occupancy import CountsSlots as CountsSlots
 from ._occupancy import SlotOccupancy as SlotOccupancy
 from ._openai import OpenAICompatibleEngine as OpenAICompatibleEngine
 from ._openai_answers import parse_completion_response as parse_completion_response
+from ._protocol import AbortsAll as AbortsAll
 from ._protocol import Completion as Completion
 from ._protocol import Engine as Engine
 from ._protocol import FinishReason as FinishReason

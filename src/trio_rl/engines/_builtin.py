@@ -14,7 +14,7 @@ import trio
 from .._validation import at_least, positive_finite
 from ..errors import InvalidArgumentError
 from ._fleet import EngineFleet
-from ._fleet_config import InferenceConfig
+from ._fleet_config import ABORT_PATH_HELP, InferenceConfig, abort_path_check
 from ._inference import open_inference
 from ._openai import OpenAICompatibleEngine
 from ._registry import EngineKind, EngineSetup, register_engine
@@ -89,6 +89,9 @@ class OpenAIConfig:
         at_least(1),
         may_change=True,
     )
+    abort_path: str | None = _knob(
+        None, ABORT_PATH_HELP + " (openai)", abort_path_check, may_change=True
+    )
 
 
 @asynccontextmanager
@@ -100,7 +103,7 @@ async def _open_openai(
         model=config.model,
         timeout=config.timeout,
         max_attempts=config.max_attempts,
-        abort_path=None,  # vLLM aborts on disconnect; SGLang's /abort_request is optional
+        abort_path=config.abort_path,
     ) as engine:
         yield engine
 

@@ -7,6 +7,7 @@ on this sample" from a bug in the caller. An engine used outside its lifetime ra
 
 from __future__ import annotations
 
+from ..errors import EngineAuthError as EngineAuthError
 from ..errors import EngineConfigError as EngineConfigError
 from ..errors import EngineError as EngineError
 from ..errors import EngineRequestError as EngineRequestError
@@ -16,6 +17,7 @@ from ..errors import EngineTransportError as EngineTransportError
 from ..errors import SimulatedEngineError as SimulatedEngineError
 
 __all__ = [
+    "EngineAuthError",
     "EngineConfigError",
     "EngineError",
     "EngineRequestError",

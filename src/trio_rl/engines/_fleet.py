@@ -33,8 +33,10 @@ from ._errors import (
     EngineTimeoutError,
     EngineTransportError,
 )
+from ._fleet_config import abort_path_check
 from ._fleet_config import fleet_default as _d
-from ._fleet_status import FleetEvent, FleetServer, ServerState
+from ._fleet_member import Member as _Server
+from ._fleet_status import FleetEvent, FleetServer
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
 from ._waiting import LogThrottle, wait_logged
@@ -45,39 +47,6 @@ logger = logging.getLogger("trio_rl.engines")
 
 
 _COUNTS = ("requests", "retried", "failed", "taken_out", "taken_in", "weight_loads")
-
-
-@attrs.define(slots=True, eq=False)
-class _Server:
-    url: str
-    engine: OpenAICompatibleEngine
-    admin: Any  # VLLMAdmin (imported late: _vllm imports this package's modules)
-    state: ServerState = "live"
-    in_flight: int = 0
-    loaded: PolicyVersion | None = None
-    requests: int = 0
-    failures: int = 0
-    taken_out: int = 0
-    taken_in: int = 0
-    probe_failures: int = 0
-    #: its models were compared with the fleet's (at opening, or when it first joined)
-    checked: bool = False
-    #: what it served when it was last refused for serving other models (reported once)
-    refused: list[str] | None = None
-    #: one cancel scope per request on it: taking the server out cancels them
-    scopes: set[trio.CancelScope] = attrs.field(factory=set)
-
-    def status(self) -> FleetServer:
-        return FleetServer(
-            self.url,
-            self.state,
-            self.in_flight,
-            self.loaded,
-            self.requests,
-            self.failures,
-            self.taken_out,
-            self.taken_in,
-        )
 
 
 def _quorum(fleet: EngineFleet, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -127,8 +96,7 @@ class EngineFleet:
 
     **Deadlines.** Each request, retries included, runs under ``trio.fail_after(timeout)``
     (:class:`EngineTimeoutError`); every admin call under ``admin_timeout``; opening waits at
-    most ``start_timeout`` for every server (or ``min_servers`` of them) to answer
-    ``/health``.
+    most ``start_timeout`` for every server (or ``min_servers`` of them) to answer ``/health``.
 
     **Starting with a quorum.** With ``min_servers``, the fleet opens once that many servers
     answer; the others start taken out and are probed in like a server that came back. With
@@ -153,13 +121,13 @@ class EngineFleet:
     probe_failures: int = attrs.field(default=_d("probe_failures"), validator=positive_or_inf)
     #: Ask the servers for streamed answers (see :class:`OpenAICompatibleEngine`).
     stream: bool = attrs.field(default=True, validator=a_bool)
-    #: Posted on cancellation (SGLang's ``/abort_request``); None for vLLM, which aborts a
-    #: request whose client disconnects.
-    abort_path: str | None = None
+    #: SGLang's ``/abort_request`` (a cancelled request's, and :meth:`abort_all`'s); None: vLLM.
+    abort_path: str | None = attrs.field(default=_d("abort_path"), validator=abort_path_check)
     #: Merged into every request body.
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
-    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``); not
+    #: in the repr. A 401 or 403 (``EngineAuthError``) at opening fails it at once.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: The header that carries the routing key (None: not sent).
     routing_header: str | None = "X-SMG-Routing-Key"
     #: Routing keys remembered (least recently used forgotten first).
@@ -188,8 +156,6 @@ class EngineFleet:
     _no_server_log: LogThrottle = attrs.field(init=False, factory=LogThrottle)
     #: what the servers checked at opening serve (with ``check_models``)
     _models: list[str] | None = attrs.field(init=False, default=None)
-
-    # ------------------------------------------------------------------ reading
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -228,8 +194,6 @@ class EngineFleet:
         after theirs failed or was taken out); ``failed`` (requests that gave up: no server
         left, or ``max_attempts`` tried); ``taken_out``, ``taken_in``; ``weight_loads``."""
         return dict(self._counts)
-
-    # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """One completion from one of the servers; see the class docstring for balancing,
@@ -291,8 +255,6 @@ class EngineFleet:
         _take_out(self, server, reason)
         return reason
 
-    # ------------------------------------------------------------------ weights
-
     async def load_weights(self, path: str | os.PathLike[str], version: PolicyVersion) -> None:
         """Reload every live server from the safetensors directory ``path`` (readable by the
         servers) as policy ``version``, reset their prefix caches, then make ``version``
@@ -332,8 +294,6 @@ class EngineFleet:
             self.version.advance(version)
             self._counts["weight_loads"] += 1
 
-    # ------------------------------------------------------------------ probes
-
     def take_out(self, url: str, reason: str) -> None:
         """Take the server at ``url`` out now (e.g. its process exited: a launcher knows before
         any probe does); it is probed back in like any server taken out."""
@@ -342,6 +302,21 @@ class EngineFleet:
                 _take_out(self, server, reason)
                 return
         raise EngineConfigError(f"{url} is not a server of this fleet ({list(self.urls)})")
+
+    async def abort_all(self) -> None:
+        """Abort every request running on the live servers at once (see `_abort_all`)."""
+        await _abort_all(self)
+
+
+async def _abort_all(fleet: EngineFleet) -> None:
+    """`EngineFleet.abort_all`: miles' ``abort_all`` of every worker, i.e.
+    :meth:`OpenAICompatibleEngine.abort_all` of each live server (SGLang: ``{"abort_all":
+    true}`` posted to ``abort_path``; vLLM: nothing, its requests abort as they disconnect)."""
+    if not fleet._open:
+        raise trio.ClosedResourceError("EngineFleet used outside open_engine_fleet()")
+    async with trio.open_nursery() as nursery:
+        for server in (s for s in fleet._servers if s.state == "live"):
+            nursery.start_soon(server.engine.abort_all)
 
 
 async def _pick(

@@ -6,6 +6,8 @@ defaults from it."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -13,7 +15,13 @@ import attrs
 from .._validation import at_least, positive_finite
 from ..errors import InvalidArgumentError
 
-__all__ = ["ADMIN_TIMEOUT", "InferenceConfig", "fleet_default"]
+__all__ = [
+    "ABORT_PATH_HELP",
+    "ADMIN_TIMEOUT",
+    "InferenceConfig",
+    "abort_path_check",
+    "fleet_default",
+]
 
 
 def _knob(default: Any, help: str, validator: Any = None, *, may_change: bool = True) -> Any:
@@ -22,12 +30,62 @@ def _knob(default: Any, help: str, validator: Any = None, *, may_change: bool = 
     )
 
 
+#: What the ``abort_path`` knobs say (the fleet's and the simulated run's single server's).
+ABORT_PATH_HELP = (
+    "the servers' abort endpoint: `/abort_request` for SGLang (a cancelled request posts "
+    '`{"rid": ...}` there, and aborting every request, as the sync driver does with its '
+    'leftovers, posts `{"abort_all": true}`); unset for vLLM, which aborts a request whose '
+    "client disconnects"
+)
+
+
+def abort_path_check(_: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    """An abort path is unset or a path on the server (``/...``)."""
+    if value is not None and not (isinstance(value, str) and value.startswith("/")):
+        raise InvalidArgumentError(
+            f"{attribute.name} must be unset or a path starting with '/' (SGLang: "
+            f"'/abort_request'), got {value!r}"
+        )
+
+
 def _urls(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for url in value:
         if not url.startswith(("http://", "https://")):
             raise InvalidArgumentError(f"{url!r} is not an http:// or https:// URL")
     if len(set(value)) != len(value):
         raise InvalidArgumentError(f"a server is listed twice in {list(value)}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: Headers that carry credentials: their value must come from the environment.
+CREDENTIAL_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"}
+)
+
+
+def _env_name(_: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    # the message never shows the value: a key pasted here by mistake is a secret
+    if value is not None and not _ENV_NAME.fullmatch(value):
+        raise InvalidArgumentError(
+            f"{attribute.name} must be the NAME of an environment variable (letters, digits "
+            "and _, not starting with a digit) whose value is the key, not the key itself "
+            "(the value given is not shown)"
+        )
+
+
+def _headers(_: object, attribute: attrs.Attribute[Any], value: Mapping[str, str]) -> None:
+    for name, text in value.items():
+        if not _TOKEN.fullmatch(name):
+            raise InvalidArgumentError(f"{attribute.name}: {name!r} is not a header name")
+        if "\r" in text or "\n" in text:
+            raise InvalidArgumentError(f"{attribute.name}: header {name!r} has a line break")
+        if name.lower() in CREDENTIAL_HEADERS and "${" not in text:
+            raise InvalidArgumentError(
+                f"{attribute.name}: header {name!r} holds a literal value; a credential comes "
+                'from the environment, as "${NAME}" (or api_key_env for a bearer key), so '
+                "that no file holds it (the value given is not shown)"
+            )
 
 
 #: Seconds a weight reload of one server may take (a fleet's and a single vLLM engine's).
@@ -49,13 +107,14 @@ class InferenceConfig:
     )
     launch: int = _knob(
         0,
-        "start this many vLLM servers serving [model] path as child processes the run owns, on "
-        "free loopback ports: health-checked, restarted if they die, stopped with the run",
+        "start this many vLLM servers serving [model] path as child processes the run owns, "
+        "each on a private Unix socket behind a gate on a free loopback port that wants the "
+        "run's API key on every path: health-checked, restarted if they die, stopped with the run",
         at_least(0),
     )
     vllm: str = _knob(
         "",
-        "the command that starts a launched server, before `--model PATH --host --port` "
+        "the command that starts a launched server, before `--model PATH --uds SOCKET` "
         "(empty: `python -m vllm.entrypoints.openai.api_server` with this Python)",
     )
     vllm_args: tuple[str, ...] = _knob(
@@ -97,11 +156,35 @@ class InferenceConfig:
         ADMIN_TIMEOUT, "seconds a weight reload of one server may take", positive_finite
     )
     restarts: int = _knob(3, "restarts of each launched server that exits", at_least(0))
+    abort_path: str | None = _knob(None, ABORT_PATH_HELP, abort_path_check)
+    api_key_env: str | None = _knob(
+        None,
+        "the NAME of the environment variable holding the API key, sent as `Authorization: "
+        "Bearer` with every request, probe and weight reload to every server; launched servers "
+        "want it (unset: a key drawn for the run, held in memory only). Its value is never "
+        "written or printed",
+        _env_name,
+    )
+    headers: Mapping[str, str] = _knob(
+        {},
+        'more headers sent to every server, e.g. {"X-Gateway-Token" = "${GATEWAY_TOKEN}"}; '
+        "${NAME} is read from the environment when the run starts ($$ is a $): a credential "
+        "goes only that way",
+        _headers,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.urls and self.launch:
             raise InvalidArgumentError("set `urls` (servers already running) or `launch`, not both")
         servers = len(self.urls) or self.launch
+        if any(h.lower() == "authorization" for h in self.headers) and (
+            self.api_key_env is not None or self.launch
+        ):
+            raise InvalidArgumentError(
+                "an Authorization header and "
+                + ("launched servers (they want the run's key)" if self.launch else "api_key_env")
+                + ": give the key one way"
+            )
         if self.min_servers is not None and servers and self.min_servers > servers:
             raise InvalidArgumentError(
                 f"min_servers = {self.min_servers} is more than the {servers} servers of "

@@ -41,6 +41,9 @@ class SlotOccupancy:
         if not isinstance(self.engine, CountsSlots):
             return None
         stats = self.engine.statistics()
+        # the protocol check sees only a statistics() method: a fleet's returns a dict of counts
+        if not all(hasattr(stats, a) for a in ("slots", "elapsed", "busy_slot_seconds")):
+            return None
         span = stats.elapsed - self._last[0]
         busy = stats.busy_slot_seconds - self._last[1]
         self._last = (stats.elapsed, stats.busy_slot_seconds)

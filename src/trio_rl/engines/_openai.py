@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -18,6 +18,7 @@ from .._validation import a_bool, http_urls, non_negative_or_inf, positive_or_in
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
 from ._abort import stop_scope
+from ._auth import refused
 from ._backoff import retry_delay
 from ._errors import (
     EngineRequestError,
@@ -48,9 +49,50 @@ class _Received:
     logprobs: list[float] = attrs.field(factory=list)
     finish: FinishReason | None = None
     server_version: PolicyVersion | None = None
+    #: The version current when the attempt was sent (``version_source()`` or the fallback).
+    sent_version: PolicyVersion = 0
 
     def reset(self) -> None:
         self.tokens, self.logprobs, self.finish, self.server_version = [], [], None, None
+
+
+def _stamp(engine: OpenAICompatibleEngine, received: _Received) -> PolicyVersion:
+    """The version read at send when ``version_source`` is set, else what the server
+    reported, else the fallback read at send."""
+    if engine.version_source is not None or received.server_version is None:
+        return received.sent_version
+    return received.server_version
+
+
+async def _post_aborts(
+    engine: OpenAICompatibleEngine,
+    client: httpx.AsyncClient,
+    bases: Sequence[str],
+    body: dict[str, Any],
+    what: str,
+) -> None:
+    """Post ``body`` to ``abort_path`` of each of ``bases`` at once, each shielded within
+    ``abort_timeout``; a failure is logged and dropped (an abort is best effort). Nothing
+    without ``abort_path``."""
+    path = engine.abort_path
+    if path is None:
+        return
+
+    async def post(base: str) -> None:
+        with trio.move_on_after(engine.abort_timeout, shield=True) as scope:
+            try:
+                await client.post(base + path, json=body)
+            except httpx.HTTPError as exc:
+                logger.warning("abort of %s at %s failed: %s", what, base, exc)
+        if scope.cancelled_caught:
+            logger.warning("abort of %s at %s timed out", what, base)
+
+    if len(bases) == 1:
+        await post(bases[0])
+        return
+    async with trio.open_nursery() as nursery:
+        for base in bases:
+            nursery.start_soon(post, base)
 
 
 def _rendezvous(key: str, urls: tuple[str, ...]) -> str:
@@ -93,12 +135,17 @@ class OpenAICompatibleEngine:
     that, ... (at most ``max_backoff``) in between, each pause jittered (between half and all
     of it: many clients do not retry a restarted server at the same instant); then
     :class:`EngineTransportError`. A 4xx
-    answer raises :class:`EngineRequestError` at once, a malformed body
+    answer raises :class:`EngineRequestError` at once (401 and 403:
+    :class:`~trio_rl.errors.EngineAuthError`), a malformed body
     :class:`EngineResponseError`.
 
-    **Policy version**, in this order: ``version_source()`` if given; the integer JSON field
-    ``version_field`` of the response; the header ``version_header``; else the version last set
-    with :meth:`set_policy_version` (0 at first).
+    **Policy version**, in this order: ``version_source()`` if given, read when the request
+    is sent; the integer JSON field ``version_field`` of the response; the header
+    ``version_header``; else the version last set with :meth:`set_policy_version` (0 at first),
+    read when the request is sent. The client-side versions are read at send, never when the
+    answer arrives: weights that changed while the request ran did not produce its tokens,
+    so a completion is never stamped fresher than the weights that generated it (a retry is
+    a new request: it reads the version again).
 
     **Abort** (:attr:`GenerateRequest.abort`): the engine stops reading, closes the response
     (vLLM aborts a request whose client disconnects), posts the server-side abort as on
@@ -139,8 +186,9 @@ class OpenAICompatibleEngine:
     version_source: Callable[[], PolicyVersion] | None = None
     #: Merged into every request body (e.g. ``{"skip_special_tokens": False}``).
     extra_body: Mapping[str, Any] = attrs.field(factory=dict)
-    #: Sent with every request (e.g. ``{"Authorization": "Bearer ..."}``).
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    #: Sent with every request (e.g. ``{"Authorization": "Bearer ..."}``); kept out of the repr,
+    #: as values may be secret. A 401 or 403 answer raises :class:`EngineAuthError`.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: httpx connection-pool size; None means unbounded.
     max_connections: int | None = None
     #: Seconds an idle pooled connection is kept for reuse. Below the servers' own idle limit
@@ -233,7 +281,7 @@ class OpenAICompatibleEngine:
             )
         rid = request.request_id or uuid.uuid4().hex
         body = self._body(request, rid)
-        received = _Received()
+        received = _Received(sent_version=self._version_now())
         completion: Completion | None = None
         with stop_scope(request.abort):
             try:
@@ -251,7 +299,7 @@ class OpenAICompatibleEngine:
             tokens=received.tokens,
             logprobs=received.logprobs,
             finish_reason="abort",
-            policy_version=self._stamp(received.server_version),
+            policy_version=_stamp(self, received),
         )
 
     async def _with_retries(
@@ -287,21 +335,21 @@ class OpenAICompatibleEngine:
         )
 
     async def _abort(self, client: httpx.AsyncClient, base: str, rid: str) -> None:
-        if self.abort_path is None:
-            return
-        with trio.move_on_after(self.abort_timeout, shield=True) as scope:
-            try:
-                await client.post(base + self.abort_path, json={"rid": rid})
-            except httpx.HTTPError as exc:
-                logger.warning("abort of request %r at %s failed: %s", rid, base, exc)
-        if scope.cancelled_caught:
-            logger.warning("abort of request %r at %s timed out", rid, base)
+        await _post_aborts(self, client, [base], {"rid": rid}, f"request {rid!r}")
 
-    def _stamp(self, server_version: PolicyVersion | None) -> PolicyVersion:
-        """``version_source()`` if set, else what the server reported, else the fallback."""
-        if self.version_source is not None:
-            return self.version_source()
-        return self.version.value if server_version is None else server_version
+    async def abort_all(self) -> None:
+        """Abort every request running on every server (miles' ``abort_all``): post
+        ``{"abort_all": true}`` to ``abort_path`` of each server at once (SGLang: every request
+        there ends with finish reason ``abort``, other clients' too). Without ``abort_path``
+        (vLLM) nothing is posted: cancelling a request disconnects it, which aborts it. Each
+        post is shielded, within ``abort_timeout``; failures are logged and dropped."""
+        if self._client is None:
+            raise trio.ClosedResourceError("OpenAICompatibleEngine used outside 'async with'")
+        await _post_aborts(self, self._client, self.base_urls, {"abort_all": True}, "all")
+
+    def _version_now(self) -> PolicyVersion:
+        """The client-side version of a request sent now (``version_source()`` or fallback)."""
+        return self.version_source() if self.version_source is not None else self.version.value
 
 
 @attrs.frozen
@@ -349,12 +397,18 @@ class _Exchange:
         received: _Received,
     ) -> Completion | str:
         received.reset()
+        received.sent_version = self.engine._version_now()
         if self.engine.stream:
             return await self.streamed(client, base, rid, body, received)
-        return await self.posted(client, base, rid, body)
+        return await self.posted(client, base, rid, body, received)
 
     async def posted(
-        self, client: httpx.AsyncClient, base: str, rid: str, body: dict[str, Any]
+        self,
+        client: httpx.AsyncClient,
+        base: str,
+        rid: str,
+        body: dict[str, Any],
+        received: _Received,
     ) -> Completion | str:
         """One non-streamed attempt: the completion, or why it may be retried."""
         answered = False
@@ -371,7 +425,7 @@ class _Exchange:
         where = f"{base}{self.engine.completions_path} (request {rid!r})"
         if response.status_code >= 400:
             raise _refused(response, where)
-        return self._completion(response, where)
+        return self._completion(response, where, received)
 
     async def streamed(
         self,
@@ -414,7 +468,7 @@ class _Exchange:
             tokens=received.tokens,
             logprobs=received.logprobs,
             finish_reason=received.finish,
-            policy_version=self.engine._stamp(received.server_version),
+            policy_version=_stamp(self.engine, received),
         )
 
     def _chunk(self, payload: str, received: _Received, where: str) -> None:
@@ -429,7 +483,7 @@ class _Exchange:
         if version is not None:
             received.server_version = version
 
-    def _completion(self, response: httpx.Response, where: str) -> Completion:
+    def _completion(self, response: httpx.Response, where: str, received: _Received) -> Completion:
         try:
             data = json.loads(response.content)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -440,11 +494,12 @@ class _Exchange:
         version = _json_version(data, self.engine.version_field, where)
         if version is None:
             version = _header_version(response.headers, self.engine.version_header, where)
+        received.server_version = version
         return Completion(
             tokens=tokens,
             logprobs=logprobs,
             finish_reason=finish,
-            policy_version=self.engine._stamp(version),
+            policy_version=_stamp(self.engine, received),
         )
 
 
@@ -461,8 +516,4 @@ def _failure(base: str, exc: httpx.TransportError, answered: bool) -> str:
 
 
 def _refused(response: httpx.Response, where: str) -> EngineRequestError:
-    return EngineRequestError(
-        f"{where} refused with HTTP {response.status_code}: {response.text[:500]}",
-        status_code=response.status_code,
-        body=response.text[:2000],
-    )
+    return refused(response, where)

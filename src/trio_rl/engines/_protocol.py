@@ -10,7 +10,7 @@ from .._validation import non_negative_finite, open_unit, optional_int, positive
 from ..samples import PolicyVersion
 from ._abort import AbortSignal
 
-__all__ = ["Completion", "Engine", "FinishReason", "GenerateRequest", "SamplingParams"]
+__all__ = ["AbortsAll", "Completion", "Engine", "FinishReason", "GenerateRequest", "SamplingParams"]
 
 #: ``stop``: the model ended the completion; ``length``: it hit ``max_tokens``;
 #: ``abort``: the engine gave up on the request (e.g. paused for a weight update).
@@ -87,5 +87,19 @@ class Engine(Protocol):
 
         Cancellation: the request is abandoned (aborted engine-side where the engine supports
         it) and `trio.Cancelled` propagates; no completion is returned.
+        """
+        ...
+
+
+@runtime_checkable
+class AbortsAll(Protocol):
+    """An engine that can abort every request it has running on its servers at once
+    (:class:`~trio_rl.engines.OpenAICompatibleEngine`, :class:`~trio_rl.engines.EngineFleet`):
+    the sync driver's ``engine_abort``, called when a batch is full and groups are still out."""
+
+    async def abort_all(self) -> None:
+        """Abort every running request engine-side; best effort, bounded in time.
+
+        Cancellation: the aborts already posted stand; `trio.Cancelled` propagates.
         """
         ...

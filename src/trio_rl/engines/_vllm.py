@@ -25,10 +25,12 @@ import trio
 from .._validation import a_bool, http_urls, non_negative_or_inf, positive_or_inf
 from ..policy import PolicyVersionCell
 from ..samples import PolicyVersion
+from ._auth import refused
 from ._backoff import retry_delay
 from ._batching import PendingRow as _Row
 from ._batching import RequestBatcher
 from ._errors import (
+    EngineAuthError,
     EngineError,
     EngineRequestError,
     EngineResponseError,
@@ -55,13 +57,15 @@ class VLLMAdmin:
     Use it as ``async with VLLMAdmin(url) as admin:`` (it owns one ``httpx.AsyncClient``); a
     call outside that block raises ``trio.ClosedResourceError``. Every call runs under
     ``trio.fail_after(timeout)``: expiry raises :class:`EngineTimeoutError`, an unreachable
-    server :class:`EngineTransportError`, a 4xx :class:`EngineRequestError`, a 5xx
-    :class:`EngineTransportError`; each message names the URL.
+    server :class:`EngineTransportError`, a 4xx :class:`EngineRequestError` (401 and 403:
+    :class:`~trio_rl.errors.EngineAuthError`, also from :meth:`healthy`), a 5xx
+    :class:`EngineTransportError`; each message names the URL. ``headers`` (e.g. an
+    ``Authorization`` header) go with every call and stay out of the repr.
     """
 
     base_url: str = attrs.field(converter=_url, validator=http_urls)
     timeout: float = attrs.field(default=60.0, validator=positive_or_inf)
-    headers: Mapping[str, str] = attrs.field(factory=dict)
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
 
     async def __aenter__(self) -> VLLMAdmin:
@@ -104,11 +108,7 @@ class VLLMAdmin:
                 f"{method} {url}: HTTP {response.status_code}: {response.text[:500]}"
             )
         if response.status_code >= 400:
-            raise EngineRequestError(
-                f"{method} {url} refused with HTTP {response.status_code}: {response.text[:500]}",
-                status_code=response.status_code,
-                body=response.text[:2000],
-            )
+            raise refused(response, f"{method} {url}")
         return response
 
     @staticmethod
@@ -130,6 +130,8 @@ class VLLMAdmin:
 
     async def healthy(self) -> bool:
         """True if ``GET /health`` answers 200 now; False if the server is not reachable yet.
+        A refusal of the credentials (401, 403: a server or proxy that guards ``/health``)
+        raises :class:`~trio_rl.errors.EngineAuthError` at once: waiting would not help.
 
         Cancellation: the request is abandoned.
         """
@@ -140,6 +142,8 @@ class VLLMAdmin:
         ...), or None when it does. Cancellation: the request is abandoned."""
         try:
             await self._call("GET", "/health")
+        except EngineAuthError:
+            raise
         except EngineTransportError as exc:
             return transport_reason(exc)
         except EngineRequestError as exc:
@@ -300,6 +304,9 @@ class VLLMEngine:
     #: (None: not sent). An ``n`` request sends its first sample's key: under group-sticky
     #: routing every sample of a group has the same one.
     routing_header: str | None = "X-SMG-Routing-Key"
+    #: Sent with every request and admin call (e.g. ``{"Authorization": "Bearer ..."}``); kept
+    #: out of the repr, as values may be secret.
+    headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     _client: httpx.AsyncClient | None = attrs.field(init=False, default=None)
     _admin: VLLMAdmin | None = attrs.field(init=False, default=None)
     _batcher: RequestBatcher = attrs.field(init=False)
@@ -466,11 +473,7 @@ class _NRequest:
                 r.tokens, r.logprobs = [], []
 
     def _refused(self, response: httpx.Response) -> EngineRequestError:
-        return EngineRequestError(
-            f"{self.where} refused with HTTP {response.status_code}: {response.text[:500]}",
-            status_code=response.status_code,
-            body=response.text[:2000],
-        )
+        return refused(response, self.where)
 
     def _complete(self, row: _Row, tokens: list[int], logprobs: list[float], finish: Any) -> None:
         """Release ``row`` with its completion at once (its siblings may still be running)."""
@@ -584,8 +587,9 @@ async def open_vllm_engine(base_url: str, **kwargs: Any) -> AsyncIterator[VLLMEn
         httpx.AsyncClient(
             timeout=httpx.Timeout(None),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            headers=dict(engine.headers),
         ) as client,
-        VLLMAdmin(engine.base_url, timeout=engine.admin_timeout) as admin,
+        VLLMAdmin(engine.base_url, timeout=engine.admin_timeout, headers=engine.headers) as admin,
         trio.open_nursery() as nursery,
     ):
         engine._client, engine._admin, engine._batcher.nursery = client, admin, nursery

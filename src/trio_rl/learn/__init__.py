@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..trainer import TrainerConfig as TrainerConfig
 from . import tasks as tasks
+from ._evals import eval_line as eval_line
 from ._grpo import TRAINER_KEYS as TRAINER_KEYS
 from ._grpo import GRPOTrainer as GRPOTrainer
 from ._grpo import StepStats as StepStats
@@ -18,6 +19,8 @@ from ._grpo import grpo_token_terms as grpo_token_terms
 from ._model import CharTransformer as CharTransformer
 from ._model import ModelConfig as ModelConfig
 from ._model import sequence_logprobs as sequence_logprobs
+from ._offline import ProgressBar as ProgressBar
+from ._offline import evaluate_offline as evaluate_offline
 from ._policy import HFCausalLM as HFCausalLM
 from ._policy import Policy as Policy
 from ._policy import check_model_dir as check_model_dir

@@ -11,6 +11,7 @@ import torch
 import trio
 
 from ..config import LearnRunConfig
+from ..evals import VersionPin
 from ..rundir import RunDirectory
 from ..transport import EndOfStreamError, FileReceiver
 from ..wire import decode
@@ -36,9 +37,10 @@ class InProcessTrainer:
     Each trained step is appended to ``stats`` and reported to ``log``. ``may_train(step)``,
     when given, holds a step until it returns True (polled; the deterministic run keeps the
     trainer in lockstep). ``state``: the saved state it resumes from (the model holds its
-    ``model`` already). ``limiter`` is the run's one capacity limiter (``publish.threads``
-    tokens, the orchestrator's too): the file reads, the decoding and the training step all
-    borrow it."""
+    ``model`` already). ``pin``: the run's evals' pin; each step's publication (saved state
+    and weights) holds it, so none happens while an eval runs. ``limiter`` is the run's one
+    capacity limiter (``publish.threads`` tokens, the orchestrator's too): the file reads, the
+    decoding and the training step all borrow it."""
 
     config: LearnRunConfig
     model: torch.nn.Module
@@ -47,14 +49,18 @@ class InProcessTrainer:
     state: dict[str, Any] | None = None
     log: TrainerLog | None = None
     may_train: Callable[[int], bool] | None = None
+    #: The run's evals' pin (see `trio_rl.evals.VersionPin`): a publication waits for an eval.
+    pin: VersionPin = attrs.field(factory=VersionPin)
 
-    def _train_and_publish(
-        self, trainer: GRPOTrainer, step: int, micro_batches: Any
-    ) -> tuple[StepStats, dict[str, Any]]:
+    def _train(self, trainer: GRPOTrainer, step: int, micro_batches: Any) -> StepStats:
         if self.config.run.deterministic:
             _one_thread()
+        return trainer.train_step(step, micro_batches)
+
+    def _publish(
+        self, trainer: GRPOTrainer, step: int, stats: StepStats
+    ) -> tuple[StepStats, dict[str, Any]]:
         out = run_directory(self.config)
-        stats = trainer.train_step(step, micro_batches)
         # The trainer's state first: a published version is never ahead of the saved state,
         # so a resumed engine's weights (the state's) are never older than a version reported.
         save_trainer_state(out, step, trainer)
@@ -102,14 +108,19 @@ class InProcessTrainer:
                     micro_batches = await trio.to_thread.run_sync(
                         decode, got.data, limiter=self.limiter
                     )
-                    step_stats, record = await trio.to_thread.run_sync(
-                        self._train_and_publish,
-                        trainer,
-                        got.step,
-                        micro_batches,
-                        limiter=self.limiter,
+                    trained = await trio.to_thread.run_sync(
+                        self._train, trainer, got.step, micro_batches, limiter=self.limiter
                     )
-                    self.stats.append(step_stats)
-                    await transport.ack(got.step)
-                    if self.log is not None:
-                        self.log.add(record)
+                # The new version waits while an eval runs (the pin): the saved state never
+                # moves past the version being evaluated, so a run stopped mid-eval resumes
+                # at that version and can redo it. Cancelled while waiting, the step was
+                # neither saved nor acknowledged: the resumed trainer trains it again.
+                async with self.pin.loading(f"the trainer's publication of step {got.step}"):
+                    with trio.CancelScope(shield=True):
+                        step_stats, record = await trio.to_thread.run_sync(
+                            self._publish, trainer, got.step, trained, limiter=self.limiter
+                        )
+                        self.stats.append(step_stats)
+                        await transport.ack(got.step)
+                        if self.log is not None:
+                            self.log.add(record)

@@ -150,11 +150,13 @@ class Records:
             print(f"done in {wall:.1f} s; metrics: {run.metrics}", flush=True)
 
 
-def write_plot(metrics: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """A figure of ``metrics`` as a PNG: the panels ``trio-rl plot`` draws
-    (:func:`trio_rl.tools.plot_cmd.build_figure`). The run's own ``plot.png`` is
-    :func:`trio_rl.tools.plot_cmd.write_figure` of its directory, as ``trio-rl plot`` draws it
-    (the title, the seed and the stop included)."""
-    from ..tools.plot_cmd import build_figure
+def write_plot(
+    metrics: list[dict[str, Any]], path: Path, title: str = "", evals: Path | None = None
+) -> None:
+    """The run's standard figure as a PNG: the panels ``trio-rl plot`` draws
+    (:func:`trio_rl.tools.plot_cmd.build_figure`), one figure family for both; with the
+    run's ``eval.jsonl`` (``evals``), the held-out curve on the reward panel."""
+    from ..tools.plot_cmd import build_figure, read_evals
 
-    build_figure(metrics, title=title).savefig(path)
+    held_out = read_evals(evals) if evals is not None else []
+    build_figure(metrics, title=f"learning run {title}".strip(), evals=held_out).savefig(path)

@@ -17,6 +17,7 @@ import trio
 
 from ..config import LearnRunConfig
 from ..errors import InvalidArgumentError
+from ..evals import VersionPin
 from ..orchestrator import Orchestrator
 from ..rundir import RunDirectory
 from ..transport import free_port_pair
@@ -76,9 +77,12 @@ class TrainerSide:
     def mode(self) -> str:
         return str(self.config.trainer.mode)
 
-    def start(self, nursery: trio.Nursery, orch: Orchestrator) -> None:
+    def start(
+        self, nursery: trio.Nursery, orch: Orchestrator, pin: VersionPin | None = None
+    ) -> None:
         """Start the trainer (and, for a job, the log poller and the heartbeats) in
-        ``nursery``."""
+        ``nursery``; ``pin``: the run's evals' pin, which the in-process trainer's
+        publications hold (a trainer job publishes on its own: the watcher holds it)."""
         config = self.config
         if self.mode == "inprocess":
             if config.trainer.ranks != 1:
@@ -95,6 +99,7 @@ class TrainerSide:
                 _lockstep(orch, config.rollout.max_async_level)
                 if config.run.deterministic
                 else None,
+                pin if pin is not None else VersionPin(),
             )
             nursery.start_soon(trainer.run)
             return

@@ -28,7 +28,14 @@ from safetensors.torch import save_file
 from .._validation import check_at_least
 from ..engines import WEIGHTS_FILE
 
-__all__ = ["META_FILE", "WEIGHTS_FILE", "PublishedWeights", "latest_weights", "publish_weights"]
+__all__ = [
+    "META_FILE",
+    "WEIGHTS_FILE",
+    "PublishedWeights",
+    "latest_weights",
+    "publish_weights",
+    "published_weights",
+]
 
 META_FILE = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -98,6 +105,11 @@ def _published(root: Path) -> list[PublishedWeights]:
         if m and entry.is_dir():
             found.append(PublishedWeights(int(m.group(1)), Path(entry.path)))
     return found
+
+
+def published_weights(root: str | os.PathLike[str]) -> list[PublishedWeights]:
+    """Every complete published version under ``root``, oldest first."""
+    return sorted(_published(Path(root)), key=lambda w: w.version)
 
 
 def latest_weights(root: str | os.PathLike[str]) -> PublishedWeights | None:

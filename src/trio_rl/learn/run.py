@@ -24,6 +24,7 @@ import trio
 from ..config import LearnRunConfig
 from ..engines import Engine
 from ..errors import InvalidArgumentError
+from ..evals import RunEvals
 from ..orchestrator import Orchestrator, open_orchestrator
 from ..publish import Shipment
 from ..rollout import InMemorySource, RecordReward, import_reward
@@ -31,6 +32,7 @@ from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
+from ._evals import finish_evals, open_run_evals
 from ._grpo import StepStats
 from ._policy import Policy
 from ._records import Records, write_plot
@@ -157,15 +159,24 @@ async def run_learning(
                     checkpoint_dir=RunDirectory(out).checkpoints,
                     resume=start.resuming,
                 ) as orch,
+                open_run_evals(
+                    config,
+                    start.policy,
+                    engine,
+                    orch,
+                    start.limiter,
+                    served=start.trained,
+                    sinks=sinks,
+                ) as evals,
                 trio.open_nursery() as nursery,
             ):
                 records = Records(
                     config, orch, engine, start.reward, trainer.log, start.limiter, display, sinks
                 )
                 records.start(nursery, shipments, begun, start.earlier, start.trained)
-                nursery.start_soon(start.watch_weights, engine, records.set_version)
-                trainer.start(nursery, orch)
                 resumed_at = _begin(config, orch, start)
+                nursery.start_soon(start.watch_weights, engine, records.set_version, evals)
+                trainer.start(nursery, orch, None if evals is None else evals.pin)
                 started.cancel()  # from now on a stop ends the step in progress
                 ending = await _ship_steps(config, orch, stop, begun, start.samples)
                 last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
@@ -177,6 +188,9 @@ async def run_learning(
                 await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
                 normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
                 await trainer.finish(last_shipped, wait=normal_end)
+                if ending.stopped != "signal":
+                    # the eval of the last trained version, bounded: cut, never waited for
+                    await finish_evals(evals, max(trainer.log.last, start.trained))
                 shipments_send.close()
                 await records.drain()
                 nursery.cancel_scope.cancel()
@@ -255,8 +269,11 @@ class _Start:
             config, resuming, state, earlier, policy, prompts, limiter, reward, samples, job_trained
         )
 
-    async def watch_weights(self, engine: Engine, set_version: Any) -> None:
-        """Load every version the trainer publishes into the engine, then count it."""
+    async def watch_weights(
+        self, engine: Engine, set_version: Any, evals: RunEvals | None = None
+    ) -> None:
+        """Load every version the trainer publishes into the engine, then count it; with
+        ``evals``, evaluate each version an eval is due for before loading another."""
         loader = weight_loader(
             self.config,
             self.config.inference.kind,
@@ -271,6 +288,7 @@ class _Start:
             set_version,
             current=self.trained,
             poll_interval=0.005,
+            evals=evals,
         )
 
 

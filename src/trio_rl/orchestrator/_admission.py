@@ -6,7 +6,7 @@ import logging
 
 import attrs
 
-from ..samples import PolicyVersion
+from ..samples import Group, PolicyVersion
 from ..sink import (
     TrainSink,
 )
@@ -33,8 +33,11 @@ class StalenessAdmission:
     batch_size``), a group that straddles the limit is still admitted unless a shipped batch is
     waiting to be trained (then the version will advance and admit it whole).
 
-    A running group expires once the sink would judge its start version stale for the batch
-    being collected (certain: steps only advance); the driver then cancels it.
+    A running group expires once the sink would judge every one of its members stale for the
+    batch being collected (`TrainSink.member_is_stale`, the rule the sink scores by; certain:
+    steps only advance); the driver then cancels it. A resumed group's regenerated members are
+    judged by the version their attempt started at, as the sink judges them, so a resumed
+    group whose new members can train keeps running under its id.
 
     In ``lockstep`` mode a group starts only when no other is open and the version is
     ``lands - 1 - async_level`` for the batch ``lands`` its first sample goes to (or later):
@@ -73,5 +76,9 @@ class StalenessAdmission:
         # the batch being collected needs this work: wait only if the version will advance
         return fresh or version >= step - 1
 
-    def expired(self, version: PolicyVersion) -> bool:
-        return self.sink.queue.is_stale(version)
+    def expired(self, group: Group) -> bool:
+        # The sink's own judgment of each member (`TrainSink.member_is_stale`): a resumed
+        # group's regenerated members are judged by the version their attempt started at,
+        # exactly as the sink will judge them.
+        start = group.policy_version_at_start
+        return all(self.sink.member_is_stale(s, start) for s in group.samples)

@@ -20,6 +20,7 @@ import attrs
 from ..sink import SinkWindow, TrainingSample
 from ._distribution import Distribution
 from ._pacing import Pacer
+from ._policy_wait import policy_wait_dominates
 
 __all__ = [
     "DISCARD_WARN_ABOVE",
@@ -180,9 +181,9 @@ class SelectionStats:
 
 
 class WarningKind(enum.Enum):
-    """What a `ShipWarning` is about: three of the reference's publication warnings (#3806's
-    low-trainable, high-discard and zero-length ones; not #3811's policy-wait imbalance
-    warning nor #3806's zero-output budget warning)."""
+    """What a `ShipWarning` is about: the reference's publication warnings (#3806's
+    low-trainable, high-discard and zero-length ones, #3811's policy-wait imbalance). #3806's
+    zero-output budget warning is the sink's (it is logged as groups finish, not per batch)."""
 
     #: At most `TRAINABLE_WARN_AT` of the selected samples can train.
     LOW_TRAINABLE = "low_trainable"
@@ -190,6 +191,9 @@ class WarningKind(enum.Enum):
     HIGH_DISCARD = "high_discard"
     #: Some finished samples of the window (or of the selection) have no trained token.
     ZERO_LENGTH = "zero_length"
+    #: The orchestrator waited for the policy at least as long as it worked in the step
+    #: (`policy_wait_dominates`): the trainer is the bottleneck.
+    POLICY_WAIT = "policy_wait"
 
 
 @attrs.frozen
@@ -288,7 +292,9 @@ class ShipRecord:
 
     ``counters`` is the sink's cumulative accounting right after the batch was settled (taken on
     the event loop); ``policy_wait`` the policy-wait seconds read and reset right after the
-    threaded metrics returned, so waits that completed meanwhile are reported here.
+    threaded metrics returned, so waits that completed meanwhile are reported here, and
+    ``step_time`` the seconds since the previous record's snapshot (since the publisher opened,
+    for the first), taken in the same step (``time/step``).
     """
 
     step: int
@@ -300,6 +306,7 @@ class ShipRecord:
     micro_batches_per_rank: int
     payload_bytes: int
     timings: ShipTimings
+    step_time: float = 0.0
     threads: ThreadStats = ThreadStats()
     selection: SelectionStats | None = None
     warnings: tuple[ShipWarning, ...] = ()
@@ -316,6 +323,7 @@ class ShipRecord:
         for name, value in sorted(self.counters.items()):
             out[f"counters/{name}"] = float(value)
         out["time/wait_for_policy"] = self.policy_wait
+        out["time/step"] = self.step_time
         for field in attrs.fields(ShipTimings):
             out[f"time/{field.name}"] = getattr(self.timings, field.name)
         out["batch/ranks"] = float(self.ranks)
@@ -423,10 +431,25 @@ def annotate(samples: Sequence[TrainingSample], step: int, shipped_at: float) ->
 
 
 def ship_warnings(
-    step: int, selection: SelectionStats | None, attempts: AttemptStats
+    step: int,
+    selection: SelectionStats | None,
+    attempts: AttemptStats,
+    waits: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[ShipWarning, ...]:
-    """The `WarningKind` warnings for batch ``step`` (scalars: constant time)."""
+    """The `WarningKind` warnings for batch ``step`` (scalars: constant time); ``waits`` is the
+    record's one snapshot ``(policy wait, step time)``."""
     warnings: list[ShipWarning] = []
+    wait, step_time = waits
+    if policy_wait_dominates(wait, step_time):
+        warnings.append(
+            ShipWarning(
+                WarningKind.POLICY_WAIT,
+                f"step {step}: the orchestrator waited {wait:.3g} s for the policy, at least as "
+                f"long as its {step_time - wait:.3g} s of active step time ({step_time:.3g} s in "
+                "all): the trainer is the bottleneck; add trainer capacity (more trainer ranks "
+                "or nodes) or let rollouts run further ahead (max_async_level)",
+            )
+        )
     if selection is not None and selection.selected:
         fraction = selection.trainable / selection.selected
         if fraction <= TRAINABLE_WARN_AT:

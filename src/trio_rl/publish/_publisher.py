@@ -28,7 +28,6 @@ from typing import Any, Protocol, TypeAlias
 import attrs
 import trio
 
-from .._validation import check_at_least
 from ..sink import (
     Cut,
     PruneResult,
@@ -55,6 +54,7 @@ from ._metrics import (
     batch_stats,
     ship_warnings,
 )
+from ._policy_wait import PolicyWaits
 from ._release import Container, DeferredRelease, ReleaseFn, release_containers
 from ._workers import Workers
 
@@ -154,6 +154,7 @@ class _Settled:
     annotations: list[Annotation]
     counters: dict[str, Any]
     policy_wait: float
+    step_time: float
     #: (ranks, micro-batches per rank, payload bytes), measured at settling: the deferred release
     #: empties the grid and the payloads before the record is built.
     shape: tuple[int, int, int] = attrs.field(
@@ -182,13 +183,16 @@ class _Settled:
             effective=self.effective,
             counters=self.counters,
             policy_wait=self.policy_wait,
+            step_time=self.step_time,
             ranks=ranks,
             micro_batches_per_rank=per_rank,
             payload_bytes=nbytes,
             timings=ShipTimings(total=time.perf_counter() - self.started, **self.timings),
             threads=threads,
             selection=self.selection,
-            warnings=ship_warnings(self.step, self.selection, all_stats),
+            warnings=ship_warnings(
+                self.step, self.selection, all_stats, (self.policy_wait, self.step_time)
+            ),
         )
 
 
@@ -259,7 +263,7 @@ class Publisher:
     monitor_timeout: float
     #: Tokens, samples and problems over every batch settled (restored on resume).
     progress: ProgressTotals = attrs.field(factory=ProgressTotals)
-    _policy_wait: float = attrs.field(default=0.0, init=False)
+    _waits: PolicyWaits = attrs.field(factory=PolicyWaits, init=False)
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
@@ -294,10 +298,10 @@ class Publisher:
         """Account time spent waiting for the policy (the ship gate). Sync; call on the loop.
 
         The total is read and reset right after the threaded metrics of the next shipped batch
-        return, so a wait that completes while that batch is being finalized is reported with it.
+        return, so a wait that completes while that batch is being finalized is reported with it;
+        the same snapshot warns when the wait was at least half the step (`WarningKind`).
         """
-        check_at_least("add_policy_wait seconds (a policy wait)", seconds, 0)
-        self._policy_wait += seconds
+        self._waits.add(seconds)
 
     async def publish(self, *, force: bool = False) -> ShipRecord | None:
         """Cut the sink's next batch and ship it; return its record.
@@ -340,7 +344,7 @@ class Publisher:
         # only once the send completed). Leaving the cut before `settle` requeues the batch.
         started = time.perf_counter()
         timings: dict[str, float] = {}
-        policy_wait = 0.0
+        policy_wait = step_time = 0.0
         encoded: Encoded | None = None
         settled = False
         try:
@@ -365,7 +369,7 @@ class Publisher:
                 timings["metrics"] = time.perf_counter() - mark
                 # Read-and-reset with no await since the worker returned: a wait that completed
                 # while the metrics were computed is reported now, a later one next time.
-                policy_wait, self._policy_wait = self._policy_wait, 0.0
+                policy_wait, step_time = self._waits.snapshot()
 
                 mark = time.perf_counter()
                 encoded = await encode_step(self._workers, self._encode, self.sender, grid, step)
@@ -377,7 +381,7 @@ class Publisher:
                 settled = True
         except BaseException:
             if not settled:
-                self._policy_wait += policy_wait  # not reported: keep it for the next record
+                self._waits.give_back(policy_wait)  # not reported: kept for the next record
                 if encoded is not None:
                     with trio.CancelScope(shield=True):
                         await self._workers.run(encoded.discard)
@@ -398,6 +402,7 @@ class Publisher:
             annotations=annotations,
             counters=attrs.asdict(self.sink.counters),
             policy_wait=policy_wait,
+            step_time=step_time,
         )
 
     async def _deliver_settled(self, settled: _Settled) -> ShipRecord:

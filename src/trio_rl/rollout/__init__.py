@@ -34,6 +34,9 @@ from ._group import engine_generate as engine_generate
 from ._group import pending_samples as pending_samples
 from ._group import run_group as run_group
 from ._group import run_reporting as run_reporting
+from ._lanes import LanePolicy as LanePolicy
+from ._lanes import LaneStatistics as LaneStatistics
+from ._lanes import PriorityLane as PriorityLane
 from ._records import RecordReward as RecordReward
 from ._records import RecordRewardFn as RecordRewardFn
 from ._records import import_reward as import_reward

@@ -72,8 +72,10 @@ class Admission(Protocol):
         """May a new group of ``samples`` samples start now, at policy ``version``?"""
         ...
 
-    def expired(self, version: PolicyVersion) -> bool:
-        """Is work that started at ``version`` certain to be too stale to train now?"""
+    def expired(self, group: Group) -> bool:
+        """Is every member of running ``group`` (those still to generate included) certain to
+        be too stale to train now? Judge each member as the consumer will (a resumed group's
+        new members by the version their attempt started at, not the group's start)."""
         ...
 
 
@@ -125,11 +127,7 @@ class Expiry:
         running = self._driver._running
         for gid, scope in self._scopes.items():
             group = running.get(gid)
-            if (
-                group is not None
-                and gid not in self._expired
-                and self.admission.expired(group.policy_version_at_start)
-            ):
+            if group is not None and gid not in self._expired and self.admission.expired(group):
                 self._expired.add(gid)
                 scope.cancel()
 

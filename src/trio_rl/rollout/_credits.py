@@ -183,8 +183,10 @@ class CreditLedger:
     """Credits in flight and, per pending group, its number of unfinished samples.
 
     Invariant (checked by :meth:`check`): ``in_flight == sum(pending().values())``, so no
-    pending group means no credit in flight. Mutated on the event loop only: by the driver, and
-    by reporting tasks through :class:`CreditScheduler` (synchronously, never across an await).
+    pending group means no credit in flight. Mutated by the driver only, on the event loop:
+    reporting tasks never touch it. They put their reports on the :class:`CreditScheduler`'s
+    channel, and the driver applies them here when it reads the channel (``poll``,
+    ``wait_for_progress``), all of them before each decision.
     """
 
     in_flight: int = 0
@@ -283,6 +285,13 @@ _FAST_POLICIES: dict[type, _Decide] = {
     SampleBackfill: _backfill_admits,
     GroupGranularity: _group_admits,
 }
+
+
+def replace_policy(scheduler: CreditScheduler, policy: SubmissionPolicy) -> None:
+    """Give ``scheduler`` another submission policy from its next decision on (a priority
+    lane's wrapper, `trio_rl.rollout.PriorityLane.attach`); its fast decision path follows."""
+    scheduler.policy = policy
+    scheduler._decide = _FAST_POLICIES.get(type(policy), _by_view)
 
 
 @attrs.frozen

@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from .._validation import check_int, check_optional_int, check_optional_positive_finite
-from ..engines import AbortSignal
+from ..engines import AbortsAll, AbortSignal
 from ..samples import Group, OpenGroup, PolicyVersion, Prompt, SampleStatus
 from ._credits import (
     CreditScheduler,
@@ -117,6 +117,29 @@ def _give_back(
         partial.appendleft(group)
 
 
+async def _stop_leftovers(
+    driver: SyncRolloutDriver,
+    scheduler: CreditScheduler,
+    abort: AbortSignal,
+    settled: list[GroupOutcome],
+) -> None:
+    """The batch is full: stop the groups still out, before they are cancelled.
+
+    With ``engine_abort``, every running request is aborted at the engines first, as miles
+    posts ``abort_all`` to every engine worker (an SGLang server ends them all with finish
+    reason ``abort``; a vLLM server aborts each as its client leaves, which stopping the
+    leftovers does). With ``partial_rollouts``, the soft stop: the abort signal is set,
+    engines return their partial output, and the groups settle within ``abort_timeout``.
+    """
+    if driver.engine_abort is not None and scheduler.ledger.pending_groups:
+        await driver.engine_abort.abort_all()
+    if driver.partial_rollouts:
+        abort.set()
+        with trio.move_on_after(driver.abort_timeout):
+            while scheduler.ledger.pending_groups:
+                settled.extend(await scheduler.wait_for_progress())
+
+
 class SyncRolloutDriver:
     """Produces batches of exactly ``T`` accepted groups, one call at a time.
 
@@ -139,8 +162,9 @@ class SyncRolloutDriver:
     ``abort_timeout`` seconds are cancelled and their prompts recycled. Without it leftovers
     are cancelled and surplus discarded, as in the reference. Details: docs/rollout.md.
 
-    Resumed groups (:meth:`resume`) are started after the kept partial groups and before any
-    new prompt.
+    Resumed groups (:meth:`resume`) start after the kept partial groups, before new prompts.
+    ``engine_abort`` (e.g. the :class:`~trio_rl.engines.EngineFleet`) aborts the leftovers at
+    the engines first (see `_stop_leftovers`).
     """
 
     def __init__(
@@ -155,6 +179,7 @@ class SyncRolloutDriver:
         partial_rollouts: bool = False,
         abort_timeout: float = 30.0,
         max_failures: int | None = 100,
+        engine_abort: AbortsAll | None = None,
     ) -> None:
         where = "SyncRolloutDriver"
         check_optional_int(where, "groups_per_admission", groups_per_admission, minimum=1)
@@ -169,6 +194,7 @@ class SyncRolloutDriver:
         self.partial_rollouts = partial_rollouts
         self.abort_timeout = abort_timeout
         self.max_failures = max_failures
+        self.engine_abort = engine_abort
         self._resumed: deque[OpenGroup] = deque()
         #: Finished groups kept from an earlier call (partial rollouts), oldest first.
         self._finished: deque[Group] = deque()
@@ -298,12 +324,8 @@ class SyncRolloutDriver:
                                 accepted.append(outcome.group)
                             else:
                                 settled.append(outcome)
-                    if fatal is None and self.partial_rollouts:
-                        # the soft stop: engines return their partial output, groups settle
-                        abort.set()
-                        with trio.move_on_after(self.abort_timeout):
-                            while scheduler.ledger.pending_groups:
-                                settled.extend(await scheduler.wait_for_progress())
+                    if fatal is None:
+                        await _stop_leftovers(self, scheduler, abort, settled)
                 except Exception as exc:  # raised below, outside the nursery: unwrapped
                     fatal = exc
                 nursery.cancel_scope.cancel()  # leftovers: cancelled and settled on exit

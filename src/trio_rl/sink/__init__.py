@@ -42,3 +42,4 @@ from ._sink_state import RestoreReport as RestoreReport
 from ._sink_state import SinkState as SinkState
 from ._sink_state import copy_sample as copy_sample
 from ._types import TrainingSample as TrainingSample
+from ._zero_output import ZeroOutputBudget as ZeroOutputBudget

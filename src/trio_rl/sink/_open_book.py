@@ -13,6 +13,7 @@ from ._changes import ChangeLog
 from ._errors import TrainSinkError
 from ._queue import Outcome, SinkTally
 from ._scoring import GroupScore, validate_sample
+from ._zero_output import ZeroOutputBudget
 
 __all__ = ["OpenBook"]
 
@@ -33,6 +34,8 @@ class OpenBook:
     groups: dict[str, OpenGroup] = attrs.field(factory=dict)
     #: What an incremental checkpoint saves that changed (shared with the queue).
     changes: ChangeLog = attrs.field(factory=ChangeLog)
+    #: Told of every group discarded here (it queued nothing for training).
+    zero_output: ZeroOutputBudget | None = None
 
     @property
     def held(self) -> int:
@@ -215,6 +218,11 @@ class OpenBook:
         self._settle(g, group, outcome)
         del self.groups[group.group_id]
         self.changes.close(group.group_id)
+        if self.zero_output is not None:
+            unseen = [s for s in group.samples if s.index not in g.seen]
+            returned = g.arrived + [s for s in unseen if s.status.is_finished]
+            owed = len(g.arrived) + len(unseen) + g.failed + g.cancelled
+            self.zero_output.finished_empty(returned, owed, len(group.prompt.tokens))
 
     def _settle(self, g: OpenGroup, group: Group, outcome: Outcome) -> None:
         unseen = [s for s in group.samples if s.index not in g.seen]

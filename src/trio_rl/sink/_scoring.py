@@ -98,16 +98,32 @@ DEFAULT_STALENESS: StalenessRule = "group_start"
 def sample_version(sample: Sample, start: PolicyVersion, rule: StalenessRule) -> PolicyVersion:
     """The version a sample is judged by under ``rule`` (see :data:`StalenessRule`).
 
+    A sample's *attempt start* is ``start``, or for a member generated for a resumed group the
+    version its attempt started with (``metadata[RESUMED_AT]``, see
+    :meth:`~trio_rl.rollout.GroupFactory.resume`). ``"group_start"``: the attempt start: each
+    member is judged by the version it was generated under, as prime-rl judges each episode.
     ``"oldest_token"``: the oldest version behind any of its tokens; a sample with no recorded
-    version falls back to its group's start version. ``"group_start"``: ``start``, or for a
-    member generated for a resumed group the version its attempt started with
-    (``metadata[RESUMED_AT]``, see :meth:`~trio_rl.rollout.GroupFactory.resume`): each member
-    is judged by the version it was generated under, as prime-rl judges each episode.
+    version (one still to generate) falls back to its attempt start.
     """
+    resumed_at = sample.metadata.get(RESUMED_AT)
+    attempt = start if resumed_at is None else max(start, resumed_at)
     if rule == "group_start":
-        resumed_at = sample.metadata.get(RESUMED_AT)
-        return start if resumed_at is None else max(start, resumed_at)
-    return min(sample.policy_versions) if sample.policy_versions else start
+        return attempt
+    return min(sample.policy_versions) if sample.policy_versions else attempt
+
+
+def member_is_stale(
+    sample: Sample,
+    start: PolicyVersion,
+    rule: StalenessRule,
+    is_stale: Callable[[PolicyVersion], bool],
+) -> bool:
+    """Whether a member (finished or still to generate) of a group started at ``start`` is
+    stale: its :func:`sample_version` under ``rule`` is stale by ``is_stale`` (the sink's
+    limit for the batch being collected). The one judgment of a member's staleness: scoring,
+    restore and the rollout driver's early expiry (``TrainSink.member_is_stale``) all use it,
+    so the driver never cancels work the sink would train."""
+    return is_stale(sample_version(sample, start, rule))
 
 
 def validate_sample(sample: Sample, where: str, *, rewarded: bool = True) -> None:
@@ -258,7 +274,7 @@ def score_group(
     lengths = [len(s.completion_tokens) for s in finished]
     if aborted:
         return GroupScore([], len(finished), 0, 0, [], arrival, lengths=lengths)
-    fresh = [s for s in finished if not is_stale(sample_version(s, start, rule))]
+    fresh = [s for s in finished if not member_is_stale(s, start, rule, is_stale)]
     stale = len(finished) - len(fresh)
     rewards = [float(s.reward or 0.0) for s in fresh]
     advs = grpo_advantages(rewards, normalize_std=config.normalize_std, eps=config.eps)

@@ -34,6 +34,7 @@ from ._scoring import (
     PruneResult,
     SequenceLists,
     build_sequences,
+    member_is_stale,
     sample_version,
     score_group,
 )
@@ -47,6 +48,7 @@ from ._sink_state import (
     copy_sample,
 )
 from ._types import TrainingSample
+from ._zero_output import ZeroOutputBudget
 
 __all__ = [
     "RESTORE_BATCH",
@@ -80,9 +82,16 @@ class TrainSink:
         #: The queue and its cut (ready, detach, settle, requeue, staleness).
         self.queue = SampleQueue(config, self._tally, step=step, changes=self.changes)
         self._next_arrival = 0
+        #: #3806's zero-output budget: finished groups that queued nothing, with its warning.
+        self.zero_output = ZeroOutputBudget(
+            config.batch_size or config.token_batch_size or 1,
+            tokens=config.batch_size is None,
+        )
         #: The open-group book: the one record of work in flight, and the
         #: :class:`~trio_rl.samples.GroupBook` the async driver reports to.
-        self.book = OpenBook(self._tally, self._finalize, changes=self.changes)
+        self.book = OpenBook(
+            self._tally, self._finalize, changes=self.changes, zero_output=self.zero_output
+        )
 
     # -- inspection -----------------------------------------------------------------------------
 
@@ -149,6 +158,14 @@ class TrainSink:
 
     def _is_stale(self, version: PolicyVersion) -> bool:
         return self.queue.is_stale(version)
+
+    def member_is_stale(self, sample: Sample, start: PolicyVersion) -> bool:
+        """Whether this sink would drop ``sample``, a member (finished or still to generate) of
+        a group started at ``start``, as stale for the batch being collected now. Scoring and
+        restore judge members with the same function (``member_is_stale`` of the scoring
+        module), and the orchestrator's early expiry of running groups asks this, so the two
+        never disagree (e.g. on the members a resumed group regenerates)."""
+        return member_is_stale(sample, start, self.config.staleness, self._is_stale)
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -225,6 +242,11 @@ class TrainSink:
         self.book.settle_score(score)
         for ts in score.samples:
             self.queue.enqueue(ts)
+        if score.samples:
+            self.zero_output.admitted()
+        else:  # stale (voided), filtered, pruned, failed or cancelled: nothing to train
+            owed = len(g.arrived) + g.failed + g.cancelled
+            self.zero_output.finished_empty(g.arrived, owed, len(g.prompt.tokens))
 
     # -- the queue (see SampleQueue) ---------------------------------------------------------
 

@@ -16,7 +16,7 @@ import attrs
 from ..samples import OpenGroup, PolicyVersion, Sample
 from ._errors import TrainSinkError
 from ._queue import SinkCounters, SinkTally, SinkWindow
-from ._scoring import StalenessRule, sample_version
+from ._scoring import StalenessRule, member_is_stale
 from ._types import TrainingSample
 
 __all__ = [
@@ -148,7 +148,7 @@ class RestoreDrops:
         """Whether member ``m`` of a group started at ``start`` is dropped (then counted)."""
         if self.missing and sample_files(m) & self.missing:
             self.members_missing += 1
-        elif self.is_stale(sample_version(m, start, self.rule)):
+        elif member_is_stale(m, start, self.rule, self.is_stale):
             self.members_stale += 1
         else:
             return False

@@ -11,6 +11,7 @@ from ._errors import MissingExtraError as MissingExtraError
 from ._errors import ToolsError as ToolsError
 from .console import ConsoleDisplay as ConsoleDisplay
 from .metrics import ALL_FIELDS as ALL_FIELDS
+from .metrics import EVAL_FIELDS as EVAL_FIELDS
 from .metrics import FIELDS as FIELDS
 from .metrics import TRAINER_FIELDS as TRAINER_FIELDS
 from .metrics import WANDB_ID_FILE as WANDB_ID_FILE

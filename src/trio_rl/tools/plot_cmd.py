@@ -12,8 +12,10 @@ loop lag (the event loop's p95, ms), and the trainer's loss, KL and entropy (``t
 from the trainer's reports). Each y range is robust: it spans the bulk of the
 values (quartiles +- 3 interquartile ranges), so one outlier (a 950 ms first step) does not
 squash a panel; points beyond it are drawn on the edge as triangles and counted in the panel.
-A panel whose fields no record has says so instead of drawing an empty line. Needs
-matplotlib (``trio-rl[learn]``); without it the command fails with one line naming the extra.
+A panel whose fields no record has says so instead of drawing an empty line. With the run's
+held-out evals (``eval.jsonl``), the reward panel also draws their ``avg@k`` and ``pass@1``
+against the eval's step. Needs matplotlib (``trio-rl[learn]``); without it the command fails
+with one line naming the extra.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "add_arguments",
     "build_figure",
     "main",
+    "read_evals",
     "run",
     "run_facts",
     "write_figure",
@@ -175,16 +178,68 @@ def _draw(ax: Any, steps: list[int], values: list[float], color: str, floor: flo
         )
 
 
+def read_evals(path: Path) -> list[dict[str, Any]]:
+    """The records of an ``eval.jsonl`` (none if there is no file); a line that is not a JSON
+    object with an int ``step`` raises :class:`InspectError` naming the file and line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InspectError(f"{path}:{number}", f"not JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise InspectError(f"{path}:{number}", "not an eval record (no int step)")
+        out.append(rec)
+    return out
+
+
+def _eval_series(evals: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """``key`` (``avg@k`` or ``pass@1``; ``k`` is each record's own) of the evals that have it."""
+    steps, values = [], []
+    for r in evals:
+        v = r.get(key.replace("@k", f"@{r.get('k')}"))
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            steps.append(int(r["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def _draw_evals(ax: Any, evals: Sequence[Mapping[str, Any]]) -> None:
+    k = next((r.get("k") for r in evals if r.get("k")), "k")
+    for key, color, label in (
+        ("avg@k", "tab:green", f"held-out avg@{k}"),
+        ("pass@1", "tab:red", "held-out pass@1"),
+    ):
+        steps, values = _eval_series(evals, key)
+        if steps:
+            ax.plot(steps, values, color=color, marker="o", label=label)
+    cut = [r for r in evals if r.get("status") == "cut"]
+    steps, values = _eval_series(cut, "avg@k")
+    if steps:
+        ax.plot(steps, values, "o", color="white", markeredgecolor="tab:green", label="cut")
+    if evals:
+        ax.plot([], [], color="tab:blue", label="training mean reward")
+        ax.legend(loc="lower right", fontsize="small")
+
+
 def build_figure(
     records: Sequence[Mapping[str, Any]],
     title: str = "",
     *,
+    evals: Sequence[Mapping[str, Any]] = (),
     about: Mapping[str, Any] | None = None,
     ended: Mapping[str, Any] | None = None,
 ) -> Any:
     """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`):
     ``title`` the run directory's name, ``about`` what else the title shows (task, seed),
-    ``ended`` the run's ``ended.json`` (its stop, marked on every panel)."""
+    ``ended`` the run's ``ended.json`` (its stop, marked on every panel); ``evals``
+    (``eval.jsonl`` records) add the held-out curve to the reward panel."""
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError:
@@ -211,6 +266,7 @@ def build_figure(
         reward.set_ylim(min(low, 0.0), max(high, 1.0) if high <= 1.05 else high)
     else:
         _missing(reward, "reward_mean")
+    _draw_evals(reward, evals)
     reward.set_ylabel("mean reward")
 
     thru = panel["throughput"]
@@ -299,8 +355,9 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not records:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
     target = Path(out) if out is not None else RunDirectory(metrics.parent).plot
+    evals = read_evals(RunDirectory(metrics.parent).eval_log)
     about, ended = run_facts(metrics.parent)
-    fig = build_figure(records, title=metrics.parent.name, about=about, ended=ended)
+    fig = build_figure(records, title=metrics.parent.name, evals=evals, about=about, ended=ended)
     try:
         fig.savefig(target)
     except OSError as exc:

@@ -1,12 +1,15 @@
 """The ZeroMQ transport (the reference's wire protocol, on trio).
 
 - Data: the sender binds a PUB socket at ``tcp://host:port`` and sends one two-frame message
-  per rank and step, ``[b"data_rank|<R>|", payload]``. The trailing ``|`` keeps rank 1's
-  prefix subscription from matching rank 10.
-  The sender tags the topic with the step, ``data_rank|<R>|<S>`` (S in ASCII): a prime-rl
-  receiver's prefix subscription to ``data_rank|<R>|`` still matches and it ignores the topic
-  frame, so it reads these messages unchanged; a trio-rl receiver numbers a message by its tag,
-  or, untagged (from a prime-rl sender), by arrival order.
+  per rank and step, ``[b"data_rank|<R>|", payload]``, byte for byte prime-rl's frames. The
+  trailing ``|`` keeps rank 1's prefix subscription from matching rank 10.
+- Step markers: right before each data message the sender sends ``[b"step_rank|<R>|",
+  b"<S>"]`` (S in ASCII) on a topic of its own. A prime-rl receiver subscribes to
+  ``data_rank|<R>|`` only, and PUB filters by subscription before anything is queued, so it
+  never receives a marker and reads exactly the reference's messages. A trio-rl receiver
+  subscribes to the markers too and numbers the data message that follows a marker by it; an
+  unmarked message (from a prime-rl sender) is numbered by arrival order. An older trio-rl
+  sender's tagged topic ``data_rank|<R>|<S>`` is still read.
 - READY barrier: the sender binds a PULL socket at ``tcp://host:port+1``. Each trainer rank
   subscribes its SUB socket to its topic, connects, and sends its rank as ASCII over a PUSH
   socket each time its SUB connection's handshake succeeds (so again when a restarted sender
@@ -14,15 +17,16 @@
   ``world_size`` distinct ranks.
 - End of stream: `ZmqSender.end_stream(S)` sends ``[b"end_rank|<R>|", b"<S>"]`` to every
   rank (S in ASCII: no step ``>= S`` will come). prime-rl receivers, subscribed to
-  ``data_rank|<R>|`` only, never see it; trio-rl receivers subscribe to both topics.
+  ``data_rank|<R>|`` only, never see it either; trio-rl receivers subscribe to all three topics.
 - Sender restarts: a restarted sender (a resumed orchestrator) may start again at an older
   step; a receiver drops tagged steps it has already returned and raises `TransportError` at
   a step past the one it expects (messages were lost).
 - A slow or dead receiver never blocks the sender: PUB queues up to ``hwm`` messages per
   subscriber (plus what the kernel's socket buffers hold) and silently drops newer messages
   past that. The orchestrator's ship gate keeps at most ``max_lag + 1`` steps unconsumed per
-  rank, which must stay below ``hwm``; a dropped message is reported by the receiver at the
-  next step that arrives.
+  rank; a trio-rl receiver holds two messages per step (marker and data), so ``2 x (max_lag +
+  1)`` must stay below ``hwm``. A dropped message is reported by the receiver at the next
+  marked step that arrives.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ def rank_topic(rank: int) -> bytes:
     return b"data_rank|" + str(rank).encode() + b"|"
 
 
-def step_topic(rank: int, step: int) -> bytes:
-    """The topic frame of rank ``rank``'s data message for ``step``: `rank_topic` + step."""
-    return rank_topic(rank) + str(step).encode("ascii")
+def step_topic(rank: int) -> bytes:
+    """The topic frame of rank ``rank``'s step markers (``[step_topic(R), b"<S>"]``, sent right
+    before the data message of step S; prime-rl's receivers never subscribe to it)."""
+    return b"step_rank|" + str(rank).encode() + b"|"
 
 
 def end_topic(rank: int) -> bytes:
@@ -219,7 +224,9 @@ class ZmqSender(Sender):
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Publish ``payloads[r]`` to rank ``r``; the first call waits for the READY barrier.
 
-        Each message's topic carries ``step`` (`step_topic`). Steps must be consecutive after
+        Each data message, ``[rank_topic(r), payloads[r]]``, is the reference's, byte for byte;
+        a step marker ``[step_topic(r), b"<step>"]`` goes right before it (a reference
+        receiver is never sent one: it does not subscribe to it). Steps must be consecutive after
         the first (which may be any step: a restarted sender resumes where its checkpoint
         says, and receivers drop the steps they already have); after `end_stream` a send raises
         `RuntimeError`. Never blocks on a slow or dead
@@ -234,7 +241,10 @@ class ZmqSender(Sender):
             raise InvalidArgumentError(
                 f"step {step}: got {len(payloads)} payloads for world_size {self._world_size}"
             )
-        messages = [[step_topic(rank, step), payload] for rank, payload in enumerate(payloads)]
+        mark = str(step).encode("ascii")
+        messages: list[list[Payload]] = []
+        for rank, payload in enumerate(payloads):
+            messages += [[step_topic(rank), mark], [rank_topic(rank), payload]]
         await self._publish(step, messages)
 
     async def end_stream(self, step: int) -> None:
@@ -345,7 +355,10 @@ class ZmqReceiver(SteppedReceiver):
         self._port = port
         self._hwm = hwm
         self._topic = rank_topic(rank)
+        self._step_topic = step_topic(rank)
         self._end_topic = end_topic(rank)
+        #: The step of the last marker read whose data message has not been read yet.
+        self._marked: int | None = None
         self._ended_at: int | None = None
         self._timeout = timeout_seconds(timeout)
         self._ctx: zmq.Context[Any] | None = None
@@ -373,6 +386,7 @@ class ZmqReceiver(SteppedReceiver):
             self._sub = ZmqSocket(sub)
             sub.setsockopt(zmq.RCVHWM, self._hwm)
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sub.setsockopt(zmq.SUBSCRIBE, self._step_topic)
             sub.setsockopt(zmq.SUBSCRIBE, self._end_topic)
             self._monitor = ZmqSocket(sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             sub.connect(self.data_endpoint)
@@ -425,9 +439,10 @@ class ZmqReceiver(SteppedReceiver):
     async def receive(self) -> ReceivedPayload:
         """Wait for this rank's step `next_step` and return it.
 
-        The payload is a read-only memoryview of the received zmq frame (no copy). A message
-        tagged with an earlier step (sent again by a restarted sender) is dropped; an untagged
-        one (from a prime-rl sender) is numbered `next_step`. Raises `TransportTimeoutError`
+        The payload is a read-only memoryview of the received zmq frame (no copy). A data
+        message is numbered by the step marker before it; one marked with an earlier step (sent
+        again by a restarted sender) is dropped; an unmarked one (from a prime-rl sender) is
+        numbered `next_step`. Raises `TransportTimeoutError`
         after ``timeout`` seconds without this step (logging every 60 s while it waits),
         `EndOfStreamError` at the sender's end message (and on every later call), or
         `TransportError` if a message names a later step than `next_step` or the end message
@@ -451,16 +466,21 @@ class ZmqReceiver(SteppedReceiver):
             topic = frames[0].bytes
             if len(frames) == 2 and topic == self._end_topic:
                 self._check_end(frames[1].bytes, step, source)
+            if len(frames) == 2 and topic == self._step_topic:
+                self._marked = _ascii_step(frames[1].bytes, f"{source}: step marker")
+                continue
             tag = topic[len(self._topic) :]
             if len(frames) != 2 or not topic.startswith(self._topic) or not tag.isdigit():
                 if not (len(frames) == 2 and topic == self._topic):
                     raise TransportError(
-                        f"{source}: malformed message: expected [{self._topic!r} + step, "
-                        f"payload], got {len(frames)} frame(s) starting {topic[:32]!r}"
+                        f"{source}: malformed message: expected [{self._topic!r}, payload], "
+                        f"got {len(frames)} frame(s) starting {topic[:32]!r}"
                     )
-                tagged = step  # a prime-rl sender's untagged message: arrival order
+                # marked by the message before it, or (a prime-rl sender) by arrival order
+                tagged = step if self._marked is None else self._marked
             else:
-                tagged = int(tag)
+                tagged = int(tag)  # an older trio-rl sender's step in the topic
+            self._marked = None
             if tagged == step:
                 break
             if tagged > step:
@@ -480,12 +500,7 @@ class ZmqReceiver(SteppedReceiver):
                 return await sub.recv_multipart(copy=False)
 
     def _check_end(self, raw: bytes, step: int, source: str) -> NoReturn:
-        try:
-            end = int(raw.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            raise TransportError(
-                f"{source}: malformed end-of-stream message {raw[:32]!r}"
-            ) from None
+        end = _ascii_step(raw, f"{source}: end-of-stream message")
         self._ended_at = end
         if end != step:
             raise TransportError(
@@ -520,6 +535,13 @@ class ZmqReceiver(SteppedReceiver):
                     sock.close(linger=0)
             if self._ctx is not None:
                 await _term(self._ctx)
+
+
+def _ascii_step(raw: bytes, what: str) -> int:
+    """A step number sent in ASCII; `TransportError` naming ``what`` if it is not one."""
+    if not raw.isdigit():
+        raise TransportError(f"{what} is malformed: {raw[:32]!r} is not a step number")
+    return int(raw)
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
