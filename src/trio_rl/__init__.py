@@ -8,6 +8,7 @@ the data flow, and each is importable on its own:
 * :mod:`trio_rl.errors`: every exception, in one tree under :class:`TrioRLError`;
 * :mod:`trio_rl.engines`: the ``Engine`` protocol, the simulated and OpenAI-compatible engines;
 * :mod:`trio_rl.rollout`: data sources, credit scheduling, group nurseries, drivers;
+* :mod:`trio_rl.envs`: multi-turn episodes: environments, tools, the episode runner;
 * :mod:`trio_rl.sink`: scoring, the train sink, checkpoint and resume;
 * :mod:`trio_rl.publish`: packing and the publisher that finalizes batches off the loop;
 * :mod:`trio_rl.transport`: filesystem and ZeroMQ batch transports;
@@ -23,11 +24,15 @@ from .engines import GenerateRequest as GenerateRequest
 from .engines import OpenAICompatibleEngine as OpenAICompatibleEngine
 from .engines import SamplingParams as SamplingParams
 from .engines import SimulatedEngine as SimulatedEngine
+from .envs import Episode as Episode
+from .envs import EpisodeRunner as EpisodeRunner
+from .envs import ToolEnv as ToolEnv
 from .errors import CheckpointError as CheckpointError
 from .errors import DataSourceError as DataSourceError
 from .errors import DriverFailedError as DriverFailedError
 from .errors import EndOfStreamError as EndOfStreamError
 from .errors import EngineError as EngineError
+from .errors import EnvError as EnvError
 from .errors import PackingError as PackingError
 from .errors import PayloadError as PayloadError
 from .errors import PublishError as PublishError

@@ -19,6 +19,11 @@ Classes that also derive from a builtin (``ValueError``, ``OSError``, ``TimeoutE
     │   ├── EngineTimeoutError
     │   ├── SimulatedEngineError
     │   └── ScriptedEngineError
+    ├── EnvError
+    │   ├── EnvConfigError (ValueError)
+    │   ├── EpisodeStoppedError
+    │   ├── ToolCallSyntaxError (ValueError)
+    │   └── TemplateMismatchError
     ├── RolloutError
     │   ├── RolloutConfigError (InvalidArgumentError)
     │   ├── CreditError
@@ -96,6 +101,9 @@ __all__ = [
     "EngineTransportError",
     "EvalConfigError",
     "EvalError",
+    "EnvConfigError",
+    "EnvError",
+    "EpisodeStoppedError",
     "FailureBudgetExceededError",
     "InspectError",
     "InvalidArgumentError",
@@ -113,7 +121,9 @@ __all__ = [
     "ScriptedEngineError",
     "SimulatedEngineError",
     "SourceExhaustedError",
+    "TemplateMismatchError",
     "TensorConversionError",
+    "ToolCallSyntaxError",
     "ToolsError",
     "TrainError",
     "TrainSinkError",
@@ -252,6 +262,42 @@ class SimulatedEngineError(EngineError):
 class ScriptedEngineError(EngineError):
     """The error a ``raise`` fate of :class:`~trio_rl.testing.ScriptedEngine` raises (a
     stand-in for a transport or engine failure)."""
+
+
+# Environments --------------------------------------------------------------------------------
+
+
+class EnvError(TrioRLError):
+    """Base of the environment layer's errors (multi-turn episodes, tools)."""
+
+
+class EnvConfigError(EnvError, ValueError):
+    """An environment or episode setting that cannot be used (names the setting)."""
+
+
+class EpisodeStoppedError(EnvError):
+    """Raised inside an environment function when its episode ends before the function
+    returns: a budget ran out (``max_turns``, ``budget``), a tool timed out or failed
+    (``tool_timeout``, ``error``), or the function called ``episode.stop(reason)``. The episode
+    runner catches it; an environment function lets it pass. ``reason`` is the stop reason,
+    ``reward`` the episode's reward."""
+
+    def __init__(self, reason: str, reward: float = 0.0, detail: str = "") -> None:
+        super().__init__(f"the episode stopped: {reason}" + (f" ({detail})" if detail else ""))
+        self.reason = reason
+        self.reward = reward
+        self.detail = detail
+
+
+class ToolCallSyntaxError(EnvError, ValueError):
+    """The policy's text holds a tool call that does not parse (bad JSON, an unknown tool, bad
+    arguments); a tool environment shows the message to the policy and goes on."""
+
+
+class TemplateMismatchError(EnvError):
+    """A chat template rendered an episode's conversation differently from the tokens the
+    episode holds (it rewrites earlier turns): training the tokens would train text the model
+    never saw. Raised with ``[env] on_mismatch = "fail"``."""
 
 
 # Rollout -------------------------------------------------------------------------------------

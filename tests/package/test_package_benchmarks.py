@@ -21,6 +21,7 @@ GOALS = {
     "transport": ("goal 6:",),
     "checkpoint": ("goal 4:",),
     "checkpoint_incremental": ("goal 4:",),
+    "episodes": ("goal 7:", "goal 8:"),
 }
 
 

@@ -19,6 +19,7 @@ FACADES = [
     "trio_rl.policy",
     "trio_rl.engines",
     "trio_rl.rollout",
+    "trio_rl.envs",
     "trio_rl.sink",
     "trio_rl.publish",
     "trio_rl.transport",
@@ -111,6 +112,13 @@ def _public(module_name: str) -> set[str]:
 # layer's errors. Internals (event types of the credit channel, per-sample helpers of scoring,
 # the checkpoint schema number) stay in their private modules.
 PINNED: dict[str, set[str]] = {
+    "trio_rl.envs": {
+        *("CallSyntax", "ChatTemplate", "Codec", "CompactCalls", "EPISODE_KEY", "EnvConfig"),
+        *("EnvConfigError", "EnvError", "EnvFn", "Episode", "EpisodeRunner", "EpisodeStats"),
+        *("EpisodeStoppedError", "HermesCalls", "Message", "MismatchPolicy", "RecordRewardFn"),
+        *("STOP_REASONS", "StopReason", "TemplateMismatchError", "ToolCall"),
+        *("ToolCallSyntaxError", "ToolEnv", "ToolRewardFn", "import_env", "single_turn"),
+    },
     "trio_rl.rollout": {
         *("AsyncDriverStatistics", "AsyncRolloutDriver", "CreditError", "CreditLedger"),
         *("CreditScheduler", "CreditView", "DataSource", "DataSourceError", "DiscardHook"),
@@ -130,6 +138,8 @@ PINNED: dict[str, set[str]] = {
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
         *("RoutingKeys", "RolloutConfig"),
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
+        # the soft stop a custom generate function (an episode's turns) hands its engine
+        "current_abort",
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry
         *("Admission", "Expiry"),
         # the priority lane an eval shares a driver's credits through (and the policy wrapper

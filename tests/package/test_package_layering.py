@@ -26,19 +26,23 @@ ALLOWED: dict[str, set[str]] = {
     # [checkpoint] sections are generated from those layers' own configs (one declaration per
     # knob), as is [trainer] from the trainer's, and [transport] kind names a registered
     # transport, so it sees those layers; its engine sections are generated from the registered
-    # engines' configs, and [eval] from the evals' config
-    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines", "evals"},
+    # engines' configs, [eval] from the evals' config and [env] from the environments'
+    "config": {"rollout", "sink", "trainer", "transport", "rundir", "engines", "evals", "envs"},
     "policy": {"samples"},
     "wire": {"payloads"},
     "engines": {"samples", "policy"},
     "rollout": {"payloads", "samples", "policy", "engines"},
+    # multi-turn episodes: an environment drives the engine turn by turn; its runner is the
+    # rollout layer's generate function
+    "envs": {"payloads", "samples", "policy", "engines", "rollout"},
     "sink": {"payloads", "samples", "wire"},
     "transport": {"wire"},
     # the run directory's layout: it asks the checkpoint manager and the file transport
     "rundir": {"sink", "transport"},
     "publish": {"payloads", "samples", "wire", "sink", "transport"},
     "trainer": {"payloads", "wire", "transport"},
-    "testing": {"payloads", "samples", "policy", "engines", "rollout"},
+    # the harness also drives multi-turn episodes (an EpisodeRunner over its scripted engine)
+    "testing": {"payloads", "samples", "policy", "engines", "rollout", "envs"},
     # evaluation: its runner generates through the engines and the rollout layer's group
     # nursery and priority lane; its journal keeps the run directory's eval files
     "evals": {"payloads", "samples", "policy", "engines", "rollout", "rundir"},
@@ -49,6 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     # the operations tools read what the pipeline writes (batches, checkpoints, metrics records)
     "tools": {"payloads", "samples", "wire", "sink", "transport", "publish", "rundir"},
     "learn": {
+        "envs",
         # the run's plot is the figure of `trio-rl plot` (tools reads records, never learns)
         "tools",
         "config",

@@ -25,6 +25,7 @@ from ..engines import (
     InferenceConfig,
     engine_kind,
 )
+from ..envs import EnvConfig
 from ..errors import InvalidArgumentError
 from ..evals import EvalConfig
 from ..rollout import RolloutConfig
@@ -43,7 +44,7 @@ from ._sections import (
 
 __all__ = ["Inference", "InferenceKeys", "LearnRunConfig", "SimulateConfig", "StepShape"]
 
-Task = Literal["copy", "repeat", "reverse"]
+Task = Literal["copy", "repeat", "reverse", "lookup"]
 
 
 def _check_port(port: int | None, allowed: bool, name: str) -> None:
@@ -146,7 +147,9 @@ class LearnRolloutKeys(StepShape):
     """``[rollout]``'s keys of the learning run that are no knob of ``RolloutConfig``: the
     task's prompts, the step's shape and the sampling temperature."""
 
-    task: Task = option("repeat", "the verifiable task (copy, repeat, reverse)")  # noqa: RUF009
+    task: Task = option(  # noqa: RUF009
+        "repeat", "the verifiable task (copy, repeat, reverse; lookup: a tool, two turns)"
+    )
     prompts: int = option(4096, "prompts drawn from the task (cycled)", validator=at_least(1))
     max_async_level: int = option(
         1,
@@ -270,6 +273,15 @@ LearnCheckpoint = config_section(
     "What is kept on disk: the orchestrator's checkpoints (trio_rl.sink.CheckpointConfig) "
     "and the published weights.",
     base=LearnCheckpointKeys,
+)
+
+
+#: ``[env]``: multi-turn episodes (trio_rl.envs.EnvConfig): the environment and its budgets.
+LearnEnv = config_section(
+    EnvConfig,
+    "LearnEnv",
+    "Multi-turn episodes (trio_rl.envs.EnvConfig): the environment the policy plays each "
+    "record with, and the episode's budgets (docs/environments.md).",
 )
 
 
@@ -428,6 +440,7 @@ class LearnRunConfig:
     reward: RewardSection = attrs.field(factory=RewardSection)
     inference: InferenceKeys = attrs.field(factory=Inference)
     eval: ConfigSection[EvalConfig] = attrs.field(factory=LearnEval)
+    env: ConfigSection[EnvConfig] = attrs.field(factory=LearnEnv)
 
 
 # ------------------------------------------------------------------ trio-rl simulate

@@ -48,6 +48,13 @@ def batch_key(request: GenerateRequest) -> tuple[Any, ...]:
     return (request.prompt_tokens, p.max_tokens, p.temperature, p.top_p)
 
 
+def length_key(request: GenerateRequest) -> tuple[Any, ...]:
+    """Requests with equal keys may share a batch: prompts of the same length (one tensor
+    without padding), same sampling settings."""
+    p = request.params
+    return (len(request.prompt_tokens), p.max_tokens, p.temperature, p.top_p)
+
+
 @attrs.define(slots=True, eq=False)
 class _Batch:
     key: tuple[Any, ...]
@@ -80,6 +87,8 @@ class RequestBatcher:
     max_rows: int
     abort_waits: bool
     nursery: trio.Nursery | None = None
+    #: which requests may share a batch (:func:`batch_key`: the same prompt)
+    key: Callable[[GenerateRequest], tuple[Any, ...]] = batch_key
     _gathering: dict[tuple[Any, ...], _Batch] = attrs.field(init=False, factory=dict)
 
     async def submit(self, request: GenerateRequest) -> Completion:
@@ -92,7 +101,7 @@ class RequestBatcher:
         """
         if self.nursery is None:
             raise trio.ClosedResourceError(f"{self.name} used outside its open() block")
-        key = batch_key(request)
+        key = self.key(request)
         batch = self._gathering.get(key)
         if batch is None or len(batch.rows) >= self.max_rows:
             batch = _Batch(key)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from .._validation import at_least, positive_finite
+from .._validation import at_least, one_of, positive_finite
 from ..errors import InvalidArgumentError
 from ._fleet import EngineFleet
 from ._fleet_config import ABORT_PATH_HELP, InferenceConfig, abort_path_check
@@ -112,6 +112,13 @@ async def _open_openai(
 class TorchConfig:
     """The policy served in-process (its shape is ``[engine]``'s: the trainer's model too)."""
 
+    batch_by: Literal["prompt", "length"] = _knob(
+        "prompt",
+        "which requests decode as one batch: prompt (a group's samples) or length (prompts of "
+        "the same length: the later turns of multi-turn episodes, each with a prompt of its own)",
+        one_of(("prompt", "length")),
+    )
+
 
 @asynccontextmanager
 async def _open_torch(setup: EngineSetup, config: TorchConfig) -> AsyncIterator[TorchEngine]:
@@ -127,6 +134,7 @@ async def _open_torch(setup: EngineSetup, config: TorchConfig) -> AsyncIterator[
         policy_version=setup.policy_version,
         # deterministic: a group's rows must always decode as one batch (one generator)
         gather_window=0.02 if setup.deterministic else 0.002,
+        batch_by=config.batch_by,
     ) as engine:
         yield engine
 

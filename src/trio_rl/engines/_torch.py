@@ -13,14 +13,14 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import trio
 
 from ..policy import PolicyVersionCell, as_cell
 from ..samples import PolicyVersion
-from ._batching import PendingRow, RequestBatcher
+from ._batching import PendingRow, RequestBatcher, batch_key, length_key
 from ._errors import EngineConfigError, EngineError
 from ._protocol import Completion, FinishReason, GenerateRequest
 
@@ -118,7 +118,7 @@ def _decode(
     logprobs: list[list[float]] = [[] for _ in range(n)]
     finish: list[FinishReason | None] = [None] * n
     active = list(range(n))
-    x = torch.tensor([first.prompt_tokens] * n, dtype=torch.int64)
+    x = torch.tensor([r.request.prompt_tokens for r in rows], dtype=torch.int64)
     with torch.no_grad():
         for _ in range(params.max_tokens):
             trio.from_thread.check_cancelled()
@@ -165,7 +165,9 @@ class TorchEngine:
     (:class:`~trio_rl.engines._batching.RequestBatcher`); each batch decodes in a worker thread
     (``trio.to_thread.run_sync`` under ``limiter``), without a KV cache (the models here are
     tiny). A batch samples from one generator seeded by its rows' ``params.seed`` values, so a
-    group decoded together gets the same tokens on every run with the same weights.
+    group decoded together gets the same tokens on every run with the same weights. With
+    ``batch_by="length"`` requests whose prompts differ but have the same length share batches
+    too (the later turns of multi-turn episodes: each episode's prompt is its own).
 
     **Abort** (:attr:`GenerateRequest.abort`): the row is ended before the next decode step and
     returns the tokens decoded so far with finish reason ``abort``. A continuation request
@@ -191,7 +193,12 @@ class TorchEngine:
         limiter: trio.CapacityLimiter | None = None,
         policy_version: PolicyVersion | PolicyVersionCell = 0,
         seed: int = 0,
+        batch_by: Literal["prompt", "length"] = "prompt",
     ) -> None:
+        if batch_by not in ("prompt", "length"):
+            raise EngineConfigError(
+                f'TorchEngine.batch_by must be "prompt" or "length", got {batch_by!r}'
+            )
         if max_batch < 1:
             raise EngineConfigError(f"TorchEngine.max_batch must be >= 1, got {max_batch}")
         if gather_window < 0:
@@ -210,6 +217,7 @@ class TorchEngine:
             window=gather_window,
             max_rows=max_batch,
             abort_waits=True,
+            key=batch_key if batch_by == "prompt" else length_key,
         )
         self._counts = dict.fromkeys(
             ("requests", "completions", "abandoned", "tokens", "batches", "decode_steps"), 0

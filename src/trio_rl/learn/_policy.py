@@ -18,6 +18,7 @@ import attrs
 import torch
 from torch import nn
 
+from ..envs import ChatTemplate
 from ..errors import ConfigError
 from ..rollout import DataSourceError
 from ..samples import Prompt
@@ -64,6 +65,25 @@ class Policy:
     #: the default completion cap (the task's longest answer plus ``<eos>``)
     max_tokens: int
     description: str
+    #: text <-> token ids for the episodes' observations (``encode(text)``, ``decode(ids)``)
+    codec: Any = None
+    #: the tokenizer's chat template, rendered one message at a time (None: no chat template)
+    chat: ChatTemplate | None = None
+
+
+@attrs.frozen
+class _TextCodec:
+    """A Hugging Face tokenizer as an episode's text codec (no special tokens added)."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return text
 
 
 def check_model_dir(path: str | Path, where: str = "configuration") -> Path:
@@ -112,6 +132,7 @@ def _char_policy(task_name: str, seed: int, d_model: int, n_layers: int) -> Poli
         tokenizer.decode,
         task.max_answer + 1,
         f"task {task.name!r} ({task.description})",
+        codec=tokenizer,
     )
 
 
@@ -165,7 +186,18 @@ def _hf_policy(path: str, where: str) -> Policy:
 
     hf.eval()
     max_len = int(getattr(hf.config, "max_position_embeddings", 0) or 2048)
-    return Policy(HFCausalLM(hf), int(eos), max_len, encode, decode, 32, f"model {root}")
+    chat = ChatTemplate(tokenizer, int(eos)) if getattr(tokenizer, "chat_template", None) else None
+    return Policy(
+        HFCausalLM(hf),
+        int(eos),
+        max_len,
+        encode,
+        decode,
+        32,
+        f"model {root}",
+        codec=chat if chat is not None else _TextCodec(tokenizer),
+        chat=chat,
+    )
 
 
 def load_policy(

@@ -15,6 +15,7 @@ import trio
 
 from ..config import LearnRunConfig
 from ..engines import Engine, SlotOccupancy
+from ..envs import EpisodeStats
 from ..orchestrator import Orchestrator
 from ..publish import Shipment, release_containers
 from ..rollout import RecordReward
@@ -43,6 +44,8 @@ class Records:
     limiter: trio.CapacityLimiter
     display: Display | None = None
     sinks: Display | None = None
+    #: the episodes' counts (stop reasons, turns, tool calls) of a run with an environment
+    episodes: EpisodeStats | None = None
     metrics: list[dict[str, Any]] = attrs.field(factory=list)
     lags: list[float] = attrs.field(factory=list)
     version: PolicyVersion = 0
@@ -89,6 +92,8 @@ class Records:
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
                 rec["counters/reward_failures"] = self.reward.failed
+                if self.episodes is not None:  # run totals: stop reasons, turns, tool calls
+                    rec.update(self.episodes.record())
                 rec["queue_depth"] = orch.sink.queued
                 rec["open_groups"] = len(orch.held_groups())
                 rec["cancelled_stale"] = orch.driver.statistics().cancelled_stale_samples

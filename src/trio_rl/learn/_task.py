@@ -107,6 +107,15 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return text, text[::-1]
 
 
+#: The lookup task's keys and the letters of its values.
+LOOKUP_KEYS, LOOKUP_LETTERS = "12345", "abcdefgh"
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    key = rng.choice(LOOKUP_KEYS)
+    return key, rng.choice(LOOKUP_LETTERS)
+
+
 def _repeat(rng: random.Random) -> tuple[str, str]:
     letter, count = rng.choice("abc"), rng.randint(1, 6)
     return f"{letter}{count}", letter * count
@@ -136,6 +145,17 @@ TASKS: dict[str, Task] = {
         max_answer=6,
         max_prompt=3,
         description="'c4=' -> 'cccc': a letter of a-c repeated 1-6 times",
+    ),
+    # two turns: '3=' -> the call '3', the tool's reply 'f=' -> the answer 'f'; the prompt
+    # is as long as the conversation before the answer (prompt, call and reply), so the
+    # model's context holds the whole episode
+    "lookup": Task(
+        "lookup",
+        LOOKUP_LETTERS + LOOKUP_KEYS + "=",
+        _lookup,
+        max_answer=1,
+        max_prompt=2 + 2 + 2,
+        description="'3=' -> call '3', read the reply 'f=' -> answer 'f': a tool lookup",
     ),
 }
 

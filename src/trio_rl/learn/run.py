@@ -23,6 +23,7 @@ import trio
 
 from ..config import LearnRunConfig
 from ..engines import Engine
+from ..envs import EpisodeRunner
 from ..errors import InvalidArgumentError
 from ..evals import RunEvals
 from ..orchestrator import Orchestrator, open_orchestrator
@@ -32,6 +33,7 @@ from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
 from ._engine import open_engine, weight_loader
+from ._episodes import env_function, episode_runner
 from ._evals import finish_evals, open_run_evals
 from ._grpo import StepStats
 from ._policy import Policy
@@ -133,6 +135,10 @@ async def run_learning(
         patience=trainer_timeout,
     )
     shipments_send, shipments = trio.open_memory_channel[Shipment](64)
+    orch_config = orchestrator_config(
+        config, completion_cap(config, start.policy), stale_admission=stale_admission
+    )
+    runner: EpisodeRunner | None = None  # the episodes' generate function, with [env]
     # Until the first step starts, a stop cancels everything at once: the waits of the start
     # (a server that does not answer, a model loading) have nothing to save.
     starting, started = trio.CancelScope(), trio.CancelScope()
@@ -148,12 +154,20 @@ async def run_learning(
                     engine,
                     InMemorySource(start.prompts, epochs=None),
                     sender,
-                    config=orchestrator_config(
-                        config,
-                        completion_cap(config, start.policy),
-                        stale_admission=stale_admission,
+                    config=orch_config,
+                    # an episode's environment returns its reward
+                    sample_reward=start.reward if start.env is None else None,
+                    generate=(
+                        runner := episode_runner(
+                            config.env.to_config(),
+                            start.env,
+                            engine,
+                            start.policy,
+                            orch_config.sampling,
+                            orch_config.seq_len,
+                            start.limiter,
+                        )
                     ),
-                    sample_reward=start.reward,
                     monitor=shipments_send,
                     limiter=start.limiter,
                     checkpoint_dir=RunDirectory(out).checkpoints,
@@ -171,7 +185,15 @@ async def run_learning(
                 trio.open_nursery() as nursery,
             ):
                 records = Records(
-                    config, orch, engine, start.reward, trainer.log, start.limiter, display, sinks
+                    config,
+                    orch,
+                    engine,
+                    start.reward,
+                    trainer.log,
+                    start.limiter,
+                    display,
+                    sinks,
+                    episodes=None if runner is None else runner.stats,
                 )
                 records.start(nursery, shipments, begun, start.earlier, start.trained)
                 resumed_at = _begin(config, orch, start)
@@ -181,15 +203,16 @@ async def run_learning(
                 ending = await _ship_steps(config, orch, stop, begun, start.samples)
                 last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
                 # the run ends here, whatever `steps` said: no rollouts for later steps, and a
-                # lockstep trainer may train up to the last shipped step; an external trainer
-                # job trains up to it, then exits by itself (ended.json first: it says why)
+                # lockstep trainer may train up to the last shipped step; an external trainer job
+                # trains up to it, then exits by itself
                 orch.final_step = last_shipped
+                # ended.json first: a trainer job reads why the run ended
                 await trio.to_thread.run_sync(write_ended, out, last_shipped, ending)
                 await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
                 normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
                 await trainer.finish(last_shipped, wait=normal_end)
                 if ending.stopped != "signal":
-                    # the eval of the last trained version, bounded: cut, never waited for
+                    # the eval of the last trained version, bounded: cut, never waited for forever
                     await finish_evals(evals, max(trainer.log.last, start.trained))
                 shipments_send.close()
                 await records.drain()
@@ -237,6 +260,8 @@ class _Start:
     samples: SampleLog
     #: the last step a torchrun or external trainer job logged (``trainer/trained.jsonl``)
     job_trained: int = 0
+    #: the environment the run plays (None: single-turn samples scored by ``reward``)
+    env: str | None = None
 
     @property
     def trained(self) -> int:
@@ -262,11 +287,22 @@ class _Start:
             timeout=config.reward.timeout,
             name=f"reward {spec}",
         )
+        env = env_function(config.env.to_config(), config.rollout.task, config.model.path)
         job_trained = 0
         if resuming and config.trainer.mode != "inprocess":
             job_trained = await trio.to_thread.run_sync(last_trained_step, run_directory(config))
         return cls(
-            config, resuming, state, earlier, policy, prompts, limiter, reward, samples, job_trained
+            config,
+            resuming,
+            state,
+            earlier,
+            policy,
+            prompts,
+            limiter,
+            reward,
+            samples,
+            job_trained,
+            env,
         )
 
     async def watch_weights(
@@ -344,7 +380,7 @@ def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | N
         print(
             f"learning run: {policy.description}, "
             f"prompts {config.data.prompts or 'of the task'}, "
-            f"reward {reward_function(config)}, "
+            f"{_scored_by(config, start)}, "
             f"{sum(p.numel() for p in policy.model.parameters())} parameters, "
             f"{config.rollout.batch_groups} groups x {config.rollout.group_size} samples per "
             f"step, trainer {config.trainer.mode} x{config.trainer.ranks}, run directory "
@@ -352,6 +388,12 @@ def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | N
             flush=True,
         )
     return orch.step if start.resuming else None
+
+
+def _scored_by(config: LearnRunConfig, start: _Start) -> str:
+    if start.env is None:
+        return f"reward {reward_function(config)}"
+    return f"environment {start.env}"
 
 
 async def _ship_steps(

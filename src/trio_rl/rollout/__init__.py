@@ -30,6 +30,7 @@ from ._group import GenerateFn as GenerateFn
 from ._group import GroupRewardFn as GroupRewardFn
 from ._group import GroupRunner as GroupRunner
 from ._group import SampleRewardFn as SampleRewardFn
+from ._group import current_abort as current_abort
 from ._group import engine_generate as engine_generate
 from ._group import pending_samples as pending_samples
 from ._group import run_group as run_group

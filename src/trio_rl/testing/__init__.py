@@ -9,6 +9,10 @@ from ._engine import Call as Call
 from ._engine import Fate as Fate
 from ._engine import FateKind as FateKind
 from ._engine import ScriptedEngine as ScriptedEngine
+from ._episodes import TOOL_FATES as TOOL_FATES
+from ._episodes import TOOL_TIMEOUT as TOOL_TIMEOUT
+from ._episodes import EpisodeHarness as EpisodeHarness
+from ._episodes import episode_property as episode_property
 from ._errors import Invariant as Invariant
 from ._errors import InvariantViolationError as InvariantViolationError
 from ._errors import ScriptedEngineError as ScriptedEngineError

@@ -31,6 +31,7 @@ class Invariant(enum.Enum):
     NO_DEADLOCK = 6
     SYNC_BATCH_SHAPE = 7
     ASYNC_BOUNDED_PAUSED_CLOSED = 8
+    EPISODE_ENDS_ONCE = 9
 
     @property
     def description(self) -> str:
@@ -57,6 +58,9 @@ _DESCRIPTIONS: dict[Invariant, str] = {
     Invariant.SYNC_BATCH_SHAPE: "sync driver: exactly T groups of G samples, sorted by first index",
     Invariant.ASYNC_BOUNDED_PAUSED_CLOSED: (
         "fully-async: bounded buffer, no submission while paused, nothing left running on close"
+    ),
+    Invariant.EPISODE_ENDS_ONCE: (
+        "every episode that ended has one stop reason, and no tool call outlives its episode"
     ),
 }
 

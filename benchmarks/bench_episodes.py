@@ -1,0 +1,185 @@
+"""Multi-turn episodes: CPU per turn against single-turn samples, and memory per episode.
+
+    python benchmarks/bench_episodes.py [--sizes 1000,10000] [--memory 1000,5000,10000]
+                                        [--turns 4] [--tokens 64]
+
+Part A (CPU). N episodes run concurrently, each a ``ToolEnv`` of ``turns`` policy turns of
+``tokens`` sampled tokens with an async tool call (its result observed) between two turns,
+played by ``EpisodeRunner``. The comparator is the same number of engine requests and sampled
+tokens as single-turn samples (``engine_generate``): ``turns * N`` samples of ``tokens``
+tokens. A second comparator, ``N`` samples of ``turns * tokens`` tokens, is the same tokens in
+as many samples as episodes. The engine answers every request after the same virtual-free
+delay (a real ``trio.sleep``), so every run keeps its N in flight at once; the figure is the
+process CPU time over the turns (or samples) played. Goal: per-turn overhead <= 1.3x (printed
+as a ratio from this run, not asserted).
+
+Part B (memory). ``tracemalloc``'s peak while N episodes are in flight, divided by N, at each
+of ``--memory``: linear growth is a constant bytes per episode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import tracemalloc
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+
+from trio_rl.engines import Completion, GenerateRequest
+from trio_rl.envs import EnvConfig, Episode, EpisodeRunner, ToolCall, ToolEnv
+from trio_rl.rollout import GenerateFn, engine_generate
+from trio_rl.samples import Sample
+
+
+class _Engine:
+    """Answers every request with ``tokens`` tokens after ``delay`` seconds."""
+
+    def __init__(self, tokens: int, delay: float) -> None:
+        self.tokens, self.delay = tokens, delay
+        self.requests = 0
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.requests += 1
+        await trio.sleep(self.delay)
+        n = self.tokens
+        return Completion(
+            tokens=list(range(n)), logprobs=[-0.5] * n, finish_reason="stop", policy_version=0
+        )
+
+
+class _Codec:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return "x"  # the bench's syntax decides by turn count, not by text
+
+
+class _Calls:
+    """The policy calls the tool until its episode has played ``turns`` turns."""
+
+    def __init__(self, episode: Episode, turns: int) -> None:
+        self.episode, self.turns = episode, turns
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return [] if self.episode.turns >= self.turns else [ToolCall("lookup")]
+
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        episode.observe(result)
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        episode.observe("!")
+
+
+async def lookup() -> str:
+    await trio.sleep(0)
+    return "value=42;"
+
+
+def _env(turns: int) -> Any:
+    async def play(episode: Episode, record: Mapping[str, Any]) -> float:
+        env = ToolEnv([lookup], _reward, max_turns=turns + 1, syntax=_Calls(episode, turns))
+        return await env(episode, record)
+
+    return play
+
+
+def _reward(record: Mapping[str, Any], text: str, calls: Sequence[ToolCall]) -> float:
+    return float(len(calls))
+
+
+async def _run_all(generate: GenerateFn, n: int, prompt: int, probe: Any = None) -> None:
+    samples = [Sample(index=i, group_index=i, prompt_tokens=tuple(range(prompt))) for i in range(n)]
+    async with trio.open_nursery() as nursery:
+        for sample in samples:
+            nursery.start_soon(generate, sample)
+        if probe is not None:
+            nursery.start_soon(probe)
+
+
+def _cpu(generate_of: Any, n: int, prompt: int) -> float:
+    """Process CPU seconds of one run of ``n`` concurrent generate calls."""
+    gc.collect()
+    t0 = time.process_time()
+    trio.run(_run_all, generate_of(), n, prompt)
+    return time.process_time() - t0
+
+
+def part_a(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int) -> None:
+    print(f"A. CPU per turn: {turns}-turn episodes of {tokens} tokens a turn, tool between turns")
+    for n in sizes:
+        episodes = _cpu(
+            lambda: EpisodeRunner(
+                _Engine(tokens, delay),
+                _env(turns),
+                _Codec(),
+                config=EnvConfig(max_turns=turns, episode_timeout=None),
+                max_len=1 << 20,
+            ),
+            n,
+            prompt,
+        )
+        per_turn = _cpu(lambda: engine_generate(_Engine(tokens, delay)), n * turns, prompt)
+        per_episode = _cpu(lambda: engine_generate(_Engine(tokens * turns, delay)), n, prompt)
+        ep_turn = episodes / (n * turns) * 1e6
+        st_turn = per_turn / (n * turns) * 1e6
+        st_sample = per_episode / n * 1e6
+        print(
+            f"  {n:>6} episodes in flight: {ep_turn:7.1f} us CPU per turn "
+            f"({episodes:.2f} s); single-turn samples of {tokens} tokens x{n * turns}: "
+            f"{st_turn:7.1f} us per sample ({per_turn:.2f} s); of {tokens * turns} tokens "
+            f"x{n}: {st_sample:7.1f} us per sample ({per_episode:.2f} s)"
+        )
+        print(
+            f"goal 7: per-turn overhead at {n} episodes: {ep_turn / st_turn:.2f}x the CPU of a "
+            f"single-turn sample of the same tokens (goal <= 1.3x); an episode costs "
+            f"{episodes / per_episode:.2f}x one sample of all its tokens"
+        )
+
+
+def part_b(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int) -> None:
+    print("B. memory: tracemalloc peak while N episodes are in flight, per episode")
+    per: list[float] = []
+    for n in sizes:
+        gc.collect()
+        tracemalloc.start()
+        runner = EpisodeRunner(
+            _Engine(tokens, delay),
+            _env(turns),
+            _Codec(),
+            config=EnvConfig(max_turns=turns, episode_timeout=None),
+            max_len=1 << 20,
+        )
+        base = tracemalloc.get_traced_memory()[0]
+        trio.run(_run_all, runner, n, prompt)
+        peak = tracemalloc.get_traced_memory()[1] - base
+        tracemalloc.stop()
+        per.append(peak / n)
+        print(f"  {n:>6} episodes: peak {peak / 2**20:8.1f} MiB, {peak / n:8.0f} bytes per episode")
+    if len(per) > 1:
+        print(
+            f"goal 8: bytes per episode from {sizes[0]} to {sizes[-1]} episodes: "
+            f"{per[-1] / per[0]:.2f}x (linear growth: ~1.0x)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000", help="episodes in flight (part A)")
+    parser.add_argument("--memory", default="1000,5000,10000", help="episodes (part B)")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--delay", type=float, default=0.05, help="engine seconds per request")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    memory = [int(s) for s in args.memory.split(",") if s]
+    part_a(sizes, args.turns, args.tokens, args.delay, args.prompt)
+    part_b(memory, args.turns, args.tokens, args.delay, args.prompt)
+
+
+if __name__ == "__main__":
+    main()

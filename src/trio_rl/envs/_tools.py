@@ -1,0 +1,228 @@
+"""`ToolEnv`: the policy calls tools until it answers; pluggable call syntaxes.
+
+A turn whose text holds no tool call is the answer, scored by the reward function. A turn with
+calls runs them one after the other, each under ``trio.fail_after(tool_timeout)`` (async tools
+awaited on the loop, plain ones in worker threads under the run's limiter), shows each result
+to the policy and asks for the next turn. A tool that times out ends the episode as
+``tool_timeout``, one that raises as ``error``: the episode is lost, never the run. A call that
+does not parse (bad JSON, an unknown tool, arguments the tool does not take) is shown to the
+policy as an error message and costs a turn.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from .._validation import optional_positive_finite, optional_positive_int
+from ..errors import EnvConfigError, ToolCallSyntaxError
+from ._episode import Episode
+
+__all__ = ["CallSyntax", "CompactCalls", "HermesCalls", "ToolCall", "ToolEnv", "ToolRewardFn"]
+
+#: ``fn(record, answer, calls) -> float``, plain or async: the episode's reward from its record,
+#: the text of its last turn (the one without a call) and the calls it made, in order.
+ToolRewardFn = Callable[[Mapping[str, Any], str, Sequence["ToolCall"]], float | Awaitable[float]]
+
+
+@attrs.frozen
+class ToolCall:
+    """One call the policy asked for: the tool's name, positional and keyword arguments."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+class CallSyntax(Protocol):
+    """How tool calls are written in the policy's text and how results are shown to it."""
+
+    def parse(self, text: str) -> list[ToolCall]:
+        """The calls in ``text`` (none: the text is the answer); raises
+        :class:`~trio_rl.errors.ToolCallSyntaxError` for a call that does not parse."""
+        ...
+
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        """Append a call's result to ``episode``."""
+        ...
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        """Append the message of a call that could not run (it did not parse, names no tool,
+        or has arguments the tool does not take) to ``episode``."""
+        ...
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@attrs.frozen
+class HermesCalls:
+    """Hermes-style calls for chat models: ``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>``, any number per turn. Results go back as ``tool`` messages through the chat
+    template (:meth:`Episode.observe_message`), or without one as
+    ``<tool_response>...</tool_response>`` text."""
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for body in _HERMES.findall(text):
+            try:
+                value = json.loads(body)
+            except json.JSONDecodeError as exc:
+                raise ToolCallSyntaxError(f"the tool call is not valid JSON: {exc.msg}") from None
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                raise ToolCallSyntaxError('a tool call is a JSON object with a "name" string')
+            arguments = value.get("arguments", {})
+            if not isinstance(arguments, dict):
+                raise ToolCallSyntaxError('a tool call\'s "arguments" must be a JSON object')
+            calls.append(ToolCall(value["name"], (), arguments))
+        return calls
+
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        if episode.chat is not None:
+            episode.observe_message("tool", result)
+        else:
+            episode.observe(f"<tool_response>\n{result}\n</tool_response>\n")
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        self.show(episode, ToolCall("error"), f"error: {message}")
+
+
+@attrs.frozen
+class CompactCalls:
+    """A call syntax for tiny character models: a turn whose text starts with a match of
+    ``pattern`` (a regular expression) calls the tool ``tool`` (default: the environment's only
+    tool) with the pattern's groups as arguments; the rest of the turn is ignored. The default,
+    ``?`` then anything, passes the rest of the text as the one argument. A result is shown as
+    its text followed by ``end``, a call that cannot run as ``error`` followed by ``end`` (a
+    character model's vocabulary has no room for messages)."""
+
+    pattern: str = r"\?(.*)"
+    tool: str | None = None
+    end: str = "="
+    error: str = ""
+    _compiled: re.Pattern[str] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            compiled = re.compile(self.pattern, re.DOTALL)
+        except re.error as exc:
+            raise EnvConfigError(f"CompactCalls.pattern {self.pattern!r}: {exc}") from None
+        object.__setattr__(self, "_compiled", compiled)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        match = self._compiled.match(text)
+        if match is None:
+            return []
+        return [ToolCall(self.tool or "", match.groups())]
+
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        episode.observe(result + self.end)
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        episode.observe(self.error + self.end)
+
+
+def _tool_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        raise EnvConfigError(f"ToolEnv: tool {fn!r} has no __name__; wrap it in a function")
+    return name
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
+
+
+@attrs.frozen
+class ToolEnv:
+    """An environment (``await env(episode, record) -> reward``) where the policy may call
+    ``tools`` before it answers.
+
+    ``tools`` are plain or async callables, named by ``__name__``; ``record_tools(record)``
+    adds tools made for each record (a tool that reads the record). ``reward(record, answer,
+    calls)`` scores the last turn's text. ``max_turns`` bounds the policy turns (a turn past it
+    ends the episode as ``max_turns``; unset: the run's ``[env] max_turns``); ``tool_timeout``
+    bounds each call (expiry: ``tool_timeout``; unset: the run's ``[env] tool_timeout``);
+    ``syntax`` says how calls are written (:class:`HermesCalls` by default,
+    :class:`CompactCalls` for the built-in character model).
+    """
+
+    tools: Sequence[Callable[..., Any]]
+    reward: ToolRewardFn
+    max_turns: int | None = attrs.field(default=None, validator=optional_positive_int)
+    tool_timeout: float | None = attrs.field(default=None, validator=optional_positive_finite)
+    syntax: CallSyntax = attrs.field(factory=HermesCalls)
+    record_tools: Callable[[Mapping[str, Any]], Sequence[Callable[..., Any]]] | None = None
+
+    def _toolbox(self, record: Mapping[str, Any]) -> dict[str, Callable[..., Any]]:
+        tools = list(self.tools)
+        if self.record_tools is not None:
+            tools.extend(self.record_tools(record))
+        box = {_tool_name(fn): fn for fn in tools}
+        if len(box) == 1:
+            box[""] = next(iter(box.values()))  # the one tool of a syntax that names none
+        return box
+
+    async def __call__(self, episode: Episode, record: Mapping[str, Any]) -> float:
+        box = self._toolbox(record)
+        made: list[ToolCall] = []
+        while True:
+            if self.max_turns is not None and episode.turns >= self.max_turns:
+                episode.stop("max_turns")
+            text = await episode.generate()
+            try:
+                calls = self.syntax.parse(text)
+            except ToolCallSyntaxError as exc:
+                self.syntax.show_error(episode, str(exc))
+                continue
+            if not calls:
+                return await self._score(episode, record, text, made)
+            for call in calls:
+                made.append(call)
+                await self._run(episode, box, call)
+
+    async def _score(
+        self, episode: Episode, record: Mapping[str, Any], text: str, made: list[ToolCall]
+    ) -> float:
+        if _is_async(self.reward):
+            return float(await self.reward(record, text, made))  # type: ignore[misc]
+        value: Any = await episode.run_sync(self.reward, record, text, made)
+        return float(value)
+
+    async def _run(
+        self, episode: Episode, box: Mapping[str, Callable[..., Any]], call: ToolCall
+    ) -> None:
+        """Run ``call`` and show its result (or why it could not run) to the policy."""
+        fn = box.get(call.name)
+        if fn is None:
+            known = ", ".join(sorted(n for n in box if n))
+            self.syntax.show_error(episode, f"unknown tool {call.name!r} (tools: {known})")
+            return
+        try:
+            inspect.signature(fn).bind(*call.args, **call.kwargs)
+        except TypeError as exc:
+            self.syntax.show_error(episode, f"{call.name}: {exc}")
+            return
+        except ValueError:
+            pass  # no signature to check (a builtin): the call itself will say
+        episode.stats.tool_calls += 1
+        timeout = episode.config.tool_timeout if self.tool_timeout is None else self.tool_timeout
+        try:
+            with trio.fail_after(timeout):
+                if _is_async(fn):
+                    result = await fn(*call.args, **call.kwargs)
+                else:
+                    result = await episode.run_sync(fn, *call.args, **call.kwargs)
+        except trio.TooSlowError:
+            episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
+        except Exception as exc:
+            episode.stop("error", detail=f"tool {call.name!r} raised {type(exc).__name__}: {exc}")
+        self.syntax.show(episode, call, str(result))

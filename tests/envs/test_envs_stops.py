@@ -1,0 +1,283 @@
+"""Budgets and stop reasons: every episode ends with exactly one, counted; a tool that raises
+or never returns costs its episode, never the run, and leaves no task behind."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from envs_helpers import CODEC, EOS, RecordingEngine, ScriptedPolicy
+
+from trio_rl.engines import Completion, EngineTransportError, GenerateRequest, SamplingParams
+from trio_rl.envs import (
+    EPISODE_KEY,
+    CompactCalls,
+    EnvConfig,
+    Episode,
+    EpisodeRunner,
+    StopReason,
+    ToolCall,
+    ToolEnv,
+)
+from trio_rl.samples import Sample, SampleStatus
+
+
+def zero(record: Mapping[str, Any], answer: str, calls: Sequence[ToolCall]) -> float:
+    return 1.0
+
+
+def always_call(prompt: str) -> str:
+    return "?1"
+
+
+def sample_of(prompt: str = "1=") -> Sample:
+    return Sample(0, 0, CODEC.encode(prompt), label={"prompt": prompt}, seed=1)
+
+
+async def play(runner: EpisodeRunner) -> Sample:
+    sample = sample_of()
+    with trio.fail_after(10):
+        await runner(sample)
+    return sample
+
+
+def stop_of(sample: Sample) -> StopReason:
+    reason: StopReason = sample.metadata[EPISODE_KEY]["stop"]
+    return reason
+
+
+def only(runner: EpisodeRunner, reason: StopReason) -> None:
+    assert runner.stats.episodes == 1
+    assert runner.stats.stops[reason] == 1
+
+
+async def test_max_turns_of_the_config_ends_the_episode_truncated() -> None:
+    env = ToolEnv([lambda key: "a"], zero, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call),
+        env,
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(max_turns=3),
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "max_turns"
+    assert sample.status is SampleStatus.TRUNCATED
+    assert sample.reward == 0.0
+    assert sample.metadata[EPISODE_KEY]["turns"] == 3
+    assert runner.stats.tool_calls == 3
+    only(runner, "max_turns")
+
+
+async def test_max_turns_of_the_tool_env_ends_it_too() -> None:
+    env = ToolEnv([lambda key: "a"], zero, max_turns=2, syntax=CompactCalls())
+    runner = EpisodeRunner(ScriptedPolicy(always_call), env, CODEC, SamplingParams(max_tokens=3))
+    sample = await play(runner)
+    assert stop_of(sample) == "max_turns"
+    assert sample.metadata[EPISODE_KEY]["turns"] == 2
+
+
+async def test_the_token_budget_covers_the_prompt_and_every_turn() -> None:
+    env = ToolEnv([lambda key: "abcd"], zero, syntax=CompactCalls())
+    # prompt 2 + call 3 + reply 5 = 10 of 11: the answer turn has one token of room
+    runner = EpisodeRunner(
+        ScriptedPolicy(lambda p: "?1" if p == "1=" else "abcd"),
+        env,
+        CODEC,
+        SamplingParams(max_tokens=8),
+        max_len=11,
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "budget"
+    assert sample.num_tokens == 11
+    assert sample.loss_mask[-1] is True  # the token sampled in the room left is kept
+    assert sample.status is SampleStatus.TRUNCATED
+    only(runner, "budget")
+
+
+async def test_an_observation_that_does_not_fit_stops_the_episode_on_budget() -> None:
+    env = ToolEnv([lambda key: "abcdefgh"], zero, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call), env, CODEC, SamplingParams(max_tokens=3), max_len=8
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "budget"
+    assert sample.num_tokens == 5  # the reply was not appended
+
+
+async def test_a_tool_that_never_returns_ends_its_episode_as_tool_timeout() -> None:
+    async def hang(key: str) -> str:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    env = ToolEnv([hang], zero, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call),
+        env,
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(tool_timeout=0.05),
+    )
+    async with trio.open_nursery() as nursery:
+        sample = await play(runner)
+        # nothing of the episode runs on: the only task here is the test's own
+        assert nursery.child_tasks == frozenset()
+    assert stop_of(sample) == "tool_timeout"
+    assert sample.status is SampleStatus.FAILED
+    only(runner, "tool_timeout")
+
+
+async def test_a_sync_tool_past_its_timeout_is_abandoned_in_its_thread() -> None:
+    release = threading.Event()
+    limiter = trio.CapacityLimiter(1)
+
+    def block(key: str) -> str:
+        release.wait(10)
+        return "late"
+
+    env = ToolEnv([block], zero, tool_timeout=0.05, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call), env, CODEC, SamplingParams(max_tokens=3), limiter=limiter
+    )
+    try:
+        sample = await play(runner)
+    finally:
+        release.set()
+    assert stop_of(sample) == "tool_timeout"
+    # the tool ran under the run's limiter (its one token was borrowed)
+    assert limiter.total_tokens == 1
+
+
+async def test_a_tool_that_raises_costs_its_episode_only() -> None:
+    def broken(key: str) -> str:
+        raise KeyError(key)
+
+    env = ToolEnv([broken], zero, syntax=CompactCalls())
+    runner = EpisodeRunner(ScriptedPolicy(always_call), env, CODEC, SamplingParams(max_tokens=3))
+    sample = await play(runner)
+    assert stop_of(sample) == "error"
+    assert sample.status is SampleStatus.FAILED
+    assert sample.reward == 0.0
+    # and the next episode runs as usual
+    runner.env = ToolEnv([lambda key: "a"], zero, syntax=CompactCalls())
+    runner.config = EnvConfig(max_turns=2)
+    assert stop_of(await play(runner)) == "max_turns"
+
+
+async def test_an_environment_that_raises_ends_as_error() -> None:
+    async def env(episode: Episode, record: Mapping[str, Any]) -> float:
+        await episode.generate()
+        raise RuntimeError("a bug in the environment")
+
+    runner = EpisodeRunner(ScriptedPolicy(lambda p: "a"), env, CODEC)
+    sample = await play(runner)
+    assert stop_of(sample) == "error"
+    assert sample.status is SampleStatus.FAILED
+
+
+async def test_an_episode_past_its_timeout_ends_as_episode_timeout() -> None:
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call, delay=0.03),
+        ToolEnv([lambda key: "a"], zero, syntax=CompactCalls()),
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(episode_timeout=0.1),
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "episode_timeout"
+    assert sample.status is SampleStatus.TRUNCATED
+    only(runner, "episode_timeout")
+
+
+async def test_stop_ends_the_episode_with_its_reason_and_reward_and_stays_stopped() -> None:
+    async def env(episode: Episode, record: Mapping[str, Any]) -> float:
+        await episode.generate()
+        try:
+            episode.stop("done", reward=0.75)
+        except Exception:
+            pass  # an environment that swallows the stop cannot go on
+        await episode.generate()
+        return 0.1
+
+    runner = EpisodeRunner(ScriptedPolicy(lambda p: "a"), env, CODEC)
+    sample = await play(runner)
+    assert stop_of(sample) == "done"
+    assert sample.reward == 0.75
+    assert sample.metadata[EPISODE_KEY]["turns"] == 1
+
+
+async def test_a_malformed_call_is_shown_to_the_policy_and_costs_a_turn() -> None:
+    def add(a: str, b: str) -> str:
+        return a + b
+
+    replies = iter(["?b", "a"])
+    env = ToolEnv([add], lambda r, a, c: float(a == "a"), syntax=CompactCalls())
+    runner = EpisodeRunner(
+        ScriptedPolicy(lambda p: next(replies)), env, CODEC, SamplingParams(max_tokens=3)
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "done"
+    assert sample.reward == 1.0
+    assert runner.stats.tool_calls == 0  # the call did not bind: shown as an error, not run
+
+
+@attrs.define(eq=False)
+class DiesOnce:
+    """A server that drops the connection of its ``dies_at``-th request."""
+
+    inner: ScriptedPolicy
+    dies_at: int
+    seen: int = 0
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        self.seen += 1
+        if self.seen == self.dies_at:
+            raise EngineTransportError("connection reset")
+        return await self.inner.generate(request)
+
+
+async def test_a_turn_whose_server_died_is_sent_again_with_the_whole_prefix_counted() -> None:
+    engine = RecordingEngine(DiesOnce(ScriptedPolicy(lambda p: "?1" if p == "1=" else "a"), 2))
+    env = ToolEnv([lambda key: "b"], lambda r, a, c: 1.0, syntax=CompactCalls())
+    runner = EpisodeRunner(engine, env, CODEC, SamplingParams(max_tokens=3))
+    sample = await play(runner)
+    assert stop_of(sample) == "done"
+    assert runner.stats.turn_retries == 1
+    # the retry re-sent exactly the failed request's prefix, under the same routing key
+    assert engine.requests[1].prompt_tokens == engine.requests[2].prompt_tokens
+    assert engine.requests[1].routing_key == engine.requests[2].routing_key
+    assert sample.completion_tokens[-2:] == [CODEC.encode("a")[0], EOS]
+
+
+async def test_a_server_that_stays_dead_fails_the_turn_past_its_retries() -> None:
+    engine = DiesOnce(ScriptedPolicy(always_call), 1)
+    runner = EpisodeRunner(
+        engine,
+        ToolEnv([lambda key: "b"], zero, syntax=CompactCalls()),
+        CODEC,
+        config=EnvConfig(turn_retries=0),
+    )
+    with pytest.raises(EngineTransportError):
+        await play(runner)
+    assert runner.stats.episodes == 0  # the group fails: no stop reason of the episode's own
+
+
+async def test_each_stop_reason_is_counted_once_per_episode() -> None:
+    runner = EpisodeRunner(
+        ScriptedPolicy(always_call),
+        ToolEnv([lambda key: "a"], zero, syntax=CompactCalls()),
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(max_turns=2),
+    )
+    for _ in range(5):
+        await play(runner)
+    record = runner.stats.record()
+    assert record["episodes/stop/max_turns"] == 5
+    assert record["episodes/ended"] == 5
+    assert sum(v for k, v in record.items() if k.startswith("episodes/stop/")) == 5
