@@ -3,18 +3,35 @@ early cancellation of running groups whose work can no longer train."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import trio
 
-from ..samples import Group, PolicyVersion, SampleStatus
+from ..policy import PolicyVersionCell
+from ..samples import Group, GroupBook, PolicyVersion, SampleStatus
 from ._buffer import run_booked
-from ._credits import GroupOutcome, GroupStatus
-
-if TYPE_CHECKING:
-    from ._async import AsyncRolloutDriver
+from ._credits import CreditScheduler, GroupOutcome, GroupStatus
+from ._factory import GroupFactory
+from ._group import GroupRunner
+from ._triage import AsyncTally, GroupTriage
 
 __all__ = ["Admission", "Expiry"]
+
+
+class _Driver(Protocol):
+    """What :class:`Expiry` uses of its driver (an ``AsyncRolloutDriver``)."""
+
+    runner: GroupRunner
+    scheduler: CreditScheduler
+    book: GroupBook | None
+    factory: GroupFactory
+    version: PolicyVersionCell
+    triage: GroupTriage
+    _closed: bool
+    _running: dict[str, Group]
+    _tally: AsyncTally
+
+    def _recycle(self, group: Group) -> None: ...
 
 
 class Admission(Protocol):
@@ -44,7 +61,7 @@ class Expiry:
     ``driver.expiry``): the running groups' cancel scopes, and the groups cancelled because
     their work could no longer train."""
 
-    def __init__(self, admission: Admission | None, driver: AsyncRolloutDriver) -> None:
+    def __init__(self, admission: Admission | None, driver: _Driver) -> None:
         self.admission = admission
         self._driver = driver
         self._scopes: dict[str, trio.CancelScope] = {}
