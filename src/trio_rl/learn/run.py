@@ -28,7 +28,7 @@ from ..engines import Engine
 from ..envs import EpisodeRunner
 from ..errors import InvalidArgumentError
 from ..evals import RunEvals
-from ..orchestrator import Orchestrator, open_orchestrator
+from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment
 from ..rollout import (
     InMemorySource,
@@ -135,6 +135,9 @@ async def run_learning(
     start = await _Start.prepare(config, resume)
     trainer = start.trainer_side(trainer_timeout)
     shipments_send, shipments = trio.open_memory_channel[Shipment](64)
+    orch_config = orchestrator_config(
+        config, completion_cap(config, start.policy), stale_admission=stale_admission
+    )
     # Until the first step starts, a stop cancels everything at once: the waits of the start
     # (a server that does not answer, a model loading) have nothing to save.
     starting, started = trio.CancelScope(), trio.CancelScope()
@@ -144,7 +147,7 @@ async def run_learning(
             guard.start_soon(_stop_while_starting, stop, starting, started)
         with starting:
             async with (
-                _open_run(config, start, shipments_send, sinks, stale_admission) as run,
+                _open_run(config, start, orch_config, shipments_send, sinks) as run,
                 trio.open_nursery() as nursery,
             ):
                 records = run.records(config, trainer, start.limiter, display, sinks)
@@ -220,16 +223,13 @@ class _Run:
 async def _open_run(
     config: LearnRunConfig,
     start: _Start,
+    orch_config: OrchestratorConfig,
     monitor: trio.MemorySendChannel[Shipment],
     sinks: Display | None,
-    stale_admission: bool,
 ) -> AsyncIterator[_Run]:
     """Open the run's resources in order (closed in reverse): the reward's workers, the
     sender to the trainer, the engine, the orchestrator, the evals."""
     out = run_directory(config)
-    orch_config = orchestrator_config(
-        config, completion_cap(config, start.policy), stale_admission=stale_admission
-    )
     async with (
         # the reward of every sample, the built-in tasks' as any other, in workers of its own:
         # a call that hangs is killed, and never holds what the run needs to go on or to stop
