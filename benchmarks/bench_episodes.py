@@ -5,7 +5,9 @@
 
 Part A (CPU). N episodes run concurrently, each a ``ToolEnv`` of ``turns`` policy turns of
 ``tokens`` sampled tokens with an async tool call (its result observed) between two turns,
-played by ``EpisodeRunner``. The comparator is the same number of engine requests and sampled
+played by ``EpisodeRunner`` (one ``ToolEnv`` shared by every episode, as a user's module-level
+environment is; its reward is async, so scoring costs no worker thread: the comparator scores
+nothing). Each turn's request carries the episode's whole prefix, as it must. The comparator is the same number of engine requests and sampled
 tokens as single-turn samples (``engine_generate``): ``turns * N`` samples of ``tokens``
 tokens. A second comparator, ``N`` samples of ``turns * tokens`` tokens, is the same tokens in
 as many samples as episodes. The engine answers every request after the same virtual-free
@@ -35,18 +37,26 @@ from trio_rl.samples import Sample
 
 
 class _Engine:
-    """Answers every request with ``tokens`` tokens after ``delay`` seconds."""
+    """Answers every request with ``tokens`` tokens after ``delay`` seconds; the ``turns``-th
+    request of a routing key (an episode's last turn) is the answer, token 1 first."""
 
-    def __init__(self, tokens: int, delay: float) -> None:
-        self.tokens, self.delay = tokens, delay
+    def __init__(self, tokens: int, delay: float, turns: int = 0) -> None:
+        self.tokens, self.delay, self.turns = tokens, delay, turns
         self.requests = 0
+        self.seen: dict[str | None, int] = {}  # both sides pay this lookup
 
     async def generate(self, request: GenerateRequest) -> Completion:
         self.requests += 1
+        turn = self.seen.get(request.routing_key, 0) + 1
+        self.seen[request.routing_key] = turn
         await trio.sleep(self.delay)
+        first = 1 if turn == self.turns else 0
         n = self.tokens
         return Completion(
-            tokens=list(range(n)), logprobs=[-0.5] * n, finish_reason="stop", policy_version=0
+            tokens=list(range(first, first + n)),
+            logprobs=[-0.5] * n,
+            finish_reason="stop",
+            policy_version=0,
         )
 
 
@@ -55,17 +65,14 @@ class _Codec:
         return [ord(c) % 128 for c in text]
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return "x"  # the bench's syntax decides by turn count, not by text
+        return "answer" if tokens[0] == 1 else "call"
 
 
 class _Calls:
-    """The policy calls the tool until its episode has played ``turns`` turns."""
-
-    def __init__(self, episode: Episode, turns: int) -> None:
-        self.episode, self.turns = episode, turns
+    """The policy calls the tool until the engine gives its answer."""
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [] if self.episode.turns >= self.turns else [ToolCall("lookup")]
+        return [] if text == "answer" else [ToolCall("lookup")]
 
     def show(self, episode: Episode, call: ToolCall, result: str) -> None:
         episode.observe(result)
@@ -79,16 +86,15 @@ async def lookup() -> str:
     return "value=42;"
 
 
-def _env(turns: int) -> Any:
-    async def play(episode: Episode, record: Mapping[str, Any]) -> float:
-        env = ToolEnv([lookup], _reward, max_turns=turns + 1, syntax=_Calls(episode, turns))
-        return await env(episode, record)
-
-    return play
-
-
-def _reward(record: Mapping[str, Any], text: str, calls: Sequence[ToolCall]) -> float:
+async def _reward(record: Mapping[str, Any], text: str, calls: Sequence[ToolCall]) -> float:
+    # async, so it runs on the loop: the single-turn comparator scores nothing, and a plain
+    # reward would add a worker-thread round trip per episode that it does not pay
     return float(len(calls))
+
+
+def _env(turns: int) -> ToolEnv:
+    # built once and shared by every episode, as a user's module-level environment is
+    return ToolEnv([lookup], _reward, max_turns=turns + 1, syntax=_Calls())
 
 
 async def _run_all(generate: GenerateFn, n: int, prompt: int, probe: Any = None) -> None:
@@ -113,7 +119,7 @@ def part_a(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int)
     for n in sizes:
         episodes = _cpu(
             lambda: EpisodeRunner(
-                _Engine(tokens, delay),
+                _Engine(tokens, delay, turns),
                 _env(turns),
                 _Codec(),
                 config=EnvConfig(max_turns=turns, episode_timeout=None),
@@ -147,7 +153,7 @@ def part_b(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int)
         gc.collect()
         tracemalloc.start()
         runner = EpisodeRunner(
-            _Engine(tokens, delay),
+            _Engine(tokens, delay, turns),
             _env(turns),
             _Codec(),
             config=EnvConfig(max_turns=turns, episode_timeout=None),

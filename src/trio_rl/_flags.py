@@ -125,6 +125,19 @@ def _metavar(f: Flag, schema: type[Any]) -> dict[str, Any]:
     return {"metavar": f.flag[2:].upper().replace("-", "_"), **f.kwargs}
 
 
+def _unset_means(schema: type[Any], key: str) -> str:
+    """What a key left unset does, for ``--help``: the ``(unset: ...)`` clause of its help
+    (``runs/<YYYYmmdd-HHMMSS> under the current directory``), else ``unset``."""
+    section, name = key.split(".", 1)
+    owner = attrs.fields_dict(schema)[section].type
+    cls = owner if isinstance(owner, type) else getattr(schema(), section).__class__
+    text = " ".join(str(attrs.fields_dict(cls)[name].metadata.get("help", "")).split())
+    start = text.find("(unset: ")
+    if start < 0:
+        return "unset"
+    return "unset: " + text[start + len("(unset: ") :].split(")", 1)[0]
+
+
 def add_config_arguments(
     p: argparse.ArgumentParser, schema: type[Any], flags: Sequence[Flag], resumable: bool
 ) -> None:
@@ -156,7 +169,7 @@ def add_config_arguments(
     defaults = flatten(schema())
     for f in flags:
         default = defaults[f.key]
-        shown = "unset" if default is None else default
+        shown = _unset_means(schema, f.key) if default is None else default
         if "const" in f.kwargs:  # a switch: it sets one value, it has no default of its own
             const = f.kwargs["const"]
             value = str(const).lower() if isinstance(const, bool) else const

@@ -169,6 +169,8 @@ def trainer_command(args: argparse.Namespace) -> int:
             "--nproc-per-node)",
         )
     code = trainer_job.run_job(cfg)
+    if code == 0 and int(os.environ.get("RANK", "0")) == 0:
+        print(_trainer_exit_line(cfg, args.argv), flush=True)
     if "WORLD_SIZE" in os.environ:
         trainer_job.exit_hard(code)
     return code
@@ -254,6 +256,37 @@ class _Run:
         return str(self.config.trainer.mode)
 
 
+def _trainer_exit_line(cfg: LearnRunConfig, argv: list[str]) -> str:
+    """Why the trainer job exits: the orchestrator's last step and why it stopped (its
+    ``ended.json``), and, when the run is not over, the command that starts the job again."""
+    from .learn._verdict import read_ended
+
+    assert cfg.run.out is not None
+    run = RunDirectory(Path(cfg.run.out))
+    ended = read_ended(run.root) or {}
+    step = ended.get("step", "?")
+    stopped = ended.get("stopped")
+    again = resume_command(argv)
+    if stopped == "signal":
+        return (
+            f"trainer job: the orchestrator stopped at step {step} (STOP: it was stopped by a "
+            f"signal), and every step up to it is trained; start me again with: {again} "
+            "(beside the resumed `trio-rl run`)"
+        )
+    if stopped == "steps" and cfg.run.max_steps is not None and step != cfg.run.max_steps:
+        return (
+            f"trainer job: the orchestrator stopped at step {step} (STOP: it shipped its "
+            f"--steps), and every step up to it is trained; start me again with: {again} "
+            f"(beside the next `trio-rl run`, up to run.max_steps {cfg.run.max_steps})"
+        )
+    why = ended.get("message") or {"steps": "it shipped its steps"}.get(str(stopped), stopped)
+    return (
+        f"trainer job: the orchestrator ended the run at step {step} (STOP"
+        + (f": {why}" if why else "")
+        + "), and every step up to it is trained; done"
+    )
+
+
 async def _run_learning(config: _Run, file_config: LearnRunConfig, resume: str) -> int:
     """The learning run under the signal watcher: the first SIGINT or SIGTERM ends the step in
     progress (its accounting settles as the orchestrator closes), then the run finishes as
@@ -294,7 +327,19 @@ async def _run_learning(config: _Run, file_config: LearnRunConfig, resume: str) 
             run_log.close()
         watcher.cancel_scope.cancel()
     if not stop.signals:
+        if result.stopped == "no_signal" and not result.metrics:
+            # the reason was printed above, once; the status says the run did nothing
+            print(
+                "trio-rl: error: no step could be trained (every group's rewards were equal); "
+                "fix the reward and run the same command again",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         return 0
+    if not result.started:
+        stop.report("while starting (before its first step): nothing to save")
+        return stop.status
     out = config.out
     last = result.metrics[-1]["step"] if result.metrics else (result.resumed_at or 1) - 1
     hint = _resume_hint(config, resume)

@@ -20,6 +20,7 @@ A run (``trio-rl run``, ``trio-rl simulate``, the trainer job) writes into one d
             rank_<R>.lock        the lock of the trainer job's rank R (`trainer_lock`)
         orchestrator/heartbeat   the orchestrator's heartbeat (`orchestrator_heartbeat`)
         STOP                 the last shipped step, for the trainer job (`stop`)
+        ended.json           how the learning run ended: its last step, why it stopped (`ended`)
         run.json             the learning run's configuration, for its trainer job (`run_file`)
         eval.jsonl           one record per evaluation (`eval_log`)
         eval.pending         the evaluation in progress, if any (`eval_pending`)
@@ -44,6 +45,7 @@ from .sink import CheckpointManager
 from .transport import batches_dir, held_steps
 
 __all__ = [
+    "ENDED_FILE",
     "ENV_OUTPUTS",
     "EVAL_LOG",
     "EVAL_PENDING_FILE",
@@ -69,6 +71,8 @@ RUN_LOG = "logs/run.log"
 RUN_FILE = "run.json"
 #: Written at the end of a learning run with the last shipped step: the trainer job stops there.
 STOP_FILE = "STOP"
+#: How the learning run ended (its last shipped step, why it stopped, the line that said so).
+ENDED_FILE = "ended.json"
 #: The in-process trainer's model and optimizer after its last step (``torch.save``).
 TRAINER_STATE = "trainer/state.pt"
 #: The trainer job's log of trained steps and its heartbeat (see `trio_rl.learn.trainer_job`).
@@ -151,6 +155,10 @@ class RunDirectory:
     @property
     def stop(self) -> Path:
         return self.root / STOP_FILE
+
+    @property
+    def ended(self) -> Path:
+        return self.root / ENDED_FILE
 
     @property
     def run_file(self) -> Path:

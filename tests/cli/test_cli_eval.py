@@ -143,3 +143,33 @@ def test_weights_without_their_file_are_refused(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"trio-rl: error: --weights: {empty}: no model.safetensors " \
         "(expected RUN_DIR/weights/step_S)"  # fmt: skip
+
+
+_THREE_TURNS = '''
+async def play(episode, record):
+    for turn in range(3):
+        if turn:
+            episode.observe("=")
+        await episode.generate(max_tokens=1)
+    return 1.0
+'''
+
+
+def test_an_eval_plays_its_environment_turn_by_turn(tmp_path: Path) -> None:
+    """``[eval] env``: each sample is an episode the environment plays, scored by what it
+    returns (here 1.0 after three turns), not by the run's single-turn reward."""
+    (tmp_path / "three_turns.py").write_text(_THREE_TURNS)
+    offline = tmp_path / "offline.jsonl"
+    done = subprocess.run(
+        _eval("--set", "eval.env=three_turns:play", "--out", str(offline)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    (record,) = [json.loads(line) for line in offline.read_text().splitlines() if line]
+    assert record["avg@4"] == 1.0
+    assert record["turns_mean"] == 3.0
+    assert record["completion_tokens_mean"] == 5.0  # three sampled, two observed
+    assert record["samples"] == 4 * record["prompts"] > 0

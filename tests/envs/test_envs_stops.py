@@ -281,3 +281,43 @@ async def test_each_stop_reason_is_counted_once_per_episode() -> None:
     assert record["episodes/stop/max_turns"] == 5
     assert record["episodes/ended"] == 5
     assert sum(v for k, v in record.items() if k.startswith("episodes/stop/")) == 5
+
+
+@attrs.define(eq=False)
+class NotedCalls:
+    """``?`` then the arguments, one character each, call ``add``; errors are written down."""
+
+    errors: list[str] = attrs.field(factory=list)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        return [ToolCall("add", tuple(text[1:]))] if text.startswith("?") else []
+
+    def show(self, episode: Episode, call: ToolCall, result: str) -> None:
+        episode.observe(result + "=")
+
+    def show_error(self, episode: Episode, message: str) -> None:
+        self.errors.append(message)
+        episode.observe("=")
+
+
+async def test_a_calls_fit_is_told_alike_every_time_in_every_episode() -> None:
+    def add(a: str, b: str) -> str:
+        return a + b
+
+    syntax = NotedCalls()
+    env = ToolEnv([add], zero, syntax=syntax)  # one environment for both episodes
+    replies = iter(["?a", "?ab", "?a", "?abc", "h"] * 2)
+    runner = EpisodeRunner(
+        ScriptedPolicy(lambda p: next(replies)),
+        env,
+        CODEC,
+        SamplingParams(max_tokens=4),
+        config=EnvConfig(max_turns=8),
+    )
+    for _ in range(2):
+        sample = await play(runner)
+        assert stop_of(sample) == "done"
+    missing = "add: missing a required argument: 'b'"
+    many = "add: too many positional arguments"
+    assert syntax.errors == [missing, missing, many] * 2
+    assert runner.stats.tool_calls == 2  # only the call that fits ran, once an episode

@@ -143,15 +143,46 @@ async def test_a_deterministic_policy_at_the_target_reward_has_converged(tmp_pat
     assert result.final_reward >= 0.0
 
 
+def _log(reward: float, identical: bool) -> Any:
+    from trio_rl.learn._verdict import SampleLog
+
+    log = SampleLog(32)
+    for prompt in "abcd":
+        for i in range(8):
+            completion = "x" if identical else f"x{i}"
+            log.add({"prompt": prompt}, completion, reward)
+    return log
+
+
 @pytest.mark.parametrize(
-    ("reward", "shown", "verdict"),
-    [(0.99964, "0.9996", "collapsed"), (0.5613, "0.561", "collapsed"), (1.0, "1.000", "converged")],
+    ("reward", "shown", "line"),
+    [
+        (0.99964, "0.9996", "stopping: collapsed at reward 0.9996, below the task's maximum 1"),
+        (0.5613, "0.561", "stopping: collapsed at reward 0.561, below the task's maximum 1"),
+        (1.0, "1.000", "stopping: reached reward 1.000 (>= the task's maximum 1)"),
+    ],
 )
 def test_a_collapse_just_below_the_target_does_not_print_as_the_target(
-    tmp_path: Path, reward: float, shown: str, verdict: str
+    tmp_path: Path, reward: float, shown: str, line: str
 ) -> None:
-    from trio_rl.learn._steps import converged
+    from trio_rl.learn._verdict import equal_rewards_verdict
 
-    stopped, line = converged(reward, learn_config(tmp_path))
-    assert stopped == verdict
-    assert line.startswith(f"stopping: {verdict} at reward {shown}:"), line
+    ending = equal_rewards_verdict(_log(reward, identical=True), learn_config(tmp_path), 3)
+    assert ending.stopped == ("converged" if reward == 1.0 else "collapsed")
+    assert ending.message is not None
+    assert ending.message.startswith(line), ending.message
+    assert ending.final_reward == pytest.approx(reward)
+
+
+def test_equal_rewards_on_different_samples_are_no_signal_not_a_collapse(tmp_path: Path) -> None:
+    from trio_rl.learn._verdict import equal_rewards_verdict
+
+    config = learn_config(tmp_path, reward__function="mine:score")
+    ending = equal_rewards_verdict(_log(0.0, identical=False), config, 0)
+    assert ending.stopped == "no_signal"
+    assert ending.message is not None
+    assert ending.message.startswith(
+        "stopping: nothing to learn from from the first step: the samples differ but their "
+        "rewards are all 0"
+    )
+    assert "check the reward (mine:score" in ending.message

@@ -51,7 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"payloads", "samples", "policy", "engines", "rollout", "envs"},
     # evaluation: its runner generates through the engines and the rollout layer's group
     # nursery and priority lane; its journal keeps the run directory's eval files
-    "evals": {"payloads", "samples", "policy", "engines", "rollout", "rundir"},
+    "evals": {"payloads", "samples", "policy", "engines", "rollout", "envs", "rundir"},
     "orchestrator": {
         *("payloads", "samples", "policy", "wire", "engines", "rollout", "sink", "publish"),
         "transport",

@@ -98,3 +98,19 @@ def test_token_mode_counts_tokens(caplog: pytest.LogCaptureFixture) -> None:
     assert sink.zero_output.units == 22
     (message,) = _warnings(caplog)
     assert "after 22 finalized units (tokens; 1 batch-equivalent(s) of 20)" in message
+
+
+def test_only_the_first_crossings_are_logged_the_rest_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = TrainSink(SinkConfig(batch_size=2, max_off_policy_steps=None))
+    for _ in range(10):  # 2 units each: one crossing per group
+        sink.add_group(make_group([1.0, 1.0]))
+    assert sink.zero_output.reported == 10
+    warned = _warnings(caplog)
+    assert len(warned) == 3
+    assert warned[-1].endswith("; further ones are only counted")
+    sink.add_group(make_group([1.0, 0.0]))  # admitted: logged again from the first
+    caplog.clear()
+    sink.add_group(make_group([0.0, 0.0]))
+    assert len(_warnings(caplog)) == 1

@@ -10,7 +10,7 @@ import pytest
 from tools_helpers import extra, learn, trio_rl
 
 from trio_rl.tools import InspectError, MissingExtraError, read_metrics
-from trio_rl.tools.plot_cmd import PANELS, build_figure, write_figure
+from trio_rl.tools.plot_cmd import PANELS, build_figure, run_facts, write_figure
 
 extra("matplotlib")  # in the test dependency group: never skipped in CI
 
@@ -41,8 +41,36 @@ def test_the_panels_of_a_learning_run(learn_run: Path) -> None:
     # each quantity on its own axis, with its unit in the label
     assert panel["off-policy lag"].get_ylabel().endswith("(versions)")
     assert panel["loop lag"].get_ylabel().endswith("(ms)")
-    (lag,) = panel["off-policy lag"].get_lines()
-    assert list(lag.get_ydata()) == [r["off_policy_max"] for r in records]
+    # the mean lag varies where the largest sits at max_async_level: the mean is the line,
+    # the largest a dotted one
+    mean, largest = panel["off-policy lag"].get_lines()
+    key = "train/effective/off_policy/mean"
+    assert list(mean.get_ydata()) == [r[key] for r in records]
+    assert list(largest.get_ydata()) == [r["off_policy_max"] for r in records]
+    assert largest.get_linestyle() == ":"
+
+
+def test_the_title_names_the_run_task_and_seed_and_marks_the_stop(tmp_path: Path) -> None:
+    run = tmp_path / "myrun"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "reward_mean": 0.1 * s, "samples": 8, "wall_s": 2.0 * s}) + "\n"
+            for s in (1, 2, 3)
+        )
+    )
+    (run / "config.toml").write_text('[run]\nseed = 7\n\n[rollout]\ntask = "reverse"\n')
+    why = "reached reward 0.300 >= stop_at_reward 0.3 (the last 1 steps)"
+    (run / "ended.json").write_text(json.dumps({"step": 3, "stopped": "reward", "message": why}))
+    about, ended = run_facts(run)
+    fig = build_figure(read_metrics(run / "metrics.jsonl"), "myrun", about=about, ended=ended)
+    assert fig._suptitle.get_text() == (
+        f"trio-rl run myrun | task reverse | seed 7 | 6 s wall\nstopped at step 3: {why}"
+    )
+    for ax in fig.get_axes():  # a dashed line at the stop on every panel
+        assert any(list(line.get_xdata()) == [3, 3] for line in ax.get_lines())
+    # `trio-rl plot` writes the same figure `trio-rl run` does (one title format)
+    assert write_figure(run) == run / "plot.png"
 
 
 def test_the_trainer_panels_plot_the_trainer_s_records() -> None:

@@ -86,7 +86,8 @@ class LearnRun:
     )
     steps: int = option(
         200,
-        "steps to ship in this invocation (not a total: a resumed run ships this many more)",
+        "steps to ship in this invocation (not a total: a resumed run ships this many more; "
+        "the run's total across resumes is `max_steps`)",
         validator=at_least(1),
         may_change=True,
     )
@@ -100,12 +101,14 @@ class LearnRun:
     seed: int = option(0, "seed of the model, the prompts and the sampling")
     time_limit: float | None = option(
         None,
-        "stop after this many seconds even if not every step shipped",
+        "stop after this many seconds even if not every step shipped (unset: no time limit)",
         validator=optional_positive_finite,
         may_change=True,
     )
     stop_at_reward: float | None = option(
-        None, "stop once `stop_window` consecutive steps reach this mean reward", may_change=True
+        None,
+        "stop once `stop_window` consecutive steps reach this mean reward (unset: no target)",
+        may_change=True,
     )
     stop_window: int = option(5, "steps averaged by `stop_at_reward`", validator=at_least(1))
     converged_after: int = option(
@@ -452,7 +455,8 @@ class SimRun:
     )
     steps: int = option(
         6,
-        "steps to ship in this invocation (not a total: a resumed run ships this many more)",
+        "steps to ship in this invocation (not a total: a resumed run ships this many more; "
+        "the run's total across resumes is `max_steps`)",
         validator=at_least(1),
         may_change=True,
     )

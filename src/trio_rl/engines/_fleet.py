@@ -39,6 +39,7 @@ from ._fleet_member import Member as _Server
 from ._fleet_status import FleetEvent, FleetServer
 from ._openai import OpenAICompatibleEngine
 from ._protocol import Completion, GenerateRequest
+from ._waiting import LogThrottle, wait_logged
 
 __all__ = ["EngineFleet", "open_engine_fleet"]
 
@@ -151,6 +152,8 @@ class EngineFleet:
     _open: bool = attrs.field(init=False, default=False)
     _events: deque[FleetEvent] = attrs.field(init=False, factory=lambda: deque(maxlen=10_000))
     _counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(_COUNTS, 0))
+    #: one "no server is live" line per 10 s, however many requests wait
+    _no_server_log: LogThrottle = attrs.field(init=False, factory=LogThrottle)
     #: what the servers checked at opening serve (with ``check_models``)
     _models: list[str] | None = attrs.field(init=False, default=None)
 
@@ -329,8 +332,12 @@ async def _pick(
             return pinned
     if not fleet._live.value:
         with stop_scope(request.abort) as stopped:
-            with trio.move_on_after(fleet.wait_for_server):
-                await fleet._live.wait_value(bool)
+            await wait_logged(
+                lambda: fleet._live.wait_value(bool),
+                f"a live inference server (none of {list(fleet.urls)} is live; requests wait)",
+                fleet.wait_for_server,
+                throttle=fleet._no_server_log,
+            )
         if stopped.cancelled_caught:
             return None
         if not fleet._live.value:

@@ -34,8 +34,9 @@ import trio
 
 from ..errors import collapse_single
 from ._auth import bearer_headers, draw_api_key
-from ._errors import EngineConfigError, EngineTimeoutError, EngineTransportError
+from ._errors import EngineConfigError, EngineTransportError
 from ._gate import serve_gate
+from ._waiting import transport_reason, wait_until_up
 
 __all__ = ["VLLMServers", "launch_vllm_servers", "run_vllm_server", "vllm_command"]
 
@@ -95,15 +96,16 @@ async def _stop_group(process: trio.Process, grace: float) -> None:
     _signal_group(process.pid, signal.SIGKILL)
 
 
-async def _healthy(url: str, headers: Mapping[str, str]) -> bool:
+async def _not_healthy(url: str, headers: Mapping[str, str]) -> str | None:
+    """Why ``URL/health`` does not answer 200 now, or None when it does."""
     import httpx
 
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=dict(headers)) as client:
             response = await client.get(url + "/health")
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
+    except httpx.HTTPError as exc:
+        return transport_reason(exc)
+    return None if response.status_code == 200 else f"HTTP {response.status_code}"
 
 
 async def run_vllm_server(
@@ -191,16 +193,16 @@ async def _run(
             deliver_cancel=partial(_stop_group, grace=grace),
         )
         process: trio.Process = await nursery.start(run)
-        try:
-            with trio.fail_after(start_timeout):
-                while not await _healthy(url, headers):
-                    if process.returncode is not None:
-                        break
-                    await trio.sleep(0.5)
-        except trio.TooSlowError:
-            raise EngineTimeoutError(
-                f"{where} did not answer /health within {start_timeout}s"
-            ) from None
+        # a server loading its model refuses connections for minutes: each attempt is logged
+        # (every 10 s), and a process that exits ends the wait at once
+        await wait_until_up(
+            partial(_not_healthy, url, headers),
+            where,
+            start_timeout,
+            first_poll=0.5,
+            goal="answer /health",
+            gone=lambda: None if process.returncode is None else "exited",
+        )
         if process.returncode is None:
             logger.info("%s is up", where)
             task_status.started(url)

@@ -41,6 +41,7 @@ from ._fleet_config import ADMIN_TIMEOUT
 from ._openai_answers import parse_completion_chunk, parse_completion_response
 from ._protocol import Completion, GenerateRequest
 from ._sse import event_json, read_events
+from ._waiting import transport_reason, wait_until_up
 
 __all__ = ["VLLMAdmin", "VLLMEngine", "open_vllm_engine"]
 
@@ -134,26 +135,37 @@ class VLLMAdmin:
 
         Cancellation: the request is abandoned.
         """
+        return await self.not_healthy() is None
+
+    async def not_healthy(self) -> str | None:
+        """Why ``GET /health`` does not answer 200 now (``connection refused``, ``HTTP 503``,
+        ...), or None when it does. Cancellation: the request is abandoned."""
         try:
             await self._call("GET", "/health")
         except EngineAuthError:
             raise
-        except (EngineTransportError, EngineRequestError):
-            return False
-        return True
+        except EngineTransportError as exc:
+            return transport_reason(exc)
+        except EngineRequestError as exc:
+            return f"HTTP {exc.status_code}"
+        except EngineTimeoutError:
+            return f"no answer within {self.timeout}s"
+        return None
 
     async def wait_healthy(self, within: float, *, poll_interval: float = 0.25) -> None:
-        """Poll ``/health`` until it answers 200; :class:`EngineTimeoutError` after ``within``
-        seconds. Cancellation: polling stops."""
-        try:
-            with trio.fail_after(within):
-                # the server offers no push notification of readiness: polling it is
-                while not await self.healthy():  # noqa: ASYNC110
-                    await trio.sleep(poll_interval)
-        except trio.TooSlowError:
-            raise EngineTimeoutError(
-                f"{self.base_url}/health did not answer 200 within {within}s"
-            ) from None
+        """Poll ``/health`` until it answers 200, backing off from ``poll_interval`` to 2 s;
+        the wait is logged at WARNING at once with why the server does not answer (``waiting
+        for URL/health (connection refused, 1 attempt), giving up in 590 s``), then every 10 s.
+        :class:`EngineTimeoutError` after ``within`` seconds, naming the last reason.
+        Cancellation: polling stops."""
+        await wait_until_up(
+            self.not_healthy,
+            f"{self.base_url}/health",
+            within,
+            first_poll=poll_interval,
+            max_poll=max(poll_interval, 2.0),
+            goal="answer 200",
+        )
 
     async def models(self) -> list[str]:
         """The ids of the models the server serves (``GET /v1/models``).

@@ -34,7 +34,6 @@ from ._pin import VersionPin as VersionPin
 from ._result import EVAL_STATUSES as EVAL_STATUSES
 from ._result import EvalResult as EvalResult
 from ._result import EvalStatus as EvalStatus
-from ._runner import TURNS_KEY as TURNS_KEY
 from ._runner import EvalProgress as EvalProgress
 from ._runner import EvalRunner as EvalRunner
 from ._runner import turns_of as turns_of

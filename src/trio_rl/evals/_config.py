@@ -93,6 +93,14 @@ class EvalConfig:
             "completion) (unset: the run's [reward] function)",
         },
     )
+    env: str | None = attrs.field(
+        default=None,
+        metadata={
+            "may_change": True,
+            "help": "the eval's environment, \"package.module:play\" (unset: the run's [env] "
+            "function; with neither, single-turn samples scored by the reward)",
+        },
+    )
     success_threshold: float = attrs.field(
         default=1.0,
         metadata={

@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from .._validation import at_least, optional_positive_finite
+from ..envs import EPISODE_KEY
 from ..errors import EvalError
 from ..rollout import (
     GenerateFn,
@@ -27,14 +28,12 @@ __all__ = ["EvalProgress", "EvalRunner", "turns_of"]
 
 logger = logging.getLogger("trio_rl.evals")
 
-#: ``Sample.metadata`` key an environment sets to the number of turns of its episode; a sample
-#: without it counts as one turn.
-TURNS_KEY = "turns"
-
 
 def turns_of(sample: Sample) -> int:
-    """The turns of ``sample``'s episode (``metadata["turns"]``; 1 for a single completion)."""
-    turns = sample.metadata.get(TURNS_KEY, 1)
+    """The turns of ``sample``'s episode (its ``metadata[EPISODE_KEY]["turns"]``, set by the
+    episode runner; 1 for a single completion)."""
+    episode = sample.metadata.get(EPISODE_KEY)
+    turns = episode.get("turns", 1) if isinstance(episode, dict) else 1
     return turns if isinstance(turns, int) and turns >= 0 else 1
 
 

@@ -15,9 +15,16 @@ from ..engines import Engine, SamplingParams
 from ..evals import BUILTIN_HELD_OUT, EvalJournal, EvalResult, EvalRunner, RunEvals
 from ..orchestrator import Orchestrator
 from ..rollout import PriorityLane, RecordReward, engine_generate, import_reward, read_records
-from ..samples import PolicyVersion, Prompt
+from ..samples import PolicyVersion, Prompt, Sample
+from ._episodes import env_function, episode_runner
 from ._policy import Policy, record_prompts
-from ._settings import completion_cap, reward_function, rollout_config, run_directory
+from ._settings import (
+    completion_cap,
+    orchestrator_config,
+    reward_function,
+    rollout_config,
+    run_directory,
+)
 from ._steps import Display
 from .tasks import task_records
 
@@ -59,23 +66,41 @@ def eval_reward(
     )
 
 
+async def _episode_reward(sample: Sample) -> float:
+    """An episode's reward: what its environment returned (the runner set it)."""
+    return 0.0 if sample.reward is None else sample.reward
+
+
 def eval_runner(
     config: LearnRunConfig,
+    policy: Policy,
     engine: Engine,
-    reward: RecordReward,
-    max_tokens: int,
+    limiter: trio.CapacityLimiter,
     lane: PriorityLane | None = None,
 ) -> EvalRunner:
     """The runner of ``[eval]`` on ``engine``: its temperature (unset: the rollout's), the
-    run's seed, at most the rollout's budget of samples in flight without a ``lane``."""
+    run's seed, at most the rollout's budget of samples in flight without a ``lane``. With an
+    environment (``[eval] env``, else the run's) each sample is an episode it plays, scored by
+    what it returns; otherwise a completion scored by the eval's reward."""
     ev = config.eval
     temperature = config.rollout.temperature if ev.temperature is None else ev.temperature
     budget = rollout_config(config).max_groups_in_flight or config.rollout.batch_groups
+    max_tokens = completion_cap(config, policy)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    env = config.env.to_config()
+    function = ev.env or env_function(env, config.rollout.task, config.model.path)
+    episodes = episode_runner(
+        env,
+        function,
+        engine,
+        policy,
+        params,
+        orchestrator_config(config, max_tokens).seq_len,
+        limiter,
+    )
     return EvalRunner(
-        generate=engine_generate(
-            engine, SamplingParams(max_tokens=max_tokens, temperature=temperature)
-        ),
-        reward=reward,
+        generate=engine_generate(engine, params) if episodes is None else episodes,
+        reward=eval_reward(config, policy, limiter) if episodes is None else _episode_reward,
         k=ev.k,
         success_threshold=ev.success_threshold,
         lane=lane,
@@ -124,7 +149,6 @@ async def open_run_evals(
     if not prompts or (ev.interval == 0 and not ev.before_train):
         yield None
         return
-    reward = eval_reward(config, policy, limiter)
     lane = PriorityLane()
 
     async def report(result: EvalResult) -> None:
@@ -137,7 +161,7 @@ async def open_run_evals(
     with lane.attach(orch.driver.scheduler, orch.config.group_budget):
         evals = RunEvals(
             config=ev,
-            runner=eval_runner(config, engine, reward, completion_cap(config, policy), lane),
+            runner=eval_runner(config, policy, engine, limiter, lane),
             prompts=prompts,
             journal=EvalJournal(run_directory(config)),
             report=report,

@@ -20,8 +20,8 @@ from ..config import ConfigError, LearnRunConfig
 from ..engines import WeightLoader
 from ..evals import EvalResult
 from ._engine import open_engine
-from ._evals import eval_prompts, eval_reward, eval_runner
-from ._settings import build_policy, completion_cap
+from ._evals import eval_prompts, eval_runner
+from ._settings import build_policy
 from ._weights import META_FILE, WEIGHTS_FILE
 
 __all__ = ["ProgressBar", "evaluate_offline", "weights_version"]
@@ -105,9 +105,7 @@ async def evaluate_offline(
                     raise ConfigError("--weights", "", "the engine loads no weights")
                 await engine.load_weights(weights, version)
             limiter = trio.CapacityLimiter(config.publish.threads)
-            runner = eval_runner(
-                config, engine, eval_reward(config, policy, limiter), completion_cap(config, policy)
-            )
+            runner = eval_runner(config, policy, engine, limiter)
             return await runner.run(
                 prompts,
                 step=version,

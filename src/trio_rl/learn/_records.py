@@ -102,10 +102,16 @@ class Records:
                 self.lags.clear()
                 last_wall = rec["wall_s"]
                 self._send.send_nowait(rec)  # written once the trainer reports the step
+                # the line shows the trainer's loss, KL and entropy of the last step it trained
+                # (a step trains after it ships: the record gets its own once reported)
+                shown = dict(rec)
+                trained = self.trainer_log.steps.get(self.trainer_log.last)
+                if trained is not None:
+                    shown.update({k: trained.get(k) for k in TRAINER_KEYS})
                 if self.display is not None and verbose:
-                    self.display.write(rec)
+                    self.display.write(shown)
                 elif verbose:
-                    print(plain_line(rec, self.reward.failed), flush=True)
+                    print(plain_line(shown, self.reward.failed), flush=True)
         self._send.close()
         self.drained.set()
 
@@ -141,9 +147,10 @@ class Records:
             self.display.close()
         run = RunDirectory(run_directory(self.config))
         if self.config.metrics.plot and self.metrics:
-            await trio.to_thread.run_sync(
-                write_plot, earlier + self.metrics, run.plot, self.config.rollout.task, run.eval_log
-            )
+            from ..tools.plot_cmd import write_figure
+
+            # what `trio-rl plot RUN_DIR` draws: one figure, one title, the stop marked
+            await trio.to_thread.run_sync(write_figure, run.root)
         if self.config.metrics.console:
             print(f"done in {wall:.1f} s; metrics: {run.metrics}", flush=True)
 

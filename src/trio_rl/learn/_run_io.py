@@ -26,6 +26,7 @@ __all__ = [
     "append_line",
     "append_trainer_record",
     "earlier_metrics",
+    "last_trained_step",
     "load_trainer_state",
     "prepare_run_directory",
     "read_trainer_log",
@@ -86,6 +87,13 @@ def read_trainer_log(out: Path) -> list[dict[str, Any]]:
     return [
         r for r in _read_jsonl(RunDirectory(out).trainer_stats) if isinstance(r.get("step"), int)
     ]
+
+
+def last_trained_step(out: Path) -> int:
+    """The last step a torchrun or external trainer job logged in ``trainer/trained.jsonl``
+    (0 for none)."""
+    steps = [r["step"] for r in _read_jsonl(RunDirectory(out).trained_log)]
+    return max((s for s in steps if isinstance(s, int)), default=0)
 
 
 def earlier_metrics(out: Path) -> list[dict[str, Any]]:

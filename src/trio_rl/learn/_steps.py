@@ -1,6 +1,7 @@
 """What the learning run says about its steps: each shipped step's record (the standard one
 of `trio_rl.publish.step_record`, as ``trio-rl simulate`` writes it) and plain console line,
-the event-loop lag it reports, and why a run whose groups all had equal rewards ends."""
+the event-loop lag it reports, and the watch that ends a run whose groups all have equal rewards
+(why it ended is `trio_rl.learn._verdict`'s)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from ..publish import Shipment, step_record
 
 __all__ = [
     "Display",
-    "converged",
     "plain_line",
     "probe_loop_lag",
     "step_line_record",
@@ -92,34 +92,3 @@ async def watch_convergence(
     while orch.sink.counters.pruned - start < limit:  # noqa: ASYNC110 - the sink has no event
         await trio.sleep(0.05)
     scope.cancel()
-
-
-def converged(final_reward: float | None, config: LearnRunConfig) -> tuple[str, str]:
-    """Why a run whose groups all had equal rewards ends: ``converged`` at the task's maximum
-    (or ``stop_at_reward``), else ``collapsed``; and the line saying so."""
-    stop_at, after = config.run.stop_at_reward, config.run.converged_after
-    target = 1.0 if stop_at is None else stop_at
-    shown = "none" if final_reward is None else _reward_text(final_reward, target)
-    if final_reward is not None and final_reward >= target - 1e-9:
-        return "converged", (
-            f"stopping: converged at reward {shown}: the policy is deterministic "
-            f"and right (the last {after} batches' worth of "
-            "groups all had equal rewards)"
-        )
-    return "collapsed", (
-        f"stopping: collapsed at reward {shown}: the policy is deterministic "
-        f"on every prompt (the last {after} batches' worth of "
-        "groups all had equal rewards, so GRPO has no signal left) but not "
-        f"right (target {target:g}); raise trainer.entropy_coef or "
-        "rollout.temperature"
-    )
-
-
-def _reward_text(reward: float, target: float) -> str:
-    """``reward`` to three decimals, or to as many as it takes not to read as ``target`` when it
-    is below it (a collapse at 0.9996 must not print as 1.000)."""
-    for digits in range(3, 10):
-        text = f"{reward:.{digits}f}"
-        if reward >= target - 1e-9 or float(text) < target:
-            return text
-    return repr(reward)

@@ -155,8 +155,21 @@ class TrainerSide:
         logger.info("waiting up to %.0f s for the trainer to train step %d", timeout, last)
         if self.config.metrics.console:
             print(f"waiting for the trainer to train the last shipped step {last}", flush=True)
-        with trio.move_on_after(timeout):
-            await log.wait_for(last)
+        deadline = trio.current_time() + timeout
+        while log.last < last and trio.current_time() < deadline and not log.closed:
+            # one line every 10 s with the time left: a trainer that stopped is never a
+            # silent wait
+            with trio.move_on_at(min(deadline, trio.current_time() + LOG_EVERY)):
+                await log.wait_for(last)
+            left = deadline - trio.current_time()
+            if log.last < last and left > 0:
+                logger.warning(
+                    "waiting for the trainer to train step %d, the last shipped step "
+                    "(trained through %d); giving up in %.0f s",
+                    last,
+                    max(log.last, self.trained),
+                    left,
+                )
         if log.last < last:
             message = (
                 f"the trainer did not report step {last}, the last shipped step, within "
@@ -165,6 +178,10 @@ class TrainerSide:
             )
             logger.error("%s", message)
             print(f"WARNING: {message}", file=sys.stderr, flush=True)
+
+
+#: Seconds between two lines of a wait for the trainer.
+LOG_EVERY = 10.0
 
 
 def _lockstep(orch: Orchestrator, async_level: int) -> Any:

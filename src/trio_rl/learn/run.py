@@ -38,7 +38,13 @@ from ._evals import finish_evals, open_run_evals
 from ._grpo import StepStats
 from ._policy import Policy
 from ._records import Records, write_plot
-from ._run_io import TrainerLog, earlier_metrics, load_trainer_state, prepare_run_directory
+from ._run_io import (
+    TrainerLog,
+    earlier_metrics,
+    last_trained_step,
+    load_trainer_state,
+    prepare_run_directory,
+)
 from ._settings import (
     build_policy,
     build_prompts,
@@ -48,8 +54,16 @@ from ._settings import (
     run_directory,
     run_json,
 )
-from ._steps import Display, converged, watch_convergence
+from ._steps import Display, watch_convergence
 from ._trainer_jobs import TrainerSide
+from ._verdict import (
+    Ending,
+    SampleLog,
+    equal_rewards_verdict,
+    reward_stop_line,
+    target_line,
+    write_ended,
+)
 from ._watcher import watch_weights
 
 __all__ = ["LearnResult", "run_learning", "write_plot"]
@@ -67,7 +81,8 @@ class LearnResult:
     #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``),
     #: ``converged`` (every group had equal rewards for ``converged_after`` batches' worth, at
     #: the task's maximum reward or ``stop_at_reward``), ``collapsed`` (the same, below it: a
-    #: deterministic policy that is partly wrong, GRPO has no signal left) or ``signal`` (the
+    #: deterministic policy that is partly wrong, GRPO has no signal left), ``no_signal`` (the
+    #: same, but the samples differ: the reward scores them all alike) or ``signal`` (the
     #: ``stop`` event of :func:`run_learning` was set).
     stopped: str = "steps"
     #: The checkpoint saved at a stop (``stopped == "signal"``), else None.
@@ -76,18 +91,14 @@ class LearnResult:
     trained_through: int = 0
     #: The step this run resumed at (None: a new run).
     resumed_at: int | None = None
-    #: The mean reward of the groups scored since the last shipped step, when the run
-    #: ``converged`` or ``collapsed``.
+    #: The mean reward of the samples that decided a ``converged``, ``collapsed`` or
+    #: ``no_signal`` end.
     final_reward: float | None = None
-
-
-@attrs.define(eq=False)
-class _Ending:
-    """How the step loop ended: why, the checkpoint saved at a stop, the final reward."""
-
-    stopped: str = "steps"
-    checkpoint: Path | None = None
-    final_reward: float | None = None
+    #: The line that said why the run stopped (None for ``steps`` and ``signal``).
+    message: str | None = None
+    #: False when ``stop`` was set while the run was still starting (opening the engine,
+    #: waiting for a server): it ended at once, with nothing to save.
+    started: bool = True
 
 
 async def run_learning(
@@ -128,81 +139,110 @@ async def run_learning(
         config, completion_cap(config, start.policy), stale_admission=stale_admission
     )
     runner: EpisodeRunner | None = None  # the episodes' generate function, with [env]
-    shape = config.rollout
-    async with (
-        # the reward of every sample, the built-in tasks' as any other, in workers of its own:
-        # a call that hangs is killed, and never holds what the run needs to go on or to stop
-        open_record_reward(
-            start.reward_fn,
-            start.policy.decode,
-            mode=config.reward.mode,
-            workers=config.reward.workers,
-            call_timeout=config.reward.timeout,
-            failure_budget=config.reward.failure_budget or shape.batch_groups * shape.group_size,
-            name=f"reward {reward_function(config)}",
-        ) as reward,
-        FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
-        open_engine(config, start.policy, start.trained) as engine,
-        open_orchestrator(
-            engine,
-            InMemorySource(start.prompts, epochs=None),
-            sender,
-            config=orch_config,
-            # an episode's environment returns its reward
-            sample_reward=reward if start.env is None else None,
-            generate=(
-                runner := episode_runner(
-                    config.env.to_config(),
-                    start.env,
+    # Until the first step starts, a stop cancels everything at once: the waits of the start
+    # (a server that does not answer, a model loading) have nothing to save.
+    starting, started = trio.CancelScope(), trio.CancelScope()
+    records: Records | None = None
+    async with trio.open_nursery() as guard:
+        if stop is not None:
+            guard.start_soon(_stop_while_starting, stop, starting, started)
+        with starting:
+            async with (
+                # the reward of every sample, the built-in tasks' as any other, in workers of
+                # its own: a call that hangs is killed, and never holds what the run needs to
+                # go on or to stop
+                open_record_reward(
+                    start.reward_fn,
+                    start.policy.decode,
+                    mode=config.reward.mode,
+                    workers=config.reward.workers,
+                    call_timeout=config.reward.timeout,
+                    failure_budget=config.reward.failure_budget or start.samples_per_step,
+                    name=f"reward {reward_function(config)}",
+                ) as reward,
+                FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
+                open_engine(config, start.policy, start.trained) as engine,
+                open_orchestrator(
                     engine,
+                    InMemorySource(start.prompts, epochs=None),
+                    sender,
+                    config=orch_config,
+                    # an episode's environment returns its reward
+                    sample_reward=(
+                        start.samples.scoring(reward, start.policy.decode)
+                        if start.env is None
+                        else None
+                    ),
+                    generate=(
+                        runner := episode_runner(
+                            config.env.to_config(),
+                            start.env,
+                            engine,
+                            start.policy,
+                            orch_config.sampling,
+                            orch_config.seq_len,
+                            start.limiter,
+                        )
+                    ),
+                    monitor=shipments_send,
+                    limiter=start.limiter,
+                    checkpoint_dir=RunDirectory(out).checkpoints,
+                    resume=start.resuming,
+                ) as orch,
+                open_run_evals(
+                    config,
                     start.policy,
-                    orch_config.sampling,
-                    orch_config.seq_len,
+                    engine,
+                    orch,
                     start.limiter,
+                    served=start.trained,
+                    sinks=sinks,
+                ) as evals,
+                trio.open_nursery() as nursery,
+            ):
+                records = Records(
+                    config,
+                    orch,
+                    engine,
+                    reward,
+                    trainer.log,
+                    start.limiter,
+                    display,
+                    sinks,
+                    episodes=None if runner is None else runner.stats,
                 )
-            ),
-            monitor=shipments_send,
-            limiter=start.limiter,
-            checkpoint_dir=RunDirectory(out).checkpoints,
-            resume=start.resuming,
-        ) as orch,
-        open_run_evals(
-            config, start.policy, engine, orch, start.limiter, served=start.trained, sinks=sinks
-        ) as evals,
-        trio.open_nursery() as nursery,
-    ):
-        records = Records(
-            config,
-            orch,
-            engine,
-            reward,
-            trainer.log,
-            start.limiter,
-            display,
-            sinks,
-            episodes=None if runner is None else runner.stats,
-        )
-        records.start(nursery, shipments, begun, start.earlier, start.trained)
-        resumed_at = _begin(config, orch, start)
-        nursery.start_soon(start.watch_weights, engine, records.set_version, evals)
-        trainer.start(nursery, orch, None if evals is None else evals.pin)
-        ending = await _ship_steps(config, orch, stop, begun)
-        last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
-        # the run ends here, whatever `steps` said: no rollouts for later steps, and a
-        # lockstep trainer may train up to the last shipped step; an external trainer job
-        # trains up to it, then exits by itself
-        orch.final_step = last_shipped
-        await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
-        normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
-        await trainer.finish(last_shipped, wait=normal_end)
-        if ending.stopped != "signal":
-            # the eval of the last trained version, bounded: cut, never waited for forever
-            await finish_evals(evals, max(trainer.log.last, start.trained))
-        shipments_send.close()
-        await records.drain()
-        nursery.cancel_scope.cancel()
+                records.start(nursery, shipments, begun, start.earlier, start.trained)
+                resumed_at = _begin(config, orch, start)
+                nursery.start_soon(start.watch_weights, engine, records.set_version, evals)
+                trainer.start(nursery, orch, None if evals is None else evals.pin)
+                started.cancel()  # from now on a stop ends the step in progress
+                ending = await _ship_steps(config, orch, stop, begun, start.samples)
+                last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
+                # the run ends here, whatever `steps` said: no rollouts for later steps, and a
+                # lockstep trainer may train up to the last shipped step; an external trainer job
+                # trains up to it, then exits by itself
+                orch.final_step = last_shipped
+                # ended.json first: a trainer job reads why the run ended
+                await trio.to_thread.run_sync(write_ended, out, last_shipped, ending)
+                await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
+                normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
+                await trainer.finish(last_shipped, wait=normal_end)
+                if ending.stopped != "signal":
+                    # the eval of the last trained version, bounded: cut, never waited for forever
+                    await finish_evals(evals, max(trainer.log.last, start.trained))
+                shipments_send.close()
+                await records.drain()
+                nursery.cancel_scope.cancel()
+        started.cancel()
     wall = time.perf_counter() - begun
+    if starting.cancelled_caught:
+        if records is not None and display is not None:
+            display.close()
+        return LearnResult([], {}, [], wall, out, "signal", started=False)
+    assert records is not None
     await records.close(start.earlier, wall)
+    if ending.message is not None:  # after the last step's line
+        _say(config, ending)
     return LearnResult(
         records.metrics,
         counters,
@@ -214,6 +254,7 @@ async def run_learning(
         trained_through=max(trainer.log.last, start.trained),
         resumed_at=resumed_at,
         final_reward=ending.final_reward,
+        message=ending.message,
     )
 
 
@@ -221,7 +262,7 @@ async def run_learning(
 class _Start:
     """What the run starts from: whether it resumes, the in-process trainer's saved state
     (``trained``: its step), the earlier records, the policy and its prompts, the run's one
-    capacity limiter and the reward function."""
+    capacity limiter and the reward."""
 
     config: LearnRunConfig
     resuming: bool
@@ -231,8 +272,16 @@ class _Start:
     prompts: list[Prompt]
     limiter: trio.CapacityLimiter
     reward_fn: RecordRewardFn
-    #: the environment the run plays (None: single-turn samples scored by the reward)
+    #: the last samples the reward scored (the verdict of an end on equal rewards reads them)
+    samples: SampleLog
+    #: the last step a torchrun or external trainer job logged (``trainer/trained.jsonl``)
+    job_trained: int = 0
+    #: the environment the run plays (None: single-turn samples scored by ``reward``)
     env: str | None = None
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.config.rollout.batch_groups * self.config.rollout.group_size
 
     @property
     def trained(self) -> int:
@@ -248,9 +297,27 @@ class _Start:
         # the run's one capacity limiter: the orchestrator (publisher, sender, checkpoints)
         # and the in-process trainer (reads, decoding, training) borrow it
         limiter = trio.CapacityLimiter(config.publish.threads)
-        reward_fn = import_reward(reward_function(config))
+        spec = reward_function(config)
+        shape = config.rollout.batch_groups * config.rollout.group_size
+        samples = SampleLog(config.run.converged_after * shape)
+        reward_fn = import_reward(spec)
         env = env_function(config.env.to_config(), config.rollout.task, config.model.path)
-        return cls(config, resuming, state, earlier, policy, prompts, limiter, reward_fn, env)
+        job_trained = 0
+        if resuming and config.trainer.mode != "inprocess":
+            job_trained = await trio.to_thread.run_sync(last_trained_step, run_directory(config))
+        return cls(
+            config,
+            resuming,
+            state,
+            earlier,
+            policy,
+            prompts,
+            limiter,
+            reward_fn,
+            samples,
+            job_trained,
+            env,
+        )
 
     async def watch_weights(
         self, engine: Engine, set_version: Any, evals: RunEvals | None = None
@@ -311,8 +378,14 @@ def _begin(config: LearnRunConfig, orch: Orchestrator, start: _Start) -> int | N
     verbose = config.metrics.console
     if start.resuming and verbose:
         r = orch.restore
+        where = (
+            f"trainer state of step {trained}"
+            if config.trainer.mode == "inprocess"
+            else f"the trainer job trained through step {start.job_trained} "
+            f"({RunDirectory(run_directory(config)).trained_log.relative_to(run_directory(config))})"
+        )
         print(
-            f"resumed at step {orch.step}: trainer state of step {trained}, "
+            f"resumed at step {orch.step}: {where}, "
             f"{0 if r is None else r.queued} queued samples, "
             f"{0 if r is None else len(r.resumed)} open groups continue",
             flush=True,
@@ -338,14 +411,19 @@ def _scored_by(config: LearnRunConfig, start: _Start) -> str:
 
 
 async def _ship_steps(
-    config: LearnRunConfig, orch: Orchestrator, stop: trio.Event | None, begun: float
-) -> _Ending:
+    config: LearnRunConfig,
+    orch: Orchestrator,
+    stop: trio.Event | None,
+    begun: float,
+    samples: SampleLog,
+) -> Ending:
     """Ship the run's steps one at a time until the last, a stop, the time limit, the reward
-    target or convergence; a stop saves a checkpoint of what the unfinished step collected."""
+    target or equal rewards everywhere; a stop saves a checkpoint of what the unfinished step
+    collected. Why the run stopped is said once (`trio_rl.learn._verdict`)."""
     run = config.run
     deadline = None if run.time_limit is None else begun + run.time_limit
     rewards: list[float] = []
-    ending = _Ending()
+    ending = Ending()
     assert orch.final_step is not None
     for _ in range(orch.final_step - orch.step + 1):
         if stop is not None and stop.is_set():
@@ -356,28 +434,39 @@ async def _ship_steps(
             ending.stopped = "signal"
             break
         if summary is None:
-            # Every group had equal rewards: the policy is deterministic on every prompt.
-            # That is convergence only at the task's maximum (or stop_at_reward).
-            ending.final_reward = orch.sink.window.reward_mean
-            ending.stopped, message = converged(ending.final_reward, config)
-            if ending.stopped == "collapsed":
-                logger.warning("%s", message)
-            if config.metrics.console:
-                print(message, flush=True)
+            # every group had equal rewards for converged_after batches: a deterministic
+            # policy (right or not), or a reward that scores different samples alike
+            ending = equal_rewards_verdict(samples, config, shipped=len(rewards))
             break
         rewards.extend(r.all.reward_mean or 0.0 for r in summary.records)
         if deadline is not None and time.perf_counter() >= deadline:
             ending.stopped = "time_limit"
+            ending.message = f"stopping: run.time_limit ({run.time_limit:g} s) reached"
             break
         window = rewards[-run.stop_window :]
         target = run.stop_at_reward
         if target is not None and len(window) == run.stop_window and min(window) >= target:
-            ending.stopped = "reward"
+            ending = Ending("reward", reward_stop_line(window, config), min(window))
             break
+    else:
+        # every step shipped: a run with a target says whether it got there
+        ending.message = target_line(rewards, config)
     if ending.stopped == "signal":
         # the groups finished since the last shipped step are saved, not regenerated
         ending.checkpoint = await orch.save_checkpoint()
     return ending
+
+
+def _say(config: LearnRunConfig, ending: Ending) -> None:
+    """The line of why the run ended, once: on the console (which the run log copies), or,
+    without one, as a log record (a warning for an end that is no success)."""
+    assert ending.message is not None
+    if config.metrics.console:
+        print(ending.message, flush=True)
+    elif ending.stopped in ("collapsed", "no_signal") or "not reached" in ending.message:
+        logger.warning("%s", ending.message)
+    else:
+        logger.info("%s", ending.message)
 
 
 async def _one_step(config: LearnRunConfig, orch: Orchestrator, stop: trio.Event | None) -> Any:
@@ -395,6 +484,16 @@ async def _one_step(config: LearnRunConfig, orch: Orchestrator, stop: trio.Event
         nursery.start_soon(one)
         nursery.start_soon(watch_convergence, orch, config, nursery.cancel_scope)
     return summary
+
+
+async def _stop_while_starting(
+    stop: trio.Event, starting: trio.CancelScope, started: trio.CancelScope
+) -> None:
+    """Cancel ``starting`` (the whole run) if ``stop`` is set before ``started`` is cancelled
+    (the run's first step begins)."""
+    with started:
+        await stop.wait()
+        starting.cancel()
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:

@@ -1,8 +1,6 @@
 """Rollout layer: data sources, credits and submission policies, the group runner, drivers."""
 
-from ._async import Admission as Admission
 from ._async import AsyncRolloutDriver as AsyncRolloutDriver
-from ._async import Expiry as Expiry
 from ._async import open_async_rollout as open_async_rollout
 from ._config import RolloutConfig as RolloutConfig
 from ._credits import CreditLedger as CreditLedger
@@ -24,6 +22,8 @@ from ._errors import GroupFailedError as GroupFailedError
 from ._errors import RolloutConfigError as RolloutConfigError
 from ._errors import RolloutError as RolloutError
 from ._errors import SourceExhaustedError as SourceExhaustedError
+from ._expiry import Admission as Admission
+from ._expiry import Expiry as Expiry
 from ._factory import GroupFactory as GroupFactory
 from ._factory import RoutingKeys as RoutingKeys
 from ._group import GenerateFn as GenerateFn

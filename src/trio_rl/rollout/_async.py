@@ -11,19 +11,17 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Protocol
 
 import trio
 
 from .._validation import check_choice, check_int, check_optional_int
 from ..policy import PolicyVersionCell, as_cell
 from ..samples import Group, GroupBook, OpenGroup, PolicyVersion
-from ._buffer import GroupBuffer, run_booked
+from ._buffer import GroupBuffer
 from ._credits import (
     CreditLedger,
     CreditScheduler,
     GroupOutcome,
-    GroupStatus,
     SampleBackfill,
     SubmissionPolicy,
 )
@@ -33,6 +31,7 @@ from ._errors import (
     RolloutError,
     SourceExhaustedError,
 )
+from ._expiry import Admission, Expiry
 from ._factory import GroupFactory
 from ._group import START_BATCH, GroupRunner, pending_samples
 from ._sources import DataSource
@@ -45,7 +44,7 @@ from ._triage import (
     UnusedPolicy,
 )
 
-__all__ = ["Admission", "AsyncRolloutDriver", "Expiry", "open_async_rollout"]
+__all__ = ["AsyncRolloutDriver", "open_async_rollout"]
 
 logger = logging.getLogger("trio_rl.rollout")
 
@@ -55,97 +54,6 @@ _GROUP_TASK = "trio_rl.rollout.group"
 _WIND_DOWN_PASSES = 8
 #: ... ending early after this many passes in a row that settled nothing.
 _WIND_DOWN_IDLE = 3
-
-
-class Admission(Protocol):
-    """Staleness-aware admission: whether new work can still be trained in time.
-
-    The driver asks :meth:`admits` before it takes a new prompt (after the credit policy said
-    yes), and, after :meth:`Expiry.reconsider`, asks :meth:`expired` of every group
-    still running: a group whose work can no longer be trained is cancelled early, its credits
-    come back, its prompt is recycled, and it is discarded as ``"stale"`` (counted in
-    ``AsyncDriverStatistics.cancelled_stale``) instead of being generated to the end and
-    dropped. Both are called on the event loop and must not block.
-    """
-
-    def admits(self, version: PolicyVersion, samples: int) -> bool:
-        """May a new group of ``samples`` samples start now, at policy ``version``?"""
-        ...
-
-    def expired(self, group: Group) -> bool:
-        """Is every member of running ``group`` (those still to generate included) certain to
-        be too stale to train now? Judge each member as the consumer will (a resumed group's
-        new members by the version their attempt started at, not the group's start)."""
-        ...
-
-
-class Expiry:
-    """A driver's staleness-aware admission and early cancellation (see :class:`Admission`;
-    ``driver.expiry``): the running groups' cancel scopes, and the groups cancelled because
-    their work could no longer train."""
-
-    def __init__(self, admission: Admission | None, driver: AsyncRolloutDriver) -> None:
-        self.admission = admission
-        self._driver = driver
-        self._scopes: dict[str, trio.CancelScope] = {}
-        self._expired: set[str] = set()
-
-    def reconsider(self, reason: str = "") -> None:
-        """Something the :class:`Admission` reads changed (a batch shipped, the policy version
-        advanced, work was scored): cancel every running group whose work expired, and wake
-        the driver to decide again."""
-        self._cancel_expired()
-        if not self._driver._closed:
-            self._driver.scheduler.nudge(reason or "reconsider")
-
-    def blocks(self) -> bool:
-        """Whether admission holds back a new group now (counted as ``held_back``)."""
-        d = self._driver
-        if self.admission is None or self.admission.admits(d.version.value, d.factory.group_size):
-            return False
-        d._tally.held_back += 1
-        return True
-
-    async def run(self, group: Group) -> None:
-        """The group's task: :func:`run_booked` under a cancel scope of its own."""
-        d = self._driver
-        if self.admission is None:
-            # Nothing can expire: no cancel scope and no entry per group. Speed over one code
-            # path: a scope's enter and exit measured 4.8 us (busy VM), ~0.6 us per sample.
-            await run_booked(d.runner, group, d.scheduler, d.book)
-            return
-        scope = self._scopes[group.group_id] = trio.CancelScope()
-        try:
-            with scope:
-                await run_booked(d.runner, group, d.scheduler, d.book)
-        finally:
-            self._scopes.pop(group.group_id, None)
-
-    def _cancel_expired(self) -> None:
-        if self.admission is None:
-            return
-        running = self._driver._running
-        for gid, scope in self._scopes.items():
-            group = running.get(gid)
-            if group is not None and gid not in self._expired and self.admission.expired(group):
-                self._expired.add(gid)
-                scope.cancel()
-
-    def take(self, outcome: GroupOutcome) -> bool:
-        """Settle ``outcome`` if it is of a group cancelled as expired (and not failed): its
-        prompt goes back to the source and every member settles as stale (it was too stale
-        to train either way)."""
-        group, d = outcome.group, self._driver
-        if group.group_id not in self._expired:
-            return False
-        self._expired.discard(group.group_id)
-        if outcome.status is GroupStatus.FAILED:
-            return False
-        d._tally.cancelled_stale += 1
-        d._tally.cancelled_stale_samples += group.size
-        d._recycle(group)
-        d.triage.discard(group, "stale")
-        return True
 
 
 class AsyncRolloutDriver:

@@ -27,8 +27,9 @@ class ZeroOutputBudget:
     same, the owed members costing at least their prompt each (the sink knows no maximum
     length, which the reference uses). Each time the units cross another multiple of
     ``target`` (one batch-equivalent: the batch size in samples or tokens) one warning is
-    logged: "no admitted train payload after N finalized units ...". A group that queues
-    training samples resets the count.
+    logged: "no admitted train payload after N finalized units ...", the first ``log_first``
+    times (the reference logs every one; an engine failing every request would log one per
+    step's worth of groups). A group that queues training samples resets the count.
 
     The count is a warning only: it never stops anything (a learning run's
     ``[run] converged_after`` is its stop rule).
@@ -37,8 +38,10 @@ class ZeroOutputBudget:
     target: int
     tokens: bool = False
     units: int = 0
-    #: Multiples of ``target`` already warned about.
+    #: Multiples of ``target`` already crossed (warned about, up to ``log_first``).
     reported: int = 0
+    #: Crossings logged after each admitted group; later ones are only counted.
+    log_first: int = 3
 
     def admitted(self) -> None:
         """A group queued training samples: the count starts again."""
@@ -56,12 +59,17 @@ class ZeroOutputBudget:
         windows = self.units // self.target
         if windows > self.reported:
             self.reported = windows
+            # The first few crossings are logged, later ones only counted: an engine that fails
+            # every request crosses one per step's worth of groups, and its own error says why.
+            if windows > self.log_first:
+                return
             logger.warning(
                 "no admitted train payload after %d finalized units (%s; %d batch-equivalent(s) "
                 "of %d): every group finished since the last admitted one gave nothing to "
-                "train (stale, filtered, zero-advantage, failed or cancelled)",
+                "train (stale, filtered, zero-advantage, failed or cancelled)%s",
                 self.units,
                 "tokens" if self.tokens else "samples",
                 windows,
                 self.target,
+                "; further ones are only counted" if windows == self.log_first else "",
             )

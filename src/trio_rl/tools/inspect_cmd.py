@@ -9,7 +9,8 @@
   (``outbox_step_<N>.bin``): its ranks and their batches;
 - a run directory (learning run: ``run.json``, ``metrics.jsonl``, ``weights/``, ``batches/``;
   simulated run: ``checkpoints/``, ``batches/``, ``trainer/``): each part summarised, every
-  checkpoint and pending batch file verified.
+  checkpoint and pending batch file verified; with a trainer job's ``trainer/trained.jsonl``,
+  exactly-once: every shipped step trained once, with the samples shipped (a violation exits 1).
 
 A damaged file raises the library's own error (:class:`~trio_rl.errors.WireFormatError` with the
 byte offset and field, :class:`~trio_rl.errors.CheckpointError` with the file, field and byte
@@ -40,6 +41,7 @@ from ..sink._sink_state import payload_files_of_state
 from ..transport import CONSUMED_FILE, RANK_FILE, STEP_DIR, consumed_dir, end_marker_path
 from ..wire import MicroBatch, decode
 from ._errors import InspectError
+from ._exactly_once import check_exactly_once
 from ._main import tool_main
 from .metrics import read_metrics
 
@@ -286,12 +288,17 @@ def inspect_run_directory(path: Path) -> Summary:
                 k: config[k] for k in _RUN_KEYS if isinstance(config, dict) and k in config
             }
     metrics = run.metrics
+    records: list[dict[str, Any]] = []
     if metrics.is_file():
         try:
-            out["metrics"] = _metrics_summary(read_metrics(metrics))
+            records = read_metrics(metrics)
+            out["metrics"] = _metrics_summary(records)
         except TrioRLError as exc:
             damage.append(exc)
             out["metrics"] = f"DAMAGED: {exc}"
+    checked = check_exactly_once(path, records, damage)
+    if checked is not None:
+        out["exactly_once"] = checked
     if run.checkpoints.is_dir():
         sub = _checkpoint_dir(run.checkpoints, {})
         damage.extend(sub.damage)

@@ -1,11 +1,15 @@
 """``trio-rl plot RUN_DIR``: the standard figures of a run, from its ``metrics.jsonl``, as PNG.
 
-One figure family: ``trio-rl run`` draws its ``plot.png`` with the same :func:`build_figure`.
-Eight panels against step, each quantity on an axis of its own: reward (mean reward),
-throughput (samples scored per second, over a sliding window of steps: one step's rate is
-spiky, a step can ship from a backlog in milliseconds), slot occupancy, off-policy lag (policy
-versions), loop lag (the event loop's p95, ms), and the trainer's loss, KL and entropy
-(``trainer/...``, from the trainer's reports). Each y range is robust: it spans the bulk of the
+One figure: ``trio-rl run`` draws its ``plot.png`` with the same :func:`write_figure`, so both
+carry one title (``trio-rl run DIR | task T | seed S | W s wall``, the task and seed from the
+run's ``config.toml``). Where the run stopped, and why (its ``ended.json``), is a dashed line
+on every panel and the figure's second title line. Eight panels against step, each quantity
+on an axis of its own: reward (mean reward), throughput (samples scored per second, over a
+sliding window of steps: one step's rate is spiky, a step can ship from a backlog in
+milliseconds), slot occupancy, off-policy lag (the mean lag of a step's samples, with the
+largest as a dotted line: the largest alone sits at ``max_async_level`` and is a flat line),
+loop lag (the event loop's p95, ms), and the trainer's loss, KL and entropy (``trainer/...``,
+from the trainer's reports). Each y range is robust: it spans the bulk of the
 values (quartiles +- 3 interquartile ranges), so one outlier (a 950 ms first step) does not
 squash a panel; points beyond it are drawn on the edge as triangles and counted in the panel.
 A panel whose fields no record has says so instead of drawing an empty line. With the run's
@@ -20,6 +24,7 @@ import argparse
 import importlib
 import json
 import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ __all__ = [
     "main",
     "read_evals",
     "run",
+    "run_facts",
     "write_figure",
 ]
 
@@ -55,7 +61,12 @@ _WINDOW = 10
 #: (panel, record field, y label, colour) of the panels that plot one field as it is.
 _SIMPLE = (
     ("slot occupancy", "slot_occupancy", "busy fraction of decode slots", "tab:green"),
-    ("off-policy lag", "off_policy_max", "largest lag shipped (versions)", "tab:purple"),
+    (
+        "off-policy lag",
+        "train/effective/off_policy/mean",
+        "lag shipped: mean, dotted largest (versions)",
+        "tab:purple",
+    ),
     ("loop lag", "loop_lag_p95_ms", "event-loop lag p95 (ms)", "tab:red"),
     ("trainer loss", "trainer/loss", "policy loss", "tab:brown"),
     ("trainer KL", "trainer/kl", "KL to the behaviour policy (k3)", "tab:pink"),
@@ -220,10 +231,15 @@ def _draw_evals(ax: Any, evals: Sequence[Mapping[str, Any]]) -> None:
 def build_figure(
     records: Sequence[Mapping[str, Any]],
     title: str = "",
+    *,
     evals: Sequence[Mapping[str, Any]] = (),
+    about: Mapping[str, Any] | None = None,
+    ended: Mapping[str, Any] | None = None,
 ) -> Any:
-    """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`);
-    ``evals`` (``eval.jsonl`` records) add the held-out curve to the reward panel."""
+    """The figure (a matplotlib ``Figure`` with one axes per entry of :data:`PANELS`):
+    ``title`` the run directory's name, ``about`` what else the title shows (task, seed),
+    ``ended`` the run's ``ended.json`` (its stop, marked on every panel); ``evals``
+    (``eval.jsonl`` records) add the held-out curve to the reward panel."""
     try:
         matplotlib = importlib.import_module("matplotlib")
     except ImportError:
@@ -264,6 +280,8 @@ def build_figure(
     for name, key, label, color in _SIMPLE:
         ax = panel[name]
         steps, values = _series(records, key)
+        if not steps and name == "off-policy lag":  # records from before the mean was kept
+            steps, values = _series(records, "off_policy_max")
         if not steps:
             _missing(ax, key)
         elif key == "slot_occupancy":
@@ -272,16 +290,57 @@ def build_figure(
         else:
             floor = None if key == "trainer/loss" else 0.0
             _draw(ax, steps, values, color, floor=floor)
-            if key == "off_policy_max":
-                ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # whole versions
+            if name == "off-policy lag":
+                largest = _series(records, "off_policy_max")
+                if largest[0]:
+                    ax.plot(*largest, ":", color=color)
+                    ax.set_ylim(top=max(ax.get_ylim()[1], max(largest[1]) * 1.05 + 0.05))
         ax.set_ylabel(label)
 
+    stop = _stop_of(ended)
+    if stop is not None:
+        for ax in axes:
+            ax.axvline(stop[0], color="gray", linestyle="--", linewidth=1)
     if records:
         walls = [r["wall_s"] for r in records if isinstance(r.get("wall_s"), int | float)]
-        suffix = f" ({walls[-1]:.0f} s wall)" if walls else ""
-        fig.suptitle(f"trio-rl {title}{suffix}".replace("  ", " "))
+        parts = [f"trio-rl run {title}".strip() if title else "trio-rl run"]
+        parts += [f"{k} {v}" for k, v in (about or {}).items()]
+        if walls:
+            parts.append(f"{walls[-1]:.0f} s wall")
+        head = " | ".join(parts)
+        fig.suptitle(head if stop is None else f"{head}\nstopped at step {stop[0]}: {stop[1]}")
     fig.tight_layout()
     return fig
+
+
+def _stop_of(ended: Mapping[str, Any] | None) -> tuple[int, str] | None:
+    """(step, why) of an ``ended.json`` record, the reason cut to fit a title line."""
+    if not ended or not isinstance(ended.get("step"), int):
+        return None
+    why = str(ended.get("message") or ended.get("stopped") or "")
+    return int(ended["step"]), why if len(why) <= 110 else why[:107] + "..."
+
+
+def run_facts(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """What the title shows of a run directory (its task and seed, from ``config.toml``), and
+    its ``ended.json`` (None without one: a run still going, or killed)."""
+    run = RunDirectory(run_dir)
+    about: dict[str, Any] = {}
+    try:
+        config = tomllib.loads(run.config.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        config = {}
+    task = config.get("rollout", {}).get("task")
+    seed = config.get("run", {}).get("seed")
+    if task is not None:
+        about["task"] = task
+    if seed is not None:
+        about["seed"] = seed
+    try:
+        ended = json.loads(run.ended.read_text())
+    except (OSError, ValueError):
+        ended = None
+    return about, ended if isinstance(ended, dict) else None
 
 
 def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -297,7 +356,8 @@ def write_figure(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise InspectError(str(metrics), "no records yet: nothing to plot")
     target = Path(out) if out is not None else RunDirectory(metrics.parent).plot
     evals = read_evals(RunDirectory(metrics.parent).eval_log)
-    fig = build_figure(records, title=metrics.parent.name, evals=evals)
+    about, ended = run_facts(metrics.parent)
+    fig = build_figure(records, title=metrics.parent.name, evals=evals, about=about, ended=ended)
     try:
         fig.savefig(target)
     except OSError as exc:

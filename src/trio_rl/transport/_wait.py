@@ -1,4 +1,5 @@
-"""The wait every receiver shares: a deadline that fails loudly and a log line every minute."""
+"""The wait every receiver shares: a deadline that fails loudly and a warning every 10 s with
+the time left (a wait the user cannot see is a hang to them)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from ._errors import TransportTimeoutError
 logger = logging.getLogger("trio_rl.transport")
 
 #: Seconds between log lines while a receive waits (patched by tests).
-WAIT_LOG_INTERVAL = 60.0
+WAIT_LOG_INTERVAL = 10.0
 
 
 class Wait:
-    """One receive's wait for ``what``: `remaining` logs every `WAIT_LOG_INTERVAL` seconds and
+    """One receive's wait for ``what``: `remaining` logs at WARNING every `WAIT_LOG_INTERVAL`
+    seconds, with the time left, and
     raises `TransportTimeoutError` once ``timeout`` seconds (``inf``: never) have passed."""
 
     __slots__ = ("_deadline", "_next_log", "_start", "timeout", "what")
@@ -30,10 +32,17 @@ class Wait:
         self._next_log = self._start + WAIT_LOG_INTERVAL
 
     def remaining(self) -> float:
-        """Seconds left before the deadline (> 0), after logging if a minute has passed."""
+        """Seconds left before the deadline (> 0), after logging if `WAIT_LOG_INTERVAL` seconds
+        have passed since the last line."""
         now = trio.current_time()
         if now >= self._next_log:
-            logger.info("%s: still waiting after %.0f s", self.what, now - self._start)
+            left = self._deadline - now
+            logger.warning(
+                "%s: still waiting after %.0f s, giving up %s",
+                self.what,
+                now - self._start,
+                "never" if math.isinf(left) else f"in {max(left, 0.0):.0f} s",
+            )
             self._next_log = now + WAIT_LOG_INTERVAL
         left = self._deadline - now
         if left <= 0:
