@@ -204,8 +204,11 @@ def test_the_former_separate_roots_sit_under_their_layer() -> None:
 def test_the_errors_module_imports_nothing_of_ours() -> None:
     code = (
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('standalone', {errors.__file__!r})\n"
+        # a package of its own name: its private modules load as its own, not as trio_rl's
+        f"spec = importlib.util.spec_from_file_location('standalone', {errors.__file__!r},"
+        f" submodule_search_locations=[{str(Path(errors.__file__).parent)!r}])\n"
         "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['standalone'] = module\n"
         "spec.loader.exec_module(module)\n"
         "assert issubclass(module.DriverFailedError, module.TrioRLError)\n"
         "print(sorted(m for m in sys.modules if m.startswith('trio_rl')))\n"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,15 @@ from ..engines import Engine
 from ..envs import EpisodeRunner
 from ..errors import InvalidArgumentError
 from ..evals import RunEvals
-from ..orchestrator import Orchestrator, open_orchestrator
+from ..orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
 from ..publish import Shipment
-from ..rollout import InMemorySource, RecordRewardFn, import_reward, open_record_reward
+from ..rollout import (
+    InMemorySource,
+    RecordReward,
+    RecordRewardFn,
+    import_reward,
+    open_record_reward,
+)
 from ..rundir import RunDirectory
 from ..samples import Prompt
 from ..transport import FileSender
@@ -125,20 +133,11 @@ async def run_learning(
     """
     out, begun = run_directory(config), time.perf_counter()
     start = await _Start.prepare(config, resume)
-    trainer = TrainerSide(
-        config,
-        TrainerLog(),
-        start.policy.model,
-        start.limiter,
-        start.state,
-        start.trained,
-        patience=trainer_timeout,
-    )
+    trainer = start.trainer_side(trainer_timeout)
     shipments_send, shipments = trio.open_memory_channel[Shipment](64)
     orch_config = orchestrator_config(
         config, completion_cap(config, start.policy), stale_admission=stale_admission
     )
-    runner: EpisodeRunner | None = None  # the episodes' generate function, with [env]
     # Until the first step starts, a stop cancels everything at once: the waits of the start
     # (a server that does not answer, a model loading) have nothing to save.
     starting, started = trio.CancelScope(), trio.CancelScope()
@@ -148,88 +147,17 @@ async def run_learning(
             guard.start_soon(_stop_while_starting, stop, starting, started)
         with starting:
             async with (
-                # the reward of every sample, the built-in tasks' as any other, in workers of
-                # its own: a call that hangs is killed, and never holds what the run needs to
-                # go on or to stop
-                open_record_reward(
-                    start.reward_fn,
-                    start.policy.decode,
-                    mode=config.reward.mode,
-                    workers=config.reward.workers,
-                    call_timeout=config.reward.timeout,
-                    failure_budget=config.reward.failure_budget or start.samples_per_step,
-                    name=f"reward {reward_function(config)}",
-                ) as reward,
-                FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
-                open_engine(config, start.policy, start.trained) as engine,
-                open_orchestrator(
-                    engine,
-                    InMemorySource(start.prompts, epochs=None),
-                    sender,
-                    config=orch_config,
-                    # an episode's environment returns its reward
-                    sample_reward=(
-                        start.samples.scoring(reward, start.policy.decode)
-                        if start.env is None
-                        else None
-                    ),
-                    generate=(
-                        runner := episode_runner(
-                            config.env.to_config(),
-                            start.env,
-                            engine,
-                            start.policy,
-                            orch_config.sampling,
-                            orch_config.seq_len,
-                            start.limiter,
-                        )
-                    ),
-                    monitor=shipments_send,
-                    limiter=start.limiter,
-                    checkpoint_dir=RunDirectory(out).checkpoints,
-                    resume=start.resuming,
-                ) as orch,
-                open_run_evals(
-                    config,
-                    start.policy,
-                    engine,
-                    orch,
-                    start.limiter,
-                    served=start.trained,
-                    sinks=sinks,
-                ) as evals,
+                _open_run(config, start, orch_config, shipments_send, sinks) as run,
                 trio.open_nursery() as nursery,
             ):
-                records = Records(
-                    config,
-                    orch,
-                    engine,
-                    reward,
-                    trainer.log,
-                    start.limiter,
-                    display,
-                    sinks,
-                    episodes=None if runner is None else runner.stats,
-                )
+                records = run.records(config, trainer, start.limiter, display, sinks)
                 records.start(nursery, shipments, begun, start.earlier, start.trained)
-                resumed_at = _begin(config, orch, start)
-                nursery.start_soon(start.watch_weights, engine, records.set_version, evals)
-                trainer.start(nursery, orch, None if evals is None else evals.pin)
+                resumed_at = _begin(config, run.orch, start)
+                nursery.start_soon(start.watch_weights, run.engine, records.set_version, run.evals)
+                trainer.start(nursery, run.orch, None if run.evals is None else run.evals.pin)
                 started.cancel()  # from now on a stop ends the step in progress
-                ending = await _ship_steps(config, orch, stop, begun, start.samples)
-                last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
-                # the run ends here, whatever `steps` said: no rollouts for later steps, and a
-                # lockstep trainer may train up to the last shipped step; an external trainer job
-                # trains up to it, then exits by itself
-                orch.final_step = last_shipped
-                # ended.json first: a trainer job reads why the run ended
-                await trio.to_thread.run_sync(write_ended, out, last_shipped, ending)
-                await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
-                normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
-                await trainer.finish(last_shipped, wait=normal_end)
-                if ending.stopped != "signal":
-                    # the eval of the last trained version, bounded: cut, never waited for forever
-                    await finish_evals(evals, max(trainer.log.last, start.trained))
+                ending = await _ship_steps(config, run.orch, stop, begun, start.samples)
+                counters = await _end_run(config, run, trainer, start, ending)
                 shipments_send.close()
                 await records.drain()
                 nursery.cancel_scope.cancel()
@@ -256,6 +184,120 @@ async def run_learning(
         final_reward=ending.final_reward,
         message=ending.message,
     )
+
+
+@attrs.frozen
+class _Run:
+    """What a run holds open while it ships its steps."""
+
+    reward: RecordReward
+    engine: Engine
+    orch: Orchestrator
+    evals: RunEvals | None
+    #: the episodes' generate function, with ``[env]`` (None: single-turn samples)
+    runner: EpisodeRunner | None
+
+    def records(
+        self,
+        config: LearnRunConfig,
+        trainer: TrainerSide,
+        limiter: trio.CapacityLimiter,
+        display: Display | None,
+        sinks: Display | None,
+    ) -> Records:
+        """The records of the run's steps, of what this run holds."""
+        return Records(
+            config,
+            self.orch,
+            self.engine,
+            self.reward,
+            trainer.log,
+            limiter,
+            display,
+            sinks,
+            episodes=None if self.runner is None else self.runner.stats,
+        )
+
+
+@asynccontextmanager
+async def _open_run(
+    config: LearnRunConfig,
+    start: _Start,
+    orch_config: OrchestratorConfig,
+    monitor: trio.MemorySendChannel[Shipment],
+    sinks: Display | None,
+) -> AsyncIterator[_Run]:
+    """Open the run's resources in order (closed in reverse): the reward's workers, the
+    sender to the trainer, the engine, the orchestrator, the evals."""
+    out = run_directory(config)
+    async with (
+        # the reward of every sample, the built-in tasks' as any other, in workers of its own:
+        # a call that hangs is killed, and never holds what the run needs to go on or to stop
+        open_record_reward(
+            start.reward_fn,
+            start.policy.decode,
+            mode=config.reward.mode,
+            workers=config.reward.workers,
+            call_timeout=config.reward.timeout,
+            failure_budget=config.reward.failure_budget or start.samples_per_step,
+            name=f"reward {reward_function(config)}",
+        ) as reward,
+        FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
+        open_engine(config, start.policy, start.trained) as engine,
+    ):
+        runner = episode_runner(
+            config.env.to_config(),
+            start.env,
+            engine,
+            start.policy,
+            orch_config.sampling,
+            orch_config.seq_len,
+            start.limiter,
+        )
+        async with (
+            open_orchestrator(
+                engine,
+                InMemorySource(start.prompts, epochs=None),
+                sender,
+                config=orch_config,
+                # an episode's environment returns its reward
+                sample_reward=(
+                    start.samples.scoring(reward, start.policy.decode)
+                    if start.env is None
+                    else None
+                ),
+                generate=runner,
+                monitor=monitor,
+                limiter=start.limiter,
+                checkpoint_dir=RunDirectory(out).checkpoints,
+                resume=start.resuming,
+            ) as orch,
+            open_run_evals(
+                config, start.policy, engine, orch, start.limiter, served=start.trained, sinks=sinks
+            ) as evals,
+        ):
+            yield _Run(reward, engine, orch, evals, runner)
+
+
+async def _end_run(
+    config: LearnRunConfig, run: _Run, trainer: TrainerSide, start: _Start, ending: Ending
+) -> dict[str, int]:
+    """End the run after its last shipped step, whatever ``steps`` said: no rollouts for
+    later steps, the trainer told where to stop, the last eval. Returns the run's counters."""
+    orch, out = run.orch, run_directory(config)
+    last_shipped, counters = orch.sink.step - 1, attrs.asdict(orch.sink.counters)
+    # a lockstep trainer may train up to the last shipped step; an external trainer job trains
+    # up to it, then exits by itself
+    orch.final_step = last_shipped
+    # ended.json first: a trainer job reads why the run ended
+    await trio.to_thread.run_sync(write_ended, out, last_shipped, ending)
+    await trio.to_thread.run_sync(RunDirectory(out).stop.write_text, str(last_shipped))
+    normal_end = ending.stopped != "signal" and config.trainer.mode != "external"
+    await trainer.finish(last_shipped, wait=normal_end)
+    if ending.stopped != "signal":
+        # the eval of the last trained version, bounded: cut, never waited for forever
+        await finish_evals(run.evals, max(trainer.log.last, start.trained))
+    return counters
 
 
 @attrs.frozen
@@ -286,6 +328,18 @@ class _Start:
     @property
     def trained(self) -> int:
         return 0 if self.state is None else int(self.state["step"])
+
+    def trainer_side(self, patience: float) -> TrainerSide:
+        """The trainer of this run (in-process, torchrun ranks or an external job)."""
+        return TrainerSide(
+            self.config,
+            TrainerLog(),
+            self.policy.model,
+            self.limiter,
+            self.state,
+            self.trained,
+            patience=patience,
+        )
 
     @classmethod
     async def prepare(cls, config: LearnRunConfig, resume: bool) -> _Start:

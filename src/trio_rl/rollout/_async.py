@@ -43,6 +43,7 @@ from ._triage import (
     GroupTriage,
     UnusedPolicy,
 )
+from ._wind_down import wind_down
 
 __all__ = ["AsyncRolloutDriver", "open_async_rollout"]
 
@@ -50,10 +51,6 @@ logger = logging.getLogger("trio_rl.rollout")
 
 #: The name of every group task (trio would otherwise format one per spawn).
 _GROUP_TASK = "trio_rl.rollout.group"
-#: At most this many scheduling passes for ready work when the driver closes (`_wind_down`).
-_WIND_DOWN_PASSES = 8
-#: ... ending early after this many passes in a row that settled nothing.
-_WIND_DOWN_IDLE = 3
 
 
 class AsyncRolloutDriver:
@@ -352,38 +349,6 @@ async def _reap(d: AsyncRolloutDriver, outcome: GroupOutcome) -> None:
     d._running.pop(group.group_id, None)
 
 
-async def _wind_down(driver: AsyncRolloutDriver) -> None:
-    """Stop admitting, then let work that is ready finish before the cancellation.
-
-    A sample whose reply has arrived (its task is runnable) finishes in its next step, and
-    its group a step later; cancelling it instead throws that work away and costs trio's
-    cancellation path (~30 us per task, more than running it). So submission pauses for good
-    and the loop runs a few scheduling passes (no wait: a pass is one turn of the run
-    queue), until nothing is pending or three passes in a row settled nothing. Three, not
-    two: trio runs each batch of runnable tasks in either order, so the pass after a
-    sample's first step (which settles nothing) may look before the samples finish, and with
-    two idle passes a wave one step from done would be cancelled whenever trio ran this task
-    first. Shielded: a cancelled caller gets the same passes, in which its cancelled samples end as
-    they would have in the cancellation.
-    """
-    driver._pauses += 1  # never resumed: the driver is closing
-    driver.scheduler.winding_down = True  # groups not started yet do not start
-    scheduler = driver.scheduler
-    ledger = scheduler.ledger
-    scheduler.settle()
-    before, idle = (ledger.in_flight, ledger.pending_groups), 0
-    for _ in range(_WIND_DOWN_PASSES):
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        # The worker may be blocked on backpressure, not draining: the reports made in this
-        # pass reach the ledger here (their groups stay queued for the worker).
-        scheduler.settle()
-        now = (ledger.in_flight, ledger.pending_groups)
-        idle = idle + 1 if now == before else 0
-        if idle == _WIND_DOWN_IDLE or not ledger.pending_groups:
-            return
-        before = now
-
-
 def _group_budget(max_samples_in_flight: int | None, group_size: int, batch_size: int) -> int:
     """The groups in flight without ``max_groups_in_flight``: as many as ``max_samples_in_flight``
     holds, else ``batch_size``."""
@@ -510,7 +475,8 @@ async def open_async_rollout(
             except BaseException as exc:
                 body_error = exc
             finally:
-                await _wind_down(driver)
+                driver._pauses += 1  # never resumed: the driver is closing
+                await wind_down(driver.scheduler)
                 nursery.cancel_scope.cancel()
         if body_error is not None:
             raise body_error

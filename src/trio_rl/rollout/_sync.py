@@ -255,11 +255,10 @@ class SyncRolloutDriver:
         the groups kept from an earlier call are kept again (a continued partial group with
         the output it had; work it gained during the call is lost).
         """
-        # Long, on purpose: the call's state (the groups accepted and carried, the counters,
-        # the abort signal, a fatal error) is shared by the admission loop, the soft stop, the
-        # settling of what is left and the give-back in ``finally``; split up, it would travel
-        # in an object that lives for one call, and the cancellation paths would be harder to
-        # follow than in one body.
+        # The call's state (the groups accepted and carried, the counters, the abort signal, a
+        # fatal error) is shared by the admission loop, the soft stop and the give-back in
+        # ``finally``, so those stay in one body; the sorting of what settled after a full
+        # batch and the batch itself are steps of their own.
         check_int("SyncRolloutDriver.generate", "batch_size", batch_size, minimum=1)
         if self.scheduler is not None:
             raise RolloutError("generate() is already running on this driver (one call at a time)")
@@ -275,7 +274,7 @@ class SyncRolloutDriver:
         continued: list[Group] = []
         returned = False
         filtered: Counter[str] = Counter()
-        submitted = failed = surplus = 0
+        submitted = failed = 0
         dry = False
         fatal: Exception | None = None
         abort = AbortSignal()
@@ -301,18 +300,8 @@ class SyncRolloutDriver:
                         for outcome in await scheduler.wait_for_progress():
                             if outcome.status is GroupStatus.FAILED:
                                 failed += 1
-                                logger.error(
-                                    "rollout group %s failed; replacing it",
-                                    outcome.group_id,
-                                    exc_info=outcome.error,
-                                )
-                                if self.max_failures is not None and failed > self.max_failures:
-                                    fatal = FailureBudgetExceededError(
-                                        f"{failed} groups failed in one batch "
-                                        f"(SyncRolloutDriver.max_failures="
-                                        f"{self.max_failures}); last: {outcome.error}"
-                                    )
-                                    fatal.__cause__ = outcome.error
+                                fatal = _failure(outcome, failed, self.max_failures)
+                                if fatal is not None:
                                     break
                                 continue
                             reason = (
@@ -336,32 +325,7 @@ class SyncRolloutDriver:
                     self.source.recycle(recycled_prompt(group))
                 raise fatal
             returned = True
-            cancelled = recycled = partial = 0
-            for outcome in settled:
-                group = outcome.group
-                if outcome.status is GroupStatus.CANCELLED:
-                    cancelled += 1
-                    if self.partial_rollouts:
-                        self.source.recycle(recycled_prompt(group))
-                        recycled += 1
-                elif outcome.status is GroupStatus.FAILED:
-                    failed += 1
-                    logger.error(
-                        "rollout group %s failed after the batch was full",
-                        outcome.group_id,
-                        exc_info=outcome.error,
-                    )
-                elif abort.is_set() and group.has_aborted:
-                    self._keep_partial(group)
-                    partial += 1
-                else:
-                    reason = self.dynamic_filter(group) if self.dynamic_filter else None
-                    if reason is not None:
-                        filtered[reason] += 1
-                        continue
-                    surplus += 1
-                    if self.partial_rollouts:
-                        self._finished.append(group)
+            leftovers = self._sort_leftovers(settled, abort, filtered)
         finally:
             if not returned:
                 _give_back(self._finished, self._partial, carried, continued, accepted)
@@ -371,19 +335,85 @@ class SyncRolloutDriver:
             submitted=submitted,
             accepted=len(accepted),
             filtered=dict(filtered),
-            failed=failed,
-            surplus=surplus,
-            cancelled=cancelled,
-            recycled=recycled,
-            partial=partial,
+            failed=failed + leftovers.failed,
+            surplus=leftovers.surplus,
+            cancelled=leftovers.cancelled,
+            recycled=leftovers.recycled,
+            partial=leftovers.partial,
             carried_in=carried_in,
         )
-        accepted.sort(key=lambda g: g.first_index)
-        if len(accepted) < batch_size:
-            if not allow_partial or not accepted:
-                raise SourceExhaustedError(
-                    f"data source exhausted with {len(accepted)} of {batch_size} groups "
-                    f"accepted ({failed} failed, {sum(filtered.values())} filtered)"
+        return _batch(accepted, stats, batch_size, allow_partial)
+
+    def _sort_leftovers(
+        self, settled: list[GroupOutcome], abort: AbortSignal, filtered: Counter[str]
+    ) -> _Leftovers:
+        """Sort the groups that settled after the batch was full: a cancelled group's prompt
+        goes back (``partial_rollouts``), an aborted one is kept to continue, a finished one is
+        kept for the next call (``partial_rollouts``) unless the filter rejects it."""
+        cancelled = recycled = partial = failed = surplus = 0
+        for outcome in settled:
+            group = outcome.group
+            if outcome.status is GroupStatus.CANCELLED:
+                cancelled += 1
+                if self.partial_rollouts:
+                    self.source.recycle(recycled_prompt(group))
+                    recycled += 1
+            elif outcome.status is GroupStatus.FAILED:
+                failed += 1
+                logger.error(
+                    "rollout group %s failed after the batch was full",
+                    outcome.group_id,
+                    exc_info=outcome.error,
                 )
-            return RolloutBatch(tuple(accepted), stats, complete=False)
-        return RolloutBatch(tuple(accepted), stats)
+            elif abort.is_set() and group.has_aborted:
+                self._keep_partial(group)
+                partial += 1
+            else:
+                reason = self.dynamic_filter(group) if self.dynamic_filter else None
+                if reason is not None:
+                    filtered[reason] += 1
+                    continue
+                surplus += 1
+                if self.partial_rollouts:
+                    self._finished.append(group)
+        return _Leftovers(cancelled, recycled, partial, failed, surplus)
+
+
+def _failure(outcome: GroupOutcome, failed: int, max_failures: int | None) -> Exception | None:
+    """Log a group that failed before the batch was full (another replaces it); the error
+    that ends the call once ``max_failures`` is exceeded."""
+    logger.error("rollout group %s failed; replacing it", outcome.group_id, exc_info=outcome.error)
+    if max_failures is None or failed <= max_failures:
+        return None
+    fatal = FailureBudgetExceededError(
+        f"{failed} groups failed in one batch (SyncRolloutDriver.max_failures="
+        f"{max_failures}); last: {outcome.error}"
+    )
+    fatal.__cause__ = outcome.error
+    return fatal
+
+
+@attrs.frozen
+class _Leftovers:
+    """How the groups settled after a full batch were sorted."""
+
+    cancelled: int
+    recycled: int
+    partial: int
+    failed: int
+    surplus: int
+
+
+def _batch(
+    accepted: list[Group], stats: SyncBatchStatistics, batch_size: int, allow_partial: bool
+) -> RolloutBatch:
+    """The accepted groups in order of their first sample, or the error of a dry source."""
+    accepted.sort(key=lambda g: g.first_index)
+    if len(accepted) < batch_size:
+        if not allow_partial or not accepted:
+            raise SourceExhaustedError(
+                f"data source exhausted with {len(accepted)} of {batch_size} groups "
+                f"accepted ({stats.failed} failed, {sum(stats.filtered.values())} filtered)"
+            )
+        return RolloutBatch(tuple(accepted), stats, complete=False)
+    return RolloutBatch(tuple(accepted), stats)

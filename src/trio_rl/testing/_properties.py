@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import trio
 import trio.testing
@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ..rollout import (
+    AsyncRolloutDriver,
     DriverFailedError,
     GroupFactory,
     RolloutError,
@@ -310,11 +311,16 @@ def check_async_driver(data: st.DataObject, subject: RolloutSubject | None = Non
     _run(data, subject, _async_body)
 
 
-async def _async_body(world: World) -> None:
-    # Long, on purpose: one example is one story (draws, the driver, the schedule of engine
-    # and consumer moves, the close), and its closures share the example's state; the
-    # rule-based machine (_machine_async) tells the same story in pieces.
-    t, g, budget, capacity, n, failure, aborted, staleness = world.draw(
+#: T, G, B, buffer capacity, prompts, on failure, aborted groups, max staleness
+_AsyncDraws = tuple[
+    int, int, int, int, int, Literal["skip", "retry"], Literal["recycle", "drop"], int | None
+]
+
+
+def _async_draws(world: World) -> _AsyncDraws:
+    """The example's shape: T, G, B, buffer capacity, prompts, on failure, aborted groups,
+    max staleness."""
+    drawn: _AsyncDraws = world.draw(
         st.tuples(
             st.integers(1, 3),
             st.integers(1, 3),
@@ -327,7 +333,42 @@ async def _async_body(world: World) -> None:
         ),
         "T, G, B, buffer capacity, prompts, on failure, aborted groups, max staleness",
     )
+    t, g, budget, capacity, n, failure, aborted, _ = drawn
     world.log(f"T={t} G={g} B={budget} capacity={capacity} prompts={n} {failure} {aborted}")
+    return drawn
+
+
+async def _async_control(
+    world: World,
+    driver: AsyncRolloutDriver,
+    pause_stack: contextlib.AsyncExitStack,
+    state: dict[str, Any],
+    action: str,
+    submissions: Callable[[], int],
+) -> None:
+    """One control move of the schedule: pause, resume or a new policy version (a pause of a
+    paused driver, or a resume of a running one, does nothing)."""
+    if action == "pause" and not driver.is_paused:
+        world.log("pause")
+        await pause_stack.enter_async_context(driver.paused())
+        await world.quiesce()
+        state["paused_at"] = submissions()
+    elif action == "resume" and driver.is_paused:
+        world.log("resume")
+        state["paused_at"] = None
+        await pause_stack.aclose()
+    elif action == "new version":
+        # A weight update: the engine generates with the new version from now on.
+        driver.set_policy_version(driver.policy_version + 1)
+        world.engine.policy_version = driver.policy_version
+        world.log(f"policy version -> {driver.policy_version}")
+
+
+async def _async_body(world: World) -> None:
+    # One example is one story (draws, the driver, the schedule of engine and consumer moves,
+    # the close) whose closures share the example's state; the draws and the control moves
+    # are steps of their own. The rule-based machine (_machine_async) tells it in pieces.
+    t, g, budget, capacity, n, failure, aborted, staleness = _async_draws(world)
     source = prompts(n)
     taken: list[str] = []
     state: dict[str, Any] = {"consumer": False, "ended": False, "paused_at": None}
@@ -410,26 +451,14 @@ async def _async_body(world: World) -> None:
                 if action == "take":
                     world.log("consumer: next_batch()")
                     take()
-                elif action == "pause" and not driver.is_paused:
-                    world.log("pause")
-                    await pause_stack.enter_async_context(driver.paused())
-                    await world.quiesce()
-                    state["paused_at"] = submissions()
-                elif action == "resume" and driver.is_paused:
-                    world.log("resume")
-                    state["paused_at"] = None
-                    await pause_stack.aclose()
-                elif action == "new version":
-                    # A weight update: the engine generates with the new version from now on.
-                    driver.set_policy_version(driver.policy_version + 1)
-                    world.engine.policy_version = driver.policy_version
-                    world.log(f"policy version -> {driver.policy_version}")
                 elif action == "close":
                     world.log("close the driver")
                     closed = True
                     break
                 elif action in ENGINE_STEPS:
                     await world.engine_step(step)
+                else:
+                    await _async_control(world, driver, pause_stack, state, action, submissions)
             if not closed:
                 state["paused_at"] = None
                 await pause_stack.aclose()

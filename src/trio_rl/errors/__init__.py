@@ -72,7 +72,7 @@ Using a closed resource (an engine, publisher, sender or receiver outside its ``
 raises ``trio.ClosedResourceError``, as trio's own channels and streams do; trio-rl has no
 "closed" exception of its own. Cancellation is trio's ``Cancelled``, never wrapped.
 
-This module imports nothing else of trio-rl, not even for annotations, so every layer can raise
+This package imports nothing else of trio-rl, not even for annotations, so every layer can raise
 its classes. The two classes that carry a value of a higher floor are defined on that floor,
 under the same root: :class:`~trio_rl.rollout.GroupFailedError` (it holds the failed
 :class:`~trio_rl.samples.Group`) and :class:`~trio_rl.testing.InvariantViolationError` (it
@@ -83,10 +83,7 @@ Private control-flow exceptions (such as the wire decoder's fast-path rejection)
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
-import trio
+from ._groups import collapse_single as collapse_single
 
 __all__ = [
     "CheckpointCompactionError",
@@ -588,31 +585,3 @@ class MissingExtraError(ToolsError, ImportError):
         super().__init__(f"{what} needs the {package!r} package (pip install 'trio-rl[{extra}]')")
         self.package = package
         self.extra = extra
-
-
-# Names from before the naming rule, kept because users catch them.
-
-
-@contextlib.contextmanager
-def collapse_single() -> Iterator[None]:
-    """At a public ``async with`` boundary: an exception group out of the component's nurseries
-    whose leaves are one real failure plus cancellations (the siblings it cancelled) is re-raised
-    as that failure, so ``except TransportIOError`` around the block works. Two real failures
-    stay a group; a group of cancellations only is left to trio's cancel scopes."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        real = _real_leaves(group)
-        if len(real) != 1:
-            raise
-        failure = real[0]
-    else:
-        return
-    # Raised outside the handler, so the failure's own cause and context stay as they were.
-    raise failure
-
-
-def _real_leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _real_leaves(e)]
-    return [] if isinstance(exc, trio.Cancelled) else [exc]
