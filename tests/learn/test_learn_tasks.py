@@ -9,7 +9,6 @@ import pytest
 from trio_rl.errors import InvalidArgumentError
 from trio_rl.learn import TASKS, char_reward, make_prompts, tasks
 
-
 #: The built-in tasks that are environments (multi-turn: not record rewards).
 ENVIRONMENTS = {"lookup"}
 
