@@ -209,22 +209,23 @@ def test_a_tool_past_its_timeout_ends_its_episode_and_the_run_goes_on(tmp_path: 
     )
     config.write_text(
         config.read_text().replace(
-            "converged_after = 100000", "converged_after = 100000\nsteps = 2"
+            "converged_after = 100000", "converged_after = 100000\nsteps = 4"
         )
     )
     done = subprocess.run(
         [TRIO_RL, "run", str(config)], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    last = _lines(out / "metrics.jsonl")[-1]
-    assert last["step"] == 2
-    assert last["episodes/stop/tool_timeout"] > 0
-    assert last["episodes/stop/done"] > 0
-    ended = sum(
-        last[f"episodes/stop/{r}"]
-        for r in ("done", "max_turns", "tool_timeout", "episode_timeout", "budget", "error")
-    )
-    assert ended == last["episodes/ended"]
+    records = _lines(out / "metrics.jsonl")
+    assert records[-1]["step"] == 4
+    # whether a random policy's turn calls the tool is a draw: over the run's steps, some
+    # calls outlived the timeout and some episodes still ended done
+    assert sum(r["episodes/stop/tool_timeout"] for r in records) > 0
+    assert sum(r["episodes/stop/done"] for r in records) > 0
+    for r in records:
+        reasons = ("done", "max_turns", "tool_timeout", "episode_timeout", "budget", "error")
+        ended = sum(r[f"episodes/stop/{reason}"] for reason in reasons)
+        assert ended == r["episodes/ended"]
 
 
 def _trained(out: Path) -> list[dict[str, Any]]:

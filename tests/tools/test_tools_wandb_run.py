@@ -92,4 +92,5 @@ def test_trio_rl_run_names_tags_configures_and_resumes_its_wandb_run(tmp_path: P
         assert config["rollout"]["batch_groups"] == 2  # from learn-quick.toml
         assert config["metrics"]["wandb_name"] == "quick-1"
     steps = [sorted(wandb_history(next(p.glob("*.wandb")))) for p in runs]
-    assert steps == [[1, 2], [3, 4]]  # the second invocation continues at step 3
+    # the held-out eval of the initial policy is step 0; the second invocation continues at 3
+    assert steps == [[0, 1, 2], [3, 4]]
