@@ -151,7 +151,10 @@ class EpisodeHarness:
             )
 
 
-def _reward(record: Mapping[str, Any], text: str, calls: Sequence[ToolCall]) -> float:
+async def _reward(record: Mapping[str, Any], text: str, calls: Sequence[ToolCall]) -> float:
+    # async, not a plain function: a plain one runs in a worker thread, and a task waiting on
+    # a thread counts as blocked, so the harness would check the driver half-way through a
+    # group's end (a lost wake-up that is only the check's race, and not reproducible)
     return float(len(calls))
 
 
