@@ -27,8 +27,6 @@ from trio_rl.learn._trainer_jobs import TrainerSide, trainer_heartbeat
 from trio_rl.learn.trainer_job import _orchestrator_heartbeat, _wait_for_stop, _wait_trained
 from trio_rl.transport import TransportTimeoutError
 
-LAST_STEP = "a normal end's wait for the last shipped step"
-
 
 def _warnings(caplog: pytest.LogCaptureFixture, logger: str = "trio_rl.learn") -> list[str]:
     return [
@@ -61,7 +59,7 @@ async def test_the_wait_for_the_last_step_logs_every_10_s_and_gives_up_naming_th
         f"giving up in {left} s"
         for left in range(110, 0, -10)
     ]
-    documented(LAST_STEP, lines[0])
+    documented("a normal end's wait for the last shipped step", lines[0])
     message = (
         "the trainer did not report step 40, the last shipped step, within 120 s: the final "
         "weights are those of step 38, not 40"
@@ -141,11 +139,11 @@ async def test_a_heartbeat_that_never_comes_is_logged_every_10_s_and_fails_at_th
     caplog.set_level(logging.WARNING, logger="trio_rl.learn")
     config = learn_config(tmp_path, trainer__mode="external", trainer__connect_timeout=300.0)
     if side == "orchestrator":  # the orchestrator waits for the trainer job's heartbeat
-        heart, where = trainer_heartbeat(config), "the orchestrator's wait for a torchrun"
+        heart = trainer_heartbeat(config)
         quoted = "waiting for the trainer job (mode external): no heartbeat in"
         error = "the trainer job did not start: no heartbeat in"
     else:
-        heart, where = _orchestrator_heartbeat(config), "the trainer job's wait for the orch"
+        heart = _orchestrator_heartbeat(config)
         quoted = "trainer job: waiting for the orchestrator: no heartbeat in"
         error = "trainer job: no orchestrator heartbeat in"
     start = trio.current_time()
@@ -160,7 +158,10 @@ async def test_a_heartbeat_that_never_comes_is_logged_every_10_s_and_fails_at_th
         f"{quoted} {heart.path} for 10 s; failing in 290 s (trainer.connect_timeout)"
     )
     assert lines[-1].endswith("for 290 s; failing in 10 s (trainer.connect_timeout)")
-    documented(where, lines[0])
+    if side == "orchestrator":
+        documented("the orchestrator's wait for a torchrun", lines[0])
+    else:
+        documented("the trainer job's wait for the orchestrator", lines[0])
 
 
 async def test_a_heartbeat_wait_ends_when_cancelled(
