@@ -6,11 +6,14 @@ every 10 s with the time left, gives up at its budget, and ends at once when can
 - the torchrun trainer's exit (60 s);
 - the heartbeats, the orchestrator's of the trainer job and the job's of the orchestrator
   (``trainer.connect_timeout``);
-- the trainer job's last batches after ``STOP``, and its watch for ``STOP``."""
+- the trainer job's last batches after ``STOP``, its watch for ``STOP``, and its wait for the
+  run's configuration (``run.json``) as it starts."""
 
 from __future__ import annotations
 
 import logging
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,12 @@ from operations_waits import documented
 from trio_rl.learn._heartbeat import watch_heartbeat
 from trio_rl.learn._run_io import TrainerLog
 from trio_rl.learn._trainer_jobs import TrainerSide, trainer_heartbeat
-from trio_rl.learn.trainer_job import _orchestrator_heartbeat, _wait_for_stop, _wait_trained
+from trio_rl.learn.trainer_job import (
+    _orchestrator_heartbeat,
+    _wait_for_stop,
+    _wait_trained,
+    load_run_config,
+)
 from trio_rl.transport import TransportTimeoutError
 
 
@@ -209,3 +217,27 @@ async def test_the_trainer_job_s_watch_for_stop_logs_every_300_s_until_it_appear
     lines = _warnings(caplog)
     assert lines == [f"trainer job: still waiting for {stop}"] * 2  # at 300 and 600 s
     documented("the trainer job's watch for `STOP`", lines[0])
+
+
+def test_the_trainer_job_s_wait_for_run_json_is_logged_and_fails_at_its_deadline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a synchronous wait before the job's event loop: real time, a short budget
+    caplog.set_level(logging.WARNING, logger="trio_rl.learn")
+    path = tmp_path / "run.json"
+    started = time.monotonic()
+    with pytest.raises(TransportTimeoutError) as info:
+        load_run_config(tmp_path, timeout=0.5, log_every=0.2)
+    assert time.monotonic() - started >= 0.5
+    assert str(info.value) == (
+        f"trainer job: {path} did not appear within 0.5 s: no orchestrator started a run in "
+        "that directory"
+    )
+    lines = _warnings(caplog)
+    assert 1 <= len(lines) <= 2  # at 0.2 and 0.4 s (a loaded machine may skip one)
+    assert re.fullmatch(
+        rf"trainer job: waiting for {re.escape(str(path))} \(the orchestrator writes it as it "
+        r"starts\) for 0 s; failing in 0 s",
+        lines[0],
+    ), lines[0]
+    documented("the trainer job's start", lines[0])
