@@ -1,7 +1,7 @@
 """Multi-turn episodes: CPU per turn against single-turn samples, and memory per episode.
 
     python benchmarks/bench_episodes.py [--sizes 1000,10000] [--memory 1000,5000,10000]
-                                        [--turns 4] [--tokens 64]
+                                        [--turns 4] [--tokens 64] [--repeat 3]
 
 Part A (CPU). N episodes run concurrently, each a ``ToolEnv`` of ``turns`` policy turns of
 ``tokens`` sampled tokens with an async tool call (its result observed) between two turns,
@@ -12,8 +12,16 @@ tokens as single-turn samples (``engine_generate``): ``turns * N`` samples of ``
 tokens. A second comparator, ``N`` samples of ``turns * tokens`` tokens, is the same tokens in
 as many samples as episodes. The engine answers every request after the same virtual-free
 delay (a real ``trio.sleep``), so every run keeps its N in flight at once; the figure is the
-process CPU time over the turns (or samples) played. Goal: per-turn overhead <= 1.3x (printed
-as a ratio from this run, not asserted).
+process CPU time over the turns (or samples) played, and the part of it the garbage collector
+took (``gc.callbacks``). Each size runs ``--repeat`` times, the three sides interleaved (episodes,
+then both comparators, then again), so a load change on the shared machine hits them alike: the
+figures are the medians, the ratio the median of each repetition's own ratio. Goal: per-turn
+overhead <= 1.3x (printed as a ratio from this run, not asserted).
+
+Both sides' tasks are spawned with a name, as the group runner spawns its sample tasks: without
+one trio names a task by ``repr`` of its function, and the repr of an ``EpisodeRunner`` (an
+attrs repr of the engine, the environment, the settings) cost ~10 us an episode that the
+comparator's plain function, and a real run, never pay.
 
 Part B (memory). ``tracemalloc``'s peak while N episodes are in flight, divided by N, at each
 of ``--memory``: linear growth is a constant bytes per episode.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 import tracemalloc
 from collections.abc import Mapping, Sequence
@@ -97,52 +106,101 @@ def _env(turns: int) -> ToolEnv:
     return ToolEnv([lookup], _reward, max_turns=turns + 1, syntax=_Calls())
 
 
+#: the name of every task, as the group runner names its sample tasks (see the docstring)
+_TASK = "bench_episodes.sample"
+
+
 async def _run_all(generate: GenerateFn, n: int, prompt: int, probe: Any = None) -> None:
     samples = [Sample(index=i, group_index=i, prompt_tokens=tuple(range(prompt))) for i in range(n)]
     async with trio.open_nursery() as nursery:
         for sample in samples:
-            nursery.start_soon(generate, sample)
+            nursery.start_soon(generate, sample, name=_TASK)
         if probe is not None:
             nursery.start_soon(probe)
 
 
-def _cpu(generate_of: Any, n: int, prompt: int) -> float:
-    """Process CPU seconds of one run of ``n`` concurrent generate calls."""
+class _GcClock:
+    """Process CPU seconds the garbage collector took, summed over its collections."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.total += time.process_time() - self._start
+
+
+def _cpu(generate_of: Any, n: int, prompt: int) -> tuple[float, float]:
+    """Process CPU seconds of one run of ``n`` concurrent generate calls, and the collector's
+    share of them."""
     gc.collect()
-    t0 = time.process_time()
-    trio.run(_run_all, generate_of(), n, prompt)
-    return time.process_time() - t0
+    clock = _GcClock()
+    gc.callbacks.append(clock)
+    try:
+        t0 = time.process_time()
+        trio.run(_run_all, generate_of(), n, prompt)
+        return time.process_time() - t0, clock.total
+    finally:
+        gc.callbacks.remove(clock)
 
 
-def part_a(sizes: list[int], turns: int, tokens: int, delay: float, prompt: int) -> None:
-    print(f"A. CPU per turn: {turns}-turn episodes of {tokens} tokens a turn, tool between turns")
+def part_a(
+    sizes: list[int], turns: int, tokens: int, delay: float, prompt: int, repeat: int
+) -> None:
+    print(
+        f"A. CPU per turn: {turns}-turn episodes of {tokens} tokens a turn, tool between turns; "
+        f"medians of {repeat} interleaved repetitions (GC: the collector's part)"
+    )
     for n in sizes:
-        episodes = _cpu(
-            lambda: EpisodeRunner(
-                _Engine(tokens, delay, turns),
-                _env(turns),
-                _Codec(),
-                config=EnvConfig(max_turns=turns, episode_timeout=None),
-                max_len=1 << 20,
-            ),
-            n,
-            prompt,
-        )
-        per_turn = _cpu(lambda: engine_generate(_Engine(tokens, delay)), n * turns, prompt)
-        per_episode = _cpu(lambda: engine_generate(_Engine(tokens * turns, delay)), n, prompt)
-        ep_turn = episodes / (n * turns) * 1e6
-        st_turn = per_turn / (n * turns) * 1e6
-        st_sample = per_episode / n * 1e6
+        runs: dict[str, list[tuple[float, float]]] = {"ep": [], "turn": [], "sample": []}
+        for _ in range(repeat):
+            runs["ep"].append(
+                _cpu(
+                    lambda: EpisodeRunner(
+                        _Engine(tokens, delay, turns),
+                        _env(turns),
+                        _Codec(),
+                        config=EnvConfig(max_turns=turns, episode_timeout=None),
+                        max_len=1 << 20,
+                    ),
+                    n,
+                    prompt,
+                )
+            )
+            runs["turn"].append(
+                _cpu(lambda: engine_generate(_Engine(tokens, delay)), n * turns, prompt)
+            )
+            runs["sample"].append(
+                _cpu(lambda: engine_generate(_Engine(tokens * turns, delay)), n, prompt)
+            )
+        # per turn (episodes, samples of one turn's tokens) or per sample (of all the tokens)
+        per = {"ep": n * turns, "turn": n * turns, "sample": n}
+
+        us = {
+            (side, part): statistics.median(run[part] for run in runs[side]) / per[side] * 1e6
+            for side in runs
+            for part in (0, 1)
+        }
+
+        ratios = [ep[0] / st[0] for ep, st in zip(runs["ep"], runs["turn"], strict=True)]
+        episode_ratios = [
+            ep[0] / one[0] for ep, one in zip(runs["ep"], runs["sample"], strict=True)
+        ]
+        ratio, episode_ratio = statistics.median(ratios), statistics.median(episode_ratios)
         print(
-            f"  {n:>6} episodes in flight: {ep_turn:7.1f} us CPU per turn "
-            f"({episodes:.2f} s); single-turn samples of {tokens} tokens x{n * turns}: "
-            f"{st_turn:7.1f} us per sample ({per_turn:.2f} s); of {tokens * turns} tokens "
-            f"x{n}: {st_sample:7.1f} us per sample ({per_episode:.2f} s)"
+            f"  {n:>6} episodes in flight: {us['ep', 0]:7.1f} us CPU per turn "
+            f"(GC {us['ep', 1]:5.1f}); single-turn samples of {tokens} tokens x{n * turns}: "
+            f"{us['turn', 0]:7.1f} us per sample (GC {us['turn', 1]:5.1f}); of {tokens * turns} "
+            f"tokens x{n}: {us['sample', 0]:7.1f} us per sample (GC {us['sample', 1]:5.1f}); "
+            f"per-turn ratios {' '.join(f'{r:.2f}' for r in ratios)}"
         )
         print(
-            f"goal 7: per-turn overhead at {n} episodes: {ep_turn / st_turn:.2f}x the CPU of a "
-            f"single-turn sample of the same tokens (goal <= 1.3x); an episode costs "
-            f"{episodes / per_episode:.2f}x one sample of all its tokens"
+            f"goal 7: per-turn overhead at {n} episodes: {ratio:.2f}x the CPU of a "
+            f"single-turn sample of the same tokens (goal <= 1.3x; median of {repeat}); an "
+            f"episode costs {episode_ratio:.2f}x one sample of all its tokens"
         )
 
 
@@ -180,10 +238,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--delay", type=float, default=0.05, help="engine seconds per request")
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per size (part A)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     memory = [int(s) for s in args.memory.split(",") if s]
-    part_a(sizes, args.turns, args.tokens, args.delay, args.prompt)
+    part_a(sizes, args.turns, args.tokens, args.delay, args.prompt, args.repeat)
     part_b(memory, args.turns, args.tokens, args.delay, args.prompt)
 
 
