@@ -49,7 +49,11 @@ def _read_until(proc: subprocess.Popen[str], needle: str, within: float) -> str:
     return seen
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.heavy)],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_an_unreachable_server_is_reported_at_once_and_a_signal_stops_the_wait(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
