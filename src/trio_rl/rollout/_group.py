@@ -166,6 +166,8 @@ class _GroupRun:
     on_sample_done: Callable[[Sample], None] | None
     sample_reward: SampleRewardFn | None
     sample_timeout: float | None
+    #: ``on_sample_done.generated``, if it has one and a reward runs (see `run_group`).
+    on_generated: Callable[[Sample], None] | None = None
     scope: trio.CancelScope | None = None
     #: Made at the first failure: most groups never fail, and an empty list per group is
     #: one more object for the collector to walk while the group runs.
@@ -179,12 +181,12 @@ class _GroupRun:
             if self.sample_timeout is None:
                 await self.generate(sample)
                 if self.sample_reward is not None and sample.status.is_finished:
-                    sample.reward = float(await _call(self.sample_reward, sample))
+                    await self._score(sample, self.sample_reward)
             else:
                 with trio.fail_after(self.sample_timeout):
                     await self.generate(sample)
                     if self.sample_reward is not None and sample.status.is_finished:
-                        sample.reward = float(await _call(self.sample_reward, sample))
+                        await self._score(sample, self.sample_reward)
         except Exception as exc:  # a real failure
             if self.failures is None:
                 self.failures = []
@@ -199,6 +201,13 @@ class _GroupRun:
         finally:
             if self.on_sample_done is not None:
                 self.on_sample_done(sample)
+
+    async def _score(self, sample: Sample, reward: SampleRewardFn) -> None:
+        if self.on_generated is not None:
+            # the generation ended: what it held of the engine's budget is free while the
+            # reward runs (a reward call that hangs holds no credit)
+            self.on_generated(sample)
+        sample.reward = float(await _call(reward, sample))
 
 
 #: Sample tasks started between two checkpoints: a group of any size lets a cancellation (a
@@ -267,7 +276,8 @@ async def run_group(
     Cancellation from outside: the sample tasks are cancelled and settled (each calls
     ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
     """
-    run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout)
+    generated = None if sample_reward is None else getattr(on_sample_done, "generated", None)
+    run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout, generated)
     if any(s.status is SampleStatus.PENDING for s in group.samples):
         # Already cancelled (a driver shutting down before this group's task first ran): start
         # no sample task just to cancel it; the group's end returns the untaken credits.
@@ -381,13 +391,26 @@ class SampleReport:
     # Bound once per group: each finished sample then costs one call and one channel send.
     _report: Callable[[str], None] = attrs.field(init=False, repr=False)
     _group_id: str = attrs.field(init=False, repr=False)
+    #: Indices of the samples whose credit came back when their generation ended (made at
+    #: the first: a group without a reward never needs it).
+    _scoring: set[int] | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._report = self.scheduler.sample_reporter()
         self._group_id = self.group.group_id
 
-    def __call__(self, sample: Sample) -> None:
+    def generated(self, sample: Sample) -> None:
+        """The sample's generation ended and its reward runs now: its credit comes back at
+        once, so a reward call that hangs holds none of the engine's budget."""
+        if self._scoring is None:
+            self._scoring = set()
+        self._scoring.add(sample.index)
         self._report(self._group_id)
+
+    def __call__(self, sample: Sample) -> None:
+        scoring = self._scoring
+        if scoring is None or sample.index not in scoring:
+            self._report(self._group_id)
         if self.book is not None and sample.status.is_finished:
             self.book.members_arrived(self.group, (sample,))
 

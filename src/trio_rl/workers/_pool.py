@@ -185,6 +185,11 @@ class WorkerPool:
     _fn_bytes: bytes = attrs.field(init=False, default=b"")
     #: Workers being started (not yet in ``_workers``).
     _starting: int = attrs.field(init=False, default=0)
+    #: Calls running longer than ``grow_after`` (their workers are out of use for a while).
+    _slow: int = attrs.field(init=False, default=0)
+    #: The most calls ever slow at once: calls hang together (a group's samples of a record
+    #: the function hangs on), so that many workers are kept spare for the next such burst.
+    _burst: int = attrs.field(init=False, default=0)
     #: Where workers start; set by :func:`open_worker_pool`.
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
@@ -227,7 +232,7 @@ class WorkerPool:
             try:
                 with trio.fail_after(math.inf if self.timeout is None else self.timeout):
                     await worker.send(args)
-                    reply = await worker.receive()
+                    reply = await self._reply(worker)
             except trio.TooSlowError:
                 await self._discard(worker, replace=True)
                 raise WorkerTimeoutError(
@@ -248,6 +253,22 @@ class WorkerPool:
             self._idle.append(worker)
             self._freed.unpark()
         return _answer(self.name, reply, label)
+
+    async def _reply(self, worker: _Worker) -> tuple[Any, ...]:
+        """The call's reply. A call still running after ``grow_after`` seconds counts as
+        slow while it runs: its worker is out of use for a while (a call that hangs, for as
+        long as the timeout), so a spare starts for the calls behind it at once instead of
+        after they waited (:meth:`_keep_spares`)."""
+        with trio.move_on_after(self.grow_after):
+            # cancel-safe: what arrived stays in the worker's buffer for the next receive
+            return await worker.receive()
+        self._slow += 1
+        self._burst = max(self._burst, self._slow)
+        try:
+            self._keep_spares()
+            return await worker.receive()
+        finally:
+            self._slow -= 1
 
     async def _run_in_thread(self, args: tuple[Any, ...], label: str) -> Any:
         key = object()
@@ -288,6 +309,18 @@ class WorkerPool:
     def _count(self) -> int:
         return len(self._workers) + self._starting
 
+    def _keep_spares(self) -> None:
+        """Start workers (in the background, up to ``size``) until ``FIRST_WORKERS`` plus the
+        largest burst of slow calls seen are not held by slow calls: a call that hangs takes
+        its worker out of use for as long as the timeout, and neither the calls behind it nor
+        the next burst of such calls should wait for a worker to start (seconds, on a busy
+        machine)."""
+        while self._count() - self._slow < min(self.size, FIRST_WORKERS + self._burst):
+            before = self._starting
+            self._grow()
+            if self._starting == before:  # at ``size``, or enough starting already
+                return
+
     def _grow(self) -> None:
         """Start a worker in the background, unless ``size`` run or ``_STARTING_AT_ONCE``
         are starting already (a call still waiting asks again ``grow_after`` later)."""
@@ -304,6 +337,7 @@ class WorkerPool:
             self._starting -= 1
         self._idle.append(worker)
         self._freed.unpark()
+        self._keep_spares()  # more slow calls than the starts allowed at once
 
     def _after_cancel(self, worker: _Worker) -> None:
         """A cancelled call's worker: settled in the background (the cancelled caller goes
@@ -334,7 +368,8 @@ class WorkerPool:
 
     async def _discard(self, worker: _Worker, *, replace: bool = False) -> None:
         """End ``worker``; with ``replace``, start another in its place at once (a worker
-        killed with its call was one the pool had grown to need)."""
+        killed with its call was one the pool had grown to need: a record whose call hung
+        comes back with the next pass over the data)."""
         self._workers.discard(worker)
         if replace:
             self._grow()
