@@ -188,6 +188,11 @@ class RecordReward:
     def __attrs_post_init__(self) -> None:
         self._async = _is_async(self.fn)
 
+    def slow_calls(self) -> int:
+        """Calls running slow in the pool now (see :attr:`WorkerPool.slow`; 0 without a
+        process pool): a call that hangs counts until its timeout."""
+        return 0 if self.pool is None else self.pool.slow
+
     def _call(self, record: Mapping[str, Any], tokens: Sequence[int]) -> Any:
         return self.fn(record, self.decode(tokens))
 

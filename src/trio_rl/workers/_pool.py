@@ -19,13 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import pickle
 import struct
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Literal
 
 import attrs
@@ -40,6 +36,7 @@ from ..errors import (
     collapse_single,
 )
 from ._child import failure
+from ._template import Template, WorkerProcess, describe, start_template
 
 __all__ = ["DEFAULT_WORKERS", "WORKER_MODES", "WorkerMode", "WorkerPool", "open_worker_pool"]
 
@@ -48,10 +45,7 @@ logger = logging.getLogger("trio_rl.workers")
 WorkerMode = Literal["process", "thread"]
 WORKER_MODES: tuple[WorkerMode, ...] = ("process", "thread")
 
-_CHILD = Path(__file__).with_name("_child.py")
 _HEADER = struct.Struct(">I")
-#: Seconds a new worker process may take to start and import the function's module.
-START_TIMEOUT = 120.0
 #: Worker processes started with the pool; more start only when calls wait (``grow_after``).
 FIRST_WORKERS = 2
 #: Worker processes starting at a time: many interpreters starting at once on a busy machine
@@ -77,7 +71,7 @@ _REAP_TIMEOUT = 5.0
 class _Worker:
     """One worker process and the two pipes to it."""
 
-    process: trio.Process
+    process: WorkerProcess
     jobs: trio.lowlevel.FdStream
     results: trio.lowlevel.FdStream
     buffer: bytearray = attrs.field(factory=bytearray)
@@ -139,11 +133,6 @@ def _positive(instance: object, attribute: attrs.Attribute[float], value: float)
         raise InvalidArgumentError(f"WorkerPool.{attribute.name}: {value!r}, expected seconds > 0")
 
 
-def _describe(fn: Callable[..., Any]) -> str:
-    module = getattr(fn, "__module__", None) or "?"
-    return f"{module}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
-
-
 @attrs.define(eq=False)
 class WorkerPool:
     """Runs ``fn(*args)`` in killable worker processes (``mode="process"``) or in threads
@@ -192,6 +181,11 @@ class WorkerPool:
     _burst: int = attrs.field(init=False, default=0)
     #: Where workers start; set by :func:`open_worker_pool`.
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    #: The process workers are forked from (started with the first worker).
+    _template: Template | None = attrs.field(init=False, default=None)
+    _template_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    #: Where the template's reports are read (open until the pool's close is done).
+    _reports: trio.Nursery | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
@@ -201,7 +195,7 @@ class WorkerPool:
                 self._fn_bytes = pickle.dumps(self.fn, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
                 raise WorkerStartError(
-                    f"{self.name}: {_describe(self.fn)} cannot run in a worker process: it "
+                    f"{self.name}: {describe(self.fn)} cannot run in a worker process: it "
                     f"must be importable as module:name ({type(exc).__name__}: {exc}); define "
                     "it at the top level of a module, or use the thread mode"
                 ) from None
@@ -210,6 +204,12 @@ class WorkerPool:
     def processes(self) -> list[int]:
         """The process ids of the live workers (busy or idle)."""
         return [w.process.pid for w in self._workers if w.process.returncode is None]
+
+    @property
+    def slow(self) -> int:
+        """Calls running longer than ``grow_after`` seconds (process mode): a call that hangs
+        counts here until its timeout kills it."""
+        return self._slow
 
     @property
     def running(self) -> int:
@@ -362,9 +362,30 @@ class WorkerPool:
         await self._discard(worker, replace=True)
 
     async def _start(self) -> _Worker:
-        worker = await _start_worker(self.name, self.fn, self._fn_bytes, self._running)
+        template = await self._loaded_template()
+        process, jobs, results = await template.fork()
+        worker = _Worker(process, trio.lowlevel.FdStream(jobs), trio.lowlevel.FdStream(results))
         self._workers.add(worker)
         return worker
+
+    async def _loaded_template(self) -> Template:
+        """The template process workers are forked from, started (or started again, if it
+        died) with the function loaded; named in ``running`` while it starts."""
+        async with self._template_lock:
+            if self._template is not None and self._template.alive:
+                return self._template
+            if self._template is not None:
+                await self._template.aclose()
+            assert self._nursery is not None  # workers start in the pool's nursery
+            key = object()
+            self._running[key] = (_STARTING, trio.current_time())
+            try:
+                self._template = await start_template(self.name, self.fn, self._fn_bytes)
+            finally:
+                del self._running[key]
+            assert self._reports is not None
+            self._reports.start_soon(self._template.read_reports)
+            return self._template
 
     async def _discard(self, worker: _Worker, *, replace: bool = False) -> None:
         """End ``worker``; with ``replace``, start another in its place at once (a worker
@@ -405,65 +426,8 @@ class WorkerPool:
             async with trio.open_nursery() as nursery:
                 for worker in list(self._workers):
                     nursery.start_soon(self._discard, worker)
-
-
-async def _start_worker(
-    name: str,
-    fn: Callable[..., Any],
-    fn_bytes: bytes,
-    running: dict[object, tuple[str, float]],
-) -> _Worker:
-    """A new worker process that has loaded ``fn`` (named in ``running`` while it starts)."""
-    job_read, job_write = os.pipe()
-    result_read, result_write = os.pipe()
-    try:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, str(_CHILD), str(job_read), str(result_write), str(os.getpid())],
-            pass_fds=(job_read, result_write),
-            stdin=subprocess.DEVNULL,
-        )
-    except BaseException:
-        for fd in (job_write, result_read):
-            os.close(fd)
-        raise
-    finally:
-        os.close(job_read)
-        os.close(result_write)
-    worker = _Worker(
-        process, trio.lowlevel.FdStream(job_write), trio.lowlevel.FdStream(result_read)
-    )
-    key = object()
-    running[key] = (_STARTING, trio.current_time())
-    try:
-        cwd = os.getcwd()
-        path = sys.path if cwd in sys.path else [cwd, *sys.path]
-        with trio.fail_after(START_TIMEOUT):
-            await worker.send((path, fn_bytes))
-            reply = await worker.receive()
-    except trio.TooSlowError:
-        await worker.close()
-        raise WorkerStartError(
-            f"{name}: a worker process did not load {_describe(fn)} within {START_TIMEOUT:g} s"
-        ) from None
-    except (EOFError, trio.BrokenResourceError, OSError):
-        await worker.close()
-        raise WorkerStartError(
-            f"{name}: a worker process exited while starting (exit status "
-            f"{worker.process.returncode})"
-        ) from None
-    except BaseException:
-        await worker.close()
-        raise
-    finally:
-        del running[key]
-    if reply[0] != "ready":
-        await worker.close()
-        _, line, where = reply
-        at = f" ({where})" if where else ""
-        raise WorkerStartError(
-            f"{name}: cannot load {_describe(fn)} in a worker process: {line}{at}"
-        )
-    return worker
+            if self._template is not None:
+                await self._template.aclose()
 
 
 def _answer(name: str, reply: tuple[Any, ...], label: str) -> Any:
@@ -490,15 +454,21 @@ async def open_worker_pool(
     :class:`~trio_rl.errors.WorkerStartError`). On exit, however the block ended, every worker
     process is ended and reaped. ``call_timeout`` is the pool's ``timeout``."""
     pool = WorkerPool(fn, mode, size, call_timeout, name, report_every)
-    try:
-        with collapse_single():
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pool._report_stuck)
-                pool._nursery = nursery
-                if mode == "process":
-                    for _ in range(min(size, FIRST_WORKERS)):
-                        pool._grow()
-                yield pool
-                nursery.cancel_scope.cancel()
-    finally:
-        await pool._close()
+    # The template's reports (its workers' exits) are read until the pool closed: its close
+    # waits for every worker's exit.
+    with collapse_single():
+        async with trio.open_nursery() as reports:
+            pool._reports = reports
+            try:
+                with collapse_single():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(pool._report_stuck)
+                        pool._nursery = nursery
+                        if mode == "process":
+                            for _ in range(min(size, FIRST_WORKERS)):
+                                pool._grow()
+                        yield pool
+                        nursery.cancel_scope.cancel()
+            finally:
+                await pool._close()
+                reports.cancel_scope.cancel()
