@@ -32,6 +32,7 @@ __all__ = [
     "engine_generate",
     "pending_samples",
     "reopen_aborted",
+    "reward_started",
     "run_group",
     "run_reporting",
 ]
@@ -49,6 +50,26 @@ GroupRewardFn = Callable[[Group], Sequence[float] | Awaitable[Sequence[float]]]
 _ABORT: contextvars.ContextVar[AbortSignal | None] = contextvars.ContextVar(
     "trio_rl_rollout_abort", default=None
 )
+
+
+#: The credit release of the sample whose reward this task runs (set by the group runner
+#: around the reward call when the credit reporter supports it).
+_SCORING: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "trio_rl_rollout_scoring", default=None
+)
+
+
+def reward_started() -> None:
+    """Called by a sample reward once its call runs where it holds nothing the engine needs
+    (a worker process of its own, :class:`~trio_rl.workers.WorkerPool`): the sample's credit
+    comes back to the driver now instead of when the reward returns, so a call that hangs
+    until its timeout does not hold a share of the rollout budget. A call still waiting for
+    a worker keeps its credit (a saturated pool holds the rollout back, as a slow reward
+    should). Does nothing outside a reward call run by `run_group`, or a second time."""
+    release = _SCORING.get()
+    if release is not None:
+        _SCORING.set(None)
+        release()
 
 
 def current_abort() -> AbortSignal | None:
@@ -166,7 +187,8 @@ class _GroupRun:
     on_sample_done: Callable[[Sample], None] | None
     sample_reward: SampleRewardFn | None
     sample_timeout: float | None
-    #: ``on_sample_done.generated``, if it has one and a reward runs (see `run_group`).
+    #: ``on_sample_done.generated``, if it has one and a reward runs: the sample's credit
+    #: back before the reward returned, when the reward calls `reward_started`.
     on_generated: Callable[[Sample], None] | None = None
     scope: trio.CancelScope | None = None
     #: Made at the first failure: most groups never fail, and an empty list per group is
@@ -203,11 +225,16 @@ class _GroupRun:
                 self.on_sample_done(sample)
 
     async def _score(self, sample: Sample, reward: SampleRewardFn) -> None:
-        if self.on_generated is not None:
-            # the generation ended: what it held of the engine's budget is free while the
-            # reward runs (a reward call that hangs holds no credit)
-            self.on_generated(sample)
-        sample.reward = float(await _call(reward, sample))
+        on_generated = self.on_generated
+        if on_generated is None:
+            sample.reward = float(await _call(reward, sample))
+            return
+        # the reward may give the sample's credit back early (`reward_started`)
+        token = _SCORING.set(lambda: on_generated(sample))
+        try:
+            sample.reward = float(await _call(reward, sample))
+        finally:
+            _SCORING.reset(token)
 
 
 #: Sample tasks started between two checkpoints: a group of any size lets a cancellation (a
@@ -400,8 +427,9 @@ class SampleReport:
         self._group_id = self.group.group_id
 
     def generated(self, sample: Sample) -> None:
-        """The sample's generation ended and its reward runs now: its credit comes back at
-        once, so a reward call that hangs holds none of the engine's budget."""
+        """The sample's generation ended and its reward call runs in a worker of its own
+        (`reward_started`): its credit comes back now, so a reward call that hangs holds
+        none of the rollout budget; the member itself arrives when the reward returned."""
         if self._scoring is None:
             self._scoring = set()
         self._scoring.add(sample.index)

@@ -216,9 +216,12 @@ class WorkerPool:
         """Calls in progress (not counting workers being started)."""
         return sum(1 for label, _ in self._running.values() if label != _STARTING)
 
-    async def run(self, *args: Any, label: str = "") -> Any:
+    async def run(
+        self, *args: Any, label: str = "", on_start: Callable[[], None] | None = None
+    ) -> Any:
         """``fn(*args)`` in a worker; ``label`` names the call in the log and in errors
-        (``record id 'r3'``)."""
+        (``record id 'r3'``); ``on_start()`` is called once the call has its worker process
+        (not while it waits for one; process mode only)."""
         if self._closed or (self.mode == "process" and self._nursery is None):
             raise trio.ClosedResourceError(
                 f"{self.name}: the worker pool is not open (use open_worker_pool)"
@@ -227,6 +230,8 @@ class WorkerPool:
             return await self._run_in_thread(args, label)
         async with self._limiter:
             worker = await self._worker()
+            if on_start is not None:
+                on_start()
             key = object()
             self._running[key] = (label, trio.current_time())
             try:
