@@ -17,7 +17,7 @@ time, a control and a run whose reward hangs on 2 of the 32 records (killed at
 run's steps per minute over the control's, in the wall span both were shipping.
 
     python benchmarks/bench_reward_workers.py [--calls 2000] [--callers 16] [--repeat 3]
-        [--pace-steps 64] [--pace-timeout 1]
+        [--pace-steps 160] [--pace-timeout 1]
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--pace-steps", type=int, default=64, help="0: no pace part")
+    parser.add_argument("--pace-steps", type=int, default=160, help="0: no pace part")
     parser.add_argument("--pace-timeout", type=float, default=1.0)
     args = parser.parse_args()
     if args.calls:
