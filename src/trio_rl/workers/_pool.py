@@ -1,12 +1,13 @@
 """A pool of killable workers for user code: :class:`WorkerPool`, :func:`open_worker_pool`.
 
 A user's function (a reward, a tool) is the least trusted code of a run. In ``"process"``
-mode it runs in worker processes of its own (:mod:`._child`): a call that overruns the
-pool's timeout, or is cancelled, has its process killed and reaped, so a hung call costs
-that call only, never a capacity token, a thread or the run's stop. In ``"thread"`` mode it
-runs in trio worker threads under the pool's own limiter: cheaper per call and no pickling,
-but a hung call cannot be killed: its thread is abandoned and keeps one of the pool's
-tokens until it returns.
+mode it runs in worker processes of its own, forked from a template process that loaded it
+once (:mod:`._template`, :mod:`._child`): a call that overruns the pool's timeout, or is
+cancelled, has its process killed and reaped, so a hung call costs that call only (and a
+fork to replace its worker), never a capacity token, a thread or the run's stop. In
+``"thread"`` mode it runs in trio worker threads under the pool's own limiter: cheaper per
+call and no pickling, but a hung call cannot be killed: its thread is abandoned and keeps one
+of the pool's tokens until it returns.
 
 The pool lives in an ``async with``: on exit every worker process is ended (idle ones by
 closing their input, after a short grace by SIGKILL) and reaped, whichever way the block
@@ -137,13 +138,17 @@ def _positive(instance: object, attribute: attrs.Attribute[float], value: float)
 class WorkerPool:
     """Runs ``fn(*args)`` in killable worker processes (``mode="process"``) or in threads
     under its own limiter (``mode="thread"``), at most ``size`` calls at a time. Process
-    mode starts ``FIRST_WORKERS`` processes with the pool and more, up to ``size``, only when a
-    call waited ``grow_after`` seconds for a busy one: fast calls share a few workers, a call
-    that hangs makes the pool grow around it.
+    mode starts ``FIRST_WORKERS`` processes with the pool and more, up to ``size``, when a
+    call waited ``grow_after`` seconds for a busy one, and when calls run longer than
+    ``grow_after`` (:attr:`slow`): the pool then keeps ``FIRST_WORKERS`` plus the most calls
+    ever slow at once free of slow calls. Fast calls share a few workers; calls that hang
+    (a group's samples of a record the function hangs on) make the pool grow around them,
+    and the next such burst finds its workers ready.
 
-    In process mode ``fn`` is sent by reference (``module:name``, imported again in each
-    worker, with the working directory and this process's ``sys.path``): it must be a
-    module-level function or a picklable object, or :class:`~trio_rl.errors.WorkerStartError`
+    In process mode ``fn`` is sent by reference (``module:name``, imported again in the
+    template process every worker is forked from, with the working directory and this
+    process's ``sys.path``): it must be a module-level function or a picklable object, or
+    :class:`~trio_rl.errors.WorkerStartError`
     is raised here, naming it. ``timeout`` (seconds, None: none) bounds one call: an overrun
     raises :class:`~trio_rl.errors.WorkerTimeoutError` after killing the worker. What the
     function raises comes back as :class:`~trio_rl.errors.WorkerCallError`, a process that

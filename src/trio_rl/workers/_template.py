@@ -153,12 +153,14 @@ class Template:
         async with self._lock:
             job_read, job_write = os.pipe()
             result_read, result_write = os.pipe()
+            sent = False
             try:
                 if not self.alive:
                     raise WorkerStartError(f"{self.name}: the worker template process is gone")
                 self._forked = trio.Event()
                 fds = array.array("i", (job_read, result_write))
                 with trio.fail_after(_FORK_TIMEOUT):
+                    sent = True
                     await self.control.sendmsg(
                         [b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
                     )
@@ -167,6 +169,10 @@ class Template:
                 if worker is None:
                     raise WorkerStartError(f"{self.name}: the worker template process is gone")
             except BaseException:
+                if sent:
+                    # a reply may still come, and would answer the next request: the pool
+                    # starts another template (this worker, its pipes closed, exits)
+                    self._closed = True
                 os.close(job_write)
                 os.close(result_read)
                 raise
