@@ -268,7 +268,7 @@ def test_a_reward_raising_on_every_record_ends_the_run_with_one_line(tmp_path: P
     assert len(errors) == 1, rest
     assert re.fullmatch(
         r"trio-rl: error: reward user_rewards:misspelled failed on 5 samples in a row \(the "
-        r"failure budget: 5\); the first: KeyError: 'answr' \(user_rewards\.py:11 in "
+        r"failure budget: 5\); the first: KeyError: 'answr' \(user_rewards\.py:21 in "
         r"misspelled\) on record id 'r\d+'; nothing can train: fix the reward",
         errors[0],
     ), errors[0]

@@ -232,7 +232,7 @@ class WorkerPool:
                 f"{self.name}: the worker pool is not open (use open_worker_pool)"
             )
         if self.mode == "thread":
-            return await self._run_in_thread(args, label)
+            return await _run_in_thread(self, args, label)
         async with self._limiter:
             worker = await self._worker()
             if on_start is not None:
@@ -279,29 +279,6 @@ class WorkerPool:
             return await worker.receive()
         finally:
             self._slow -= 1
-
-    async def _run_in_thread(self, args: tuple[Any, ...], label: str) -> Any:
-        key = object()
-        self._running[key] = (label, trio.current_time())
-        try:
-            with trio.fail_after(math.inf if self.timeout is None else self.timeout):
-                reply = await trio.to_thread.run_sync(
-                    self._call_here, args, limiter=self._limiter, abandon_on_cancel=True
-                )
-        except trio.TooSlowError:
-            raise WorkerTimeoutError(
-                f"{self.name} took longer than {self.timeout:g} s on {label or 'a call'}; its "
-                "thread was abandoned and still holds one of the pool's tokens"
-            ) from None
-        finally:
-            del self._running[key]
-        return _answer(self.name, reply, label)
-
-    def _call_here(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        try:
-            return ("ok", self.fn(*args))
-        except Exception as exc:  # the user's code: its failure is the call's answer
-            return failure(exc)
 
     async def _worker(self) -> _Worker:
         """An idle worker: the first free one. A worker is started (in the background) at
@@ -372,30 +349,11 @@ class WorkerPool:
         await self._discard(worker, replace=True)
 
     async def _start(self) -> _Worker:
-        template = await self._loaded_template()
+        template = await _loaded_template(self)
         process, jobs, results = await template.fork()
         worker = _Worker(process, trio.lowlevel.FdStream(jobs), trio.lowlevel.FdStream(results))
         self._workers.add(worker)
         return worker
-
-    async def _loaded_template(self) -> Template:
-        """The template process workers are forked from, started (or started again, if it
-        died) with the function loaded; named in ``running`` while it starts."""
-        async with self._template_lock:
-            if self._template is not None and self._template.alive:
-                return self._template
-            if self._template is not None:
-                await self._template.aclose()
-            assert self._nursery is not None  # workers start in the pool's nursery
-            key = object()
-            self._running[key] = (_STARTING, trio.current_time())
-            try:
-                self._template = await start_template(self.name, self.fn, self._fn_bytes)
-            finally:
-                del self._running[key]
-            assert self._reports is not None
-            self._reports.start_soon(self._template.read_reports)
-            return self._template
 
     async def _discard(self, worker: _Worker, *, replace: bool = False) -> None:
         """End ``worker``; with ``replace``, start another in its place at once (a worker
@@ -407,37 +365,85 @@ class WorkerPool:
         self._freed.unpark()  # a waiting call may start a worker in its place
         await worker.close()
 
-    async def _report_stuck(self) -> None:
-        """Name every call running longer than ``report_every``, every ``report_every`` s."""
-        while True:
-            await trio.sleep(self.report_every)
-            now = trio.current_time()
-            for label, started in list(self._running.values()):
-                if now - started >= self.report_every:
-                    logger.warning(
-                        "%s: still running on %s after %.0f s%s",
-                        self.name,
-                        label or "a call",
-                        now - started,
-                        "" if self.timeout is None else f" (the limit is {self.timeout:g} s)",
-                    )
 
-    async def _close(self) -> None:
-        """End every worker process and reap it (bounded, shielded)."""
-        self._closed = True
-        with trio.CancelScope(shield=True):
-            idle, self._idle = self._idle, []
-            for worker in idle:  # end of input: an idle worker exits by itself
-                with contextlib.suppress(OSError, trio.BrokenResourceError):
-                    await worker.jobs.aclose()
-            with trio.move_on_after(_GRACE):
-                for worker in idle:
-                    await worker.process.wait()
-            async with trio.open_nursery() as nursery:
-                for worker in list(self._workers):
-                    nursery.start_soon(self._discard, worker)
-            if self._template is not None:
-                await self._template.aclose()
+async def _run_in_thread(pool: WorkerPool, args: tuple[Any, ...], label: str) -> Any:
+    """A call in thread mode: under the pool's own limiter, abandoned at the timeout."""
+    key = object()
+    pool._running[key] = (label, trio.current_time())
+    try:
+        with trio.fail_after(math.inf if pool.timeout is None else pool.timeout):
+            reply = await trio.to_thread.run_sync(
+                _call_here, pool.fn, args, limiter=pool._limiter, abandon_on_cancel=True
+            )
+    except trio.TooSlowError:
+        raise WorkerTimeoutError(
+            f"{pool.name} took longer than {pool.timeout:g} s on {label or 'a call'}; its "
+            "thread was abandoned and still holds one of the pool's tokens"
+        ) from None
+    finally:
+        del pool._running[key]
+    return _answer(pool.name, reply, label)
+
+
+def _call_here(fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # the user's code: its failure is the call's answer
+        return failure(exc)
+
+
+async def _loaded_template(pool: WorkerPool) -> Template:
+    """The template process workers are forked from, started (or started again, if it
+    died) with the function loaded; named in ``running`` while it starts."""
+    async with pool._template_lock:
+        if pool._template is not None and pool._template.alive:
+            return pool._template
+        if pool._template is not None:
+            await pool._template.aclose()
+        assert pool._nursery is not None  # workers start in the pool's nursery
+        key = object()
+        pool._running[key] = (_STARTING, trio.current_time())
+        try:
+            pool._template = await start_template(pool.name, pool.fn, pool._fn_bytes)
+        finally:
+            del pool._running[key]
+        assert pool._reports is not None
+        pool._reports.start_soon(pool._template.read_reports)
+        return pool._template
+
+
+async def _report_stuck(pool: WorkerPool) -> None:
+    """Name every call running longer than ``report_every``, every ``report_every`` s."""
+    while True:
+        await trio.sleep(pool.report_every)
+        now = trio.current_time()
+        for label, started in list(pool._running.values()):
+            if now - started >= pool.report_every:
+                logger.warning(
+                    "%s: still running on %s after %.0f s%s",
+                    pool.name,
+                    label or "a call",
+                    now - started,
+                    "" if pool.timeout is None else f" (the limit is {pool.timeout:g} s)",
+                )
+
+
+async def _close(pool: WorkerPool) -> None:
+    """End every worker process and reap it (bounded, shielded)."""
+    pool._closed = True
+    with trio.CancelScope(shield=True):
+        idle, pool._idle = pool._idle, []
+        for worker in idle:  # end of input: an idle worker exits by itself
+            with contextlib.suppress(OSError, trio.BrokenResourceError):
+                await worker.jobs.aclose()
+        with trio.move_on_after(_GRACE):
+            for worker in idle:
+                await worker.process.wait()
+        async with trio.open_nursery() as nursery:
+            for worker in list(pool._workers):
+                nursery.start_soon(pool._discard, worker)
+        if pool._template is not None:
+            await pool._template.aclose()
 
 
 def _answer(name: str, reply: tuple[Any, ...], label: str) -> Any:
@@ -472,7 +478,7 @@ async def open_worker_pool(
             try:
                 with collapse_single():
                     async with trio.open_nursery() as nursery:
-                        nursery.start_soon(pool._report_stuck)
+                        nursery.start_soon(_report_stuck, pool)
                         pool._nursery = nursery
                         if mode == "process":
                             for _ in range(min(size, FIRST_WORKERS)):
@@ -480,5 +486,5 @@ async def open_worker_pool(
                         yield pool
                         nursery.cancel_scope.cancel()
             finally:
-                await pool._close()
+                await _close(pool)
                 reports.cancel_scope.cancel()
