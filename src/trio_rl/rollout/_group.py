@@ -283,8 +283,11 @@ async def run_group(
     ``generate(sample)``, then ``sample_reward`` if the sample finished (COMPLETED or
     TRUNCATED). ``on_sample_done(sample)`` is called exactly once per started sample task, in
     its ``finally``, whatever the outcome (result, exception, cancellation); it must be
-    synchronous and must not raise. ``sample_timeout`` bounds each sample task (expiry is a
-    failure, ``trio.TooSlowError``).
+    synchronous and must not raise. If it has a ``generated(sample)`` method (the drivers'
+    `SampleReport` does), a reward that calls `reward_started` has it called then, once: the
+    sample's credit comes back while its reward still runs, and ``on_sample_done`` follows at
+    the end as always. ``sample_timeout`` bounds each sample task (expiry is a failure,
+    ``trio.TooSlowError``).
 
     After every sample finished, ``group_reward`` (if any) runs once over the whole group,
     unless a sample is ABORTED (such groups are rejected by consumers anyway).
@@ -418,8 +421,8 @@ class SampleReport:
     # Bound once per group: each finished sample then costs one call and one channel send.
     _report: Callable[[str], None] = attrs.field(init=False, repr=False)
     _group_id: str = attrs.field(init=False, repr=False)
-    #: Indices of the samples whose credit came back when their generation ended (made at
-    #: the first: a group without a reward never needs it).
+    #: Indices of the samples whose credit came back when their reward call started in a
+    #: worker (made at the first: a group without such a reward never needs it).
     _scoring: set[int] | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
