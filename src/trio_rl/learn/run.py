@@ -282,6 +282,10 @@ async def _open_run(
                 config, start.policy, engine, orch, start.limiter, served=start.trained, sinks=sinks
             ) as evals,
         ):
+            if orch.admission is not None:
+                # samples whose reward call runs slow (a hang, until its timeout) do not hold
+                # back new work: they may never arrive
+                orch.admission.uncounted = reward.slow_calls
             yield _Run(reward, engine, orch, evals, runner)
 
 

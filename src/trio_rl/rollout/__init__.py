@@ -33,6 +33,7 @@ from ._group import SampleRewardFn as SampleRewardFn
 from ._group import current_abort as current_abort
 from ._group import engine_generate as engine_generate
 from ._group import pending_samples as pending_samples
+from ._group import reward_started as reward_started
 from ._group import run_group as run_group
 from ._group import run_reporting as run_reporting
 from ._lanes import LanePolicy as LanePolicy
