@@ -12,7 +12,7 @@ Three profiles (the options each script gets are printed before it runs):
   with the asyncio reference design; encoding x 3; transport x 3; checkpoint 1k, 10k and 100k
   queued x 3 (4.3 GB per save at 100k: needs ~4.5 GB free under the temp dir); incremental
   checkpoints (base + 20 deltas + a background compaction) at 10k and 100k queued;
-  multi-turn episodes: CPU per turn at 1k and 10k episodes in flight against single-turn
+  multi-turn episodes: CPU per turn at 1k and 10k episodes in flight x 3 against single-turn
   samples of the same tokens, memory per episode at 1k, 5k and 10k.
 * ``--full`` (~30 min more): as default, plus part B at 1M in flight x 3 (every size with 2N
   finished per run), so the 1k -> 1M growth is printed from one process.
@@ -50,7 +50,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
-        "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000"],
+        "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000", "--repeat", "3"],
         "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "full": {
@@ -60,7 +60,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--repeat", "3"],
         "checkpoint": ["--sizes", "1000,10000,100000", "--repeat", "3"],
         "checkpoint_incremental": ["--sizes", "10000,100000", "--steps", "20"],
-        "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000"],
+        "episodes": ["--sizes", "1000,10000", "--memory", "1000,5000,10000", "--repeat", "3"],
         "reward_workers": ["--calls", "2000", "--repeat", "3"],
     },
     "quick": {
@@ -73,7 +73,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "transport": ["--size-mib", "4", "--messages", "4", "--repeat", "1"],
         "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
         "checkpoint_incremental": ["--sizes", "200", "--tokens", "256", "--steps", "3"],
-        "episodes": ["--sizes", "100", "--memory", "100,200", "--delay", "0.01"],
+        "episodes": ["--sizes", "100", "--memory", "100,200", "--delay", "0.01", "--repeat", "1"],
         "reward_workers": ["--calls", "64", "--callers", "4", "--repeat", "1"],
     },
 }  # fmt: skip

@@ -34,6 +34,9 @@ class Stop:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     #: Set by the first signal (the learning run watches it instead of a scope).
     event: trio.Event = attrs.field(factory=trio.Event)
+    #: Set by the job once a stop has something to checkpoint (its first step began); before,
+    #: a signal ends the start at once and the acknowledgement says so.
+    started: trio.Event = attrs.field(factory=trio.Event)
     signals: list[int] = attrs.field(factory=list)
     reported: bool = False
 
@@ -47,11 +50,20 @@ class Stop:
         self.reported = True
 
 
+def _stopping(stop: Stop) -> str:
+    """What the first signal will do, as the job stands when it arrives."""
+    name = signal.Signals(stop.signals[0]).name
+    if stop.started.is_set():
+        return f"stopping after saving a checkpoint ({name} again exits now)"
+    return "stopping now: the run is still starting, there is nothing to checkpoint yet"
+
+
 async def stop_on_signals(
     stop: Stop, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """The first SIGINT or SIGTERM cancels ``stop.scope`` (the run then checkpoints what it
-    holds); a second one exits at once, leaving the last checkpoint as it is."""
+    holds, once ``stop.started`` is set; before, the start just ends); a second one exits at
+    once, leaving the last checkpoint as it is."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         STARTUP.release()  # a signal held back during start-up arrives here now
         task_status.started()
@@ -61,11 +73,7 @@ async def stop_on_signals(
                 print(f"trio-rl: {name} again: exiting now", file=sys.stderr, flush=True)
                 os._exit(128 + signum)
             stop.signals.append(signum)
-            print(
-                f"trio-rl: {name}: stopping after saving a checkpoint ({name} again exits now)",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"trio-rl: {name}: {_stopping(stop)}", file=sys.stderr, flush=True)
             stop.scope.cancel()
             stop.event.set()
 

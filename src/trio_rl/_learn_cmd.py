@@ -310,6 +310,7 @@ async def _run_learning(config: _Run, file_config: LearnRunConfig, resume: str) 
                     config.config,
                     resume=config.resume,
                     stop=stop.event,
+                    first_step=stop.started,
                     display=_open_display(
                         file_config.metrics.display,
                         total=_steps_to_ship(config),

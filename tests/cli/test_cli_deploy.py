@@ -146,6 +146,7 @@ def test_a_model_directory_a_jsonl_file_and_a_reward_module_make_a_run(tmp_path:
     assert not _left_behind(str(tmp_path))
 
 
+@pytest.mark.heavy
 def test_an_async_reward_is_awaited(tmp_path: Path) -> None:
     config = _write_run(tmp_path, data=json.dumps({"prompt": "a2=", "answer": "aa"}))
     done = _trio_rl(tmp_path, "run", str(config), "--set", "reward.function=myreward:ascore")
@@ -197,6 +198,7 @@ def test_a_jsonl_line_that_does_not_parse_is_named_exit_2(tmp_path: Path) -> Non
     assert f"data.prompts: {tmp_path / 'data.jsonl'}:2: not valid JSON" in line, line
 
 
+@pytest.mark.heavy
 def test_a_trainer_job_that_never_connects_fails_the_run_at_its_deadline(tmp_path: Path) -> None:
     extra = '\n[trainer]\nmode = "external"\nconnect_timeout = 3.0\n'
     config = _write_run(tmp_path, extra=extra)
@@ -228,7 +230,9 @@ def _rank_pids(parent: int) -> list[int]:
     return [int(c) for c in children]
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["alone", "torchrun-2-ranks"])
+@pytest.mark.parametrize(
+    "ranks", [1, pytest.param(2, marks=pytest.mark.heavy)], ids=["alone", "torchrun-2-ranks"]
+)
 def test_a_trainer_job_killed_and_started_again_trains_every_step_once(
     tmp_path: Path, ranks: int
 ) -> None:
@@ -379,6 +383,7 @@ def test_an_orchestrator_killed_and_resumed_beside_a_running_trainer_job(tmp_pat
     assert not _left_behind(str(tmp_path))
 
 
+@pytest.mark.heavy
 def test_a_trainer_job_without_an_orchestrator_fails_at_its_deadline(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text(

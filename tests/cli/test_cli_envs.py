@@ -233,6 +233,7 @@ def _trained(out: Path) -> list[dict[str, Any]]:
     return _lines(path) if path.exists() else []
 
 
+@pytest.mark.heavy
 def test_kill_9_and_resume_keep_exactly_once_at_the_trainer(tmp_path: Path) -> None:
     out = tmp_path / "run"
     config = _config(

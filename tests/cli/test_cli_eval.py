@@ -86,6 +86,7 @@ def _kill_mid_eval(out: Path, cmd: list[str]) -> bool:
     return proc.returncode == -signal.SIGKILL and pending.exists()
 
 
+@pytest.mark.heavy
 def test_a_sigkill_mid_eval_then_resume_records_every_eval_once(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = _run(out, "--steps", "6", "--max-steps", "6", "--set", "eval.k=32")

@@ -56,7 +56,9 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.heavy)]
+)
 def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, signum: int) -> None:
     out = tmp_path / "run"
     proc = _start(out, 10_000)
@@ -112,6 +114,7 @@ def test_a_second_signal_exits_the_learning_run_at_once(tmp_path: Path) -> None:
     ), stderr
 
 
+@pytest.mark.heavy
 def test_a_damaged_trainer_state_is_one_line_and_nothing_is_lost(tmp_path: Path) -> None:
     out = tmp_path / "run"
     first = subprocess.run(_cmd(out, "--steps", "3"), capture_output=True, text=True, timeout=120)
@@ -216,6 +219,7 @@ def test_a_stamped_temperature_other_than_the_sampling_one_is_one_line_exit_2(
         assert shown.returncode == 0, shown.stderr
 
 
+@pytest.mark.heavy
 def test_a_run_stored_with_the_stamped_temperature_set_resumes(tmp_path: Path) -> None:
     # a run stored before the key was unset by default has `scoring_temperature = 1.0` in its
     # config.toml: the same stamp as unset (rollout.temperature = 1.0), no change to refuse

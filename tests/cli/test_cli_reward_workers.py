@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from operations_waits import documented
+
 pytest.importorskip("torch")
 
 REWARDS = """
@@ -254,5 +256,6 @@ def test_a_reward_raising_on_every_record_ends_the_run_with_one_line(tmp_path: P
         r"misspelled\) on record id 'r\d+'; nothing can train: fix the reward",
         errors[0],
     ), errors[0]
+    documented("rewards that keep failing", errors[0])
     assert "Traceback" not in rest
     _no_worker_left(proc.pid)

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
 
 
@@ -23,6 +25,7 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.heavy
 def test_a_run_without_out_lands_in_runs_and_says_where(tmp_path: Path) -> None:
     done = _run(tmp_path, "--steps", "2", "--set", "metrics.plot=true", "--plain")
     assert done.returncode == 0, done.stderr
@@ -80,6 +83,7 @@ def test_a_kept_simulate_run_has_its_log_too(tmp_path: Path) -> None:
     assert "INFO trio_rl.console: accounting: dispatched" in log
 
 
+@pytest.mark.heavy
 def test_a_torchrun_run_prints_the_command_that_continues_it_and_that_command_does(
     tmp_path: Path,
 ) -> None:
@@ -138,6 +142,7 @@ def _external_run(cwd: Path, orchestrator: list[str], out: Path) -> tuple[str, s
     return stdout, trainer.stdout + trainer.stderr
 
 
+@pytest.mark.heavy
 def test_an_external_run_prints_both_commands_that_continue_it_and_they_do(
     tmp_path: Path,
 ) -> None:

@@ -143,6 +143,7 @@ def test_a_planted_key_reaches_every_call_and_nothing_the_run_writes_or_prints(
     assert _printed(shown, SECRETS) == []
 
 
+@pytest.mark.heavy
 def test_a_wrong_or_missing_key_is_one_line_exit_1_naming_the_variable(
     tmp_path: Path, guarded_server: str
 ) -> None:
@@ -167,6 +168,7 @@ def test_a_wrong_or_missing_key_is_one_line_exit_1_naming_the_variable(
     assert f"{KEY_ENV} (api_key_env) is not set" in _one_line(missing)
 
 
+@pytest.mark.heavy
 def test_launched_servers_get_the_key_from_the_environment_and_no_file_holds_it(
     tmp_path: Path,
 ) -> None:

@@ -145,3 +145,10 @@ def test_a_signal_while_starting_is_one_line(tmp_path: Path, signum: int, delay:
         assert stderr.count("\n") == 1, stderr
     elif last.endswith("nothing to save"):  # after the signal's own acknowledgement
         assert stderr.count("\n") == 2, stderr
+        # which says what happens: no checkpoint is promised when there is none to save
+        assert stderr.splitlines()[0] == (
+            f"trio-rl: {name}: stopping now: the run is still starting, there is nothing to "
+            "checkpoint yet"
+        ), stderr
+    else:
+        assert f"trio-rl: {name}: stopping after saving a checkpoint" in stderr, stderr

@@ -3,6 +3,7 @@ balancing, taking a server out and back in, weight loads, deadlines and cancella
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections import Counter
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 import trio
 from vllm_stand_in import StandIn, serve
 
+from operations_waits import documented
 from trio_rl.engines import (
     AbortSignal,
     EngineConfigError,
@@ -160,7 +162,10 @@ async def test_a_hanging_server_is_taken_out_by_the_probes_and_its_requests_move
     assert "health probes in a row failed" in fleet.events()[0].detail
 
 
-async def test_a_server_comes_back_only_after_loading_the_current_weights() -> None:
+async def test_a_server_comes_back_only_after_loading_the_current_weights(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.engines")
     with servers(2) as ss:
         (a, a_url), (_, b_url) = ss
         async with open_engine_fleet([a_url, b_url], **FAST) as fleet:
@@ -181,6 +186,14 @@ async def test_a_server_comes_back_only_after_loading_the_current_weights() -> N
     assert after[:2] == [reload, ("/reset_prefix_cache", None)]
     assert events.index((a_url, "loaded", 2)) < events.index((a_url, "in", 2))
     assert fleet.version.value == 2
+    # the probes' take-out and take-in, each said once, as docs/operations.md quotes them
+    lines = [r.getMessage() for r in caplog.records if a_url in r.getMessage()]
+    assert lines == [
+        f"inference server {a_url} taken out: 2 health probes in a row failed",
+        f"inference server {a_url} taken back in (weights of version 2)",
+    ]
+    documented("the fleet's probes", lines[0])
+    documented("the fleet's probes", lines[1], 2)
 
 
 async def test_a_new_version_counts_once_every_live_server_loaded_it() -> None:

@@ -6,7 +6,9 @@ has loaded the current weights. Also: launched servers are process groups the ru
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import sys
 from functools import partial
@@ -18,6 +20,7 @@ import httpx
 import pytest
 import trio
 
+from operations_waits import documented
 from trio_rl.config import LearnRunConfig, load
 from trio_rl.engines import (
     EngineConfigError,
@@ -238,16 +241,15 @@ async def test_launched_servers_are_stopped_with_their_children(tmp_path: Path) 
 
 
 async def test_a_launched_server_that_dies_is_restarted_and_taken_back_in(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.engines")
     with trio.fail_after(60):
         async with (
             launch_vllm_servers(
                 2, "/models/tiny", executable=STAND_IN_VLLM, args=["--child"], log_dir=tmp_path
             ) as launched,
-            open_engine_fleet(
-                launched.urls, probe_interval=0.1, headers=launched.headers
-            ) as fleet,
+            open_engine_fleet(launched.urls, probe_interval=0.1, headers=launched.headers) as fleet,
         ):
             launched.on_exit = fleet.take_out
             urls = launched.urls
@@ -267,14 +269,51 @@ async def test_a_launched_server_that_dies_is_restarted_and_taken_back_in(
                 (urls[0], "in", 1),
             ]
             assert launched.restarts == {urls[0]: 1}
+            (restart,) = [r.getMessage() for r in caplog.records if "restarting" in r.getMessage()]
+            assert restart.startswith(f"vllm server {urls[0]} (")
+            assert restart.endswith(f", log {log} exited with code -9; restarting it (1 of 3)"), (
+                restart
+            )
+            documented("a launched server that exits", restart)
             assert fleet.servers()[0].loaded_version == 1
             await _until_gone(first_child)  # the dead server's process group went with it
 
 
-async def test_a_server_that_never_answers_fails_the_launch_and_is_stopped(
-    tmp_path: Path,
+async def _kill_and_wait(log: Path) -> None:
+    """Kill the server whose log is ``log`` with SIGKILL, then wait for what that ends."""
+    os.kill(_parent(_child_pid(log)), signal.SIGKILL)
+    await trio.sleep_forever()
+
+
+async def test_a_server_that_exits_once_its_restarts_are_spent_ends_the_launch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.engines")
+    with (
+        trio.fail_after(30),
+        pytest.raises(EngineTransportError, match="exited with code -9") as info,
+        collapse_single(),
+    ):
+        async with launch_vllm_servers(
+            1,
+            "/models/tiny",
+            executable=STAND_IN_VLLM,
+            args=["--child"],
+            log_dir=tmp_path,
+            restarts=0,
+        ) as launched:
+            await _kill_and_wait(tmp_path / "vllm-0.log")
+    assert launched.urls[0] in str(info.value)
+    assert launched.restarts == {}
+    assert not [r for r in caplog.records if "restarting" in r.getMessage()]
+
+
+async def test_a_server_that_never_answers_fails_the_launch_and_is_stopped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.engines")
     log = tmp_path / "slow.log"
+    port = free_port()
     with (
         trio.fail_after(30),
         pytest.raises(EngineTimeoutError, match="did not answer /health"),
@@ -285,7 +324,7 @@ async def test_a_server_that_never_answers_fails_the_launch_and_is_stopped(
                 partial(
                     run_vllm_server,
                     "/models/tiny",
-                    free_port(),
+                    port,
                     api_key="k",
                     executable=STAND_IN_VLLM,
                     args=["--child", "--start-delay", "30"],
@@ -295,6 +334,12 @@ async def test_a_server_that_never_answers_fails_the_launch_and_is_stopped(
                 )
             )
     await _until_gone(_child_pid(log))
+    # said at once, naming the command and its log, with the time left
+    first = next(r.getMessage() for r in caplog.records if "waiting for" in r.getMessage())
+    assert first.startswith(f"waiting for vllm server http://127.0.0.1:{port} ({sys.executable} ")
+    assert f"), log {log} (" in first
+    assert re.search(r"1 attempt\), giving up in [01] s$", first), first
+    documented("launched vLLM servers", first)
 
 
 async def test_a_server_that_exits_at_start_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from operations_waits import documented
 from trio_rl.engines import (
     AbortSignal,
     Completion,
@@ -386,9 +387,13 @@ async def test_a_request_unanswered_on_a_closed_connection_is_sent_once_more_in_
 async def test_gives_up_after_max_attempts(make_server: Callable[..., FakeVLLM]) -> None:
     server = make_server(fail_next=10)
     async with engine(server.url, max_attempts=3) as e:
-        with pytest.raises(EngineTransportError, match=r"'req-0' failed after 3 attempts.*503"):
+        with pytest.raises(
+            EngineTransportError, match=r"'req-0' failed after 3 attempts.*503"
+        ) as info:
             await e.generate(req())
     assert len(server.requests) == 3
+    assert str(info.value).count("503") == 3  # every attempt named
+    documented("`OpenAICompatibleEngine` / `VLLMEngine` requests", str(info.value))
 
 
 async def test_clients_that_failed_together_retry_at_spread_out_instants(

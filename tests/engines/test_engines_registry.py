@@ -52,6 +52,7 @@ def test_a_fifth_engine_runs_trio_rl_simulate(tmp_path: Path) -> None:
     assert log.read_text().splitlines() == ["opened simulated seed 3", "closed"]
 
 
+@pytest.mark.heavy
 def test_a_fifth_engine_runs_trio_rl_run_and_loads_every_published_version(
     tmp_path: Path,
 ) -> None:

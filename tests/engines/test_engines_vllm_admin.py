@@ -12,6 +12,7 @@ import pytest
 import trio
 from vllm_stand_in import EOS, StandIn, serve
 
+from operations_waits import documented
 from trio_rl.engines import (
     AbortSignal,
     EngineRequestError,
@@ -91,8 +92,10 @@ async def test_a_dropped_connection_is_retried_once(stand_in: tuple[StandIn, str
             await admin.reload_weights("/w/step_1")
             assert [p for _, p, _ in state.requests] == ["/collective_rpc"] * 2
             state.drop_next = 2
-            with pytest.raises(EngineTransportError, match="RemoteProtocolError"):
+            with pytest.raises(EngineTransportError, match="RemoteProtocolError") as info:
                 await admin.reset_prefix_cache()
+    assert [p for _, p, _ in state.requests][2:] == ["/reset_prefix_cache"] * 2
+    documented("vLLM admin calls", str(info.value))
 
 
 async def test_admin_call_times_out_at_its_deadline(stand_in: tuple[StandIn, str]) -> None:

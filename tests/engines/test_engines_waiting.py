@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from operations_waits import documented
 from trio_rl.engines import EngineTimeoutError, VLLMAdmin
 from trio_rl.engines._waiting import LogThrottle, wait_logged, wait_until_up
 
@@ -66,6 +67,7 @@ async def test_a_server_that_comes_up_ends_the_wait_and_says_so(
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("waiting for a server (HTTP 503, 1 attempt)")
     assert messages[-1].startswith("a server is up after")
+    documented("opening a fleet", messages[-1], 1)
 
 
 async def test_a_process_that_exits_ends_the_wait_at_once(
@@ -82,9 +84,7 @@ async def test_a_process_that_exits_ends_the_wait_at_once(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(exit_at_3_s)
-        await wait_until_up(
-            refused, "a server", 600.0, gone=lambda: exited[0] if exited else None
-        )
+        await wait_until_up(refused, "a server", 600.0, gone=lambda: exited[0] if exited else None)
     assert trio.current_time() < 10
 
 
@@ -101,6 +101,7 @@ async def test_a_refused_port_is_named_connection_refused(
             await admin.wait_healthy(0.6, poll_interval=0.05)
     first = _waiting_lines(caplog)[0].getMessage()
     assert first.startswith(f"waiting for {url}/health (connection refused, 1 attempt)")
+    documented("opening a fleet", first)
 
 
 async def test_many_waits_sharing_a_throttle_log_once_per_10_s(

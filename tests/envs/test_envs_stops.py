@@ -228,15 +228,17 @@ async def test_a_malformed_call_is_shown_to_the_policy_and_costs_a_turn() -> Non
 
 @attrs.define(eq=False)
 class DiesOnce:
-    """A server that drops the connection of its ``dies_at``-th request."""
+    """A server that drops the connection of its ``dies_at``-th request (and of the ``times - 1``
+    requests after it)."""
 
     inner: ScriptedPolicy
     dies_at: int
+    times: int = 1
     seen: int = 0
 
     async def generate(self, request: GenerateRequest) -> Completion:
         self.seen += 1
-        if self.seen == self.dies_at:
+        if self.dies_at <= self.seen < self.dies_at + self.times:
             raise EngineTransportError("connection reset")
         return await self.inner.generate(request)
 
@@ -252,6 +254,28 @@ async def test_a_turn_whose_server_died_is_sent_again_with_the_whole_prefix_coun
     assert engine.requests[1].prompt_tokens == engine.requests[2].prompt_tokens
     assert engine.requests[1].routing_key == engine.requests[2].routing_key
     assert sample.completion_tokens[-2:] == [CODEC.encode("a")[0], EOS]
+
+
+@pytest.mark.parametrize("deaths", [2, 3])
+async def test_a_turn_is_sent_again_up_to_its_retries_each_counted(deaths: int) -> None:
+    engine = RecordingEngine(
+        DiesOnce(ScriptedPolicy(lambda p: "?1" if p == "1=" else "a"), 2, times=deaths)
+    )
+    env = ToolEnv([lambda key: "b"], lambda r, a, c: 1.0, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        engine, env, CODEC, SamplingParams(max_tokens=3), EnvConfig(turn_retries=2)
+    )
+    if deaths > 2:
+        with pytest.raises(EngineTransportError):
+            await play(runner)
+    else:
+        assert stop_of(await play(runner)) == "done"
+    assert runner.stats.turn_retries == 2
+    tries = engine.requests[1:4]
+    # each try of the second turn: its whole prefix again, numbered by the try
+    assert [r.request_id.rsplit("-", 2)[1:] for r in tries] == [["1", "0"], ["1", "1"], ["1", "2"]]
+    assert len({r.prompt_tokens for r in tries}) == 1
+    assert len(engine.requests) == 4  # no try past the retries
 
 
 async def test_a_server_that_stays_dead_fails_the_turn_past_its_retries() -> None:

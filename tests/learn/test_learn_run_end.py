@@ -31,7 +31,9 @@ def _trainer_log(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "trainer" / "stats.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+@pytest.mark.parametrize(
+    "steps", [1, *(pytest.param(n, marks=pytest.mark.heavy) for n in (2, 3)), 5]
+)
 async def test_every_shipped_step_is_trained_before_the_run_reports_done(
     tmp_path: Path, steps: int
 ) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from builders import WatchedCell, scripted_engine
+from operations_waits import documented
 from trio_rl import cli
 from trio_rl.engines import Completion, GenerateRequest, SamplingParams, SimulatedEngine
 from trio_rl.orchestrator import Orchestrator, OrchestratorConfig, open_orchestrator
@@ -438,3 +441,41 @@ async def test_progress_totals_are_checkpointed_and_restored_on_resume(tmp_path:
             assert attrs.astuple(orch.progress) == first  # restored, not zero
             await orch.run(1)
             assert attrs.astuple(orch.progress) == totals(rec.shipments)
+
+
+async def test_the_ship_gate_says_what_it_waits_for_every_5_s_and_a_cancel_ends_the_hold(
+    mock_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gate has no budget of its own (the trainer's waits bound a trainer that stopped),
+    but it is never silent: a line every 5 s naming the step, the version it needs and the
+    current one, as docs/operations.md quotes it."""
+    caplog.set_level(logging.WARNING, logger="trio_rl.orchestrator")
+    rec = _Recorder()
+    cell = WatchedCell()
+    async with (
+        MemorySender(1) as sender,
+        open_orchestrator(
+            scripted_engine(delay=0.0, version=0),
+            InMemorySource(_prompts(100)),
+            sender,
+            config=_config(max_async_level=0),
+            group_reward=rec.group_reward,
+            monitor=rec.shipments.append,
+            version=cell,
+        ) as orch,
+    ):
+        await orch.run(1)
+        async with trio.open_nursery() as nursery:
+            await cell.start_held(nursery, functools.partial(orch.run, 1))
+            for _ in range(2):  # 5 s, then 10 s held
+                mock_clock.jump(5.0)
+                await trio.testing.wait_all_tasks_blocked()
+            lines = [r.getMessage() for r in caplog.records if "ship gate" in r.getMessage()]
+            assert lines == [
+                f"ship gate: step 2 waits for policy version >= 1 (current 0) for {held} s; "
+                "only the trainer advances the version (set_policy_version)"
+                for held in (5, 10)
+            ]
+            documented("the ship gate", lines[0])
+            nursery.cancel_scope.cancel()  # the run stops while the gate holds
+        assert [s.record.step for s in rec.shipments] == [1]

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from builders import Releases, make_sink, one_per_sample_packer
+from operations_waits import documented
 from trio_rl.publish import (
     DeferredRelease,
     ReleaseTimeoutError,
@@ -138,8 +139,9 @@ async def test_a_release_past_its_deadline_fails_the_next_ship(tmp_path: Path) -
         ) as pub,
     ):
         await pub.publish()
-        with pytest.raises(ReleaseTimeoutError, match=r"still running after 0\.05 s"):
+        with pytest.raises(ReleaseTimeoutError, match=r"still running after 0\.05 s") as info:
             await pub.publish()
+        documented("a step's deferred release", str(info.value))
         # the second batch was shipped and booked before the wait; only its release is lost
         assert pub.step == 3
         assert pub.release.scheduled == 1

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import trio
 import trio.testing
 from rollout_helpers import Puppet, prompts, source
 
+from operations_waits import documented
 from trio_rl.rollout import (
     CreditScheduler,
     DriverFailedError,
@@ -311,7 +314,10 @@ async def test_failed_groups_are_skipped_and_counted(
         assert driver.statistics().failed == 1
 
 
-async def test_failed_groups_are_retried_up_to_n(autojump_clock: trio.testing.MockClock) -> None:
+async def test_failed_groups_are_retried_up_to_n(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.rollout")
     attempts = 0
 
     async def flaky(sample: Sample) -> None:
@@ -336,13 +342,21 @@ async def test_failed_groups_are_retried_up_to_n(autojump_clock: trio.testing.Mo
         stats = driver.statistics()
     assert [g.group_index for g in batch] == [0, 1, 2]  # group 0 succeeded on its 3rd try
     assert stats.retried == 2
+    # one line per retry, naming the group
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"rollout group {batch[0].group_id} failed; retry {n}" for n in (1, 2)]
+    documented("a failed rollout group", lines[0])
     assert stats.failed == 0
     # the retried group kept its identity (indices, routing keys)
     assert [s.index for s in batch[0].samples] == [0, 1]
     assert all(s.routing_key for s in batch[0].samples)
 
 
-async def test_retries_give_up_after_max(autojump_clock: trio.testing.MockClock) -> None:
+async def test_retries_give_up_after_max(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.rollout")
+
     async def broken(sample: Sample) -> None:
         await trio.sleep(1)
         if sample.group_index == 0:
@@ -363,6 +377,12 @@ async def test_retries_give_up_after_max(autojump_clock: trio.testing.MockClock)
     assert batch[0].group_index != 0
     assert stats.retried == 1
     assert stats.failed == 1
+    (retry, given_up) = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert retry[0] == logging.WARNING
+    assert retry[1].endswith(" failed; retry 1")
+    assert given_up[0] == logging.ERROR
+    assert given_up[1] == retry[1].replace("retry 1", "skipping it")
+    documented("a failed rollout group", given_up[1], 1)
 
 
 async def test_exhaustion_raises_or_returns_partial(autojump_clock: trio.testing.MockClock) -> None:

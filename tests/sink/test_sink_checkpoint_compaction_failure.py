@@ -7,6 +7,7 @@ path is a directory (the tests run as root, where a permission bit stops no writ
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from test_sink_checkpoint import state_dicts
 
 from builders import make_group
+from operations_waits import documented
 from trio_rl.errors import CheckpointCompactionError, CheckpointError
 from trio_rl.sink import CheckpointManager, SinkConfig, SinkState, TrainSink, read_checkpoint
 from trio_rl.sink._checkpoint_compaction import COMPACTION_ATTEMPTS
@@ -33,8 +35,9 @@ def _sink() -> TrainSink:
 
 
 async def test_a_compaction_that_keeps_failing_is_raised_by_the_write_naming_the_file(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="trio_rl.sink")
     sink = _sink()
     # every delta is compacted at once (max_chain=1), in the writing thread
     mgr = CheckpointManager(
@@ -60,6 +63,13 @@ async def test_a_compaction_that_keeps_failing_is_raised_by_the_write_naming_the
     assert isinstance(raised.__cause__, IsADirectoryError)
     assert f"{COMPACTION_ATTEMPTS} times" in str(raised)
     assert mgr.compactions == 0
+    # one WARNING per failure, counting them, before the error
+    lines = [r.getMessage() for r in caplog.records if "compaction" in r.getMessage()]
+    assert [line.split(" failed (")[1].split(" in a row")[0] for line in lines] == [
+        str(n) for n in range(1, COMPACTION_ATTEMPTS + 1)
+    ]
+    assert lines[0].startswith(f"checkpoint compaction of {mgr.path_for(2)} failed (1 in a row")
+    documented("checkpoint compaction", lines[0])
     # nothing accepted is lost: the step whose write raised is on disk, as is every one kept
     latest = mgr.read_latest()
     assert latest is not None

@@ -12,6 +12,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from operations_waits import documented
 from trio_rl.payloads import PayloadStore, clip_segments, segment_files, shift_segments
 from trio_rl.sink import PayloadError, PayloadFileMissingError
 from trio_rl.wire import PayloadSegment
@@ -118,8 +119,9 @@ def test_short_reads_are_retried_then_reported(
     # a file that really is too short keeps failing and is reported with sizes
     bad = [PayloadSegment("routed_experts", segs[0].file, 0, 0, 40, "<i4", [])]
     monkeypatch.setattr(os, "pread", real)
-    with pytest.raises(PayloadError, match="returned 16 of 160 bytes"):
+    with pytest.raises(PayloadError, match="returned 16 of 160 bytes") as info:
         store.read_field(bad, "routed_experts", 0, 40)
+    documented("a payload file read short", str(info.value))
 
 
 def test_delete_after_read_tolerates_already_gone(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ def test_a_resumed_sink_continues_the_run_whose_id_it_kept(tmp_path: Path) -> No
     assert sorted(steps) == [[1], [2]]
 
 
+@pytest.mark.heavy
 def test_trio_rl_run_names_tags_configures_and_resumes_its_wandb_run(tmp_path: Path) -> None:
     """Two invocations of `trio-rl run` on one run directory: one W&B run id, the second
     marked as resumed, each with the name, entity, tags and effective configuration."""

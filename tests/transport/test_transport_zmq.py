@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from contextlib import AsyncExitStack
 
@@ -9,12 +10,14 @@ import pytest
 import trio
 import zmq
 
+from operations_waits import documented
 from trio_rl.transport import (
     TransportError,
     TransportTimeoutError,
     ZmqReceiver,
     ZmqSender,
     ZmqSocket,
+    _wait,
     free_port_pair,
     rank_topic,
 )
@@ -113,7 +116,11 @@ async def test_receivers_that_start_before_the_sender_connect_when_it_binds() ->
         assert [(g.step, bytes(g.data)) for g in got] == [(5, b"five")]
 
 
-async def test_barrier_timeout_names_the_missing_ranks_and_ignores_junk() -> None:
+async def test_barrier_timeout_names_the_missing_ranks_and_ignores_junk(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_wait, "WAIT_LOG_INTERVAL", 0.2)  # 10 s in a run
+    caplog.set_level(logging.WARNING, logger="trio_rl.transport")
     port = free_port_pair()
     async with ZmqSender(3, port=port, ready_timeout=0.5) as sender:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -130,6 +137,14 @@ async def test_barrier_timeout_names_the_missing_ranks_and_ignores_junk() -> Non
     assert "ranks [0, 2] of 3" in str(info.value)
     assert "2 malformed READY messages ignored" in str(info.value)
     assert sender.ready_ranks == {1}
+    # never a silent wait: the ranks still missing, with the time left (a line every 0.2 s)
+    lines = [r.getMessage() for r in caplog.records if "READY barrier" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, lines
+    assert lines[0].startswith(
+        f"READY barrier on tcp://127.0.0.1:{port + 1}: still waiting for ranks [0, 2] of 3 "
+        "after 0 s, giving up in 0 s"
+    ), lines[0]
+    documented("the ZeroMQ sender's READY barrier", lines[0])
 
 
 async def test_a_dead_receiver_never_blocks_the_sender() -> None:

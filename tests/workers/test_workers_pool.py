@@ -19,6 +19,7 @@ from types import ModuleType
 import pytest
 import trio
 
+from operations_waits import documented
 from trio_rl.workers import (
     WorkerCallError,
     WorkerDiedError,
@@ -97,6 +98,7 @@ async def test_a_hung_call_is_killed_at_its_timeout_and_the_pool_goes_on(
             assert str(caught.value) == (
                 "reward r took longer than 0.5 s on record id 'r3'; its worker process was killed"
             )
+            documented("a reward call", str(caught.value), 1)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(hang)
@@ -233,6 +235,7 @@ async def test_a_stuck_call_is_named_in_the_log_while_it_runs(
     first = named()[0]
     assert first.startswith("reward s: still running on record id 'r11' after ")
     assert first.endswith(" s (the limit is 600 s)")
+    documented("a reward call", first)
 
 
 async def test_the_thread_mode_abandons_a_hung_call_and_keeps_its_own_limiter() -> None:

@@ -115,6 +115,7 @@ async def run_learning(
     *,
     resume: bool = True,
     stop: trio.Event | None = None,
+    first_step: trio.Event | None = None,
     display: Display | None = None,
     sinks: Display | None = None,
     trainer_timeout: float = 120.0,
@@ -125,10 +126,13 @@ async def run_learning(
     ``resume``: continue the run in ``run.out`` when it has checkpoints (else its checkpoints
     are set aside and a previous run's ``weights/`` and ``batches/`` removed). ``stop``: once
     set, the step in progress is cancelled and the run ends as after its last step
-    (``stopped == "signal"``). ``display`` (with ``metrics.console``) shows each step's record
-    instead of the plain line, and is closed at the end; ``sinks`` gets every record, in a
-    worker thread. ``trainer_timeout``: seconds a normal end waits for the trainer to report
-    the last shipped step. ``stale_admission``: see :attr:`OrchestratorConfig.stale_admission`.
+    (``stopped == "signal"``); set before the first step begins, the start just ends
+    (``started == False``, nothing saved). ``first_step``: set when the first step begins (from
+    then on a ``stop`` has a step to end and a checkpoint to save). ``display`` (with
+    ``metrics.console``) shows each step's record instead of the plain line, and is closed at
+    the end; ``sinks`` gets every record, in a worker thread. ``trainer_timeout``: seconds a
+    normal end waits for the trainer to report the last shipped step. ``stale_admission``: see
+    :attr:`OrchestratorConfig.stale_admission`.
     Writes ``run.json``, ``metrics.jsonl``, ``weights/step_<S>/`` and ``plot.png`` into
     ``run.out``. Cancellation closes the engine, the orchestrator, the trainer and the watcher.
     """
@@ -157,6 +161,8 @@ async def run_learning(
                 nursery.start_soon(start.watch_weights, run.engine, records.set_version, run.evals)
                 trainer.start(nursery, run.orch, None if run.evals is None else run.evals.pin)
                 started.cancel()  # from now on a stop ends the step in progress
+                if first_step is not None:
+                    first_step.set()
                 ending = await _ship_steps(config, run.orch, stop, begun, start.samples)
                 counters = await _end_run(config, run, trainer, start, ending)
                 shipments_send.close()

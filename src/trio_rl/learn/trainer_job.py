@@ -72,13 +72,29 @@ __all__ = ["HEARTBEAT_FILE", "TRAINED_LOG", "load_run_config", "main", "run_job"
 logger = logging.getLogger("trio_rl.learn")
 
 
-def load_run_config(out: Path, timeout: float = 60.0) -> LearnRunConfig:
-    """The configuration the orchestrator wrote to ``out/run.json`` (waits for it)."""
+def load_run_config(out: Path, timeout: float = 60.0, log_every: float = 10.0) -> LearnRunConfig:
+    """The configuration the orchestrator wrote to ``out/run.json``: waited for up to
+    ``timeout`` seconds (`TransportTimeoutError`), logging at WARNING every ``log_every``
+    seconds what it waits for."""
     path = RunDirectory(out).run_file
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    next_log = start + log_every
     while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise TransportTimeoutError(
+                f"trainer job: {path} did not appear within {timeout:g} s: no orchestrator "
+                "started a run in that directory"
+            )
+        if now >= next_log:
+            logger.warning(
+                "trainer job: waiting for %s (the orchestrator writes it as it starts) for "
+                "%.0f s; failing in %.0f s",
+                path,
+                now - start,
+                timeout - (now - start),
+            )
+            next_log = now + log_every
         time.sleep(0.05)
     return from_run_json(json.loads(path.read_text()), str(path))
 

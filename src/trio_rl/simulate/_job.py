@@ -237,6 +237,7 @@ class _Job:
         summary: RunSummary | None = None
         with trio.CancelScope() as work:
             self.stop.scope = work  # from now on a signal stops the run, then checkpoints
+            self.stop.started.set()
             if self.stop.signals:
                 work.cancel()
             self.trained.start(orch, starts)

@@ -42,6 +42,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import InvalidArgumentError
+from . import _wait
 from ._base import Payload, ReceivedPayload, Sender, SteppedReceiver
 from ._errors import EndOfStreamError, TransportError, TransportTimeoutError
 from ._wait import Wait, timeout_seconds
@@ -192,14 +193,41 @@ class ZmqSender(Sender):
         """Wait until every rank ``0..world_size-1`` has sent READY (done once, for good).
 
         Messages that are not a rank in range are ignored (and counted in the timeout error);
-        duplicates count once. Raises `TransportTimeoutError` naming the missing ranks after
+        duplicates count once. Logs at WARNING every 10 s the ranks it still waits for, with
+        the time left; raises `TransportTimeoutError` naming the missing ranks after
         ``ready_timeout`` seconds.
 
         Cancellation: safe; the ranks heard so far are kept for the next call.
         """
         _, ready = self._sockets()
-        with trio.move_on_after(self._ready_timeout) as scope:
-            while not self.is_ready:
+        start = trio.current_time()
+        deadline = start + self._ready_timeout
+        next_log = start + _wait.WAIT_LOG_INTERVAL
+        while not self.is_ready:
+            now = trio.current_time()
+            if now >= deadline:
+                raise TransportTimeoutError(
+                    f"READY barrier on {self.ready_endpoint}: ranks {self._missing()} of "
+                    f"{self._world_size} did not report within {self._ready_timeout:g} s"
+                    + (
+                        f" ({self._ignored_ready} malformed READY messages ignored)"
+                        if self._ignored_ready
+                        else ""
+                    )
+                )
+            if now >= next_log:
+                logger.warning(
+                    "READY barrier on %s: still waiting for ranks %s of %d after %.0f s, "
+                    "giving up in %.0f s",
+                    self.ready_endpoint,
+                    self._missing(),
+                    self._world_size,
+                    now - start,
+                    deadline - now,
+                )
+                next_log = now + _wait.WAIT_LOG_INTERVAL
+            # a cancelled receive takes nothing off the socket: waking up to log is free
+            with trio.move_on_at(min(deadline, next_log)):
                 [msg, *_] = await ready.recv_multipart()
                 try:
                     rank = int(msg.decode("ascii"))
@@ -209,17 +237,9 @@ class ZmqSender(Sender):
                     self._ready_ranks.add(rank)
                 else:
                     self._ignored_ready += 1
-        if scope.cancelled_caught:
-            missing = sorted(set(range(self._world_size)) - self._ready_ranks)
-            raise TransportTimeoutError(
-                f"READY barrier on {self.ready_endpoint}: ranks {missing} of {self._world_size} "
-                f"did not report within {self._ready_timeout:g} s"
-                + (
-                    f" ({self._ignored_ready} malformed READY messages ignored)"
-                    if self._ignored_ready
-                    else ""
-                )
-            )
+
+    def _missing(self) -> list[int]:
+        return sorted(set(range(self._world_size)) - self._ready_ranks)
 
     async def send(self, step: int, payloads: Sequence[Payload]) -> None:
         """Publish ``payloads[r]`` to rank ``r``; the first call waits for the READY barrier.
