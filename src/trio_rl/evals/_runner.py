@@ -83,8 +83,10 @@ class EvalRunner:
 
     Work is admitted through ``lane``: a :class:`~trio_rl.rollout.PriorityLane` attached to the
     training driver's scheduler shares its budget and goes first; without one, the runner
-    keeps at most ``max_samples_in_flight`` samples in flight on its own. ``seed`` gives
-    sample ``i`` of every prompt seed ``seed + i``, as the training groups get theirs.
+    keeps at most ``max_samples_in_flight`` samples in flight on its own. ``seed`` seeds
+    the samples as the training groups are seeded
+    (:meth:`~trio_rl.rollout.GroupFactory.sample_seed`): each sample of an eval its own, the
+    same at every eval.
     ``temperature`` is only recorded.
     """
 

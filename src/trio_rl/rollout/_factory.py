@@ -51,8 +51,13 @@ class GroupFactory:
 
     Sample indices are consecutive and unique across the run; every group gets the next group
     index and a fresh id (a random prefix per factory, then the group index). With ``seed``
-    set, sample ``i`` of a group gets seed ``seed + i`` (the same seed set for every group and
-    every retry, for reproducibility). ``routing_keys`` (see :data:`RoutingKeys`) gives every
+    set, sample ``i`` of group ``g`` gets the sampling seed ``seed + g * group_size + i``
+    (:meth:`sample_seed`): its slot in the run, which is its index in a run that resumed no
+    group. Every sample of a run draws its own stream (the same prompt in another step is
+    another group, so it draws afresh), a group's seeds are consecutive (an engine may ask for
+    the whole group in one request, as vLLM's ``n`` seeds choice ``i`` with ``seed + i``), a
+    retry keeps them, and a run with the same seed and restored counters draws the same
+    seeds. ``routing_keys`` (see :data:`RoutingKeys`) gives every
     sample its own uuid routing key (``"sample"``, or ``True``), or every sample of a group the
     group's id as its key (``"group"``: group-sticky routing, which a resumed group keeps, since
     it keeps its id); keys are kept across retries for cache affinity. A recycled prompt carries
@@ -70,6 +75,12 @@ class GroupFactory:
     #: only grows) and across factories and resumed runs (a fresh random prefix each), without
     #: a uuid4 per group.
     _id_prefix: str = attrs.field(init=False, factory=new_group_id)
+
+    def sample_seed(self, group_index: int, position: int) -> int | None:
+        """The sampling seed of member ``position`` of group ``group_index`` (None unseeded)."""
+        if self.seed is None:
+            return None
+        return self.seed + group_index * self.group_size + position
 
     def _routing_key(self, prompt: Prompt, group_id: str, position: int) -> str | None:
         kept = prompt.metadata.get("routing_keys")
@@ -92,7 +103,7 @@ class GroupFactory:
             index=index,
             group_index=group_index,
             prompt_tokens=prompt.tokens,
-            seed=None if self.seed is None else self.seed + position,
+            seed=self.sample_seed(group_index, position),
             routing_key=self._routing_key(prompt, group_id, position),
             label=prompt.label,
             env_name=prompt.env_name,
@@ -118,7 +129,11 @@ class GroupFactory:
         """A group that continues ``resumed``: same id, prompt and start version.
 
         The arrived members are kept as they are (first, in their order); only the missing ones
-        are new ``PENDING`` samples (fresh indices, the group's index, seeds by position). With
+        are new ``PENDING`` samples, with fresh indices and the group's index. A group with
+        arrived members keeps its index, and its new members take the positions whose seeds no
+        arrived member drew: each draws what an original member that never arrived would have,
+        and no seed of the group is drawn twice (unseeded, they take the positions after the
+        arrived ones). One with none arrived takes the next index and new seeds. With
         ``policy_version`` (the version the resumed attempt starts at), each new member records
         it in ``metadata[RESUMED_AT]``: the ``"group_start"`` staleness rule judges it by that
         version, not by the group's older start. A
@@ -138,11 +153,11 @@ class GroupFactory:
             group_index = self.next_group_index
             self.next_group_index += 1
         arrived = list(resumed.arrived)
-        start = len(arrived)
         first = self.next_sample_index
+        positions = self._free_positions(group_index, arrived, resumed.missing)
         missing = [
-            self._sample(resumed.prompt, resumed.group_id, group_index, start + i, first + i)
-            for i in range(resumed.missing)
+            self._sample(resumed.prompt, resumed.group_id, group_index, position, first + i)
+            for i, position in enumerate(positions)
         ]
         self.next_sample_index = first + resumed.missing
         if policy_version is not None:
@@ -154,6 +169,16 @@ class GroupFactory:
             samples=arrived + missing,
             policy_version_at_start=resumed.policy_version_at_start,
         )
+
+    def _free_positions(self, group_index: int, arrived: list[Sample], count: int) -> list[int]:
+        # Members arrive in any order, so the arrived ones' seeds say which positions they
+        # held; at most len(arrived) positions are taken, so `count` are left.
+        start = len(arrived)
+        if self.seed is None:
+            return list(range(start, start + count))
+        taken = {s.seed for s in arrived}
+        size = max(self.group_size, start + count)
+        return [p for p in range(size) if self.sample_seed(group_index, p) not in taken][:count]
 
     def state(self) -> dict[str, Any]:
         return {
