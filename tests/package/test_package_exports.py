@@ -137,7 +137,7 @@ PINNED: dict[str, set[str]] = {
         *("SourceExhaustedError", "SubmissionPolicy", "SyncBatchStatistics", "SyncRolloutDriver"),
         *("UnusedPolicy", "engine_generate", "open_async_rollout", "pending_samples"),
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
-        *("RoutingKeys", "RolloutConfig"),
+        *("RoutingKeys", "SeedRule", "RolloutConfig"),
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
         # the soft stop a custom generate function (an episode's turns) hands its engine
         "current_abort",

@@ -121,7 +121,7 @@ class EvalRunner:
         version. Cancellation of the caller propagates (nothing is returned or recorded).
         """
         lane = self.lane if self.lane is not None else PriorityLane(self.max_samples_in_flight)
-        factory = GroupFactory(self.k, seed=self.seed)
+        factory = GroupFactory(self.k, seed=self.seed, seeds="run")
         tally = _Tally()
         started = trio.current_time()
         version = 0 if policy_version is None else policy_version

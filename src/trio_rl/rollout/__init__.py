@@ -26,6 +26,7 @@ from ._expiry import Admission as Admission
 from ._expiry import Expiry as Expiry
 from ._factory import GroupFactory as GroupFactory
 from ._factory import RoutingKeys as RoutingKeys
+from ._factory import SeedRule as SeedRule
 from ._group import GenerateFn as GenerateFn
 from ._group import GroupRewardFn as GroupRewardFn
 from ._group import GroupRunner as GroupRunner

@@ -22,7 +22,13 @@ from ..samples import (
 )
 from ._errors import DataSourceError
 
-__all__ = ["GroupFactory", "RoutingKeys"]
+__all__ = ["GroupFactory", "RoutingKeys", "SeedRule"]
+
+#: Which sampling seeds a seeded factory gives: ``"group"``, sample ``i`` of every group
+#: ``seed + i`` (the reference's rule, miles': the same seed set for every group, so a prompt
+#: seen again under the same weights draws the same completions); ``"run"``, sample ``i`` of
+#: group ``g`` ``seed + g * group_size + i`` (every sample of the run its own stream).
+SeedRule = Literal["group", "run"]
 
 #: Which samples share a routing key: ``"none"`` (no keys), ``"sample"`` (each sample its own
 #: uuid, as miles gives them) or ``"group"`` (every sample of a group the same key, so a router
@@ -51,13 +57,15 @@ class GroupFactory:
 
     Sample indices are consecutive and unique across the run; every group gets the next group
     index and a fresh id (a random prefix per factory, then the group index). With ``seed``
-    set, sample ``i`` of group ``g`` gets the sampling seed ``seed + g * group_size + i``
-    (:meth:`sample_seed`): its slot in the run, which is its index in a run that resumed no
-    group. Every sample of a run draws its own stream (the same prompt in another step is
-    another group, so it draws afresh), a group's seeds are consecutive (an engine may ask for
-    the whole group in one request, as vLLM's ``n`` seeds choice ``i`` with ``seed + i``), a
-    retry keeps them, and a run with the same seed and restored counters draws the same
-    seeds. ``routing_keys`` (see :data:`RoutingKeys`) gives every
+    set, ``seeds`` (:data:`SeedRule`) picks the sampling seeds (:meth:`sample_seed`):
+    ``"group"`` (the default, the reference's rule) gives sample ``i`` of every group
+    ``seed + i``, the same seed set for every group and every retry; ``"run"`` gives sample
+    ``i`` of group ``g`` ``seed + g * group_size + i``, its slot in the run, so every sample
+    of a run draws its own stream (the same prompt in another step is another group, and
+    draws afresh: what a learning run wants). Either way a group's seeds are consecutive (an
+    engine may ask for the whole group in one request, as vLLM's ``n`` seeds choice ``i``
+    with ``seed + i``), a retry keeps them, and a run with the same seed and restored
+    counters draws the same seeds. ``routing_keys`` (see :data:`RoutingKeys`) gives every
     sample its own uuid routing key (``"sample"``, or ``True``), or every sample of a group the
     group's id as its key (``"group"``: group-sticky routing, which a resumed group keeps, since
     it keeps its id); keys are kept across retries for cache affinity. A recycled prompt carries
@@ -69,6 +77,7 @@ class GroupFactory:
     group_size: int = attrs.field(validator=positive_int)
     seed: int | None = attrs.field(default=None, validator=optional_int)
     routing_keys: RoutingKeys = attrs.field(default="none", converter=_routing_keys)
+    seeds: SeedRule = attrs.field(default="group", validator=attrs.validators.in_(("group", "run")))
     next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
     next_group_index: int = attrs.field(default=0, validator=non_negative_int)
     #: Group ids are this prefix and the group index: unique within the factory (the index
@@ -80,6 +89,8 @@ class GroupFactory:
         """The sampling seed of member ``position`` of group ``group_index`` (None unseeded)."""
         if self.seed is None:
             return None
+        if self.seeds == "group":
+            return self.seed + position
         return self.seed + group_index * self.group_size + position
 
     def _routing_key(self, prompt: Prompt, group_id: str, position: int) -> str | None:
