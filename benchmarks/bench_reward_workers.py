@@ -11,7 +11,13 @@ loop as the floor:
 Repetitions are interleaved; each figure is the median and the spread (min-max) over them.
 The pool's workers are started before the clock starts (start-up is a one-time cost).
 
+Then the pace (:mod:`_bench_pace`): ``trio-rl run`` of a 32-record project twice at the same
+time, a control and a run whose reward hangs on 2 of the 32 records (killed at
+``--pace-timeout`` seconds), ``--pace-steps`` steps each, ``--repeat`` times: the hanging
+run's steps per minute over the control's, in the wall span both were shipping.
+
     python benchmarks/bench_reward_workers.py [--calls 2000] [--callers 16] [--repeat 3]
+        [--pace-steps 160] [--pace-timeout 1]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import trio
 
 # the script's directory is on sys.path (python puts it first): the reward's module is there
+from _bench_pace import HANGING, pace_ratio, side_by_side
 from _bench_rewards import score
 from trio_rl.workers import WorkerPool, open_worker_pool
 
@@ -62,6 +69,34 @@ async def _warm(pool: WorkerPool, callers: int) -> None:
 def _spread(values: list[float], scale: float, unit: str) -> str:
     med = statistics.median(values) * scale
     return f"{med:8.1f} {unit} ({min(values) * scale:.1f}-{max(values) * scale:.1f})"
+
+
+def pace(steps: int, timeout: float, repeat: int) -> None:
+    print(
+        f"\npace: trio-rl run, {steps} steps, a control and a reward hanging on records "
+        f"{' and '.join(HANGING)} of 32 (timeout {timeout:g} s) at the same time, x {repeat}"
+    )
+    print("pair  common span   control steps/min   hanging steps/min   ratio   failed samples")
+    ratios = []
+    for i in range(repeat):
+        control, hang = side_by_side(steps, timeout)
+        if control.returncode or hang.returncode:
+            print(f"{i + 1:>4}  a run failed: exit {control.returncode} / {hang.returncode}")
+            continue
+        span, ratio, c, h = pace_ratio(control, hang)
+        ratios.append(ratio)
+        print(
+            f"{i + 1:>4}  {span:9.1f} s   {c * 60 / span:17.0f}   {h * 60 / span:17.0f}   "
+            f"{ratio:5.2f}   {hang.reward_failures} (control {control.reward_failures})"
+        )
+    if ratios:
+        med = statistics.median(ratios)
+        print(
+            f"goal 9: reward workers: a reward hanging on 2 of 32 records ships {med:.2f}x the "
+            f"control's steps per minute, side by side (median of {len(ratios)}, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; goal >= 0.8: "
+            f"{'reached' if med >= 0.8 else 'not reached'})"
+        )
 
 
 async def main(calls: int, callers: int, repeat: int) -> None:
@@ -103,5 +138,10 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pace-steps", type=int, default=160, help="0: no pace part")
+    parser.add_argument("--pace-timeout", type=float, default=1.0)
     args = parser.parse_args()
-    trio.run(main, args.calls, args.callers, args.repeat)
+    if args.calls:
+        trio.run(main, args.calls, args.callers, args.repeat)
+    if args.pace_steps:
+        pace(args.pace_steps, args.pace_timeout, args.repeat)

@@ -5,7 +5,7 @@
 
 Three profiles (the options each script gets are printed before it runs):
 
-* default (~16 min on 2 cores): every benchmark goal with >= 3 repetitions, median and
+* default (~20 min on 2 cores): every benchmark goal with >= 3 repetitions, median and
   spread: scheduler part A (virtual time), part B at 1k / 10k / 100k in flight x 3, 3N
   finished per run (GC on and off, memory per in-flight sample, growth 1k -> 100k), part C (real time, 3 runs per latency
   scale, scales 1.25x apart, loop lag at the reference's highest >= 0.95 rate); publication x 3
@@ -13,7 +13,9 @@ Three profiles (the options each script gets are printed before it runs):
   queued x 3 (4.3 GB per save at 100k: needs ~4.5 GB free under the temp dir); incremental
   checkpoints (base + 20 deltas + a background compaction) at 10k and 100k queued;
   multi-turn episodes: CPU per turn at 1k and 10k episodes in flight x 3 against single-turn
-  samples of the same tokens, memory per episode at 1k, 5k and 10k.
+  samples of the same tokens, memory per episode at 1k, 5k and 10k; reward workers: the
+  per-call cost x 3, then 3 pairs of 160-step ``trio-rl run`` (a reward hanging on 2 of 32
+  records against a control, at the same time).
 * ``--full`` (~30 min more): as default, plus part B at 1M in flight x 3 (every size with 2N
   finished per run), so the 1k -> 1M growth is printed from one process.
 * ``--quick``: tiny sizes, one repetition: a smoke test that every script runs, not figures.
@@ -74,7 +76,9 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "checkpoint": ["--sizes", "100", "--tokens", "256", "--repeat", "1"],
         "checkpoint_incremental": ["--sizes", "200", "--tokens", "256", "--steps", "3"],
         "episodes": ["--sizes", "100", "--memory", "100,200", "--delay", "0.01", "--repeat", "1"],
-        "reward_workers": ["--calls", "64", "--callers", "4", "--repeat", "1"],
+        "reward_workers": [
+            "--calls", "64", "--callers", "4", "--repeat", "1", "--pace-steps", "12",
+        ],
     },
 }  # fmt: skip
 

@@ -174,6 +174,64 @@ def test_a_collapse_just_below_the_target_does_not_print_as_the_target(
     assert ending.final_reward == pytest.approx(reward)
 
 
+def _varied_log(rewards: dict[str, float]) -> Any:
+    """Each prompt's 8 samples all different, all scored ``rewards[prompt]``."""
+    from trio_rl.learn._verdict import SampleLog
+
+    log = SampleLog(8 * len(rewards))
+    for prompt, reward in rewards.items():
+        for i in range(8):
+            log.add({"prompt": prompt}, f"x{i}", reward)
+    return log
+
+
+@pytest.mark.parametrize(
+    ("rewards", "shipped", "stopped", "line"),
+    [
+        # trained, every group alike, prompts apart: a settled policy whose samples vary where
+        # the reward does not look (each sample draws its own seed)
+        (
+            {"a": 1.0, "b": 0.75},
+            40,
+            "collapsed",
+            "stopping: collapsed at reward 0.875, below the task's maximum 1: every group's "
+            "samples scored alike",
+        ),
+        (
+            {"a": 1.0, "b": 1.0},
+            40,
+            "converged",
+            "stopping: reached reward 1.000 (>= the task's maximum 1): every group's samples "
+            "scored alike",
+        ),
+        # one reward for every sample, or nothing trained yet: the reward is what to check
+        (
+            {"a": 0.0, "b": 0.0},
+            40,
+            "no_signal",
+            "stopping: nothing to learn from after 40 steps: the samples differ but their "
+            "rewards are all 0",
+        ),
+        (
+            {"a": 1.0, "b": 0.75},
+            0,
+            "no_signal",
+            "stopping: nothing to learn from from the first step: the samples differ but their "
+            "rewards are equal within each group",
+        ),
+    ],
+)
+def test_different_samples_with_equal_rewards_end_by_what_the_rewards_say(
+    tmp_path: Path, rewards: dict[str, float], shipped: int, stopped: str, line: str
+) -> None:
+    from trio_rl.learn._verdict import equal_rewards_verdict
+
+    ending = equal_rewards_verdict(_varied_log(rewards), learn_config(tmp_path), shipped)
+    assert ending.stopped == stopped
+    assert ending.message is not None
+    assert ending.message.startswith(line), ending.message
+
+
 def test_equal_rewards_on_different_samples_are_no_signal_not_a_collapse(tmp_path: Path) -> None:
     from trio_rl.learn._verdict import equal_rewards_verdict
 

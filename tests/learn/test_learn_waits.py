@@ -24,6 +24,7 @@ import trio_util
 from learn_helpers import learn_config
 
 from operations_waits import documented
+from trio_rl.learn import trainer_job
 from trio_rl.learn._heartbeat import watch_heartbeat
 from trio_rl.learn._run_io import TrainerLog
 from trio_rl.learn._trainer_jobs import TrainerSide, trainer_heartbeat
@@ -201,18 +202,25 @@ async def test_the_trainer_job_s_last_batches_are_waited_for_with_a_line_every_1
 
 
 async def test_the_trainer_job_s_watch_for_stop_logs_every_300_s_until_it_appears(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    autojump_clock: trio.testing.MockClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="trio_rl.learn")
     stop = tmp_path / "STOP"
+    read = trainer_job._read_stop
 
-    async def stop_at_700_s() -> None:
-        await trio.sleep(700)
-        await trio.Path(stop).write_text("91")
+    def orchestrator_ends_at_700_s(path: Path) -> str | None:
+        # The orchestrator writes STOP at 700 s. Not a task sleeping until then: the watch
+        # reads the file in a worker thread, and while it does, every task is blocked, so the
+        # autojump clock would jump to that task's deadline in the middle of a read.
+        if autojump_clock.current_time() >= 700 and not stop.exists():
+            stop.write_text("91")
+        return read(path)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_at_700_s)
-        assert await _wait_for_stop(stop) == 91
+    monkeypatch.setattr(trainer_job, "_read_stop", orchestrator_ends_at_700_s)
+    assert await _wait_for_stop(stop) == 91
     assert 700 <= trio.current_time() <= 701
     lines = _warnings(caplog)
     assert lines == [f"trainer job: still waiting for {stop}"] * 2  # at 300 and 600 s

@@ -137,10 +137,12 @@ PINNED: dict[str, set[str]] = {
         *("SourceExhaustedError", "SubmissionPolicy", "SyncBatchStatistics", "SyncRolloutDriver"),
         *("UnusedPolicy", "engine_generate", "open_async_rollout", "pending_samples"),
         *("prompt_to_dict", "reject_aborted", "run_group", "run_reporting"),
-        *("RoutingKeys", "RolloutConfig"),
+        *("RoutingKeys", "SeedRule", "RolloutConfig"),
         *("RecordReward", "RecordRewardFn", "import_reward", "read_records"),
         # the soft stop a custom generate function (an episode's turns) hands its engine
         "current_abort",
+        # a sample reward running in a worker of its own gives its sample's credit back
+        "reward_started",
         # a record reward in killable workers of its own, and how a record is named
         *("describe_record", "open_record_reward"),
         # staleness-aware admission: open_async_rollout's parameter, AsyncRolloutDriver.expiry

@@ -17,14 +17,19 @@ import trio
 
 from trio_rl.errors import RewardFailuresError
 from trio_rl.rollout import (
+    CreditScheduler,
     DataSourceError,
+    GroupRunner,
+    GroupStatus,
     RecordReward,
     RolloutConfigError,
+    SampleBackfill,
     import_reward,
     open_record_reward,
     read_records,
+    run_reporting,
 )
-from trio_rl.samples import Sample, SampleStatus
+from trio_rl.samples import Group, Prompt, Sample, SampleStatus
 
 
 def _sample(label: Any, tokens: list[int], index: int = 0) -> Sample:
@@ -259,3 +264,81 @@ async def test_a_success_restarts_the_count_of_failures_in_a_row() -> None:
         assert reward.failed == 6
         assert reward.failed_in_a_row == 2
         assert not reward.budget_spent.is_set()
+
+
+def _hanging_group(size: int) -> Group:
+    """A group whose record makes the reward hang."""
+    record = {"id": "r3", "hang": True}
+    samples = [
+        Sample(index=i, group_index=0, prompt_tokens=(1,), label=record) for i in range(size)
+    ]
+    return Group(group_id="g", prompt=Prompt(key="g", tokens=(1,), label=record), samples=samples)
+
+
+async def _generate(sample: Sample) -> None:
+    sample.completion_tokens.extend([0, 1])
+    sample.logprobs.extend([0.0, 0.0])
+    sample.loss_mask.extend([True, True])
+    sample.status = SampleStatus.COMPLETED
+
+
+async def test_a_reward_call_in_a_worker_holds_no_credit_one_waiting_for_a_worker_does(
+    rewards: Any,
+) -> None:
+    # Two samples of a record the reward hangs on, one worker: the call that has the worker
+    # gave its sample's credit back when it started (it may hang until its timeout: the
+    # rollout budget goes on without it); the call waiting for the busy worker keeps its own
+    # (a saturated pool holds the rollout back). The group stays pending until it ends, and
+    # every credit comes back exactly once.
+    scheduler = CreditScheduler(SampleBackfill(), group_size=2)
+    group = _hanging_group(2)
+    async with open_record_reward(rewards.score, _decode, workers=1, call_timeout=None) as reward:
+        assert reward.pool is not None
+        runner = GroupRunner(_generate, sample_reward=reward)
+        scheduler.submitted(group.group_id, credits=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_reporting, runner, group, scheduler)
+            with trio.fail_after(60):
+                while reward.pool.running < 1:  # noqa: ASYNC110 - the pool signals no event
+                    await trio.sleep(0.01)
+            assert scheduler.poll() == []
+            assert scheduler.ledger.in_flight == 1
+            assert scheduler.ledger.pending() == {"g": 1}
+            nursery.cancel_scope.cancel()
+    (outcome,) = scheduler.poll()
+    assert outcome.status is GroupStatus.CANCELLED
+    assert scheduler.ledger.in_flight == 0
+    assert scheduler.ledger.pending_groups == 0
+    assert scheduler.ledger.opened == scheduler.ledger.returned == 2
+    scheduler.ledger.check()
+
+
+async def test_a_reward_that_never_says_it_started_holds_its_credit_until_it_returns() -> None:
+    # an async reward runs on the loop: its sample holds its credit while it runs
+    scheduler = CreditScheduler(SampleBackfill(), group_size=2)
+    group = _hanging_group(2)
+    release = trio.Event()
+    scoring = 0
+
+    async def score(record: Mapping[str, Any], completion: str) -> float:
+        nonlocal scoring
+        scoring += 1
+        await release.wait()
+        return 1.0
+
+    reward = RecordReward(score, _decode)
+    runner = GroupRunner(_generate, sample_reward=reward)
+    scheduler.submitted(group.group_id, credits=2)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_reporting, runner, group, scheduler)
+        with trio.fail_after(10):
+            while scoring < 2:  # noqa: ASYNC110 - the reward's own count
+                await trio.sleep(0.01)
+        scheduler.poll()
+        assert scheduler.ledger.in_flight == 2
+        release.set()
+    (outcome,) = scheduler.poll()
+    assert outcome.status is GroupStatus.COMPLETED
+    assert [s.reward for s in group.samples] == [1.0, 1.0]
+    assert scheduler.ledger.opened == scheduler.ledger.returned == 2
+    scheduler.ledger.check()

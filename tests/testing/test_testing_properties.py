@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 
 import pytest
+import trio
 
 from conftest import scaled
 from trio_rl.errors import InvalidArgumentError
+from trio_rl.rollout import GenerateFn, GroupRunner, reward_started
+from trio_rl.samples import Sample
 from trio_rl.testing import (
     RolloutSubject,
     async_driver_property,
@@ -27,6 +30,25 @@ LIBRARY = RolloutSubject(max_steps=scaled(16))
 test_credit_loop = credit_loop_property(LIBRARY)
 test_sync_driver = sync_driver_property(LIBRARY)
 test_async_driver = async_driver_property(LIBRARY)
+
+
+async def _score_in_a_worker(sample: Sample) -> float:
+    # a reward call that gives its sample's credit back as it starts, as one running in a
+    # worker process of its own does, then returns later
+    reward_started()
+    await trio.lowlevel.checkpoint()
+    return 1.0
+
+
+def _runner_with_a_worker_reward(generate: GenerateFn) -> GroupRunner:
+    return GroupRunner(generate, sample_reward=_score_in_a_worker)
+
+
+# Credits returned when a reward call starts, not when it returns: still one per sample,
+# every one back, the ledger matching the samples still generating at every decision.
+EARLY_CREDITS = RolloutSubject(max_steps=scaled(16), runner=_runner_with_a_worker_reward)
+test_credit_loop_with_rewards_in_workers = credit_loop_property(EARLY_CREDITS)
+test_async_driver_with_rewards_in_workers = async_driver_property(EARLY_CREDITS)
 
 
 @pytest.mark.parametrize(

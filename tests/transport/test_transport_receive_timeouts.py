@@ -4,6 +4,7 @@ line while it waits), and `BatchReceiver.zmq` through the receive call's cancel 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,26 @@ async def test_memory_receiver_without_timeout_waits_until_cancelled() -> None:
         assert scope.cancelled_caught
         with pytest.raises(ValueError, match="timeout"):
             sender.receiver(0, timeout=-1)
+
+
+async def test_a_wait_without_a_deadline_is_told_at_info_not_warned_about(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a trainer whose rollouts take longer than its steps waits like this every step: the
+    # line is there for whoever looks, but it is no warning; with a deadline it is one
+    caplog.set_level(logging.INFO, logger="trio_rl.transport")
+    endless, bounded = _wait.Wait(math.inf, "endless"), _wait.Wait(600.0, "bounded")
+    for _ in range(2):
+        await trio.sleep(10)
+        assert endless.remaining() == math.inf
+        assert bounded.remaining() > 0
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.INFO, "endless: still waiting after 10 s, giving up never"),
+        (logging.WARNING, "bounded: still waiting after 10 s, giving up in 590 s"),
+        (logging.INFO, "endless: still waiting after 20 s, giving up never"),
+        (logging.WARNING, "bounded: still waiting after 20 s, giving up in 580 s"),
+    ]
 
 
 async def test_batch_receiver_over_zeromq_times_out_and_loses_nothing() -> None:

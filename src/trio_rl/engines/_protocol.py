@@ -26,7 +26,7 @@ class SamplingParams:
     max_tokens: int = attrs.field(default=1024, validator=positive_int)
     temperature: float = attrs.field(default=1.0, validator=non_negative_finite)
     top_p: float = attrs.field(default=1.0, validator=open_unit)
-    #: Deterministic per-sample seed (the group runner sets ``seed + index in group``).
+    #: Deterministic per-sample seed (given by the group factory, by its ``seeds`` rule).
     seed: int | None = attrs.field(default=None, validator=optional_int)
 
 

@@ -83,8 +83,10 @@ class EvalRunner:
 
     Work is admitted through ``lane``: a :class:`~trio_rl.rollout.PriorityLane` attached to the
     training driver's scheduler shares its budget and goes first; without one, the runner
-    keeps at most ``max_samples_in_flight`` samples in flight on its own. ``seed`` gives
-    sample ``i`` of every prompt seed ``seed + i``, as the training groups get theirs.
+    keeps at most ``max_samples_in_flight`` samples in flight on its own. ``seed`` seeds
+    the samples as the training groups are seeded
+    (:meth:`~trio_rl.rollout.GroupFactory.sample_seed`): each sample of an eval its own, the
+    same at every eval.
     ``temperature`` is only recorded.
     """
 
@@ -119,7 +121,7 @@ class EvalRunner:
         version. Cancellation of the caller propagates (nothing is returned or recorded).
         """
         lane = self.lane if self.lane is not None else PriorityLane(self.max_samples_in_flight)
-        factory = GroupFactory(self.k, seed=self.seed)
+        factory = GroupFactory(self.k, seed=self.seed, seeds="run")
         tally = _Tally()
         started = trio.current_time()
         version = 0 if policy_version is None else policy_version

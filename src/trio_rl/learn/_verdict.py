@@ -2,12 +2,15 @@
 
 A run whose groups all get equal rewards has no GRPO signal left, for one of two reasons:
 
-- its policy is deterministic: every sample of a group is the same completion. At the task's
-  maximum (or ``stop_at_reward``) that is convergence (a success: ``reached``); below it, a
-  collapse (raise the entropy coefficient or the temperature);
-- its samples differ but the reward scores them all alike (all zero, typically: an exact-match
-  reward on an untrained model, or a reward reading the wrong field). That is nothing to learn
-  from, and the reward is what to check.
+- its policy has settled: every sample of a group is the same completion, or, after some
+  training, the completions differ only where the reward does not look (each sample draws its
+  own seed, so a nearly deterministic policy still varies now and then) and the rewards are
+  the target or differ between prompts. At the task's maximum (or ``stop_at_reward``) that is
+  convergence (a success: ``reached``); below it, a collapse (raise the entropy coefficient or
+  the temperature);
+- its samples differ but the reward scores every one of them alike (all zero, typically: an
+  exact-match reward on an untrained model, or a reward reading the wrong field), or nothing
+  was trained yet. That is nothing to learn from, and the reward is what to check.
 
 `SampleLog` keeps the last samples the reward scored (which prompt, which completion, which
 reward) so the verdict can tell the two apart; the run's sample reward is wrapped to feed it.
@@ -132,8 +135,10 @@ def equal_rewards_verdict(log: SampleLog, config: LearnRunConfig, shipped: int) 
     reward = log.mean_reward()
     shown = "none" if reward is None else reward_text(reward, target)
     span = f"the last {after} batches' worth of groups ({len(log.samples)} samples)"
+    values = log.distinct_rewards()
+    right = reward is not None and reward >= target - 1e-9
     if log.identical_groups():
-        if reward is not None and reward >= target - 1e-9:
+        if right:
             return Ending(
                 "converged",
                 f"stopping: reached reward {shown} (>= {named}): the policy is deterministic "
@@ -147,7 +152,24 @@ def equal_rewards_verdict(log: SampleLog, config: LearnRunConfig, shipped: int) 
             "trainer.entropy_coef or rollout.temperature",
             reward,
         )
-    values = log.distinct_rewards()
+    # The samples differ. After training, a policy that has settled still varies where the
+    # reward does not look: right (or right on some prompts, wrong on others) is not a reward
+    # that scores everything alike.
+    if shipped > 0 and right:
+        return Ending(
+            "converged",
+            f"stopping: reached reward {shown} (>= {named}): every group's samples scored "
+            f"alike ({span}; the completions differ only where the reward does not look)",
+            reward,
+        )
+    if shipped > 0 and len(values) > 1:
+        return Ending(
+            "collapsed",
+            f"stopping: collapsed at reward {shown}, below {named}: every group's samples "
+            f"scored alike ({span}; the completions differ, their rewards do not, so GRPO has "
+            "no signal left); raise trainer.entropy_coef or rollout.temperature",
+            reward,
+        )
     equal = f"all {values[0]:g}" if len(values) == 1 else "equal within each group"
     since = "from the first step" if shipped == 0 else f"after {shipped} steps"
     return Ending(

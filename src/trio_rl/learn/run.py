@@ -89,8 +89,9 @@ class LearnResult:
     #: Why the run ended: ``steps``, ``time_limit``, ``reward`` (``stop_at_reward``),
     #: ``converged`` (every group had equal rewards for ``converged_after`` batches' worth, at
     #: the task's maximum reward or ``stop_at_reward``), ``collapsed`` (the same, below it: a
-    #: deterministic policy that is partly wrong, GRPO has no signal left), ``no_signal`` (the
-    #: same, but the samples differ: the reward scores them all alike) or ``signal`` (the
+    #: settled policy that is partly wrong, GRPO has no signal left), ``no_signal`` (the same,
+    #: but the reward scores every differing sample alike, or nothing was trained) or
+    #: ``signal`` (the
     #: ``stop`` event of :func:`run_learning` was set).
     stopped: str = "steps"
     #: The checkpoint saved at a stop (``stopped == "signal"``), else None.
@@ -282,6 +283,10 @@ async def _open_run(
                 config, start.policy, engine, orch, start.limiter, served=start.trained, sinks=sinks
             ) as evals,
         ):
+            if orch.admission is not None:
+                # samples whose reward call runs slow (a hang, until its timeout) do not hold
+                # back new work: they may never arrive
+                orch.admission.uncounted = reward.slow_calls
             yield _Run(reward, engine, orch, evals, runner)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import attrs
 
@@ -49,10 +50,20 @@ class StalenessAdmission:
     horizon: int | None = None
     lockstep: bool = False
     async_level: int = 1
+    #: Samples of open groups not to count as work ahead (None: none): those whose reward
+    #: call runs slow (``RecordReward.slow_calls``). A reward that hangs on a record would
+    #: otherwise hold back new work for as long as its timeout, for samples that may never
+    #: arrive; if they do arrive, the sink judges their staleness as usual.
+    uncounted: Callable[[], int] | None = None
 
     def ahead(self) -> int:
-        """Samples that go before new work: queued, in a cut, or still to come from open groups."""
-        return self.sink.queue.held + sum(g.group_size for g in self.sink.book.groups.values())
+        """Samples that go before new work: queued, in a cut, or still to come from open groups
+        (less those ``uncounted`` says may never come)."""
+        held = self.sink.queue.held
+        coming = sum(g.group_size for g in self.sink.book.groups.values())
+        if self.uncounted is not None:
+            coming = max(0, coming - self.uncounted())
+        return held + coming
 
     def admits(self, version: PolicyVersion, samples: int) -> bool:
         config = self.sink.config

@@ -92,7 +92,10 @@ async def open_orchestrator(
     config = OrchestratorConfig() if config is None else config
     limiter = trio.CapacityLimiter(4) if limiter is None else limiter
     factory = GroupFactory(
-        config.group_size, seed=config.seed, routing_keys=config.rollout.routing_keys
+        config.group_size,
+        seed=config.seed,
+        routing_keys=config.rollout.routing_keys,
+        seeds=config.rollout.seeds,
     )
     sink = TrainSink(config.sink)
     manager = (

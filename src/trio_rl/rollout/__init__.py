@@ -26,6 +26,7 @@ from ._expiry import Admission as Admission
 from ._expiry import Expiry as Expiry
 from ._factory import GroupFactory as GroupFactory
 from ._factory import RoutingKeys as RoutingKeys
+from ._factory import SeedRule as SeedRule
 from ._group import GenerateFn as GenerateFn
 from ._group import GroupRewardFn as GroupRewardFn
 from ._group import GroupRunner as GroupRunner
@@ -33,6 +34,7 @@ from ._group import SampleRewardFn as SampleRewardFn
 from ._group import current_abort as current_abort
 from ._group import engine_generate as engine_generate
 from ._group import pending_samples as pending_samples
+from ._group import reward_started as reward_started
 from ._group import run_group as run_group
 from ._group import run_reporting as run_reporting
 from ._lanes import LanePolicy as LanePolicy

@@ -9,7 +9,7 @@ import attrs
 
 from .._validation import at_least, one_of, optional_positive_finite
 from ._credits import GroupGranularity, SampleBackfill, SubmissionPolicy
-from ._factory import RoutingKeys
+from ._factory import RoutingKeys, SeedRule
 from ._triage import FailurePolicy
 
 
@@ -44,6 +44,16 @@ class RolloutConfig:
             "help": "routing keys (see GroupFactory): group: every sample of a group with one "
             "key (sent as the X-SMG-Routing-Key header, routed by EngineFleet); sample: a key "
             "per sample; none"
+        },
+    )
+    seeds: SeedRule = attrs.field(
+        default="run",
+        validator=one_of(("run", "group")),
+        metadata={
+            "help": "sampling seeds of a seeded run (see GroupFactory): run: every sample its "
+            "own (seed + its slot in the run); group: sample i of every group seed + i, the "
+            "reference's rule (a prompt seen again under the same weights draws the same "
+            "completions)"
         },
     )
     sample_timeout: float | None = attrs.field(

@@ -22,7 +22,13 @@ from ..samples import (
 )
 from ._errors import DataSourceError
 
-__all__ = ["GroupFactory", "RoutingKeys"]
+__all__ = ["GroupFactory", "RoutingKeys", "SeedRule"]
+
+#: Which sampling seeds a seeded factory gives: ``"group"``, sample ``i`` of every group
+#: ``seed + i`` (the reference's rule, miles': the same seed set for every group, so a prompt
+#: seen again under the same weights draws the same completions); ``"run"``, sample ``i`` of
+#: group ``g`` ``seed + g * group_size + i`` (every sample of the run its own stream).
+SeedRule = Literal["group", "run"]
 
 #: Which samples share a routing key: ``"none"`` (no keys), ``"sample"`` (each sample its own
 #: uuid, as miles gives them) or ``"group"`` (every sample of a group the same key, so a router
@@ -51,8 +57,15 @@ class GroupFactory:
 
     Sample indices are consecutive and unique across the run; every group gets the next group
     index and a fresh id (a random prefix per factory, then the group index). With ``seed``
-    set, sample ``i`` of a group gets seed ``seed + i`` (the same seed set for every group and
-    every retry, for reproducibility). ``routing_keys`` (see :data:`RoutingKeys`) gives every
+    set, ``seeds`` (:data:`SeedRule`) picks the sampling seeds (:meth:`sample_seed`):
+    ``"group"`` (the default, the reference's rule) gives sample ``i`` of every group
+    ``seed + i``, the same seed set for every group and every retry; ``"run"`` gives sample
+    ``i`` of group ``g`` ``seed + g * group_size + i``, its slot in the run, so every sample
+    of a run draws its own stream (the same prompt in another step is another group, and
+    draws afresh: what a learning run wants). Either way a group's seeds are consecutive (an
+    engine may ask for the whole group in one request, as vLLM's ``n`` seeds choice ``i``
+    with ``seed + i``), a retry keeps them, and a run with the same seed and restored
+    counters draws the same seeds. ``routing_keys`` (see :data:`RoutingKeys`) gives every
     sample its own uuid routing key (``"sample"``, or ``True``), or every sample of a group the
     group's id as its key (``"group"``: group-sticky routing, which a resumed group keeps, since
     it keeps its id); keys are kept across retries for cache affinity. A recycled prompt carries
@@ -64,12 +77,21 @@ class GroupFactory:
     group_size: int = attrs.field(validator=positive_int)
     seed: int | None = attrs.field(default=None, validator=optional_int)
     routing_keys: RoutingKeys = attrs.field(default="none", converter=_routing_keys)
+    seeds: SeedRule = attrs.field(default="group", validator=attrs.validators.in_(("group", "run")))
     next_sample_index: int = attrs.field(default=0, validator=non_negative_int)
     next_group_index: int = attrs.field(default=0, validator=non_negative_int)
     #: Group ids are this prefix and the group index: unique within the factory (the index
     #: only grows) and across factories and resumed runs (a fresh random prefix each), without
     #: a uuid4 per group.
     _id_prefix: str = attrs.field(init=False, factory=new_group_id)
+
+    def sample_seed(self, group_index: int, position: int) -> int | None:
+        """The sampling seed of member ``position`` of group ``group_index`` (None unseeded)."""
+        if self.seed is None:
+            return None
+        if self.seeds == "group":
+            return self.seed + position
+        return self.seed + group_index * self.group_size + position
 
     def _routing_key(self, prompt: Prompt, group_id: str, position: int) -> str | None:
         kept = prompt.metadata.get("routing_keys")
@@ -92,7 +114,7 @@ class GroupFactory:
             index=index,
             group_index=group_index,
             prompt_tokens=prompt.tokens,
-            seed=None if self.seed is None else self.seed + position,
+            seed=self.sample_seed(group_index, position),
             routing_key=self._routing_key(prompt, group_id, position),
             label=prompt.label,
             env_name=prompt.env_name,
@@ -118,7 +140,11 @@ class GroupFactory:
         """A group that continues ``resumed``: same id, prompt and start version.
 
         The arrived members are kept as they are (first, in their order); only the missing ones
-        are new ``PENDING`` samples (fresh indices, the group's index, seeds by position). With
+        are new ``PENDING`` samples, with fresh indices and the group's index. A group with
+        arrived members keeps its index, and its new members take the positions whose seeds no
+        arrived member drew: each draws what an original member that never arrived would have,
+        and no seed of the group is drawn twice (unseeded, they take the positions after the
+        arrived ones). One with none arrived takes the next index and new seeds. With
         ``policy_version`` (the version the resumed attempt starts at), each new member records
         it in ``metadata[RESUMED_AT]``: the ``"group_start"`` staleness rule judges it by that
         version, not by the group's older start. A
@@ -138,11 +164,11 @@ class GroupFactory:
             group_index = self.next_group_index
             self.next_group_index += 1
         arrived = list(resumed.arrived)
-        start = len(arrived)
         first = self.next_sample_index
+        positions = self._free_positions(group_index, arrived, resumed.missing)
         missing = [
-            self._sample(resumed.prompt, resumed.group_id, group_index, start + i, first + i)
-            for i in range(resumed.missing)
+            self._sample(resumed.prompt, resumed.group_id, group_index, position, first + i)
+            for i, position in enumerate(positions)
         ]
         self.next_sample_index = first + resumed.missing
         if policy_version is not None:
@@ -154,6 +180,16 @@ class GroupFactory:
             samples=arrived + missing,
             policy_version_at_start=resumed.policy_version_at_start,
         )
+
+    def _free_positions(self, group_index: int, arrived: list[Sample], count: int) -> list[int]:
+        # Members arrive in any order, so the arrived ones' seeds say which positions they
+        # held; at most len(arrived) positions are taken, so `count` are left.
+        start = len(arrived)
+        if self.seed is None:
+            return list(range(start, start + count))
+        taken = {s.seed for s in arrived}
+        size = max(self.group_size, start + count)
+        return [p for p in range(size) if self.sample_seed(group_index, p) not in taken][:count]
 
     def state(self) -> dict[str, Any]:
         return {

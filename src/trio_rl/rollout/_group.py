@@ -32,6 +32,7 @@ __all__ = [
     "engine_generate",
     "pending_samples",
     "reopen_aborted",
+    "reward_started",
     "run_group",
     "run_reporting",
 ]
@@ -49,6 +50,26 @@ GroupRewardFn = Callable[[Group], Sequence[float] | Awaitable[Sequence[float]]]
 _ABORT: contextvars.ContextVar[AbortSignal | None] = contextvars.ContextVar(
     "trio_rl_rollout_abort", default=None
 )
+
+
+#: The credit release of the sample whose reward this task runs (set by the group runner
+#: around the reward call when the credit reporter supports it).
+_SCORING: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "trio_rl_rollout_scoring", default=None
+)
+
+
+def reward_started() -> None:
+    """Called by a sample reward once its call runs where it holds nothing the engine needs
+    (a worker process of its own, :class:`~trio_rl.workers.WorkerPool`): the sample's credit
+    comes back to the driver now instead of when the reward returns, so a call that hangs
+    until its timeout does not hold a share of the rollout budget. A call still waiting for
+    a worker keeps its credit (a saturated pool holds the rollout back, as a slow reward
+    should). Does nothing outside a reward call run by `run_group`, or a second time."""
+    release = _SCORING.get()
+    if release is not None:
+        _SCORING.set(None)
+        release()
 
 
 def current_abort() -> AbortSignal | None:
@@ -166,6 +187,9 @@ class _GroupRun:
     on_sample_done: Callable[[Sample], None] | None
     sample_reward: SampleRewardFn | None
     sample_timeout: float | None
+    #: ``on_sample_done.generated``, if it has one and a reward runs: the sample's credit
+    #: back before the reward returned, when the reward calls `reward_started`.
+    on_generated: Callable[[Sample], None] | None = None
     scope: trio.CancelScope | None = None
     #: Made at the first failure: most groups never fail, and an empty list per group is
     #: one more object for the collector to walk while the group runs.
@@ -179,12 +203,12 @@ class _GroupRun:
             if self.sample_timeout is None:
                 await self.generate(sample)
                 if self.sample_reward is not None and sample.status.is_finished:
-                    sample.reward = float(await _call(self.sample_reward, sample))
+                    await self._score(sample, self.sample_reward)
             else:
                 with trio.fail_after(self.sample_timeout):
                     await self.generate(sample)
                     if self.sample_reward is not None and sample.status.is_finished:
-                        sample.reward = float(await _call(self.sample_reward, sample))
+                        await self._score(sample, self.sample_reward)
         except Exception as exc:  # a real failure
             if self.failures is None:
                 self.failures = []
@@ -199,6 +223,18 @@ class _GroupRun:
         finally:
             if self.on_sample_done is not None:
                 self.on_sample_done(sample)
+
+    async def _score(self, sample: Sample, reward: SampleRewardFn) -> None:
+        on_generated = self.on_generated
+        if on_generated is None:
+            sample.reward = float(await _call(reward, sample))
+            return
+        # the reward may give the sample's credit back early (`reward_started`)
+        token = _SCORING.set(lambda: on_generated(sample))
+        try:
+            sample.reward = float(await _call(reward, sample))
+        finally:
+            _SCORING.reset(token)
 
 
 #: Sample tasks started between two checkpoints: a group of any size lets a cancellation (a
@@ -247,8 +283,11 @@ async def run_group(
     ``generate(sample)``, then ``sample_reward`` if the sample finished (COMPLETED or
     TRUNCATED). ``on_sample_done(sample)`` is called exactly once per started sample task, in
     its ``finally``, whatever the outcome (result, exception, cancellation); it must be
-    synchronous and must not raise. ``sample_timeout`` bounds each sample task (expiry is a
-    failure, ``trio.TooSlowError``).
+    synchronous and must not raise. If it has a ``generated(sample)`` method (the drivers'
+    `SampleReport` does), a reward that calls `reward_started` has it called then, once: the
+    sample's credit comes back while its reward still runs, and ``on_sample_done`` follows at
+    the end as always. ``sample_timeout`` bounds each sample task (expiry is a failure,
+    ``trio.TooSlowError``).
 
     After every sample finished, ``group_reward`` (if any) runs once over the whole group,
     unless a sample is ABORTED (such groups are rejected by consumers anyway).
@@ -267,7 +306,8 @@ async def run_group(
     Cancellation from outside: the sample tasks are cancelled and settled (each calls
     ``on_sample_done``) and ``trio.Cancelled`` propagates; no reward runs.
     """
-    run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout)
+    generated = None if sample_reward is None else getattr(on_sample_done, "generated", None)
+    run = _GroupRun(generate, on_sample_done, sample_reward, sample_timeout, generated)
     if any(s.status is SampleStatus.PENDING for s in group.samples):
         # Already cancelled (a driver shutting down before this group's task first ran): start
         # no sample task just to cancel it; the group's end returns the untaken credits.
@@ -381,13 +421,27 @@ class SampleReport:
     # Bound once per group: each finished sample then costs one call and one channel send.
     _report: Callable[[str], None] = attrs.field(init=False, repr=False)
     _group_id: str = attrs.field(init=False, repr=False)
+    #: Indices of the samples whose credit came back when their reward call started in a
+    #: worker (made at the first: a group without such a reward never needs it).
+    _scoring: set[int] | None = attrs.field(init=False, default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self._report = self.scheduler.sample_reporter()
         self._group_id = self.group.group_id
 
-    def __call__(self, sample: Sample) -> None:
+    def generated(self, sample: Sample) -> None:
+        """The sample's generation ended and its reward call runs in a worker of its own
+        (`reward_started`): its credit comes back now, so a reward call that hangs holds
+        none of the rollout budget; the member itself arrives when the reward returned."""
+        if self._scoring is None:
+            self._scoring = set()
+        self._scoring.add(sample.index)
         self._report(self._group_id)
+
+    def __call__(self, sample: Sample) -> None:
+        scoring = self._scoring
+        if scoring is None or sample.index not in scoring:
+            self._report(self._group_id)
         if self.book is not None and sample.status.is_finished:
             self.book.members_arrived(self.group, (sample,))
 

@@ -39,6 +39,7 @@ from ..workers import (
     open_worker_pool,
 )
 from ._errors import DataSourceError, RolloutConfigError
+from ._group import reward_started
 
 __all__ = [
     "RecordReward",
@@ -188,6 +189,11 @@ class RecordReward:
     def __attrs_post_init__(self) -> None:
         self._async = _is_async(self.fn)
 
+    def slow_calls(self) -> int:
+        """Calls running slow in the pool now (see :attr:`WorkerPool.slow`; 0 without a
+        process pool): a call that hangs counts until its timeout."""
+        return 0 if self.pool is None else self.pool.slow
+
     def _call(self, record: Mapping[str, Any], tokens: Sequence[int]) -> Any:
         return self.fn(record, self.decode(tokens))
 
@@ -195,7 +201,9 @@ class RecordReward:
         if self.pool is not None and not self._async:
             # decoded here: a tokenizer need not be picklable, and the worker gets plain text
             text = self.decode(tokens)
-            return await self.pool.run(record, text, label=describe_record(record))
+            return await self.pool.run(
+                record, text, label=describe_record(record), on_start=reward_started
+            )
         with trio.fail_after(math.inf if self.timeout is None else self.timeout):
             if self._async:
                 return await self.fn(record, self.decode(tokens))  # type: ignore[misc]

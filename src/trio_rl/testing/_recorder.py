@@ -385,12 +385,12 @@ class RecordingRunner:
         recorder = self.recorder
         record = recorder.group_started(group)
         outcome = "cancelled"
-
-        def credit(sample: Sample) -> None:
-            recorder.credit(record, sample)
-            if on_sample_done is not None:
-                on_sample_done(sample)
-
+        # a reporter that takes credits back early (`reward_started`) is recorded when it does
+        credit = (
+            _EarlyCredit(recorder, record, on_sample_done)
+            if callable(getattr(on_sample_done, "generated", None))
+            else _Credit(recorder, record, on_sample_done)
+        )
         try:
             if abort is None:
                 result = await self.inner.run(group, on_sample_done=credit)
@@ -407,6 +407,34 @@ class RecordingRunner:
             raise
         finally:
             recorder.group_ended(record, outcome)
+
+
+@attrs.define(slots=True, eq=False)
+class _Credit:
+    """A recorded group's ``on_sample_done``: the credit recorded, then the driver's own."""
+
+    recorder: CreditRecorder
+    record: GroupRecord
+    inner: Callable[[Sample], None] | None
+    #: Samples whose credit came back early (`generated`).
+    early: set[int] = attrs.field(factory=set)
+
+    def __call__(self, sample: Sample) -> None:
+        if sample.index not in self.early:
+            self.recorder.credit(self.record, sample)
+        if self.inner is not None:
+            self.inner(sample)
+
+
+@attrs.define(slots=True, eq=False)
+class _EarlyCredit(_Credit):
+    """:class:`_Credit` for a reporter with ``generated``: a sample's credit recorded when its
+    reward call gave it back early, and not again at its end."""
+
+    def generated(self, sample: Sample) -> None:
+        self.early.add(sample.index)
+        self.recorder.credit(self.record, sample)
+        getattr(self.inner, "generated")(sample)  # noqa: B009 - checked by RecordingRunner
 
 
 def _only_cancelled(exc: BaseException) -> bool:

@@ -325,8 +325,8 @@ class FileReceiver(Receiver):
     """Reads rank ``rank``'s payloads, step after step, from ``<directory>/batches``.
 
     Waiting for a step's file polls with exponential backoff, from ``poll_interval`` up to
-    ``max_poll_interval`` seconds, and logs what it waits for (``trio_rl.transport``, WARNING)
-    every 10 s, with the time left.
+    ``max_poll_interval`` seconds, and logs what it waits for (``trio_rl.transport``, WARNING;
+    INFO without a ``timeout``) every 10 s, with the time left.
 
     A returned payload stays on disk until it is acknowledged: by `ack`, or implicitly by the
     next `receive` (`BatchReceiver` acks each payload once decoded, right before handing it

@@ -18,8 +18,9 @@ WAIT_LOG_INTERVAL = 10.0
 
 
 class Wait:
-    """One receive's wait for ``what``: `remaining` logs at WARNING every `WAIT_LOG_INTERVAL`
-    seconds, with the time left, and
+    """One receive's wait for ``what``: `remaining` logs every `WAIT_LOG_INTERVAL` seconds,
+    with the time left (at WARNING; at INFO for a wait without a deadline, as a trainer's wait
+    for rollouts slower than its steps: normal, and not to be shouted every 10 s), and
     raises `TransportTimeoutError` once ``timeout`` seconds (``inf``: never) have passed."""
 
     __slots__ = ("_deadline", "_next_log", "_start", "timeout", "what")
@@ -37,7 +38,8 @@ class Wait:
         now = trio.current_time()
         if now >= self._next_log:
             left = self._deadline - now
-            logger.warning(
+            logger.log(
+                logging.INFO if math.isinf(left) else logging.WARNING,
                 "%s: still waiting after %.0f s, giving up %s",
                 self.what,
                 now - self._start,
