@@ -15,7 +15,9 @@ deferred memory release) two ways, side by side in one run:
   measured on its own batches; this variant is the same design on this batch in this run.
 
 The lines starting ``goal 3:`` check the publisher's goal: loop lag p95 <= 2 ms
-and worst pause <= 50 ms (median of the repetitions, and the worst over them).
+and worst pause <= 10 ms (median of the repetitions, and the worst over them). Both are wall
+clock, so another job on the same cores adds to them; `probe_publish.py` measures what the
+publication itself holds the loop for, in thread CPU time.
 
 Both variants ship the same samples and write byte-identical files. The encoder packs one
 micro-batch at a time (msgpack C calls hold the GIL for a whole call, so the loop gets the GIL
@@ -389,8 +391,8 @@ def main() -> None:
                 print(
                     f"goal 3: publisher lag p95 {p95:.1f} ms (goal <= 2: "
                     f"{'reached' if p95 <= 2 else 'not reached'}), worst pause median "
-                    f"{worst_med:.1f} ms, worst of {len(runs[v])} runs {worst:.1f} ms (goal <= 50: "
-                    f"{'reached' if worst <= 50 else 'not reached'})"
+                    f"{worst_med:.1f} ms, worst of {len(runs[v])} runs {worst:.1f} ms (goal <= 10: "
+                    f"{'reached' if worst <= 10 else 'not reached'})"
                 )
             else:
                 print(

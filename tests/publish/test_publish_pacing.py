@@ -43,8 +43,12 @@ def test_the_publication_jobs_yield_between_samples_and_micro_batches(
     assert len(sleeps) >= len(samples)
     sleeps.clear()
     ranks = pack_lazily(samples, seq_len=8, num_ranks=2)
-    built = sum(1 for rank in ranks for _ in rank)
-    assert len(sleeps) == built > 0
+    # The plan yields once per sample validated and once per sample placed in a bin.
+    assert len(sleeps) == 2 * len(samples)
+    sleeps.clear()
+    built = [mb for rank in ranks for mb in rank]
+    # Per micro-batch: before it, after each of its samples, and once it is built.
+    assert len(sleeps) == sum(2 + len(mb.sequence_lengths) for mb in built) > 0
     sleeps.clear()
     release_containers([list(range(10))])
     assert len(sleeps) == 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import math
 
 import attrs
@@ -43,6 +44,8 @@ def test_distribution_of_parts_equals_of_the_concatenation(parts: list[list[floa
     # GIL released): the figures must be exactly those of the whole list.
     whole = [v for part in parts for v in part]
     assert Distribution.of_parts(parts) == Distribution.of(whole)
+    # The cohort hands its parts over as arrays of doubles (no young lists for the collector).
+    assert Distribution.of_parts([array.array("d", p) for p in parts]) == Distribution.of(whole)
 
 
 def test_an_empty_distribution_has_no_statistics_and_no_keys() -> None:

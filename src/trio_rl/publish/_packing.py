@@ -23,7 +23,7 @@ reference packer:
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import attrs
@@ -199,12 +199,13 @@ def _sample_modality(sample: TrainingSample) -> tuple[Any, ...]:
     return ("routed", routed.dtype, tuple(routed.shape[1:]))
 
 
-def _first_fit_decreasing(items: list[_Item], seq_len: int) -> list[list[_Item]]:
+def _first_fit_decreasing(items: list[_Item], seq_len: int, pace: Pacer) -> list[list[_Item]]:
     bins: list[list[_Item]] = []
     room: list[int] = []
     keys: list[tuple[Any, ...]] = []
     # sorted() is stable: equal lengths keep their arrival order.
     for item in sorted(items, key=lambda m: -m.num_tokens):
+        pace()
         for b, free in enumerate(room):
             if free >= item.num_tokens and keys[b] == item.key:
                 bins[b].append(item)
@@ -372,6 +373,10 @@ class _Bin:
         return sum(lengths) + sum(length * length for length in lengths) / seq_len
 
 
+def _no_pace() -> None:
+    """No yield point (a micro-batch read by index: the reader paces itself, if at all)."""
+
+
 class PackedRank(Sequence[MicroBatch]):
     """One rank's micro-batches, built from the samples when an item is read.
 
@@ -410,15 +415,24 @@ class PackedRank(Sequence[MicroBatch]):
         pace = Pacer()
         for b in self._bins:
             pace()
-            yield self._build(b)
+            mb = self._build(b, pace)
+            pace()
+            yield mb
 
     def costs(self) -> list[float]:
         """`bin_cost` of each micro-batch, without building any."""
         return [b.cost(self._seq_len) for b in self._bins]
 
-    def _build(self, b: _Bin) -> MicroBatch:
+    def _build(self, b: _Bin, pace: Callable[[], None] = _no_pace) -> MicroBatch:
         samples, seq_len = self._samples, self._seq_len
-        parts = [prepare_sample(samples[i.index], seq_len, index=i.index) for i in b.items]
+        # Yield points between the samples of a micro-batch too (and `__iter__` yields again
+        # once it is built): building one (1.2 ms of CPU for 16k tokens) plus encoding the
+        # previous one (0.8 ms) kept the GIL from the loop for 2-3 ms at a time; now one
+        # sample's slices, the concatenation (0.4 ms) or one encoding at a time.
+        parts = []
+        for i in b.items:
+            parts.append(prepare_sample(samples[i.index], seq_len, index=i.index))
+            pace()
         mb = _pad(_materialise(parts), self._pad_to)
         return _zero_loss(mb) if b.filler else mb
 
@@ -446,11 +460,15 @@ def pack_lazily(
             f"seq_len ({seq_len}) must be a multiple of pad_to_multiple_of ({pad_to_multiple_of})"
             " so that padded micro-batches still fit"
         )
-    items = [
-        _Item(i, min(_validate(s, i), seq_len), _sample_modality(s)) for i, s in enumerate(samples)
-    ]
+    # The plan is pure Python over every sample and every open bin (6 ms of a worker's CPU for
+    # 1,024 samples, in which the loop could not run): it yields the GIL between samples.
+    pace = Pacer()
+    items = []
+    for i, s in enumerate(samples):
+        pace()
+        items.append(_Item(i, min(_validate(s, i), seq_len), _sample_modality(s)))
     by_modality: dict[tuple[Any, ...], list[list[_Item]]] = {}
-    for b in _first_fit_decreasing(items, seq_len):
+    for b in _first_fit_decreasing(items, seq_len, pace):
         by_modality.setdefault(b[0].key, []).append(b)
     ranks: list[list[_Bin]] = [[] for _ in range(num_ranks)]
     costs = [0.0] * num_ranks
