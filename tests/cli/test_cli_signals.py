@@ -35,7 +35,9 @@ def _cmd(out: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.heavy)]
+)
 def test_first_signal_checkpoints_the_step_in_progress(tmp_path: Path, signum: int) -> None:
     out = tmp_path / "run"
     proc = subprocess.Popen(_cmd(out, 3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -111,7 +113,9 @@ def _installed_script() -> Path:
 
 
 @pytest.mark.parametrize("delay", [0.4, 1.2])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.heavy)]
+)
 def test_a_signal_while_starting_is_one_line(tmp_path: Path, signum: int, delay: float) -> None:
     # While the interpreter imports the package (and torch, for `run`), before the event loop
     # and its watcher exist (not during the interpreter's own start-up, before the console
