@@ -138,12 +138,9 @@ def _scored_while_hung(log: Path, window: float) -> list[int]:
     ]
 
 
-def test_a_reward_hanging_on_2_records_of_32_costs_those_samples_not_the_run(
-    tmp_path: Path,
-) -> None:
-    timeout = 2
-    config = _project(tmp_path, steps=16, function="user_rewards:score", timeout=timeout)
-    proc = subprocess.Popen(
+def _start_hanging_run(tmp_path: Path, config: Path) -> subprocess.Popen[str]:
+    """``trio-rl run config --out run`` in the user's directory, with the reward hanging."""
+    return subprocess.Popen(
         [_script(), "run", str(config), "--out", "run"],
         cwd=tmp_path,
         env=_env(hang=True),
@@ -151,6 +148,14 @@ def test_a_reward_hanging_on_2_records_of_32_costs_those_samples_not_the_run(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_a_reward_hanging_on_2_records_of_32_costs_those_samples_not_the_run(
+    tmp_path: Path,
+) -> None:
+    timeout = 2
+    config = _project(tmp_path, steps=16, function="user_rewards:score", timeout=timeout)
+    proc = _start_hanging_run(tmp_path, config)
     try:
         out, err = proc.communicate(timeout=240)
     finally:
@@ -188,14 +193,7 @@ def test_the_first_sigterm_during_a_hung_reward_ends_the_run_with_a_checkpoint_t
     tmp_path: Path,
 ) -> None:
     config = _project(tmp_path, steps=1000, function="user_rewards:score")
-    proc = subprocess.Popen(
-        [_script(), "run", str(config), "--out", "run"],
-        cwd=tmp_path,
-        env=_env(hang=True),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_hanging_run(tmp_path, config)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 180

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import attrs
@@ -75,6 +77,25 @@ class _Recorder:
             gids = {s.group_id for s in shipment.samples}
             keys += [self.key_of[g] for g in gids]
         return keys
+
+
+@contextlib.asynccontextmanager
+async def _gated(rec: _Recorder, cell: WatchedCell) -> AsyncIterator[Orchestrator]:
+    """An orchestrator whose ship gate waits for the policy (``max_async_level=0``), its
+    version in ``cell``, over an engine that answers at once."""
+    async with (
+        MemorySender(1) as sender,
+        open_orchestrator(
+            scripted_engine(delay=0.0, version=0),
+            InMemorySource(_prompts(100)),
+            sender,
+            config=_config(max_async_level=0),
+            group_reward=rec.group_reward,
+            monitor=rec.shipments.append,
+            version=cell,
+        ) as orch,
+    ):
+        yield orch
 
 
 async def test_a_run_ships_every_step_to_every_rank_and_accounts_for_every_sample(
@@ -212,18 +233,7 @@ async def test_the_ship_gate_holds_a_batch_until_the_policy_catches_up(
     wait is the jump: exact, and no worker thread can race a deadline."""
     rec = _Recorder()
     cell = WatchedCell()
-    async with (
-        MemorySender(1) as sender,
-        open_orchestrator(
-            scripted_engine(delay=0.0, version=0),
-            InMemorySource(_prompts(100)),
-            sender,
-            config=_config(max_async_level=0),
-            group_reward=rec.group_reward,
-            monitor=rec.shipments.append,
-            version=cell,
-        ) as orch,
-    ):
+    async with _gated(rec, cell) as orch:
         await orch.run(1)  # batch 1 needs version 0: ships at once
         assert rec.shipments[0].record.policy_wait == 0.0
         assert cell.floors == []
@@ -452,18 +462,7 @@ async def test_the_ship_gate_says_what_it_waits_for_every_5_s_and_a_cancel_ends_
     caplog.set_level(logging.WARNING, logger="trio_rl.orchestrator")
     rec = _Recorder()
     cell = WatchedCell()
-    async with (
-        MemorySender(1) as sender,
-        open_orchestrator(
-            scripted_engine(delay=0.0, version=0),
-            InMemorySource(_prompts(100)),
-            sender,
-            config=_config(max_async_level=0),
-            group_reward=rec.group_reward,
-            monitor=rec.shipments.append,
-            version=cell,
-        ) as orch,
-    ):
+    async with _gated(rec, cell) as orch:
         await orch.run(1)
         async with trio.open_nursery() as nursery:
             await cell.start_held(nursery, functools.partial(orch.run, 1))
