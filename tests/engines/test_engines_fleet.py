@@ -121,10 +121,7 @@ async def test_a_dead_server_is_taken_out_and_its_requests_retried_elsewhere() -
 
 async def test_a_request_on_a_connection_the_server_closed_stays_on_that_server() -> None:
     with servers(2) as ss:
-        # no probes while it runs: on a loaded machine two slow probes in a row would take the
-        # server out and move the request, which is not what this test is about
-        quiet = {**FAST, "probe_interval": 3600.0}
-        async with open_engine_fleet([u for _, u in ss], **quiet) as fleet:
+        async with open_engine_fleet([u for _, u in ss], **FAST) as fleet:
             await fleet.generate(req(0, key="g"))  # the key's server from now on
             (home,) = [s for s, _ in ss if completions(s)]
             # the server closes the pooled connection under the next request, as uvicorn

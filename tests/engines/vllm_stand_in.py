@@ -219,6 +219,10 @@ def serve(
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
+            # said, since the connection closes after the stream: a client that pooled it
+            # could otherwise send its next request on it as it closes, and take the close
+            # (a race of the stand-in, not a server failure) for a dropped request
+            self.send_header("Connection", "close")
             self.end_headers()
             if state.raw_stream is not None:
                 self._write_chunk(state.raw_stream)
