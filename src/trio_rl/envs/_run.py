@@ -162,15 +162,17 @@ class EpisodeRunner:
             request_prefix=self._prefix,
         )
         timeout = self.config.episode_timeout
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
         outcome: tuple[StopReason, float, bool] | None
-        if timeout is None:
-            # no deadline, no cancel scope: an unbounded one cost ~1.2 us a turn (5 us an
-            # episode) in bench_episodes
+        outcome = ("episode_timeout", 0.0, False)  # unless the scope lets it finish
+        # one scope per episode, even without a deadline of its own: a tool call moves its
+        # deadline in to the call's, so whichever deadline was in force when it fired says
+        # whether the episode ran out of time or a tool did
+        with trio.CancelScope(deadline=deadline) as scope:
+            episode._scope = scope
             outcome = await self._outcome(sample, episode, record)
-        else:
-            outcome = ("episode_timeout", 0.0, False)  # unless the scope lets it finish
-            with trio.move_on_after(timeout):
-                outcome = await self._outcome(sample, episode, record)
+        if scope.cancelled_caught and episode._tool_expired:
+            outcome = ("tool_timeout", 0.0, False)
         if outcome is None:
             return
         reason, reward, drop = outcome
