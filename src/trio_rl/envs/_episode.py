@@ -94,9 +94,9 @@ class Episode:
     spans: list[tuple[int, int, int]] = attrs.field(factory=list)
     _open_turn: bool = False  # a message was observed: the next turn opens with the prompt
     _routing_key: str = attrs.field(init=False, default="")
-    # The episode's cancel scope, entered by the runner around the environment (None for an
-    # episode played without one): a tool call moves its deadline in to the call's own for
-    # the call's length instead of opening a scope of its own (see ToolEnv).
+    # The episode's cancel scope (its episode_timeout), entered by the runner around the
+    # environment; None for an episode without a deadline. A tool call moves its deadline in
+    # to the call's for the call's length instead of opening a scope of its own (ToolEnv).
     _scope: trio.CancelScope | None = attrs.field(init=False, default=None)
     # the deadline that cancelled the scope was a tool call's: the episode ends as tool_timeout
     _tool_expired: bool = attrs.field(init=False, default=False)
@@ -166,7 +166,11 @@ class Episode:
         if cap != params.max_tokens or seed != params.seed:
             # attrs.evolve only when the turn's settings differ: it was ~7 us a turn
             params = attrs.evolve(params, max_tokens=cap, seed=seed)
-        completion = await self._request(params)
+        # the first try awaited here, not in a coroutine of its own (see EpisodeRunner)
+        try:
+            completion = await self.engine.generate(self._request(params, 0))
+        except (EngineTransportError, EngineTimeoutError) as exc:
+            completion = await self._retry(params, exc)
         start = len(sample.completion_tokens)
         sample.completion_tokens.extend(completion.tokens)
         sample.logprobs.extend(completion.logprobs)
@@ -185,27 +189,28 @@ class Episode:
             self.stop("budget", detail=f"turn {self.turns} cut at the episode's token budget")
         return text
 
-    async def _request(self, params: SamplingParams) -> Completion:
+    def _request(self, params: SamplingParams, retries: int) -> GenerateRequest:
         sample = self.sample
-        retries = 0
-        while True:
-            request = GenerateRequest(
-                prompt_tokens=self.tokens,
-                params=params,
-                routing_key=self._routing_key,
-                request_id=f"{sample.index}-{self.request_prefix}-{self.turns}-{retries}",
-                sample_index=sample.index,
-                abort=current_abort(),
-            )
+        return GenerateRequest(
+            prompt_tokens=self.tokens,
+            params=params,
+            routing_key=self._routing_key,
+            request_id=f"{sample.index}-{self.request_prefix}-{self.turns}-{retries}",
+            sample_index=sample.index,
+            abort=current_abort(),
+        )
+
+    async def _retry(self, params: SamplingParams, failure: Exception) -> Completion:
+        """The turn sent again after its try failed with ``failure``, up to ``turn_retries``
+        times: the server went away mid-episode, and the prefix is sent again (to another
+        server when the engine is a fleet, which routes the key anew)."""
+        for retries in range(1, self.config.turn_retries + 1):
+            self.stats.turn_retries += 1
             try:
-                return await self.engine.generate(request)
-            except (EngineTransportError, EngineTimeoutError):
-                # the server went away mid-episode: the prefix is sent again (to another server
-                # when the engine is a fleet, which routes the key anew)
-                if retries >= self.config.turn_retries:
-                    raise
-                retries += 1
-                self.stats.turn_retries += 1
+                return await self.engine.generate(self._request(params, retries))
+            except (EngineTransportError, EngineTimeoutError) as exc:
+                failure = exc
+        raise failure
 
     # ---------------------------------------------------------------------------- observing
 

@@ -143,36 +143,22 @@ class EpisodeRunner:
             raise EnvConfigError(f"EpisodeRunner.max_len must be >= 1, got {self.max_len}")
 
     async def __call__(self, sample: Sample) -> None:
-        if sample.completion_tokens:
-            # an aborted episode is regenerated from its prompt: its turns were answers to
-            # observations of a policy that is gone, and a continuation would mix them
-            sample.reset_for_retry()
-        record = sample.label if isinstance(sample.label, Mapping) else {}
-        episode = Episode(
-            record,
-            sample,
-            self.engine,
-            self.params,
-            self.codec,
-            self.config,
-            self.max_len,
-            limiter=self.limiter,
-            chat=self.chat,
-            stats=self.stats,
-            request_prefix=self._prefix,
-        )
+        episode = self._episode(sample)
         timeout = self.config.episode_timeout
-        deadline = math.inf if timeout is None else trio.current_time() + timeout
-        outcome: tuple[StopReason, float, bool] | None
-        outcome = ("episode_timeout", 0.0, False)  # unless the scope lets it finish
-        # one scope per episode, even without a deadline of its own: a tool call moves its
-        # deadline in to the call's, so whichever deadline was in force when it fired says
-        # whether the episode ran out of time or a tool did
-        with trio.CancelScope(deadline=deadline) as scope:
-            episode._scope = scope
-            outcome = await self._outcome(sample, episode, record)
-        if scope.cancelled_caught and episode._tool_expired:
-            outcome = ("tool_timeout", 0.0, False)
+        if timeout is None:
+            # no deadline, no cancel scope: a scope as long-lived as its episode made the
+            # collector run two more full collections a run at 10,000 episodes in flight in
+            # bench_episodes (tool calls then open scopes of their own)
+            outcome = await self._outcome(sample, episode)
+        else:
+            # the episode's scope: a tool call moves its deadline in to the call's, so which
+            # deadline was in force when it fired says whether the episode or a tool ran out
+            outcome = ("episode_timeout", 0.0, False)  # unless the scope lets it finish
+            with trio.move_on_after(timeout) as scope:
+                episode._scope = scope
+                outcome = await self._outcome(sample, episode)
+            if scope.cancelled_caught and episode._tool_expired:
+                outcome = ("tool_timeout", 0.0, False)
         if outcome is None:
             return
         reason, reward, drop = outcome
@@ -181,7 +167,7 @@ class EpisodeRunner:
             sample.loss_mask = [False] * len(sample.loss_mask)
 
     async def _outcome(
-        self, sample: Sample, episode: Episode, record: Mapping[str, Any]
+        self, sample: Sample, episode: Episode
     ) -> tuple[StopReason, float, bool] | None:
         """The episode played: its stop reason, reward and whether its tokens are dropped;
         None when it was given up by a soft stop (ABORTED, to regenerate)."""
@@ -189,7 +175,12 @@ class EpisodeRunner:
         reward = 0.0
         drop = False
         try:
-            reward = await self._play(episode, record)
+            # the environment awaited here, not in a coroutine of its own: every coroutine
+            # between the task and the engine is resumed at each of the episode's waits
+            value = await self.env(episode, episode.record)
+            reward = float(value)
+            if not math.isfinite(reward):
+                raise ValueError(f"the environment returned {value!r}, not a finite reward")
         except EpisodeStoppedError:
             reason = episode.stop_reason or "error"
             reward = episode.stop_reward
@@ -212,12 +203,25 @@ class EpisodeRunner:
                 reason, reward = episode.stop_reason, episode.stop_reward
         return reason, reward, drop
 
-    async def _play(self, episode: Episode, record: Mapping[str, Any]) -> float:
-        value = await self.env(episode, record)
-        reward = float(value)
-        if not math.isfinite(reward):
-            raise ValueError(f"the environment returned {value!r}, not a finite reward")
-        return reward
+    def _episode(self, sample: Sample) -> Episode:
+        if sample.completion_tokens:
+            # an aborted episode is regenerated from its prompt: its turns were answers to
+            # observations of a policy that is gone, and a continuation would mix them
+            sample.reset_for_retry()
+        record = sample.label if isinstance(sample.label, Mapping) else {}
+        return Episode(
+            record,
+            sample,
+            self.engine,
+            self.params,
+            self.codec,
+            self.config,
+            self.max_len,
+            limiter=self.limiter,
+            chat=self.chat,
+            stats=self.stats,
+            request_prefix=self._prefix,
+        )
 
     def _finish(self, sample: Sample, episode: Episode, reason: StopReason, reward: float) -> None:
         if _STATUS[reason] is not SampleStatus.COMPLETED:

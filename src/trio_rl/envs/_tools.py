@@ -1,12 +1,13 @@
 """`ToolEnv`: the policy calls tools until it answers; pluggable call syntaxes.
 
 A turn whose text holds no tool call is the answer, scored by the reward function. A turn with
-calls runs them one after the other, each under ``trio.fail_after(tool_timeout)`` (async tools
+calls runs them one after the other, each under a deadline of ``tool_timeout`` (async tools
 awaited on the loop, plain ones in worker threads under the run's limiter), shows each result
 to the policy and asks for the next turn. A tool that times out ends the episode as
-``tool_timeout``, one that raises as ``error``: the episode is lost, never the run. A call that
-does not parse (bad JSON, an unknown tool, arguments the tool does not take) is shown to the
-policy as an error message and costs a turn.
+``tool_timeout`` (also one that swallows its cancellation, or returns past its deadline), one
+that raises as ``error``: the episode is lost, never the run. A call that does not parse (bad
+JSON, an unknown tool, arguments the tool does not take) is shown to the policy as an error
+message and costs a turn.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import attrs
 import trio
@@ -163,6 +164,15 @@ class _Tool:
     def of(cls, fn: Callable[..., Any]) -> _Tool:
         return cls(fn, _is_async(fn))
 
+    def call(self, episode: Episode, call: ToolCall) -> Awaitable[Any]:
+        """What to await for ``call``: the tool's own coroutine, or a plain tool's worker
+        thread (no coroutine of ours in between: every coroutine on the stack is resumed at
+        each of the tool's waits)."""
+        if self.is_async:
+            coroutine: Awaitable[Any] = self.fn(*call.args, **call.kwargs)
+            return coroutine
+        return episode.run_sync(self.fn, *call.args, **call.kwargs)
+
     def misfit(self, call: ToolCall) -> str | None:
         """Why ``call``'s arguments do not fit the tool (None: they do, or it cannot say)."""
         if not self._checked:
@@ -277,19 +287,6 @@ class ToolEnv:
 
     async def _run(self, episode: Episode, box: Mapping[str, _Tool], call: ToolCall) -> None:
         """Run ``call`` and show its result (or why it could not run) to the policy."""
-        scope = episode._scope
-        if scope is None:
-            # an episode played without a scope of its own (not by EpisodeRunner): one for
-            # the call, whose deadline the call moves in as it would the episode's
-            with trio.CancelScope() as scope:
-                episode._scope = scope
-                try:
-                    await self._run(episode, box, call)
-                finally:
-                    episode._scope = None
-            if scope.cancelled_caught:
-                episode.stop("tool_timeout", detail=self._late(episode, call))
-            return
         tool = box.get(call.name)
         if tool is None:
             known = ", ".join(sorted(n for n in box if n))
@@ -300,43 +297,54 @@ class ToolEnv:
             self.syntax.show_error(episode, f"{call.name}: {misfit}")
             return
         episode.stats.tool_calls += 1
-        # The call runs under the episode's scope, its deadline moved in to the call's for the
-        # call's length, rather than under a scope of its own: ~2.7 us less a call, and no
-        # scope object per call left in trio's deadline heap (docs/benchmarks.md). Expiry
-        # cancels the episode, which ends as tool_timeout: a tool that swallows its
-        # cancellation ends it all the same.
-        outer = scope.deadline
-        deadline = trio.current_time() + self._timeout(episode)
-        moved = deadline < outer  # else the episode's own deadline comes first
-        if moved:
-            scope.deadline = deadline
-        fn = tool.fn
-        failure: Exception | None = None
-        try:
-            if tool.is_async:
-                result = await fn(*call.args, **call.kwargs)
-            else:
-                result = await episode.run_sync(fn, *call.args, **call.kwargs)
-        except Exception as exc:
-            failure = exc
-        finally:
-            if not moved:
-                pass
-            elif scope.cancel_called:
-                episode._tool_expired = True
-            else:
-                scope.deadline = outer
-        if episode._tool_expired or isinstance(failure, trio.TooSlowError):
-            # past its deadline (returned or raised once cancelled), or the tool's own
-            # deadline: a timeout all the same
-            episode.stop("tool_timeout", detail=self._late(episode, call))
-        if failure is not None:
-            detail = f"tool {call.name!r} raised {type(failure).__name__}: {failure}"
-            episode.stop("error", detail=detail)
+        timeout = episode.config.tool_timeout if self.tool_timeout is None else self.tool_timeout
+        scope = episode._scope
+        if scope is None:
+            # an episode without a scope (no episode_timeout): a scope of the call's own
+            with trio.move_on_after(timeout) as own:
+                try:
+                    result = await tool.call(episode, call)
+                except Exception as exc:
+                    self._failed(episode, call, timeout, exc, own.cancel_called)
+            if own.cancel_called:  # cancelled, or returned past its deadline
+                self._failed(episode, call, timeout, None, True)
+        else:
+            # The episode's scope, its deadline moved in to the call's for the call's length,
+            # rather than a scope of the call's own: a moved deadline costs about half a new
+            # scope (docs/benchmarks.md). Expiry cancels the episode, which the runner ends as
+            # tool_timeout.
+            outer = scope.deadline
+            deadline = trio.current_time() + timeout
+            moved = deadline < outer  # else the episode's own deadline comes first
+            if moved:
+                scope.deadline = deadline
+            try:
+                result = await tool.call(episode, call)
+            except Exception as exc:
+                self._failed(episode, call, timeout, exc, moved and scope.cancel_called)
+            finally:
+                if not moved:
+                    pass
+                elif scope.cancel_called:
+                    episode._tool_expired = True
+                else:
+                    scope.deadline = outer
+            if episode._tool_expired:  # returned past its deadline
+                self._failed(episode, call, timeout, None, True)
         self.syntax.show(episode, call, str(result))
 
-    def _timeout(self, episode: Episode) -> float:
-        return episode.config.tool_timeout if self.tool_timeout is None else self.tool_timeout
-
-    def _late(self, episode: Episode, call: ToolCall) -> str:
-        return f"tool {call.name!r} took over {self._timeout(episode):g} s"
+    def _failed(
+        self,
+        episode: Episode,
+        call: ToolCall,
+        timeout: float,
+        exc: Exception | None,
+        expired: bool,
+    ) -> NoReturn:
+        """Stop the episode of a call that raised ``exc`` or ran past its deadline
+        (``expired``): ``tool_timeout`` (also for the tool's own ``TooSlowError``), else
+        ``error``."""
+        if expired or isinstance(exc, trio.TooSlowError):
+            episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
+        name = type(exc).__name__
+        episode.stop("error", detail=f"tool {call.name!r} raised {name}: {exc}")
