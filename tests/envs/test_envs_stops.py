@@ -153,8 +153,7 @@ async def test_a_sync_tool_past_its_timeout_is_abandoned_in_its_thread() -> None
     assert limiter.total_tokens == 1
 
 
-# A tool call runs under its episode's scope, the deadline moved in to the call's, when the
-# episode has an episode_timeout; under a scope of its own when it has none. Both paths:
+# a tool call's scope inside the episode's (episode_timeout) or with none around it
 BOTH_SCOPES = pytest.mark.parametrize("episode_timeout", [600.0, None])
 
 

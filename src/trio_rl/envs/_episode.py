@@ -94,12 +94,6 @@ class Episode:
     spans: list[tuple[int, int, int]] = attrs.field(factory=list)
     _open_turn: bool = False  # a message was observed: the next turn opens with the prompt
     _routing_key: str = attrs.field(init=False, default="")
-    # The episode's cancel scope (its episode_timeout), entered by the runner around the
-    # environment; None for an episode without a deadline. A tool call moves its deadline in
-    # to the call's for the call's length instead of opening a scope of its own (ToolEnv).
-    _scope: trio.CancelScope | None = attrs.field(init=False, default=None)
-    # the deadline that cancelled the scope was a tool call's: the episode ends as tool_timeout
-    _tool_expired: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         key = self.sample.routing_key
