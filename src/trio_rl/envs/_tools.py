@@ -16,7 +16,7 @@ import inspect
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -129,6 +129,10 @@ class CompactCalls:
         episode.observe(self.error + self.end)
 
 
+def _late(call: ToolCall, timeout: float) -> str:
+    return f"tool {call.name!r} took over {timeout:g} s"
+
+
 def _tool_name(fn: Callable[..., Any]) -> str:
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str):
@@ -163,15 +167,6 @@ class _Tool:
     @classmethod
     def of(cls, fn: Callable[..., Any]) -> _Tool:
         return cls(fn, _is_async(fn))
-
-    def call(self, episode: Episode, call: ToolCall) -> Awaitable[Any]:
-        """What to await for ``call``: the tool's own coroutine, or a plain tool's worker
-        thread (no coroutine of ours in between: every coroutine on the stack is resumed at
-        each of the tool's waits)."""
-        if self.is_async:
-            coroutine: Awaitable[Any] = self.fn(*call.args, **call.kwargs)
-            return coroutine
-        return episode.run_sync(self.fn, *call.args, **call.kwargs)
 
     def misfit(self, call: ToolCall) -> str | None:
         """Why ``call``'s arguments do not fit the tool (None: they do, or it cannot say)."""
@@ -298,34 +293,23 @@ class ToolEnv:
             return
         episode.stats.tool_calls += 1
         timeout = episode.config.tool_timeout if self.tool_timeout is None else self.tool_timeout
-        # a bare cancel scope, not trio.fail_after (a generator context manager): ~3 % of an
-        # episode's CPU in bench_episodes. A scope per call rather than the episode's scope
-        # with its deadline moved in for the call: each move leaves an entry in trio's
-        # deadline heap (two a call), and at 10,000 episodes that was 13-14 full collections
-        # a run against 12, and 3-6 % more CPU a turn (docs/benchmarks.md)
-        with trio.move_on_after(timeout) as scope:
-            try:
-                result = await tool.call(episode, call)
-            except Exception as exc:
-                self._failed(episode, call, timeout, exc, scope.cancel_called)
+        fn = tool.fn
+        try:
+            # a bare cancel scope, not trio.fail_after (a generator context manager): ~3 % of
+            # an episode's CPU in bench_episodes; expiry is read from the scope below
+            with trio.move_on_after(timeout) as scope:
+                if tool.is_async:
+                    result = await fn(*call.args, **call.kwargs)
+                else:
+                    result = await episode.run_sync(fn, *call.args, **call.kwargs)
+        except trio.TooSlowError:  # the tool's own deadline: a timeout all the same
+            episode.stop("tool_timeout", detail=_late(call, timeout))
+        except Exception as exc:
+            if scope.cancel_called:  # it raised something else once cancelled
+                episode.stop("tool_timeout", detail=_late(call, timeout))
+            episode.stop("error", detail=f"tool {call.name!r} raised {type(exc).__name__}: {exc}")
         if scope.cancel_called:
-            # cancelled at its deadline, even if it caught the cancellation and returned:
-            # a timeout, and the episode ends
-            self._failed(episode, call, timeout, None, True)
+            # cancelled at its deadline, even if the tool caught the cancellation and returned:
+            # the episode ends, its result unseen
+            episode.stop("tool_timeout", detail=_late(call, timeout))
         self.syntax.show(episode, call, str(result))
-
-    def _failed(
-        self,
-        episode: Episode,
-        call: ToolCall,
-        timeout: float,
-        exc: Exception | None,
-        expired: bool,
-    ) -> NoReturn:
-        """Stop the episode of a call that raised ``exc`` or ran past its deadline
-        (``expired``): ``tool_timeout`` (also for the tool's own ``TooSlowError``), else
-        ``error``."""
-        if expired or isinstance(exc, trio.TooSlowError):
-            episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
-        name = type(exc).__name__
-        episode.stop("error", detail=f"tool {call.name!r} raised {name}: {exc}")
