@@ -12,6 +12,7 @@ every 10 s with the time left, gives up at its budget, and ends at once when can
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -249,3 +250,30 @@ def test_the_trainer_job_s_wait_for_run_json_is_logged_and_fails_at_its_deadline
         lines[0],
     ), lines[0]
     documented("the trainer job's start", lines[0])
+
+
+async def test_a_trainer_job_waits_past_a_stale_stop_for_the_next_one(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stop = tmp_path / "STOP"
+    stop.write_text("91")  # the stopped orchestrator's, naming a step the job trained
+    stale = trainer_job._file_id(stop)
+    assert stale is not None
+    read = trainer_job._read_stop
+
+    def resumed_orchestrator_ends_at_50_s(path: Path) -> str | None:
+        # the resumed orchestrator clears STOP at its start (20 s) and writes its own at 50 s
+        now = autojump_clock.current_time()
+        if 20 <= now < 50:
+            stop.unlink(missing_ok=True)
+        elif now >= 50 and not stop.exists():
+            stop.write_text("91")  # the same text: only the file tells them apart
+            # written a run later (a file's time has a clock tick's granularity, and the inode
+            # of an unlinked file may come back)
+            later = stale[1] + 60 * 10**9
+            os.utime(stop, ns=(later, later))
+        return read(path)
+
+    monkeypatch.setattr(trainer_job, "_read_stop", resumed_orchestrator_ends_at_50_s)
+    assert await _wait_for_stop(stop, stale) == 91
+    assert 50 <= trio.current_time() <= 51

@@ -306,7 +306,7 @@ async def _wait_trained(
         )
 
 
-def _orchestrator_heartbeat(config: LearnRunConfig, stale: _FileId | None) -> Heartbeat:
+def _orchestrator_heartbeat(config: LearnRunConfig, stale: _FileId | None = None) -> Heartbeat:
     """The orchestrator's heartbeat, as the trainer job watches it; once the orchestrator named
     its last step (a ``STOP`` other than ``stale``), its silence is expected."""
     stop = RunDirectory(run_directory(config)).stop
@@ -345,7 +345,7 @@ def _stale_stop(config: LearnRunConfig, trained: int) -> _FileId | None:
     return found if resumes(read_ended(out), config.run.max_steps) else None
 
 
-async def _wait_for_stop(path: Path, stale: _FileId | None, log_every: float = 300.0) -> int:
+async def _wait_for_stop(path: Path, stale: _FileId | None = None, log_every: float = 300.0) -> int:
     """The step named in ``path`` once it appears (other than the ``stale`` file); logs every
     ``log_every`` s until then (no deadline: the orchestrator writes it at the end of its run,
     however long that is)."""
