@@ -252,6 +252,7 @@ async def _open_run(
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
         open_engine(config, start.policy, start.trained) as engine,
     ):
+        decode = start.policy.decode
         runner = episode_runner(
             config.env.to_config(),
             start.env,
@@ -269,11 +270,9 @@ async def _open_run(
                 config=orch_config,
                 # an episode's environment returns its reward
                 sample_reward=(
-                    start.samples.scoring(reward, start.policy.decode)
-                    if start.env is None
-                    else None
+                    start.samples.scoring(reward, decode) if start.env is None else None
                 ),
-                generate=runner,
+                generate=None if runner is None else start.samples.playing(runner, decode),
                 monitor=monitor,
                 limiter=start.limiter,
                 checkpoint_dir=RunDirectory(out).checkpoints,
