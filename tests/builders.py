@@ -18,7 +18,9 @@
 - :func:`write_open_groups_checkpoint`, :func:`open_one_prompt_orchestrator` and
   :func:`resume_watchdog`: a run resumed from a checkpoint of open groups over one prompt
   (:data:`RESUME_PROMPTS`), guarded by a watchdog thread, for the resume-deadline and the
-  cross-layer cancellation tests.
+  cross-layer cancellation tests;
+- :func:`reward_worker_processes`: the reward worker processes a running ``trio-rl`` started
+  (its children running ``trio_rl/workers/_child.py``).
 """
 
 from __future__ import annotations
@@ -355,3 +357,23 @@ def open_one_prompt_orchestrator(
 
 def _parity_reward(sample: Sample) -> float:
     return float(sample.index % 2)
+
+
+def reward_worker_processes(pid: int) -> list[str]:
+    """The command lines of process ``pid``'s children that are reward worker processes (the
+    pool's template, which forks the workers; Linux ``/proc``)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue  # the thread ended in between
+        for child in children:
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue  # the child ended in between
+            line = " ".join(a.decode(errors="replace") for a in argv if a)
+            if "trio_rl/workers/_child.py" in line:
+                found.append(line)
+    return found

@@ -94,10 +94,6 @@ def run_command(args: argparse.Namespace) -> int:
     torch.set_num_threads(1 if learn_cfg.run.deterministic else learn_cfg.run.threads)
     check_run_inputs(learn_cfg, origin)
     config = _Run(learn_cfg, resume=not args.fresh)
-    if config.trainer_mode == "inprocess":
-        # The trainer's optimizer imports torch._dynamo (sympy...) when it is built: seconds
-        # (15 s on a busy machine) during which the event loop, signals included, would stall.
-        import torch._dynamo
     if learn_cfg.run.max_steps is not None:
         shipped = _last_shipped(config.out) if _resuming(config) else 0
         # the run caps its steps itself (from the step it resumes at, its checkpoint's:

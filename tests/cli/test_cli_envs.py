@@ -19,6 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from builders import reward_worker_processes
 from trio_rl.wire import decode
 
 TRIO_RL = str(Path(sys.executable).with_name("trio-rl"))
@@ -145,10 +146,12 @@ def test_requests_are_prefixes_and_shipped_masks_are_exact(tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
     )
+    workers: list[str] = []
     try:
         end = time.monotonic() + 240
         while proc.poll() is None:
             assert time.monotonic() < end, "the run took over 240 s"
+            workers += reward_worker_processes(proc.pid)
             for path in (out / "batches").glob("step_*/rank_*.bin"):
                 target = kept / f"{path.parent.name}.bin"
                 if not target.exists():
@@ -163,6 +166,8 @@ def test_requests_are_prefixes_and_shipped_masks_are_exact(tmp_path: Path) -> No
             proc.kill()
             proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
+    # the environment returns each episode's reward: the run starts no reward workers
+    assert workers == []
     shipped = [m["step"] for m in _lines(out / "metrics.jsonl")]
     assert sorted(p.stem for p in kept.iterdir()) == [f"step_{s}" for s in shipped]
     prompts = [tuple(p) for p in _lines(requests)]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from builders import reward_worker_processes
+
 pytest.importorskip("torch")
 
 QUICK = str(Path(__file__).parents[2] / "examples" / "learn-quick.toml")
@@ -64,6 +66,8 @@ def test_a_signal_checkpoints_the_learning_run_and_it_resumes(tmp_path: Path, si
     proc = _start(out, 10_000)
     try:
         _wait_for_step(proc, 2)
+        # a single-turn run scores its samples in reward workers (the envs test: none there)
+        assert reward_worker_processes(proc.pid)
         proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
     finally:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..trainer import TrainerConfig, TrainerTensors, to_torch
 from ..wire import MicroBatch
+from ._adamw import AdamW
 from ._model import sequence_logprobs_entropy
 
 __all__ = [
@@ -146,7 +147,7 @@ class GRPOTrainer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         self._wrapped: nn.Module = DistributedDataParallel(model) if self.distributed else model
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = AdamW(
             model.parameters(),
             lr=self.config.lr,
             betas=self.config.betas,

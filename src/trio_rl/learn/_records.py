@@ -39,7 +39,8 @@ class Records:
     config: LearnRunConfig
     orch: Orchestrator
     engine: Engine
-    reward: RecordReward
+    #: the samples' reward (None with ``[env]``: an episode's environment returns its reward)
+    reward: RecordReward | None
     trainer_log: TrainerLog
     limiter: trio.CapacityLimiter
     display: Display | None = None
@@ -91,7 +92,9 @@ class Records:
                 del shipment
                 # what waits behind the step: samples queued in the sink, groups the rollout
                 # layer holds open (read when the record arrives, just after the ship)
-                rec["counters/reward_failures"] = self.reward.failed
+                rec["counters/reward_failures"] = failed = (
+                    0 if self.reward is None else self.reward.failed
+                )
                 if self.episodes is not None:  # run totals: stop reasons, turns, tool calls
                     rec.update(self.episodes.record())
                 rec["queue_depth"] = orch.sink.queued
@@ -111,7 +114,7 @@ class Records:
                 if self.display is not None and verbose:
                     self.display.write(shown)
                 elif verbose:
-                    print(plain_line(shown, self.reward.failed), flush=True)
+                    print(plain_line(shown, failed), flush=True)
         self._send.close()
         self.drained.set()
 

@@ -12,6 +12,7 @@ trainer (`_trainer_jobs`, `_inprocess`), the steps' records (`_steps`, `_records
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -197,7 +198,7 @@ async def run_learning(
 class _Run:
     """What a run holds open while it ships its steps."""
 
-    reward: RecordReward
+    reward: RecordReward | None
     engine: Engine
     orch: Orchestrator
     evals: RunEvals | None
@@ -237,9 +238,10 @@ async def _open_run(
     """Open the run's resources in order (closed in reverse): the reward's workers, the
     sender to the trainer, the engine, the orchestrator, the evals."""
     out = run_directory(config)
-    async with (
-        # the reward of every sample, the built-in tasks' as any other, in workers of its own:
-        # a call that hangs is killed, and never holds what the run needs to go on or to stop
+    # the reward of every sample, the built-in tasks' as any other, in workers of its own: a
+    # call that hangs is killed, and never holds what the run needs to go on or to stop; an
+    # episode's environment returns its reward, so a run with [env] starts no reward workers
+    reward_cm: contextlib.AbstractAsyncContextManager[RecordReward | None] = (
         open_record_reward(
             start.reward_fn,
             start.policy.decode,
@@ -248,7 +250,12 @@ async def _open_run(
             call_timeout=config.reward.timeout,
             failure_budget=config.reward.failure_budget or start.samples_per_step,
             name=f"reward {reward_function(config)}",
-        ) as reward,
+        )
+        if start.env is None
+        else contextlib.nullcontext(None)
+    )
+    async with (
+        reward_cm as reward,
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
         open_engine(config, start.policy, start.trained) as engine,
     ):
@@ -270,7 +277,7 @@ async def _open_run(
                 config=orch_config,
                 # an episode's environment returns its reward
                 sample_reward=(
-                    start.samples.scoring(reward, decode) if start.env is None else None
+                    None if reward is None else start.samples.scoring(reward, decode)
                 ),
                 generate=None if runner is None else start.samples.playing(runner, decode),
                 monitor=monitor,
@@ -282,7 +289,7 @@ async def _open_run(
                 config, start.policy, engine, orch, start.limiter, served=start.trained, sinks=sinks
             ) as evals,
         ):
-            if orch.admission is not None:
+            if orch.admission is not None and reward is not None:
                 # samples whose reward call runs slow (a hang, until its timeout) do not hold
                 # back new work: they may never arrive
                 orch.admission.uncounted = reward.slow_calls
