@@ -276,9 +276,7 @@ async def _open_run(
                 sender,
                 config=orch_config,
                 # an episode's environment returns its reward
-                sample_reward=(
-                    None if reward is None else start.samples.scoring(reward, decode)
-                ),
+                sample_reward=(None if reward is None else start.samples.scoring(reward, decode)),
                 generate=None if runner is None else start.samples.playing(runner, decode),
                 monitor=monitor,
                 limiter=start.limiter,
