@@ -255,7 +255,7 @@ class _Run:
 def _trainer_exit_line(cfg: LearnRunConfig, argv: list[str]) -> str:
     """Why the trainer job exits: the orchestrator's last step and why it stopped (its
     ``ended.json``), and, when the run is not over, the command that starts the job again."""
-    from .learn._verdict import read_ended
+    from .learn._verdict import read_ended, resumes
 
     assert cfg.run.out is not None
     run = RunDirectory(Path(cfg.run.out))
@@ -269,7 +269,7 @@ def _trainer_exit_line(cfg: LearnRunConfig, argv: list[str]) -> str:
             f"signal), and every step up to it is trained; start me again with: {again} "
             "(beside the resumed `trio-rl run`)"
         )
-    if stopped == "steps" and cfg.run.max_steps is not None and step != cfg.run.max_steps:
+    if resumes(ended, cfg.run.max_steps):
         return (
             f"trainer job: the orchestrator stopped at step {step} (STOP: it shipped its "
             f"--steps), and every step up to it is trained; start me again with: {again} "

@@ -125,8 +125,19 @@ def test_an_external_run_stopped_and_resumed_trains_every_step_once(tmp_path: Pa
     assert trained == list(range(1, stopped_at + 1))
 
     # resumed: the orchestrator names the trainer job's real step, and goes to max_steps
+    beat = run_dir / "trainer" / "heartbeat"
+    started = time.time()
     with _trainer(config) as trainer:
         try:
+            # the job starts first: the STOP it finds names a step it trained, written by an
+            # orchestrator stopped for the run to go on, so it waits for the next one's STOP
+            deadline = time.monotonic() + 120
+            while not (beat.exists() and beat.stat().st_mtime > started):
+                assert trainer.poll() is None, trainer.communicate()
+                assert time.monotonic() < deadline, "no trainer heartbeat within 120 s"
+                time.sleep(0.05)
+            time.sleep(2)
+            assert trainer.poll() is None, trainer.communicate()
             done = subprocess.run(
                 [TRIO_RL, "run", str(config)],
                 capture_output=True,

@@ -153,6 +153,152 @@ async def test_a_sync_tool_past_its_timeout_is_abandoned_in_its_thread() -> None
     assert limiter.total_tokens == 1
 
 
+# a tool call's scope inside the episode's (episode_timeout) or with none around it
+BOTH_SCOPES = pytest.mark.parametrize("episode_timeout", [600.0, None])
+
+
+def calls_then_answers(prompt: str) -> str:
+    return "?1" if prompt == "1=" else "a"
+
+
+@BOTH_SCOPES
+async def test_an_async_tool_past_its_timeout_ends_the_episode_before_its_next_turn(
+    episode_timeout: float | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    async def slow(key: str) -> str:
+        await trio.sleep(60)
+        return "late"
+
+    engine = RecordingEngine(ScriptedPolicy(calls_then_answers))
+    env = ToolEnv([slow], zero, tool_timeout=5.0, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        engine, env, CODEC, SamplingParams(max_tokens=3), EnvConfig(episode_timeout=episode_timeout)
+    )
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        sample = await play(runner)
+        assert trio.current_time() - start == pytest.approx(5.0)
+        assert nursery.child_tasks == frozenset()  # nothing of the episode runs on
+    assert stop_of(sample) == "tool_timeout"
+    assert sample.status is SampleStatus.FAILED
+    assert len(engine.requests) == 1  # the turn after the call never ran
+    assert sample.metadata[EPISODE_KEY]["turns"] == 1
+    only(runner, "tool_timeout")
+
+
+@BOTH_SCOPES
+async def test_a_tool_that_swallows_its_cancellation_ends_its_episode_all_the_same(
+    episode_timeout: float | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    swallowed = []
+
+    async def stubborn(key: str) -> str:
+        try:
+            await trio.sleep(60)
+        except trio.Cancelled:
+            swallowed.append(trio.current_time())
+        return "late"
+
+    engine = RecordingEngine(ScriptedPolicy(calls_then_answers))
+    env = ToolEnv([stubborn], zero, tool_timeout=5.0, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        engine, env, CODEC, SamplingParams(max_tokens=3), EnvConfig(episode_timeout=episode_timeout)
+    )
+    sample = await play(runner)
+    assert len(swallowed) == 1
+    assert stop_of(sample) == "tool_timeout"
+    assert len(engine.requests) == 1  # its result was not shown to the policy
+    assert sample.num_tokens == len(CODEC.encode("1=?1")) + 1  # prompt, call, eos
+    only(runner, "tool_timeout")
+
+
+@BOTH_SCOPES
+async def test_a_sync_tool_past_its_timeout_ends_the_episode_and_is_left_to_its_thread(
+    episode_timeout: float | None, autojump_clock: trio.testing.MockClock
+) -> None:
+    release = threading.Event()
+
+    def block(key: str) -> str:
+        release.wait(10)
+        return "late"
+
+    engine = RecordingEngine(ScriptedPolicy(calls_then_answers))
+    env = ToolEnv([block], zero, tool_timeout=5.0, syntax=CompactCalls())
+    runner = EpisodeRunner(
+        engine, env, CODEC, SamplingParams(max_tokens=3), EnvConfig(episode_timeout=episode_timeout)
+    )
+    try:
+        sample = await play(runner)
+    finally:
+        release.set()
+    assert stop_of(sample) == "tool_timeout"
+    assert len(engine.requests) == 1
+
+
+async def test_the_episode_timeout_is_told_apart_from_a_longer_tool_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow(key: str) -> str:
+        await trio.sleep(60)
+        return "late"
+
+    # the episode's deadline (8 s) falls inside the call, before the call's own (10 s)
+    runner = EpisodeRunner(
+        ScriptedPolicy(calls_then_answers, delay=1.0),
+        ToolEnv([slow], zero, tool_timeout=10.0, syntax=CompactCalls()),
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(episode_timeout=8.0),
+    )
+    start = trio.current_time()
+    sample = await play(runner)
+    assert trio.current_time() - start == pytest.approx(8.0)
+    assert stop_of(sample) == "episode_timeout"
+    assert sample.status is SampleStatus.TRUNCATED
+    only(runner, "episode_timeout")
+
+
+async def test_a_tool_call_in_time_gives_the_episode_its_own_deadline_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def quick(key: str) -> str:
+        await trio.sleep(0.5)
+        return "b"
+
+    async def one(record: Mapping[str, Any], answer: str, calls: Sequence[ToolCall]) -> float:
+        return 1.0  # on the loop: a worker thread would let the mock clock jump
+
+    # turns of 4 s each, past the 2 s of a tool call: only a call is held to those
+    runner = EpisodeRunner(
+        ScriptedPolicy(calls_then_answers, delay=4.0),
+        ToolEnv([quick], one, tool_timeout=2.0, syntax=CompactCalls()),
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(episode_timeout=9.0),
+    )
+    sample = await play(runner)
+    assert stop_of(sample) == "done"
+    assert sample.reward == 1.0
+    assert sample.metadata[EPISODE_KEY]["turns"] == 2
+
+
+@BOTH_SCOPES
+async def test_a_tool_raising_its_own_too_slow_error_is_a_tool_timeout(
+    episode_timeout: float | None,
+) -> None:
+    async def gives_up(key: str) -> str:
+        raise trio.TooSlowError
+
+    runner = EpisodeRunner(
+        ScriptedPolicy(calls_then_answers),
+        ToolEnv([gives_up], zero, syntax=CompactCalls()),
+        CODEC,
+        SamplingParams(max_tokens=3),
+        EnvConfig(episode_timeout=episode_timeout),
+    )
+    assert stop_of(await play(runner)) == "tool_timeout"
+
+
 async def test_a_tool_that_raises_costs_its_episode_only() -> None:
     def broken(key: str) -> str:
         raise KeyError(key)

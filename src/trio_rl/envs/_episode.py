@@ -160,7 +160,11 @@ class Episode:
         if cap != params.max_tokens or seed != params.seed:
             # attrs.evolve only when the turn's settings differ: it was ~7 us a turn
             params = attrs.evolve(params, max_tokens=cap, seed=seed)
-        completion = await self._request(params)
+        # the first try awaited here, not in a coroutine of its own (see EpisodeRunner)
+        try:
+            completion = await self.engine.generate(self._request(params, 0))
+        except (EngineTransportError, EngineTimeoutError) as exc:
+            completion = await self._retry(params, exc)
         start = len(sample.completion_tokens)
         sample.completion_tokens.extend(completion.tokens)
         sample.logprobs.extend(completion.logprobs)
@@ -179,27 +183,28 @@ class Episode:
             self.stop("budget", detail=f"turn {self.turns} cut at the episode's token budget")
         return text
 
-    async def _request(self, params: SamplingParams) -> Completion:
+    def _request(self, params: SamplingParams, retries: int) -> GenerateRequest:
         sample = self.sample
-        retries = 0
-        while True:
-            request = GenerateRequest(
-                prompt_tokens=self.tokens,
-                params=params,
-                routing_key=self._routing_key,
-                request_id=f"{sample.index}-{self.request_prefix}-{self.turns}-{retries}",
-                sample_index=sample.index,
-                abort=current_abort(),
-            )
+        return GenerateRequest(
+            prompt_tokens=self.tokens,
+            params=params,
+            routing_key=self._routing_key,
+            request_id=f"{sample.index}-{self.request_prefix}-{self.turns}-{retries}",
+            sample_index=sample.index,
+            abort=current_abort(),
+        )
+
+    async def _retry(self, params: SamplingParams, failure: Exception) -> Completion:
+        """The turn sent again after its try failed with ``failure``, up to ``turn_retries``
+        times: the server went away mid-episode, and the prefix is sent again (to another
+        server when the engine is a fleet, which routes the key anew)."""
+        for retries in range(1, self.config.turn_retries + 1):
+            self.stats.turn_retries += 1
             try:
-                return await self.engine.generate(request)
-            except (EngineTransportError, EngineTimeoutError):
-                # the server went away mid-episode: the prefix is sent again (to another server
-                # when the engine is a fleet, which routes the key anew)
-                if retries >= self.config.turn_retries:
-                    raise
-                retries += 1
-                self.stats.turn_retries += 1
+                return await self.engine.generate(self._request(params, retries))
+            except (EngineTransportError, EngineTimeoutError) as exc:
+                failure = exc
+        raise failure
 
     # ---------------------------------------------------------------------------- observing
 

@@ -1,12 +1,13 @@
 """`ToolEnv`: the policy calls tools until it answers; pluggable call syntaxes.
 
 A turn whose text holds no tool call is the answer, scored by the reward function. A turn with
-calls runs them one after the other, each under ``trio.fail_after(tool_timeout)`` (async tools
+calls runs them one after the other, each under a deadline of ``tool_timeout`` (async tools
 awaited on the loop, plain ones in worker threads under the run's limiter), shows each result
 to the policy and asks for the next turn. A tool that times out ends the episode as
-``tool_timeout``, one that raises as ``error``: the episode is lost, never the run. A call that
-does not parse (bad JSON, an unknown tool, arguments the tool does not take) is shown to the
-policy as an error message and costs a turn.
+``tool_timeout`` (also one that catches its cancellation and returns), one that raises as
+``error``: the episode is lost, never the run. A call that does not parse (bad JSON, an unknown
+tool, arguments the tool does not take) is shown to the policy as an error message and costs a
+turn.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class CompactCalls:
 
     def show_error(self, episode: Episode, message: str) -> None:
         episode.observe(self.error + self.end)
+
+
+def _late(call: ToolCall, timeout: float) -> str:
+    return f"tool {call.name!r} took over {timeout:g} s"
 
 
 def _tool_name(fn: Callable[..., Any]) -> str:
@@ -298,9 +303,13 @@ class ToolEnv:
                 else:
                     result = await episode.run_sync(fn, *call.args, **call.kwargs)
         except trio.TooSlowError:  # the tool's own deadline: a timeout all the same
-            episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
+            episode.stop("tool_timeout", detail=_late(call, timeout))
         except Exception as exc:
+            if scope.cancel_called:  # it raised something else once cancelled
+                episode.stop("tool_timeout", detail=_late(call, timeout))
             episode.stop("error", detail=f"tool {call.name!r} raised {type(exc).__name__}: {exc}")
-        if scope.cancelled_caught:
-            episode.stop("tool_timeout", detail=f"tool {call.name!r} took over {timeout:g} s")
+        if scope.cancel_called:
+            # cancelled at its deadline, even if the tool caught the cancellation and returned:
+            # the episode ends, its result unseen
+            episode.stop("tool_timeout", detail=_late(call, timeout))
         self.syntax.show(episode, call, str(result))

@@ -36,6 +36,7 @@ __all__ = [
     "SampleLog",
     "equal_rewards_verdict",
     "read_ended",
+    "resumes",
     "reward_stop_line",
     "target_line",
     "write_ended",
@@ -238,3 +239,14 @@ def read_ended(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def resumes(ended: Mapping[str, Any] | None, max_steps: int | None) -> bool:
+    """Whether the orchestrator that wrote ``ended`` (``ended.json``) stopped for the run to go
+    on: stopped by a signal, or after its ``--steps`` below ``run.max_steps``."""
+    if not ended:
+        return False
+    stopped = ended.get("stopped")
+    if stopped == "signal":
+        return True
+    return stopped == "steps" and max_steps is not None and ended.get("step") != max_steps

@@ -65,6 +65,7 @@ from ._grpo import GRPOTrainer, StepStats
 from ._heartbeat import Heartbeat, beat, watch_heartbeat
 from ._run_io import append_trainer_record, load_trainer_state, save_trainer_state
 from ._settings import build_policy, from_run_json, run_directory
+from ._verdict import read_ended, resumes
 from ._weights import publish_weights
 
 __all__ = ["HEARTBEAT_FILE", "TRAINED_LOG", "load_run_config", "main", "run_job"]
@@ -172,6 +173,11 @@ class _Job:
                 self._reconcile(state)
         #: The last step this rank trained (its state saved, its batch acknowledged).
         self.trained: trio_util.AsyncValue[int] = trio_util.AsyncValue(self.start - 1)
+        #: ``STOP`` as the previous orchestrator left it when it stopped for the run to go on
+        #: (by a signal, or after its ``--steps``) at a step this job has trained: the job was
+        #: started beside the next orchestrator, which may not have cleared it yet, so it
+        #: waits for the STOP that orchestrator writes (None: no such file)
+        self.stale_stop = _stale_stop(config, self.start - 1)
 
     def _reconcile(self, state: dict[str, Any]) -> None:
         log = RunDirectory(self.out).trained_log
@@ -221,7 +227,9 @@ class _Job:
         async with trio.open_nursery() as nursery:
             if self.rank == 0:
                 nursery.start_soon(beat, RunDirectory(self.out).trainer_heartbeat)
-            nursery.start_soon(watch_heartbeat, _orchestrator_heartbeat(self.config))
+            nursery.start_soon(
+                watch_heartbeat, _orchestrator_heartbeat(self.config, self.stale_stop)
+            )
 
             async def train() -> None:
                 async with transport:
@@ -246,7 +254,7 @@ class _Job:
                 print(f"trainer job: resumed after step {self.start - 1}", flush=True)
             # Every rank stops after the same step (a rank leaving early would hang the others
             # in an all-reduce): the one the orchestrator names in the stop file, once trained.
-            last = await _wait_for_stop(RunDirectory(self.out).stop)
+            last = await _wait_for_stop(RunDirectory(self.out).stop, self.stale_stop)
             await _wait_trained(
                 self.trained,
                 last,
@@ -298,28 +306,59 @@ async def _wait_trained(
         )
 
 
-def _orchestrator_heartbeat(config: LearnRunConfig) -> Heartbeat:
+def _orchestrator_heartbeat(config: LearnRunConfig, stale: _FileId | None) -> Heartbeat:
     """The orchestrator's heartbeat, as the trainer job watches it; once the orchestrator named
-    its last step (``STOP``), its silence is expected."""
-    out = run_directory(config)
+    its last step (a ``STOP`` other than ``stale``), its silence is expected."""
+    stop = RunDirectory(run_directory(config)).stop
     return Heartbeat(
-        RunDirectory(out).orchestrator_heartbeat,
+        RunDirectory(run_directory(config)).orchestrator_heartbeat,
         config.trainer.connect_timeout,
         name="trainer job: the orchestrator",
         waiting="trainer job: waiting for the orchestrator",
         lost=lambda _: "trainer job: no orchestrator heartbeat",
         start="`trio-rl run CONFIG.toml`",
-        ended=RunDirectory(out).stop.exists,
+        ended=lambda: _file_id(stop) not in (None, stale),
     )
 
 
-async def _wait_for_stop(path: Path, log_every: float = 300.0) -> int:
-    """The step named in ``path`` once it appears; logs every ``log_every`` s until then (no
-    deadline: the orchestrator writes it at the end of its run, however long that is)."""
+#: A file's identity: inode, modification time and size (the orchestrator writes ``STOP`` anew
+#: at the end of each of its runs).
+_FileId = tuple[int, int, int]
+
+
+def _file_id(path: Path) -> _FileId | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _stale_stop(config: LearnRunConfig, trained: int) -> _FileId | None:
+    """``STOP``'s identity when it names a step this job has trained (``trained``) and the
+    orchestrator that wrote it stopped for the run to go on (``ended.json``), else None."""
+    out = run_directory(config)
+    stop = RunDirectory(out).stop
+    found, text = _file_id(stop), _read_stop(stop)
+    if found is None or text is None or int(text) > trained:
+        return None
+    return found if resumes(read_ended(out), config.run.max_steps) else None
+
+
+async def _wait_for_stop(path: Path, stale: _FileId | None, log_every: float = 300.0) -> int:
+    """The step named in ``path`` once it appears (other than the ``stale`` file); logs every
+    ``log_every`` s until then (no deadline: the orchestrator writes it at the end of its run,
+    however long that is)."""
     next_log = trio.current_time() + log_every
+    if stale is not None:
+        logger.info(
+            "trainer job: %s names a step this job trained, from an orchestrator stopped for "
+            "the run to go on: waiting for the next one's",
+            path,
+        )
     while True:
         text = await trio.to_thread.run_sync(_read_stop, path)
-        if text is not None:
+        if text is not None and (stale is None or _file_id(path) != stale):
             return int(text)
         if trio.current_time() >= next_log:
             logger.warning("trainer job: still waiting for %s", path)
