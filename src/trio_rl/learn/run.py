@@ -259,6 +259,7 @@ async def _open_run(
         FileSender(out, config.trainer.ranks, fsync=config.transport.fsync) as sender,
         open_engine(config, start.policy, start.trained) as engine,
     ):
+        decode = start.policy.decode
         runner = episode_runner(
             config.env.to_config(),
             start.env,
@@ -275,10 +276,8 @@ async def _open_run(
                 sender,
                 config=orch_config,
                 # an episode's environment returns its reward
-                sample_reward=(
-                    None if reward is None else start.samples.scoring(reward, start.policy.decode)
-                ),
-                generate=runner,
+                sample_reward=(None if reward is None else start.samples.scoring(reward, decode)),
+                generate=None if runner is None else start.samples.playing(runner, decode),
                 monitor=monitor,
                 limiter=start.limiter,
                 checkpoint_dir=RunDirectory(out).checkpoints,
