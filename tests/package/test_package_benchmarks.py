@@ -38,8 +38,14 @@ def test_every_benchmark_is_in_run_all() -> None:
 
 
 # One test per script, so that the two xdist workers share them (one 30 s test at the end of
-# a worker's share was CI's tail).
-@pytest.mark.parametrize("name", list(GOALS))
+# a worker's share was CI's tail). The two longest smoke runs (10-12 s each: real-time windows,
+# real `trio-rl run` pairs) are `heavy`; `nox -s bench` and `nox -s heavy` run them.
+_HEAVY = {"scheduler", "reward_workers"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.heavy) if n in _HEAVY else n for n in GOALS]
+)
 def test_every_benchmark_runs_to_its_goal_lines(name: str) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "run_all.py"), "--quick", name],
