@@ -1,6 +1,7 @@
 """Shared test configuration: Hypothesis profiles, and the SIGINT the child processes get.
 
-``ci`` (the nox ``tests`` session) runs 500 examples per property and state machine,
+``ci`` (the nox ``tests`` session) runs 500 examples per property and state machine (the
+wire codec's properties, which run once per codec backend, 200 each: ``wire_reference``),
 ``thorough`` many more; a bare ``pytest`` uses the quicker ``dev`` profile.
 """
 

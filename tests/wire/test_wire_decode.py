@@ -11,7 +11,14 @@ import msgspec
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from wire_reference import REF_DECODER, codec_backend, micro_batches, minimal, pytest_generate_tests  # noqa: F401 (both backends)
+from wire_reference import (  # noqa: F401 (both backends)
+    REF_DECODER,
+    codec_backend,
+    micro_batches,
+    minimal,
+    pytest_generate_tests,
+    wire_examples,
+)
 
 from trio_rl.wire import (
     MicroBatch,
@@ -35,6 +42,7 @@ def _has_nan(value: Any) -> bool:
     return False
 
 
+@wire_examples
 @given(st.lists(micro_batches, max_size=3))
 def test_decode_inverts_encode(mbs: list[MicroBatch]) -> None:
     data = encode(mbs)
@@ -210,6 +218,7 @@ def _outcome(data: bytes) -> tuple[str, bytes | WireFormatError]:
         return "error", exc
 
 
+@wire_examples
 @given(mutated_payloads())
 @example(b"\x91\xdc\x00\x15" + b"\x90" * 20 + b"\xd5\xff\x00\x00")
 def test_fuzzed_payloads_decode_or_raise_wire_format_error(data: bytes) -> None:
@@ -239,6 +248,7 @@ def test_fuzzed_payloads_decode_or_raise_wire_format_error(data: bytes) -> None:
     assert careful == outcome == reference
 
 
+@wire_examples
 @given(
     micro_batches,
     st.integers(9, 20),

@@ -26,6 +26,7 @@ from wire_reference import (  # noqa: F401 (both backends)
     micro_batches,
     minimal,
     pytest_generate_tests,
+    wire_examples,
 )
 
 from conftest import scaled
@@ -103,6 +104,7 @@ def _with_extra(raw: bytes) -> bytes:
     return b"\x91\xdc\x00\x15" + _BASE + raw
 
 
+@wire_examples
 @given(payloads_with_extras())
 @example((_with_extra(b"\x81\x91\x01\x02"), [minimal(env_names=["e"])], False))
 @example((_with_extra(b"\x81\x80\x02"), [minimal(env_names=["e"])], False))
@@ -224,6 +226,7 @@ def wide_values(draw: st.DrawFn) -> tuple[bytes, int]:
     return bytes(data), draw(st.sampled_from([3, 1000, 1021, 1022, 1023, 1024, 1025]))
 
 
+@wire_examples
 @given(wide_values())
 def test_msgpack_skip_agrees_with_the_python_walk(case: tuple[bytes, int]) -> None:
     # skip() lets msgpack skip large containers and bisects with it to find an error; the

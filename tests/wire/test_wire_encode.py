@@ -19,6 +19,7 @@ from wire_reference import (  # noqa: F401 (both backends)
     pytest_generate_tests,
     reference_encode,
     to_ref,
+    wire_examples,
 )
 
 from trio_rl.wire import (
@@ -53,6 +54,7 @@ def test_spec_worked_example_is_literal() -> None:
     assert encode([minimal()]) == reference_encode([minimal()])
 
 
+@wire_examples
 @given(st.lists(micro_batches, max_size=3))
 def test_encode_and_encode_into_equal_reference(mbs: list[MicroBatch]) -> None:
     expected = reference_encode(mbs)

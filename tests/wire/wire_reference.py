@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import attrs
 import msgspec
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from trio_rl.wire import (
@@ -196,6 +197,15 @@ def minimal(**overrides: Any) -> MicroBatch:
     }
     fields.update(overrides)
     return MicroBatch(**fields)
+
+
+# --- how many examples ---------------------------------------------------------------------
+#: The wire properties' examples: each property runs twice (both backends below), so the ``ci``
+#: profile gives each case 200 of its 500 (derandomized: the same examples every run), which
+#: keeps the CI suite under its 8 minutes; ``thorough`` and ``dev`` keep their own counts.
+_profile = settings().max_examples  # the loaded profile's (tests/conftest.py)
+# thorough (over 500): every example it asks for
+wire_examples = settings(max_examples=_profile if _profile > 500 else min(200, _profile))
 
 
 # --- both codec backends -------------------------------------------------------------------
