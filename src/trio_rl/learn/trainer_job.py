@@ -309,9 +309,10 @@ async def _wait_trained(
 def _orchestrator_heartbeat(config: LearnRunConfig, stale: _FileId | None = None) -> Heartbeat:
     """The orchestrator's heartbeat, as the trainer job watches it; once the orchestrator named
     its last step (a ``STOP`` other than ``stale``), its silence is expected."""
-    stop = RunDirectory(run_directory(config)).stop
+    run = RunDirectory(run_directory(config))
+    stop = run.stop
     return Heartbeat(
-        RunDirectory(run_directory(config)).orchestrator_heartbeat,
+        run.orchestrator_heartbeat,
         config.trainer.connect_timeout,
         name="trainer job: the orchestrator",
         waiting="trainer job: waiting for the orchestrator",
@@ -357,13 +358,20 @@ async def _wait_for_stop(path: Path, stale: _FileId | None = None, log_every: fl
             path,
         )
     while True:
-        text = await trio.to_thread.run_sync(_read_stop, path)
-        if text is not None and (stale is None or _file_id(path) != stale):
+        text = await trio.to_thread.run_sync(_read_new_stop, path, stale)
+        if text is not None:
             return int(text)
         if trio.current_time() >= next_log:
             logger.warning("trainer job: still waiting for %s", path)
             next_log += log_every
         await trio.sleep(0.1)
+
+
+def _read_new_stop(path: Path, stale: _FileId | None) -> str | None:
+    """``path``'s text, None while it is missing or is the ``stale`` file (read and stat in one
+    worker call: no file system call on the event loop)."""
+    text = _read_stop(path)
+    return text if stale is None or _file_id(path) != stale else None
 
 
 def _read_stop(path: Path) -> str | None:
