@@ -270,10 +270,12 @@ def _trainer_exit_line(cfg: LearnRunConfig, argv: list[str]) -> str:
             "(beside the resumed `trio-rl run`)"
         )
     if resumes(ended, cfg.run.max_steps):
+        why = "its time_limit" if stopped == "time_limit" else "it shipped its --steps"
+        until = "" if cfg.run.max_steps is None else f", up to run.max_steps {cfg.run.max_steps}"
         return (
-            f"trainer job: the orchestrator stopped at step {step} (STOP: it shipped its "
-            f"--steps), and every step up to it is trained; start me again with: {again} "
-            f"(beside the next `trio-rl run`, up to run.max_steps {cfg.run.max_steps})"
+            f"trainer job: the orchestrator stopped at step {step} (STOP: {why}), and every "
+            f"step up to it is trained; start me again with: {again} (beside the next "
+            f"`trio-rl run`{until})"
         )
     why = ended.get("message") or {"steps": "it shipped its steps"}.get(str(stopped), stopped)
     return (

@@ -29,6 +29,7 @@ from trio_rl.learn import trainer_job
 from trio_rl.learn._heartbeat import watch_heartbeat
 from trio_rl.learn._run_io import TrainerLog
 from trio_rl.learn._trainer_jobs import TrainerSide, trainer_heartbeat
+from trio_rl.learn._verdict import resumes
 from trio_rl.learn.trainer_job import (
     _orchestrator_heartbeat,
     _wait_for_stop,
@@ -277,3 +278,24 @@ async def test_a_trainer_job_waits_past_a_stale_stop_for_the_next_one(
     monkeypatch.setattr(trainer_job, "_read_stop", resumed_orchestrator_ends_at_50_s)
     assert await _wait_for_stop(stop, stale) == 91
     assert 50 <= trio.current_time() <= 51
+
+
+@pytest.mark.parametrize(
+    ("stopped", "step", "max_steps", "goes_on"),
+    [
+        ("signal", 91, 200, True),
+        ("time_limit", 91, None, True),
+        # without run.max_steps every invocation's --steps is a stretch of the run: the closing
+        # lines print how to resume it, and a trainer job started beside that resume must wait
+        ("steps", 91, None, True),
+        ("steps", 91, 200, True),
+        ("steps", 200, 200, False),
+        ("reward", 91, None, False),
+        ("converged", 91, None, False),
+    ],
+)
+def test_which_orchestrator_stops_leave_the_run_to_go_on(
+    stopped: str, step: int, max_steps: int | None, goes_on: bool
+) -> None:
+    assert resumes({"step": step, "stopped": stopped}, max_steps) is goes_on
+    assert not resumes(None, max_steps)

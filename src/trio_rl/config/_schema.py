@@ -38,8 +38,10 @@ from ._sections import (
     SIZED_ELSEWHERE,
     ConfigSection,
     EngineSection,
+    command_sections,
     config_section,
     engine_section,
+    section,
 )
 
 __all__ = ["Inference", "InferenceKeys", "LearnRunConfig", "SimulateConfig", "StepShape"]
@@ -422,25 +424,25 @@ LearnEval = config_section(
 )
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=command_sections)
 class LearnRunConfig:
     """``trio-rl run``: the learning run."""
 
-    run: LearnRun = attrs.field(factory=LearnRun)
-    engine: LearnEngine = attrs.field(factory=LearnEngine)
-    rollout: LearnRolloutKeys = attrs.field(factory=LearnRollout)
-    sink: ConfigSection[SinkConfig] = attrs.field(factory=LearnSink)
-    publish: Publish = attrs.field(factory=Publish)
-    transport: LearnTransport = attrs.field(factory=LearnTransport)
-    trainer: LearnTrainerKeys = attrs.field(factory=LearnTrainer)
-    checkpoint: LearnCheckpointKeys = attrs.field(factory=LearnCheckpoint)
-    metrics: Metrics = attrs.field(factory=Metrics)
-    model: ModelSection = attrs.field(factory=ModelSection)
-    data: DataSection = attrs.field(factory=DataSection)
-    reward: RewardSection = attrs.field(factory=RewardSection)
-    inference: InferenceKeys = attrs.field(factory=Inference)
-    eval: ConfigSection[EvalConfig] = attrs.field(factory=LearnEval)
-    env: ConfigSection[EnvConfig] = attrs.field(factory=LearnEnv)
+    run: LearnRun = section()
+    engine: LearnEngine = section()
+    rollout: LearnRolloutKeys = section(LearnRollout)
+    sink: ConfigSection[SinkConfig] = section(LearnSink)
+    publish: Publish = section()
+    transport: LearnTransport = section()
+    trainer: LearnTrainerKeys = section(LearnTrainer)
+    checkpoint: LearnCheckpointKeys = section(LearnCheckpoint)
+    metrics: Metrics = section()
+    model: ModelSection = section()
+    data: DataSection = section()
+    reward: RewardSection = section()
+    inference: InferenceKeys = section(Inference)
+    eval: ConfigSection[EvalConfig] = section(LearnEval)
+    env: ConfigSection[EnvConfig] = section(LearnEnv)
 
 
 # ------------------------------------------------------------------ trio-rl simulate
@@ -550,15 +552,15 @@ SimCheckpoint = config_section(
 )
 
 
-@attrs.frozen
+@attrs.frozen(field_transformer=command_sections)
 class SimulateConfig:
     """``trio-rl simulate``: the pipeline on a simulated engine."""
 
-    run: SimRun = attrs.field(factory=SimRun)
-    engine: SimEngineKeys = attrs.field(factory=SimEngine)
-    rollout: StepShape = attrs.field(factory=SimRollout)
-    sink: ConfigSection[SinkConfig] = attrs.field(factory=SimSink)
-    publish: Publish = attrs.field(factory=Publish)
-    transport: SimTransport = attrs.field(factory=SimTransport)
-    trainer: SimTrainer = attrs.field(factory=SimTrainer)
-    checkpoint: ConfigSection[CheckpointConfig] = attrs.field(factory=SimCheckpoint)
+    run: SimRun = section()
+    engine: SimEngineKeys = section(SimEngine)
+    rollout: StepShape = section(SimRollout)
+    sink: ConfigSection[SinkConfig] = section(SimSink)
+    publish: Publish = section()
+    transport: SimTransport = section()
+    trainer: SimTrainer = section()
+    checkpoint: ConfigSection[CheckpointConfig] = section(SimCheckpoint)

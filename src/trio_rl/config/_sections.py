@@ -289,3 +289,30 @@ def engine_section(
     cls.__module__ = __name__
     cls.kinds = kinds
     return cls
+
+
+#: The default of a `section` field whose class is its annotation, until `command_sections`
+#: replaces it with that class.
+_ANNOTATED = object()
+
+
+def section(generated: type[Any] | None = None) -> Any:
+    """A command's section: a field of its configuration class, whose default is a section of
+    its annotated class. A class `config_section` or `engine_section` generated is known to
+    mypy by its base only: the field is annotated with that base and names the class here.
+    The class must be decorated with ``attrs.frozen(field_transformer=command_sections)``."""
+    if generated is not None:
+        return attrs.field(factory=generated)
+    return attrs.field(default=_ANNOTATED)
+
+
+def command_sections(
+    cls: type[Any], fields: list[attrs.Attribute[Any]]
+) -> list[attrs.Attribute[Any]]:
+    """The field transformer of a command's configuration class: a `section` whose class is
+    its annotation gets that class as its default's factory (one spelling of each class)."""
+    hints = typing.get_type_hints(cls)
+    return [
+        f.evolve(default=attrs.Factory(hints[f.name])) if f.default is _ANNOTATED else f
+        for f in fields
+    ]

@@ -243,10 +243,12 @@ def read_ended(out: Path) -> dict[str, Any] | None:
 
 def resumes(ended: Mapping[str, Any] | None, max_steps: int | None) -> bool:
     """Whether the orchestrator that wrote ``ended`` (``ended.json``) stopped for the run to go
-    on: stopped by a signal, or after its ``--steps`` below ``run.max_steps``."""
+    on: stopped by a signal or its ``time_limit``, or after its ``--steps`` short of
+    ``run.max_steps`` (unset: every invocation's ``--steps`` is a stretch of the run, which the
+    closing lines tell how to resume). A reward target or convergence ends the run."""
     if not ended:
         return False
     stopped = ended.get("stopped")
-    if stopped == "signal":
+    if stopped in ("signal", "time_limit"):
         return True
-    return stopped == "steps" and max_steps is not None and ended.get("step") != max_steps
+    return stopped == "steps" and (max_steps is None or ended.get("step") != max_steps)
