@@ -270,10 +270,10 @@ def _trainer_exit_line(cfg: LearnRunConfig, argv: list[str]) -> str:
             "(beside the resumed `trio-rl run`)"
         )
     if resumes(ended, cfg.run.max_steps):
-        why = "its time_limit" if stopped == "time_limit" else "it shipped its --steps"
+        because = "its time_limit" if stopped == "time_limit" else "it shipped its --steps"
         until = "" if cfg.run.max_steps is None else f", up to run.max_steps {cfg.run.max_steps}"
         return (
-            f"trainer job: the orchestrator stopped at step {step} (STOP: {why}), and every "
+            f"trainer job: the orchestrator stopped at step {step} (STOP: {because}), and every "
             f"step up to it is trained; start me again with: {again} (beside the next "
             f"`trio-rl run`{until})"
         )
