@@ -36,6 +36,7 @@ of ``--memory``: linear growth is a constant bytes per episode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -127,7 +128,9 @@ _TASK = "bench_episodes.sample"
 
 async def _run_all(generate: GenerateFn, n: int, prompt: int, probe: Any = None) -> None:
     samples = [Sample(index=i, group_index=i, prompt_tokens=tuple(range(prompt))) for i in range(n)]
-    async with trio.open_nursery() as nursery:
+    # an EpisodeRunner is opened, as the learning run opens it: its task serves the deadlines
+    opened = generate if isinstance(generate, EpisodeRunner) else contextlib.nullcontext()
+    async with opened, trio.open_nursery() as nursery:
         for sample in samples:
             nursery.start_soon(generate, sample, name=_TASK)
         if probe is not None:

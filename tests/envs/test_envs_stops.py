@@ -39,10 +39,23 @@ def sample_of(prompt: str = "1=") -> Sample:
     return Sample(0, 0, CODEC.encode(prompt), label={"prompt": prompt}, seed=1)
 
 
+#: whether `play` opens the runner (its task then serves every deadline); each test runs both ways
+_SERVED = {"on": False}
+
+
+@pytest.fixture(autouse=True, params=["trio's deadlines", "the runner's deadline server"])
+def _deadlines(request: pytest.FixtureRequest) -> None:
+    _SERVED["on"] = request.param != "trio's deadlines"
+
+
 async def play(runner: EpisodeRunner) -> Sample:
     sample = sample_of()
     with trio.fail_after(10):
-        await runner(sample)
+        if _SERVED["on"]:
+            async with runner:
+                await runner(sample)
+        else:
+            await runner(sample)
     return sample
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import attrs
@@ -28,6 +29,7 @@ from ..rollout import current_abort
 from ..samples import Sample
 from ._chat import ChatTemplate
 from ._config import STOP_REASONS, EnvConfig, StopReason
+from ._deadlines import Deadlines
 from ._stats import EpisodeStats
 
 __all__ = ["Codec", "Episode"]
@@ -80,6 +82,8 @@ class Episode:
     limiter: trio.CapacityLimiter | None = None
     chat: ChatTemplate | None = None
     stats: EpisodeStats = attrs.field(factory=EpisodeStats)
+    #: the runner's deadline server, while it is open (else None: a scope's own deadline)
+    deadlines: Deadlines | None = None
     request_prefix: str = ""
     turns: int = 0
     #: set once the episode ended (by a budget, a tool, or :meth:`stop`)
@@ -252,6 +256,15 @@ class Episode:
         sample.loss_mask.extend([False] * len(tokens))
 
     # ---------------------------------------------------------------------------- tools
+
+    def cancel_after(self, seconds: float) -> AbstractContextManager[trio.CancelScope]:
+        """``with episode.cancel_after(seconds) as scope:``: ``trio.move_on_after(seconds)``,
+        its deadline kept by the runner's deadline server while the runner is open (a closed
+        scope is then freed at once, not held in trio's deadline heap until it is pruned)."""
+        deadlines = self.deadlines
+        if deadlines is None or not deadlines.serving:
+            return trio.move_on_after(seconds)
+        return deadlines.after(seconds)
 
     async def run_sync(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """``fn(*args, **kwargs)`` in a worker thread under the run's capacity limiter; on

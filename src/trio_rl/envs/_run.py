@@ -21,10 +21,11 @@ import attrs
 import trio
 
 from ..engines import Engine, EngineError, SamplingParams
-from ..errors import EnvConfigError, EpisodeStoppedError, TemplateMismatchError
+from ..errors import EnvConfigError, EpisodeStoppedError, TemplateMismatchError, collapse_single
 from ..samples import Sample, SampleStatus
 from ._chat import ChatTemplate
 from ._config import EnvConfig, StopReason
+from ._deadlines import Deadlines
 from ._episode import Codec, Episode, _AbortedEpisodeError
 from ._stats import EpisodeStats
 
@@ -37,7 +38,7 @@ EnvFn = Callable[[Episode, Mapping[str, Any]], Awaitable[float]]
 #: ``fn(record, completion) -> float``, plain or async.
 RecordRewardFn = Callable[[Mapping[str, Any], str], float | Awaitable[float]]
 
-_NO_DEADLINE = contextlib.nullcontext()
+_NO_DEADLINE: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 #: The key of ``Sample.metadata`` holding an episode's summary: ``turns``, ``stop`` (its stop
 #: reason) and ``spans`` (``[start, end, policy version]`` of each turn in the completion, so
@@ -140,21 +141,51 @@ class EpisodeRunner:
     log_first: int = 3
     _prefix: str = attrs.field(init=False, factory=lambda: uuid.uuid4().hex[:12])
     _logged: int = attrs.field(init=False, default=0)
+    #: while open: the deadline server of its episodes and tool calls, and what closes it
+    _deadlines: Deadlines | None = attrs.field(init=False, default=None)
+    _serving: contextlib.AsyncExitStack | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.max_len < 1:
             raise EnvConfigError(f"EpisodeRunner.max_len must be >= 1, got {self.max_len}")
+
+    async def __aenter__(self) -> EpisodeRunner:
+        """Start the task that serves the deadlines of every episode and tool call (a dict
+        insert and delete each, instead of an entry in trio's deadline heap that outlives the
+        scope: see ``envs/_deadlines.py``). Unopened, the runner works the same, each scope
+        with a deadline of its own."""
+        if self._serving is not None:
+            raise EnvConfigError("EpisodeRunner: already open (one `async with` at a time)")
+        stack = contextlib.AsyncExitStack()
+        # a failure of the block comes out as itself, not in the nursery's exception group
+        stack.enter_context(collapse_single())
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        deadlines = Deadlines()
+        stack.callback(nursery.cancel_scope.cancel)  # the server runs until the runner closes
+        await nursery.start(deadlines.serve, name="trio_rl.envs.deadlines")
+        self._serving, self._deadlines = stack, deadlines
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """Stop the deadline server (cancelled; it holds nothing). An episode still playing
+        then keeps its deadlines in trio's own heap, as an unopened runner's do."""
+        stack = self._serving
+        self._serving, self._deadlines = None, None
+        if stack is not None:
+            await stack.aclose()
 
     async def __call__(self, sample: Sample) -> None:
         episode = self._episode(sample)
         timeout = self.config.episode_timeout
         # no deadline, no cancel scope: an unbounded one cost ~1.2 us a turn (5 us an episode)
         # in bench_episodes
-        scope = _NO_DEADLINE if timeout is None else trio.move_on_after(timeout)
+        deadline: contextlib.AbstractContextManager[trio.CancelScope | None] = (
+            _NO_DEADLINE if timeout is None else episode.cancel_after(timeout)
+        )
         reason: StopReason = "done"
         reward = 0.0
         drop = False  # the episode's tokens are not trained
-        with scope:
+        with deadline as scope:
             try:
                 # awaited here, not in a coroutine of its own: every coroutine between the
                 # task and the engine is resumed at each of the episode's waits (bench_episodes
@@ -185,7 +216,7 @@ class EpisodeRunner:
             else:
                 if episode.stop_reason is not None:  # the environment swallowed its stop
                     reason, reward = episode.stop_reason, episode.stop_reward
-        if isinstance(scope, trio.CancelScope) and scope.cancelled_caught:
+        if scope is not None and scope.cancelled_caught:
             reason, reward = "episode_timeout", 0.0
         self._finish(sample, episode, reason, reward)
         if drop:
@@ -208,6 +239,7 @@ class EpisodeRunner:
             limiter=self.limiter,
             chat=self.chat,
             stats=self.stats,
+            deadlines=self._deadlines,
             request_prefix=self._prefix,
         )
 

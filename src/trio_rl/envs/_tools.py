@@ -297,7 +297,7 @@ class ToolEnv:
         try:
             # a bare cancel scope, not trio.fail_after (a generator context manager): ~3 % of
             # an episode's CPU in bench_episodes; expiry is read from the scope below
-            with trio.move_on_after(timeout) as scope:
+            with episode.cancel_after(timeout) as scope:
                 if tool.is_async:
                     result = await fn(*call.args, **call.kwargs)
                 else:

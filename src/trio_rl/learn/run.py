@@ -269,7 +269,12 @@ async def _open_run(
             orch_config.seq_len,
             start.limiter,
         )
+        # the runner's task serves its episodes' deadlines while the orchestrator plays them
+        episodes_cm: contextlib.AbstractAsyncContextManager[object] = (
+            contextlib.nullcontext() if runner is None else runner
+        )
         async with (
+            episodes_cm,
             open_orchestrator(
                 engine,
                 InMemorySource(start.prompts, epochs=None),
