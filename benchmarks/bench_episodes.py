@@ -7,7 +7,10 @@ Part A (CPU). N episodes run concurrently, each a ``ToolEnv`` of ``turns`` polic
 ``tokens`` sampled tokens with an async tool call (its result observed) between two turns,
 played by ``EpisodeRunner`` (one ``ToolEnv`` shared by every episode, as a user's module-level
 environment is; its reward is async, so scoring costs no worker thread: the comparator scores
-nothing). Each turn's request carries the episode's whole prefix, as it must. The comparator
+nothing). The runner is opened, as the learning run opens it (its task serves every tool
+call's deadline, the default ``tool_timeout``); the episodes have no ``episode_timeout`` (the
+run's default, 600 s, nests every wait of an episode under one more cancel scope: about
+0.15x more at 10,000 episodes, docs/benchmarks.md). Each turn's request carries the episode's whole prefix, as it must. The comparator
 is the same number of engine requests and sampled tokens as single-turn samples
 (``engine_generate``): ``turns * N`` samples of ``tokens`` tokens. A second comparator, ``N``
 samples of ``turns * tokens`` tokens, is the same tokens in as many samples as episodes. The
