@@ -18,8 +18,7 @@ deadline is the first entry of one of the lanes.
 from __future__ import annotations
 
 import math
-from types import TracebackType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -39,14 +38,9 @@ class _Served:
         self.deadlines.arm(self.scope, self.seconds)
         return self.scope.__enter__()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
+    def __exit__(self, *exc_info: Any) -> bool:
         self.deadlines.disarm(self.scope, self.seconds)
-        return self.scope.__exit__(exc_type, exc, tb)
+        return self.scope.__exit__(*exc_info)
 
 
 @attrs.define(eq=False)
