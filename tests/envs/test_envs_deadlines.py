@@ -150,3 +150,20 @@ async def test_a_runner_opens_once_at_a_time() -> None:
         with pytest.raises(EnvConfigError, match="already open"):
             async with runner:
                 pass
+
+
+async def test_a_cancelled_block_closes_the_runner_and_its_server_with_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    runner = _runner()
+    with trio.move_on_after(5) as outer:
+        async with runner:
+            served = runner._deadlines
+            assert served is not None
+            assert served.serving
+            await trio.sleep_forever()
+    assert outer.cancelled_caught  # the outer scope's cancellation, caught where it belongs
+    assert trio.current_time() == 5
+    assert served is not None
+    assert not served.serving
+    assert runner._deadlines is None

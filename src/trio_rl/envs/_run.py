@@ -166,13 +166,16 @@ class EpisodeRunner:
         self._serving, self._deadlines = stack, deadlines
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, *exc_info: Any) -> bool:
         """Stop the deadline server (cancelled; it holds nothing). An episode still playing
-        then keeps its deadlines in trio's own heap, as an unopened runner's do."""
+        then keeps its deadlines in trio's own heap, as an unopened runner's do. A failure of
+        the block passes through the server's nursery (which a cancellation of its own ends
+        in) and comes out as itself."""
         stack = self._serving
         self._serving, self._deadlines = None, None
-        if stack is not None:
-            await stack.aclose()
+        if stack is None:
+            return False
+        return bool(await stack.__aexit__(*exc_info))
 
     async def __call__(self, sample: Sample) -> None:
         episode = self._episode(sample)
