@@ -257,6 +257,8 @@ class ToolEnv:
     async def __call__(self, episode: Episode, record: Mapping[str, Any]) -> float:
         box = self._toolbox(record)
         made: list[ToolCall] = []
+        # bounded: every pass is a policy turn, which max_turns (this env's or the run's) and
+        # the episode's token budget end; episode_timeout bounds it in time
         while True:
             if self.max_turns is not None and episode.turns >= self.max_turns:
                 episode.stop("max_turns")
